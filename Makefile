@@ -1,0 +1,37 @@
+# rnnserve developer commands. `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint gpu-test bench clean
+
+install: $(STAMP)
+
+# Reinstall only when the package metadata changes; torch is pinned so pip never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test]" "torch==$(TORCH_VERSION)"
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/rnnserve serve $(ARGS)
+
+test: install
+	$(PY) -m ruff check engine kernels server clients tests benchmarks
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check engine kernels server clients tests benchmarks
+
+# On a CUDA machine whose Python already has torch and triton: GPU tests plus GPU benchmarks.
+gpu-test:
+	$(PYTHON) -m pip install --quiet --no-deps -e . || true
+	$(PYTHON) -m pytest -q -m gpu tests
+	$(PYTHON) benchmarks/kernels.py
+	$(PYTHON) benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

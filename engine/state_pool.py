@@ -1,0 +1,112 @@
+"""Preallocated constant-size recurrent state, one slot per running sequence.
+
+Every state tensor of the model is allocated once as ``[num_slots + 1, *shape]``. The extra last row is
+a scratch slot that padded batch rows (CUDA-graph buckets) may read and write without touching a real
+sequence. Allocation is a free-list pop; nothing grows while requests run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.base import StateSpec
+
+
+class OutOfSlotsError(RuntimeError):
+    """Raised when more slots are requested than are free."""
+
+
+class StatePool:
+    """Owns the per-slot state tensors of one model."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int, device: torch.device | str = "cpu") -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate state names in spec: {names}")
+        self.specs = list(specs)
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.scratch_slot = num_slots
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._initial: dict[str, torch.Tensor] = {}
+        for spec in self.specs:
+            self.tensors[spec.name] = torch.empty((num_slots + 1, *spec.shape), dtype=spec.dtype, device=self.device)
+            init = spec.initial
+            if isinstance(init, torch.Tensor):
+                if tuple(init.shape) != spec.shape:
+                    raise ValueError(f"state {spec.name}: initial shape {tuple(init.shape)} != {spec.shape}")
+                self._initial[spec.name] = init.to(device=self.device, dtype=spec.dtype)
+            else:
+                self._initial[spec.name] = torch.full(spec.shape, float(init), dtype=spec.dtype, device=self.device)
+        self.reset(torch.arange(num_slots + 1))
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @classmethod
+    def from_budget(
+        cls,
+        specs: list[StateSpec],
+        *,
+        max_num_seqs: int | None = None,
+        state_memory: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> StatePool:
+        """Size the pool from ``max_num_seqs``, a state-memory budget in bytes, or the smaller of both."""
+        per_slot = sum(s.nbytes for s in specs)
+        candidates = []
+        if max_num_seqs is not None:
+            candidates.append(max_num_seqs)
+        if state_memory is not None:
+            if per_slot > state_memory:
+                raise ValueError(
+                    f"state memory budget {state_memory} B is below one slot ({per_slot} B per sequence)"
+                )
+            candidates.append(state_memory // max(per_slot, 1))
+        if not candidates:
+            raise ValueError("give max_num_seqs or state_memory")
+        return cls(specs, min(candidates), device)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the real slots (the scratch slot is not counted)."""
+        return self.bytes_per_slot * self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self, count: int = 1) -> list[int]:
+        """Take ``count`` free slots, each reset to the initial state."""
+        if count > len(self._free):
+            raise OutOfSlotsError(f"asked for {count} slots, {len(self._free)} free")
+        slots = [self._free.pop() for _ in range(count)]
+        self.reset(torch.tensor(slots, dtype=torch.long))
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        """Return slots to the pool. Freeing a slot that is already free is an error."""
+        for slot in slots:
+            if not 0 <= slot < self.num_slots or slot in self._free:
+                raise ValueError(f"slot {slot} is not allocated")
+            self._free.append(slot)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Write the initial state into ``slots``."""
+        slots = slots.to(self.device)
+        for name, tensor in self.tensors.items():
+            tensor[slots] = self._initial[name]
+
+    def copy(self, src: int, dst: list[int]) -> None:
+        """Fork: copy slot ``src``'s state into every slot of ``dst``."""
+        index = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for tensor in self.tensors.values():
+            tensor[index] = tensor[src]

@@ -1,0 +1,76 @@
+"""PyTorch references for the gated diagonal linear recurrence over packed variable-length batches.
+
+Inputs are packed ``[T, D]`` with ``cu_seqlens [B + 1]``; ``initial_state [B, D]`` (zeros when None).
+Both return ``(h [T, D], final_state [B, D])`` and accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _pad(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, fill: float) -> tuple[torch.Tensor, ...]:
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    batch = lengths.numel()
+    seq = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=x.shape[0])
+    pos = torch.arange(x.shape[0], device=x.device) - cu_seqlens[:-1][seq]
+    out = x.new_full((batch, max_len, *x.shape[1:]), fill)
+    out[seq, pos] = x
+    return out, seq, pos
+
+
+def diag_linear_scan_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential linear-space recurrence ``h_t = a_t * h_{t-1} + b_t`` (the ground truth)."""
+    batch = cu_seqlens.numel() - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    max_len = max(lengths) if lengths else 0
+    a_pad, seq, pos = _pad(a.float(), cu_seqlens, max_len, 1.0)
+    b_pad, _, _ = _pad(b.float(), cu_seqlens, max_len, 0.0)
+    h = a.new_zeros(batch, a.shape[1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(max_len):
+        h = a_pad[:, t] * h + b_pad[:, t]
+        outs.append(h)
+    if not outs:
+        return a.new_zeros(0, a.shape[1], dtype=torch.float32), h
+    return torch.stack(outs, 1)[seq, pos], h
+
+
+def diag_log_scan_ref(
+    log_a: torch.Tensor,
+    log_b: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-space recurrence for positive states: ``h_t = exp(log_a_t) h_{t-1} + exp(log_b_t)``.
+
+    Parallel (Heinsen) scan within chunks of ``chunk_size`` steps, the state carried between chunks so the
+    cumulative log-gate stays bounded. ``initial_state`` is the linear-space state (>= 0); it enters the
+    scan as ``log(h0)``. Padding uses the identity ``(log_a = 0, log_b = -inf)``.
+    """
+    batch = cu_seqlens.numel() - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    max_len = max(lengths) if lengths else 0
+    dim = log_a.shape[1]
+    la, seq, pos = _pad(log_a.float(), cu_seqlens, max_len, 0.0)
+    lb, _, _ = _pad(log_b.float(), cu_seqlens, max_len, float("-inf"))
+    h0 = log_a.new_zeros(batch, dim, dtype=torch.float32) if initial_state is None else initial_state.float()
+    log_h = torch.log(h0)
+    outs = []
+    zeros = la.new_zeros(batch, 1, dim)
+    for start in range(0, max_len, chunk_size):
+        a_star = torch.cat([zeros, torch.cumsum(la[:, start : start + chunk_size], dim=1)], dim=1)
+        terms = torch.cat([log_h[:, None], lb[:, start : start + chunk_size]], dim=1) - a_star
+        chunk = (a_star + torch.logcumsumexp(terms, dim=1))[:, 1:]
+        outs.append(chunk)
+        log_h = chunk[:, -1]
+    if not outs:
+        return log_a.new_zeros(0, dim, dtype=torch.float32), h0
+    h = torch.exp(torch.cat(outs, dim=1))
+    return h[seq, pos], torch.exp(log_h)
