@@ -157,3 +157,7 @@ def load_model(name: str, device: str | torch.device = "auto", dtype: str | torc
     if path.is_dir():
         return load_checkpoint(path, device, dtype)
     raise ModelLoadError(f"model {name!r} is not a directory, a random:<preset> or a registered name")
+
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+"""The embedded byte-level minGRU that ``rnnserve serve`` uses when no ``--model`` is given."""

@@ -109,4 +109,4 @@ class StatePool:
         """Fork: copy slot ``src``'s state into every slot of ``dst``."""
         index = torch.tensor(dst, dtype=torch.long, device=self.device)
         for tensor in self.tensors.values():
-            tensor[index] = tensor[src]
+            tensor[index] = tensor[src].clone()

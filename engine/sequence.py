@@ -1,0 +1,165 @@
+"""A request and its samples as the scheduler sees them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request: its slot, generated tokens, text and per-sample sampling state."""
+
+    def __init__(self, group: SequenceGroup, index: int, tokenizer: Tokenizer) -> None:
+        self.group = group
+        self.index = index
+        self.slot: int | None = None
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if group.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._emitted_text = 0
+        self._emitted_tokens = 0
+        self.generator: torch.Generator | None = None
+        self.token_counts: torch.Tensor | None = None
+        self.seen_mask: torch.Tensor | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1]
+
+    def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
+        """Create the seeded generator and penalty counters (constant size: one vocab-sized row)."""
+        params = self.params
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed + self.index)
+        if params.uses_penalties:
+            self.token_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self.seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            prompt = torch.tensor(self.group.prompt_token_ids, dtype=torch.long, device=device)
+            self.seen_mask[prompt.clamp(0, vocab_size - 1)] = True
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None, eos_token_id: int | None) -> None:
+        """Record a sampled token, update text and decide whether the sample is finished."""
+        params = self.params
+        self.output_token_ids.append(token_id)
+        if self.token_counts is not None and self.seen_mask is not None and token_id < self.token_counts.numel():
+            self.token_counts[token_id] += 1
+            self.seen_mask[token_id] = True
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob.logprob
+        is_eos = not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id
+        if is_eos or token_id in params.stop_token_ids:
+            self.text += self._detokenizer.flush()
+            self.finish_reason = "stop"
+            return
+        old_len = len(self.text)
+        self.text += self._detokenizer.push(token_id)
+        at_limit = len(self.output_token_ids) >= params.max_tokens
+        if at_limit:
+            self.text += self._detokenizer.flush()
+        if self._truncate_at_stop_string(old_len):
+            self.finish_reason = "stop"
+        elif at_limit:
+            self.finish_reason = "length"
+
+    def _truncate_at_stop_string(self, old_len: int) -> bool:
+        """Cut ``text`` before the first stop string that the new text completes (stop strings are not emitted)."""
+        if not self.params.stop:
+            return False
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, old_len - longest + 1)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def _stream_safe_len(self) -> int:
+        """Length of text that can be streamed: hold back a suffix that may be the start of a stop string."""
+        if self.finished or not self.params.stop:
+            return len(self.text)
+        hold = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return len(self.text) - hold
+
+    def take_output(self) -> CompletionOutput:
+        """Snapshot with the delta since the previous snapshot."""
+        safe = max(self._stream_safe_len(), self._emitted_text)
+        delta = self.text[self._emitted_text : safe]
+        self._emitted_text = safe
+        new_ids = self.output_token_ids[self._emitted_tokens :]
+        new_logprobs = self.logprobs[self._emitted_tokens :] if self.logprobs is not None else []
+        self._emitted_tokens = len(self.output_token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=self.text[:safe],
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+            text_delta=delta,
+            new_token_ids=new_ids,
+            new_logprobs=new_logprobs,
+        )
+
+
+@dataclass
+class SequenceGroup:
+    """A request: one prompt, ``n`` samples. The prompt is prefilled once into the first sample's slot and
+    forked into the others."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prefilled: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_prefilled >= len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.take_output() for s in self.seqs],
+            finished=self.finished,
+        )
