@@ -31,7 +31,8 @@ def diag_linear_scan_ref(
     max_len = max(lengths) if lengths else 0
     a_pad, seq, pos = _pad(a.float(), cu_seqlens, max_len, 1.0)
     b_pad, _, _ = _pad(b.float(), cu_seqlens, max_len, 0.0)
-    h = a.new_zeros(batch, a.shape[1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    zeros = a.new_zeros(batch, a.shape[1], dtype=torch.float32)
+    h = zeros if initial_state is None else initial_state.float()
     outs = []
     for t in range(max_len):
         h = a_pad[:, t] * h + b_pad[:, t]
@@ -74,3 +75,13 @@ def diag_log_scan_ref(
         return log_a.new_zeros(0, dim, dtype=torch.float32), h0
     h = torch.exp(torch.cat(outs, dim=1))
     return h[seq, pos], torch.exp(log_h)
+
+
+def diag_scan_step_ref(
+    a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, log_space: bool = False
+) -> torch.Tensor:
+    """One decode step ``h_new = a * h + b`` in fp32 (``a, b`` given as logs when ``log_space``)."""
+    a, b = a.float(), b.float()
+    if log_space:
+        a, b = torch.exp(a), torch.exp(b)
+    return a * h.float() + b
