@@ -1,5 +1,59 @@
-"""Causal depthwise conv1d with a per-slot state tail (prefill over packed batches, one-step update)."""
+"""Causal depthwise conv1d with a per-slot state tail (prefill over packed batches, one-step update).
 
+``naive.py`` is the PyTorch reference, ``chunked.py`` the Triton varlen prefill, ``fused_recurrent.py`` the
+Triton decode update that shifts the tail of each slot in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import use_triton
 from kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 
-__all__ = ["causal_conv1d_varlen_ref", "causal_conv1d_update_ref"]
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``x [T, C]``, ``weight [C, K]`` -> ``(y [T, C], final_state [B, C, K-1])``.
+
+    Each sequence continues from its ``initial_state [B, C, K-1]`` tail (zeros when ``None``).
+    """
+    if use_triton(x):
+        from kernels.causal_conv1d.chunked import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state)
+    return causal_conv1d_varlen_ref(x, weight, bias, cu_seqlens, initial_state)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step for ``x [B, C]``: returns ``y [B, C]`` and shifts ``x`` into ``conv_state[slot_ids]``.
+
+    ``conv_state`` is a pool ``[N, C, K-1]`` (a strided view such as ``pool[:, layer]`` is fine), updated in
+    place.
+    """
+    if use_triton(x):
+        from kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
+    y, new_state = causal_conv1d_update_ref(x, conv_state[slot_ids], weight, bias)
+    conv_state[slot_ids] = new_state.to(conv_state.dtype)
+    return y
+
+
+__all__ = [
+    "causal_conv1d_varlen",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen_ref",
+    "causal_conv1d_update_ref",
+]

@@ -1,0 +1,107 @@
+"""Triton varlen prefill for the causal depthwise conv1d with a state tail.
+
+A program computes ``BT`` packed tokens x ``BC`` channels. Each token's taps that reach before its sequence's
+start read the sequence's ``initial_state`` tail instead of the previous sequence. A second small kernel
+writes each sequence's final tail (its last ``K-1`` inputs, from the tail when the sequence is shorter).
+Accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, cu_seqlens_ptr, seq_idx_ptr, total, channels,
+    stride_h0_b, stride_h0_c,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT).to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_t = rows < total
+    mask_c = cols < channels
+    seq = tl.load(seq_idx_ptr + rows, mask=mask_t, other=0).to(tl.int64)
+    bos = tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0).to(tl.int64)
+    pos = rows - bos
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = pos - (K - 1) + j  # position of this tap's input within the sequence; < 0 reads the tail
+        w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
+        in_x = (mask_t & (src >= 0))[:, None] & mask_c[None, :]
+        x_ptrs = x_ptr + (bos + src)[:, None] * channels + cols[None, :]
+        tap = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
+        if HAS_H0:
+            in_tail = (mask_t & (src < 0))[:, None] & mask_c[None, :]
+            tail_ptrs = h0_ptr + seq[:, None] * stride_h0_b + cols[None, :] * stride_h0_c
+            tail_ptrs += (K - 1 + src)[:, None]
+            tap += tl.load(tail_ptrs, mask=in_tail, other=0.0).to(tl.float32)
+        acc += tap * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * channels + cols[None, :], acc, mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_final_state_kernel(
+    x_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_h0_b, stride_h0_c,
+    K: tl.constexpr, HAS_H0: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_c = cols < channels
+    bos = tl.load(cu_seqlens_ptr + i_b).to(tl.int64)
+    eos = tl.load(cu_seqlens_ptr + i_b + 1).to(tl.int64)
+    k = tl.arange(0, BK)
+    mask_k = k < K - 1
+    src = (eos - bos) - (K - 1) + k
+    in_x = mask_c[:, None] & (mask_k & (src >= 0))[None, :]
+    x_ptrs = x_ptr + (bos + src)[None, :] * channels + cols[:, None]
+    tail = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
+    if HAS_H0:
+        in_tail = mask_c[:, None] & (mask_k & (src < 0))[None, :]
+        tail_ptrs = h0_ptr + i_b * stride_h0_b + cols[:, None] * stride_h0_c + (K - 1 + src)[None, :]
+        tail += tl.load(tail_ptrs, mask=in_tail, other=0.0).to(tl.float32)
+    out_ptrs = ht_ptr + i_b * channels * (K - 1) + cols[:, None] * (K - 1) + k[None, :]
+    tl.store(out_ptrs, tail, mask=mask_c[:, None] & mask_k[None, :])
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, C]``, ``weight [C, K]``, ``initial_state [B, C, K-1]`` -> ``(y [T, C], final [B, C, K-1])``.
+
+    ``y`` has ``x``'s dtype, the final state is fp32.
+    """
+    total, channels = x.shape
+    width = weight.shape[1]
+    if width < 2:
+        raise ValueError("causal_conv1d needs a kernel width >= 2")
+    batch = cu_seqlens.numel() - 1
+    x, weight = x.contiguous(), weight.contiguous()
+    if initial_state is not None and initial_state.stride(-1) != 1:
+        initial_state = initial_state.contiguous()
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
+    y = torch.empty_like(x)
+    final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
+    h0 = initial_state if initial_state is not None else final_state
+    stride_b, stride_c = (h0.stride(0), h0.stride(1)) if initial_state is not None else (0, 0)
+    block_c = min(triton.next_power_of_2(channels), 64)
+    block_t = 32
+    _conv_varlen_kernel[(triton.cdiv(total, block_t), triton.cdiv(channels, block_c))](
+        x, weight, bias if bias is not None else weight, h0, y, cu_seqlens, seq_idx, total, channels,
+        stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
+        BT=block_t, BC=block_c,
+    )
+    _conv_final_state_kernel[(batch, triton.cdiv(channels, block_c))](
+        x, h0, final_state, cu_seqlens, channels, stride_b, stride_c,
+        K=width, HAS_H0=initial_state is not None, BC=block_c, BK=triton.next_power_of_2(width - 1),
+    )
+    return y, final_state

@@ -1,0 +1,47 @@
+"""Fused minGRU / minLSTM decode step (gate activations + recurrence + in-place state write).
+
+``naive.py`` holds the PyTorch reference and the gate formulas the models share; ``fused_recurrent.py`` the
+Triton kernel. Prefill uses the same gates in log space with :func:`kernels.diag_linear_scan.diag_log_scan`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import use_triton
+from kernels.min_rnn_step.naive import (
+    g,
+    log_g,
+    min_rnn_step_ref,
+    mingru_coefficients,
+    mingru_log_coefficients,
+    minlstm_coefficients,
+    minlstm_log_coefficients,
+)
+
+
+def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor, cell: str) -> torch.Tensor:
+    """Advance ``cell`` (``"mingru"``/``"minlstm"``) by one token for each row of ``proj [B, P * D]``.
+
+    ``state`` is a fp32 pool ``[N, D]`` (a strided view such as ``pool[:, layer]`` is fine); rows ``slot_ids``
+    are updated in place. Returns the new hidden state ``[B, D]`` in ``proj``'s dtype.
+    """
+    if use_triton(proj):
+        from kernels.min_rnn_step.fused_recurrent import min_rnn_step_triton
+
+        return min_rnn_step_triton(proj, state, slot_ids, cell)
+    h = min_rnn_step_ref(proj, state[slot_ids], cell)
+    state[slot_ids] = h
+    return h.to(proj.dtype)
+
+
+__all__ = [
+    "min_rnn_step",
+    "min_rnn_step_ref",
+    "g",
+    "log_g",
+    "mingru_coefficients",
+    "mingru_log_coefficients",
+    "minlstm_coefficients",
+    "minlstm_log_coefficients",
+]

@@ -1,0 +1,73 @@
+"""Triton varlen conv prefill and in-place slot update == the PyTorch reference (interpreter, small sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
+
+from kernels.causal_conv1d import (
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_ref,
+)
+
+CHANNELS = 20  # not a power of two: exercises the channel mask
+
+
+def _params(width: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight, bias = torch.randn(CHANNELS, width, generator=gen), torch.randn(CHANNELS, generator=gen)
+    return weight.to(dtype), bias.to(dtype)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_varlen_matches_reference(triton_on_cpu, dtype, width, with_state):
+    gen = torch.Generator().manual_seed(1)
+    cu = cu_seqlens_of(LENGTHS)
+    x = torch.randn(sum(LENGTHS), CHANNELS, generator=gen).to(dtype)
+    weight, bias = _params(width, dtype)
+    h0 = torch.randn(len(LENGTHS), CHANNELS, width - 1, generator=gen) if with_state else None
+    y, final = causal_conv1d_varlen(x, weight, bias, cu, h0)
+    y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, bias, cu, h0)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, **_tolerance(dtype))
+    torch.testing.assert_close(final, final_ref.float(), **_tolerance(dtype))
+
+
+def test_varlen_reads_a_strided_initial_state_without_bias(triton_on_cpu):
+    """The model passes ``pool[slots, layer]`` views; a 1-token sequence's tail mixes state and input."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = [1, 2, 7]
+    cu = cu_seqlens_of(lengths)
+    x = torch.randn(sum(lengths), CHANNELS, generator=gen)
+    weight, _ = _params(4, torch.float32)
+    pool = torch.randn(len(lengths), 2, CHANNELS, 3, generator=gen)
+    y, final = causal_conv1d_varlen(x, weight, None, cu, pool[:, 1])
+    y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, None, cu, pool[:, 1])
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(final, final_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_update_shifts_slots_in_place(triton_on_cpu, dtype, width):
+    gen = torch.Generator().manual_seed(3)
+    batch, num_slots, layers, layer = 5, 9, 2, 1
+    x = torch.randn(batch, CHANNELS, generator=gen).to(dtype)
+    weight, bias = _params(width, dtype)
+    pool = torch.randn(num_slots, layers, CHANNELS, width - 1, generator=gen)
+    expected_pool = pool.clone()
+    slots = slot_ids_for(batch, num_slots)
+    y = causal_conv1d_update(x, pool[:, layer], weight, bias, slots)
+    y_ref, new_state = causal_conv1d_update_ref(x, expected_pool[slots, layer], weight, bias)
+    expected_pool[slots, layer] = new_state.float()
+    torch.testing.assert_close(y, y_ref, **_tolerance(dtype))
+    torch.testing.assert_close(pool, expected_pool, **_tolerance(dtype))
