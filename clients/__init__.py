@@ -1,0 +1,21 @@
+"""Python clients for rnnserve or any OpenAI-compatible server, and the `rnnserve bench` load generator."""
+
+from clients.client import (
+    APIError,
+    AsyncClient,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Client,
+    Completion,
+    Usage,
+)
+
+__all__ = [
+    "APIError",
+    "AsyncClient",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "Client",
+    "Completion",
+    "Usage",
+]

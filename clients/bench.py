@@ -1,0 +1,357 @@
+"""Load generator for any OpenAI-compatible server (rnnserve, vLLM, ...): ``rnnserve bench``.
+
+Sends ``--num-prompts`` streaming ``/v1/completions`` requests of about ``--input-len`` prompt tokens that
+each generate ``--output-len`` tokens (``ignore_eos``), either ``--concurrency`` at a time or arriving as a
+Poisson process at ``--request-rate`` per second, and reports request throughput, output tokens/s, time to
+first token (TTFT) and inter-token latency (ITL: time between streamed chunks, which carry one token each
+on rnnserve and vLLM). Prompts are random common words; when the server has ``/tokenize`` (rnnserve and
+vLLM do) the number of words is calibrated so prompts have about ``--input-len`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part over new sound take only little work know place year live me back give most very "
+    "after thing our just name good sentence man think say great where help through much before line right "
+    "too mean old any same tell boy follow came want show also around form three small set put end does "
+    "another well large must big even such because turn here why ask went men read need land different home "
+    "us move try kind hand picture again change off play spell air away animal house point page letter mother"
+).split()
+
+
+@dataclass
+class BenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    num_prompts: int = 100
+    concurrency: int | None = None
+    request_rate: float | None = None
+    input_len: int = 128
+    output_len: int = 128
+    api_key: str | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    timeout: float = 600.0
+    progress: bool = True
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """mean/p50/p90/p99 (in ms for seconds with the default scale); None when there are no values."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))] * scale
+
+    return {"mean": statistics.fmean(values) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 30) -> None:
+        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
+        self.start = time.perf_counter()
+
+    def advance(self) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = self.width * self.done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.start
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s"
+        )
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
+    if model:
+        return model
+    response = await http.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def tokens_per_word(http: httpx.AsyncClient, model: str) -> float:
+    """Measure the server's tokenizer on a sample of words; 1.0 if it has no /tokenize."""
+    sample = " ".join(WORDS[:100])
+    try:
+        response = await http.post("/tokenize", json={"model": model, "prompt": sample})
+        if response.status_code == 200:
+            return max(len(response.json()["tokens"]) / 100, 1e-3)
+    except httpx.HTTPError:
+        pass
+    return 1.0
+
+
+def make_prompts(config: BenchConfig, ratio: float) -> list[str]:
+    rng = random.Random(config.seed)
+    words = max(1, round(config.input_len / ratio))
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(config.num_prompts)]
+
+
+async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last: float | None = None
+    chunks = 0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    chunks += 1
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = result.ttft is not None
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def benchmark(config: BenchConfig) -> dict[str, Any]:
+    """Run the load test; returns every figure (latencies in ms)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency or config.num_prompts)
+    async with httpx.AsyncClient(
+        base_url=base_url(config.url), headers=headers, timeout=config.timeout, limits=limits
+    ) as http:
+        model = await resolve_model(http, config.model)
+        ratio = await tokens_per_word(http, model)
+        prompts = make_prompts(config, ratio)
+        gate = asyncio.Semaphore(config.concurrency or len(prompts) or 1)
+        progress = Progress(len(prompts), config.progress)
+        arrivals = random.Random(config.seed + 1)
+
+        async def run(prompt: str) -> RequestResult:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": config.output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if config.ignore_eos:
+                body["ignore_eos"] = True
+            async with gate:
+                result = await send_one(http, body)
+            progress.advance()
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(run(prompt)))
+            if config.request_rate:
+                await asyncio.sleep(arrivals.expovariate(config.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return report(config, model, results, duration)
+
+
+def report(config: BenchConfig, model: str, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [
+        (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1
+    ]
+    return {
+        "config": asdict(config) | {"api_key": bool(config.api_key)},
+        "model": model,
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0.0,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+        "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": summarize([x for r in ok for x in r.itl]),
+        "tpot_ms": summarize(tpot),
+        "e2e_latency_ms": summarize([r.latency for r in ok]),
+    }
+
+
+def format_report(figures: dict[str, Any]) -> str:
+    lines = [
+        f"{'model':<28}{figures['model']}",
+        f"{'successful requests':<28}{figures['completed']}",
+        f"{'failed requests':<28}{figures['failed']}",
+        f"{'duration (s)':<28}{figures['duration_s']:.2f}",
+        f"{'mean prompt tokens':<28}{figures['mean_prompt_tokens']:.1f}",
+        f"{'total output tokens':<28}{figures['total_output_tokens']}",
+        f"{'request throughput (req/s)':<28}{figures['request_throughput']:.2f}",
+        f"{'output throughput (tok/s)':<28}{figures['output_throughput']:.2f}",
+        f"{'total throughput (tok/s)':<28}{figures['total_token_throughput']:.2f}",
+    ]
+    for key, title in (
+        ("ttft_ms", "TTFT (ms)"),
+        ("itl_ms", "inter-token latency (ms)"),
+        ("tpot_ms", "time per output token (ms)"),
+        ("e2e_latency_ms", "e2e latency (ms)"),
+    ):
+        stats = "  ".join(f"{name} {'n/a' if v is None else f'{v:.2f}'}" for name, v in figures[key].items())
+        lines.append(f"{title:<28}{stats}")
+    lines += [f"error: {e}" for e in figures["errors"]]
+    return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server root, with or without /v1 (default: http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name to request (default: the server's first model)"
+    )
+    parser.add_argument(
+        "--num-prompts", type=positive_int, default=100, help="requests to send (default: 100)"
+    )
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        help="keep this many requests in flight (default: send all at once)",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=positive_float,
+        default=None,
+        metavar="R",
+        help="Poisson arrivals at R requests per second",
+    )
+    parser.add_argument(
+        "--input-len", type=positive_int, default=128, help="prompt tokens, about (default: 128)"
+    )
+    parser.add_argument(
+        "--output-len", type=positive_int, default=128, help="tokens to generate (default: 128)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("RNNSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $RNNSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times (default: 0)")
+    parser.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for servers that reject unknown fields)",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="also write every figure to this JSON file"
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        url=args.url,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        api_key=args.api_key,
+        seed=args.seed,
+        ignore_eos=not args.no_ignore_eos,
+        timeout=args.timeout,
+        progress=not args.no_progress,
+    )
+    try:
+        figures = asyncio.run(benchmark(config))
+    except httpx.HTTPError as err:
+        print(f"rnnserve bench: cannot reach {config.url}: {err}", file=sys.stderr)
+        return 1
+    print(format_report(figures))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0 if figures["failed"] == 0 else 1

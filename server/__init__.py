@@ -1,0 +1,1 @@
+"""rnnserve HTTP server: OpenAI-compatible API, Prometheus metrics and the ``rnnserve`` CLI."""

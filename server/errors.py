@@ -1,0 +1,63 @@
+"""OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        """The error as a server-sent event (for failures after a stream has started)."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if first["type"] == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] == "extra_forbidden":
+        return bad_request(
+            f"unrecognized request argument supplied: {'.'.join(loc)}", param=loc[0] if loc else None
+        )
+    if first["type"] == "missing":
+        return bad_request(f"missing required parameter: {'.'.join(loc)}", param=loc[0] if loc else None)
+    where = ".".join(loc) or "body"
+    return bad_request(
+        f"invalid value for {where}: {first['msg']}",
+        param=loc[0] if loc else None,
+        code="invalid_type" if "type" in first["type"] else "invalid_value",
+    )
