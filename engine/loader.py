@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.lsrl.builtins import load_builtin
 from engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -32,6 +33,9 @@ MODEL_SOURCES: dict[str, ModelSource] = {}
 def register_model_source(prefix: str, source: ModelSource) -> None:
     """Make ``<prefix>:<name>`` loadable by ``source(name, device, dtype)``."""
     MODEL_SOURCES[prefix] = source
+
+
+register_model_source("lsrl", load_builtin)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -88,7 +92,13 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     except (TypeError, ValueError) as err:
         raise ModelLoadError(f"{config_path}: {err}") from err
     load_safetensors_into(model, path)
-    tokenizer: Tokenizer = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").exists() else ByteTokenizer()
+    tokenizer: Tokenizer
+    if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
+        tokenizer = CharTokenizer(config["alphabet"])
+    elif (path / "tokenizer.json").exists():
+        tokenizer = HFTokenizer(path / "tokenizer.json")
+    else:
+        tokenizer = ByteTokenizer()
     if dtype is None:
         dtype = next(model.parameters()).dtype
     return _finish(model, device, dtype), tokenizer
@@ -121,7 +131,8 @@ def load_safetensors_into(model: torch.nn.Module, path: Path) -> None:
                 f"{path}: weight {key} has shape {tuple(tensor.shape)}, config expects {tuple(expected[key].shape)}"
             )
     model.load_state_dict(weights, strict=False)
-    model.to(dtype=next(iter(weights.values())).dtype if weights else None)
+    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
+    model.to(dtype=float_dtypes[0] if float_dtypes else None)
 
 
 def _is_tied_alias(model: torch.nn.Module, key: str) -> bool:

@@ -1,0 +1,259 @@
+"""Compiled LSRL programs served as recurrent language models (``architecture: "lsrl"``).
+
+The model is the compiled path: an ordered list of layers (sparse ``linear``, ``relu``, ``multi`` and
+``linstate``), see :mod:`engine.lsrl.compiler`. Tokens enter through an embedding table (``E[v] = v`` for
+scalar programs) and the scalar program output ``y`` is scored by ``logits_v = 2 v y - v^2`` (see
+:mod:`engine.lsrl.tokens`).
+
+State: for every ``linstate`` layer, only the state dimensions its ``A`` reads at the next token (non-zero
+columns) are kept, concatenated into one ``state`` vector per slot and initialised from ``s0``.
+
+Numerics: weights, activations, state and logits are in the model dtype: fp64 by default (exact for the
+built-ins), fp32 on request. Folding multiplies step gains, so compiled programs can fail in fp32
+(``tests/lsrl/test_fp32.py`` records which built-ins stay exact). Logits are returned in the model dtype so
+that the nearest-integer choice is made from fp64 scores; the sampler may cast them to fp32, which is
+exact as long as ``y`` is not within about 1e-5 of a half-integer.
+
+Checkpoint: ``config.json`` carries the op list with every op's shapes and non-zero counts; the safetensors
+file holds ``embedding``, ``token_values`` (NaN: never generated) and per layer ``bias``, ``init_state``
+and sparse matrices as ``<name>.indices`` (int64 ``[2, nnz]``, coalesced order) and ``<name>.values``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
+from engine.lsrl.tokens import TokenInterface
+from engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
+
+FLOAT = torch.float64
+
+
+@dataclass
+class LSRLConfig(ModelConfig):
+    vocab_size: int = 2
+    input_dim: int = 1
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    alphabet: list[str] | None = None
+
+
+class SparseMatrix(nn.Module):
+    """A fixed-pattern sparse ``[rows, cols]`` matrix: int64 COO ``indices`` and float ``values``."""
+
+    def __init__(self, rows: int, cols: int, nnz: int) -> None:
+        super().__init__()
+        self.shape = (rows, cols)
+        self.register_buffer("indices", torch.zeros(2, nnz, dtype=torch.long))
+        self.values = nn.Parameter(torch.zeros(nnz, dtype=FLOAT), requires_grad=False)
+
+    def load(self, matrix: torch.Tensor) -> None:
+        matrix = matrix.coalesce()
+        self.indices.copy_(matrix.indices())
+        self.values.copy_(matrix.values())
+
+    def matrix(self, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """The sparse tensor; with ``columns`` (sorted, covering every non-zero column) only those columns."""
+        indices, shape = self.indices, self.shape
+        if columns is not None:
+            indices = torch.stack([indices[0], torch.searchsorted(columns, indices[1])])
+            shape = (shape[0], columns.numel())
+        return torch.sparse_coo_tensor(indices, self.values, shape, is_coalesced=True, check_invariants=False)
+
+    def apply(self, x: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ M.T`` for ``x`` of shape ``[N, cols]``."""
+        if self.values.numel() == 0:
+            return x.new_zeros(x.shape[0], self.shape[0])
+        return torch.sparse.mm(self.matrix(columns), x.t()).t()
+
+
+class LinearLayer(nn.Module):
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.weight = SparseMatrix(spec["out_dim"], spec["in_dim"], spec["nnz"])
+        self.bias = nn.Parameter(torch.zeros(spec["out_dim"], dtype=FLOAT), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.apply(x) + self.bias
+
+
+class ReLULayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+class MultiLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[1] // 2
+        return x[:, :half] * x[:, half:]
+
+
+class LinStateLayer(nn.Module):
+    """``s_t = A s_{t-1} + B x_t + b``, scanned sequentially (``A`` may be any matrix: rotations, shifts)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        dim = spec["dim"]
+        self.A = SparseMatrix(dim, dim, spec["a_nnz"])
+        self.B = SparseMatrix(dim, spec["in_dim"], spec["b_nnz"])
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
+        self.init_state = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
+        self.persistent = list(spec["persistent"])
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` packed ``[T, in]``; ``state`` ``[B, len(persistent)]``. Returns outputs and final states."""
+        update = self.B.apply(x) + self.bias
+        if not self.persistent:
+            return update, state
+        keep = torch.tensor(self.persistent, dtype=torch.long, device=x.device)
+        a = self.A.matrix(keep)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        out = update.clone()
+        state = state.clone()
+        for t in range(int(lengths.max())):
+            active = torch.nonzero(lengths > t).reshape(-1)
+            rows = cu_seqlens[:-1][active] + t
+            s = update[rows] + torch.sparse.mm(a, state[active].t()).t()
+            out[rows] = s
+            state[active] = s[:, keep]
+        return out, state
+
+
+@register_model
+class LSRLModel(RecurrentLM):
+    """A compiled LSRL program with a token interface (see the module docstring)."""
+
+    architecture = "lsrl"
+    config_class = LSRLConfig
+
+    def __init__(self, config: LSRLConfig) -> None:
+        super().__init__(config)
+        self.embedding = nn.Parameter(
+            torch.zeros(config.vocab_size, config.input_dim, dtype=FLOAT), requires_grad=False
+        )
+        self.token_values = nn.Parameter(torch.zeros(config.vocab_size, dtype=FLOAT), requires_grad=False)
+        layers: list[nn.Module] = []
+        width = config.input_dim
+        for spec in config.ops:
+            kind = spec.get("type")
+            if kind == "linear":
+                layers.append(LinearLayer(spec))
+            elif kind == "relu":
+                layers.append(ReLULayer())
+            elif kind == "multi":
+                layers.append(MultiLayer())
+            elif kind == "linstate":
+                layers.append(LinStateLayer(spec))
+            else:
+                raise ValueError(f"unknown LSRL op type {kind!r}")
+            if spec["in_dim"] != width:
+                raise ValueError(
+                    f"LSRL op {len(layers) - 1} ({kind}) takes {spec['in_dim']} inputs, gets {width}"
+                )
+            width = spec["out_dim"]
+        if width != 1:
+            raise ValueError(
+                f"a served LSRL program must output one number per token, this one outputs {width}"
+            )
+        self.layers = nn.ModuleList(layers)
+
+    @classmethod
+    def from_path(cls, path: Path, tokens: TokenInterface) -> LSRLModel:
+        """Build the model of a compiled program with the given token interface (weights in fp64)."""
+        if path.input_dim != tokens.input_dim:
+            raise ValueError(
+                f"program input has {path.input_dim} dimensions, token embedding {tokens.input_dim}"
+            )
+        specs: list[dict[str, Any]] = []
+        for op in path.ops:
+            spec: dict[str, Any] = {"in_dim": op.in_dim, "out_dim": op.out_dim}
+            if isinstance(op, LinOp):
+                spec.update(type="linear", nnz=op.weight._nnz())
+            elif isinstance(op, ReLUOp):
+                spec.update(type="relu")
+            elif isinstance(op, MultiOp):
+                spec.update(type="multi")
+            else:
+                spec.update(
+                    type="linstate",
+                    dim=op.out_dim,
+                    a_nnz=op.A._nnz(),
+                    b_nnz=op.B._nnz(),
+                    persistent=op.persistent.tolist(),
+                )
+            specs.append(spec)
+        config = LSRLConfig(
+            vocab_size=len(tokens.alphabet),
+            input_dim=path.input_dim,
+            ops=specs,
+            alphabet=list(tokens.alphabet),
+        )
+        model = cls(config)
+        with torch.no_grad():
+            model.embedding.copy_(tokens.embedding)
+            model.token_values.copy_(tokens.values)
+            for layer, op in zip(model.layers, path.ops, strict=True):
+                if isinstance(op, LinOp):
+                    layer.weight.load(op.weight)
+                    layer.bias.copy_(op.bias)
+                elif isinstance(op, LinStateOp):
+                    layer.A.load(op.A)
+                    layer.B.load(op.B)
+                    layer.bias.copy_(op.bias)
+                    layer.init_state.copy_(op.init_state)
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.dtype
+
+    def state_spec(self) -> list[StateSpec]:
+        initial = [layer.init_state.detach()[layer.persistent] for layer in self._linstates()]
+        init = torch.cat(initial) if initial else torch.zeros(0, dtype=self.dtype)
+        return [StateSpec("state", (init.numel(),), self.dtype, init.cpu())]
+
+    def _linstates(self) -> list[LinStateLayer]:
+        return [layer for layer in self.layers if isinstance(layer, LinStateLayer)]
+
+    def run_vectors(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Program outputs ``[T, 1]`` for packed input vectors ``x`` ``[T, input_dim]``, and final states."""
+        finals, offset = [], 0
+        for layer in self.layers:
+            if isinstance(layer, LinStateLayer):
+                size = len(layer.persistent)
+                x, final = layer(x, cu_seqlens, state[:, offset : offset + size])
+                finals.append(final)
+                offset += size
+            else:
+                x = layer(x)
+        return x, torch.cat(finals, dim=1) if finals else state
+
+    def initial_state(self, batch: int) -> torch.Tensor:
+        """``[batch, state_dim]`` fresh states (for running the model outside a state pool)."""
+        spec = self.state_spec()[0]
+        return spec.initial.to(self.embedding.device).expand(batch, -1).clone()
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """``2 v y - v^2`` for every token value ``v`` (``-inf`` for tokens without a value)."""
+        v = self.token_values
+        scores = 2.0 * v * y.reshape(-1, 1) - v * v
+        return scores.masked_fill(torch.isnan(v), float("-inf"))
+
+    def prefill(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        y, final = self.run_vectors(self.embedding[input_ids], cu_seqlens, state["state"][slot_ids])
+        state["state"][slot_ids] = final
+        return self.logits(y[cu_seqlens[1:] - 1])
+
+    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        cu_seqlens = torch.arange(input_ids.numel() + 1, device=input_ids.device)
+        return self.prefill(input_ids, cu_seqlens, slot_ids, state)
