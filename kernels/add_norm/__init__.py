@@ -1,0 +1,34 @@
+"""LayerNorm / RMSNorm fused with the residual add of a pre-norm block.
+
+``naive.py`` is the PyTorch reference, ``fused.py`` the Triton kernel (one program per row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.add_norm.naive import add_norm_ref
+from kernels.backend import use_triton
+
+
+def add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = residual + x`` (or ``x``); returns ``(norm(r) * weight + bias, r)`` in ``x``'s dtype.
+
+    LayerNorm over the last dimension, or RMSNorm when ``rms``. The second output is the new residual
+    stream, so consecutive blocks chain ``normed, stream = add_norm(delta, stream, ...)``.
+    """
+    if use_triton(x):
+        from kernels.add_norm.fused import add_norm_triton
+
+        return add_norm_triton(x, residual, weight, bias, eps, rms)
+    return add_norm_ref(x, residual, weight, bias, eps, rms)
+
+
+__all__ = ["add_norm", "add_norm_ref"]
