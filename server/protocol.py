@@ -17,7 +17,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(StrictModel):

@@ -1,0 +1,42 @@
+"""Run an app on a real socket in a background thread (tests, notebooks, embedding)::
+
+with serve_in_thread(create_app(ServerConfig(model="random:mingru-tiny"))) as url:
+    httpx.get(f"{url}/health")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+
+@contextmanager
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0
+) -> Iterator[str]:
+    """Serve ``app`` on ``host:port`` (0 = a free port) until the block exits; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="rnnserve-http", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()

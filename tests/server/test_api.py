@@ -1,0 +1,227 @@
+"""Every endpoint, streaming and not, in-process over random:mingru-tiny."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.tokenizer import ByteTokenizer
+from server.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from tests.server.conftest import TINY
+
+pytestmark = pytest.mark.timeout(60)
+
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+def events(body: str) -> list[dict | str]:
+    """Parse an SSE body into JSON events, keeping the final ``[DONE]`` marker as a string."""
+    out: list[dict | str] = []
+    for line in body.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def complete(client: TestClient, **body: object) -> dict:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_completion_non_streaming(client: TestClient) -> None:
+    body = complete(client, prompt="Hello", **GREEDY)
+    assert body["object"] == "text_completion" and body["model"] == TINY
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+
+
+def test_completion_streaming_matches_non_streaming(client: TestClient) -> None:
+    full = complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
+    response = client.post(
+        "/v1/completions",
+        json={"prompt": "Hello", "stream": True, **GREEDY, "stream_options": {"include_usage": True}},
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks = events(response.text)
+    assert chunks[-1] == "[DONE]"
+    *deltas, usage_chunk, _ = chunks
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in deltas)  # type: ignore[index]
+    assert "".join(c["choices"][0]["text"] for c in deltas) == full  # type: ignore[index]
+    assert deltas[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6  # type: ignore[index]
+
+
+def test_stream_without_usage_has_no_usage_field(client: TestClient) -> None:
+    chunks = events(client.post("/v1/completions", json={"prompt": "Hi", "stream": True, **GREEDY}).text)
+    assert chunks[-1] == "[DONE]" and all("usage" not in c for c in chunks[:-1])
+
+
+def test_prompt_forms_and_choice_indexes(client: TestClient) -> None:
+    text = complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
+    ids = list(b"Hello")
+    assert complete(client, prompt=ids, **GREEDY)["choices"][0]["text"] == text
+    body = complete(client, prompt=[ids, list(b"Hi")], n=2, **GREEDY)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["choices"][0]["text"] == body["choices"][1]["text"] == text
+    assert body["usage"]["prompt_tokens"] == 5 + 2 and body["usage"]["completion_tokens"] == 4 * 6
+    body = complete(client, prompt=["Hello", "Hi"], **GREEDY)
+    assert body["choices"][0]["text"] == text and len(body["choices"]) == 2
+
+
+def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -> None:
+    response = client.post(
+        "/v1/completions", json={"prompt": ["Hello", "Hi"], "n": 2, "stream": True, **GREEDY}
+    )
+    chunks = [c for c in events(response.text) if c != "[DONE]"]
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in chunks:
+        for choice in chunk["choices"]:  # type: ignore[index]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"]:
+                finished.add(choice["index"])
+    assert finished == {0, 1, 2, 3}
+    assert texts[0] == complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
+
+
+def test_seed_makes_sampling_reproducible(client: TestClient) -> None:
+    params = {"prompt": "abc", "temperature": 1.0, "max_tokens": 12, "seed": 7}
+    assert (
+        complete(client, **params)["choices"][0]["text"] == complete(client, **params)["choices"][0]["text"]
+    )
+
+
+def test_stop_string_truncates_and_reports_stop(client: TestClient) -> None:
+    text = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True)["choices"][0][
+        "text"
+    ]
+    stop = text[2:4]
+    choice = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])[
+        "choices"
+    ][0]
+    assert choice["text"] == text[: text.find(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_vllm_extras_are_accepted(client: TestClient) -> None:
+    first = complete(client, prompt="Hello", temperature=0, max_tokens=1)["choices"][0]["text"]
+    body = complete(client, prompt="Hello", temperature=0, max_tokens=8, stop_token_ids=[ord(first)])
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 1
+    body = complete(
+        client,
+        prompt="Hello",
+        max_tokens=5,
+        top_k=5,
+        min_p=0.01,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        top_p=0.9,
+        min_tokens=5,
+        ignore_eos=True,
+        seed=1,
+    )
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_completion_logprobs(client: TestClient) -> None:
+    choice = complete(client, prompt="Hello", logprobs=2, **GREEDY)["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert all(len(top) <= 2 for top in lp["top_logprobs"]) and all(x <= 0 for x in lp["token_logprobs"])
+    assert lp["text_offset"][0] == 0
+    streamed = events(
+        client.post("/v1/completions", json={"prompt": "Hello", "logprobs": 1, "stream": True, **GREEDY}).text
+    )
+    streamed_lps = [t for c in streamed[:-1] for t in c["choices"][0]["logprobs"]["token_logprobs"]]  # type: ignore[index]
+    assert streamed_lps == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+def test_echo_prepends_the_prompt(client: TestClient) -> None:
+    text = complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
+    assert complete(client, prompt="Hello", echo=True, **GREEDY)["choices"][0]["text"] == "Hello" + text
+    chunks = events(
+        client.post("/v1/completions", json={"prompt": "Hello", "echo": True, "stream": True, **GREEDY}).text
+    )
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello" + text  # type: ignore[index]
+
+
+def test_chat_non_streaming_and_streaming(client: TestClient) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    prompt = render_chat(ByteTokenizer(), messages)
+    assert body["usage"]["prompt_tokens"] == len(prompt.encode())
+    chunks = events(
+        client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "stream": True, **GREEDY, "stream_options": {"include_usage": True}},
+        ).text
+    )
+    assert chunks[-1] == "[DONE]"
+    deltas = [c for c in chunks[:-1] if c["choices"]]  # type: ignore[index]
+    assert all(c["object"] == "chat.completion.chunk" for c in deltas)  # type: ignore[index]
+    assert deltas[0]["choices"][0]["delta"]["role"] == "assistant"  # type: ignore[index]
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in deltas)  # type: ignore[index]
+    assert content == choice["message"]["content"]
+    assert chunks[-2]["usage"] == body["usage"]  # type: ignore[index]
+
+
+def test_chat_max_completion_tokens_logprobs_and_content_parts(client: TestClient) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
+    ]
+    body = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_completion_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).json()
+    assert body["usage"]["completion_tokens"] == 3
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and "bytes" in c for c in content)
+    plain = [{"role": "user", "content": "Hi there"}]
+    same = client.post(
+        "/v1/chat/completions", json={"messages": plain, "max_tokens": 3, "temperature": 0}
+    ).json()
+    assert same["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+
+
+def test_default_and_tokenizer_chat_templates() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    assert render_chat(ByteTokenizer(), messages) == "User: Hi\nAssistant:"
+    assert render_chat(ByteTokenizer(), messages, add_generation_prompt=False) == "User: Hi\n"
+    tokenizer = ByteTokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert render_chat(tokenizer, messages) == "<user>Hi"
+    assert DEFAULT_CHAT_TEMPLATE != tokenizer.chat_template
+
+
+def test_models_tokenize_detokenize_health(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]
+    assert client.get(f"/v1/models/{TINY}").json()["id"] == TINY
+    tokens = client.post("/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == list(b"User: Hi\nAssistant:")
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_model_name_may_be_given_or_omitted(client: TestClient) -> None:
+    assert complete(client, prompt="a", model=TINY, max_tokens=1)["model"] == TINY
+    assert complete(client, prompt="a", max_tokens=1)["model"] == TINY

@@ -1,0 +1,173 @@
+"""Each client mistake gets an OpenAI error body with the right status; engine failures never hang streams."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from tests.server.conftest import TINY, tiny_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "temperature": 101}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 5}, "n"),  # more samples than the server's 4 state slots
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["ok", ""]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [400]}, "prompt"),
+    ({"prompt": "y" * 65}, "prompt"),  # the fixture's max_prompt_tokens is 64
+    ({}, "prompt"),
+    ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_completion_parameters_are_400(
+    client: TestClient, body: dict, param: str, stream: bool
+) -> None:
+    if stream and param not in ("stream", "stream_options"):
+        body = {**body, "stream": True}
+    error = assert_error(client.post("/v1/completions", json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    ({"messages": [{"role": "user", "content": "y" * 80}]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=[p for _, p in BAD_CHATS])
+def test_invalid_chat_parameters_are_400(client: TestClient, body: dict, param: str) -> None:
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_malformed_bodies_are_400(client: TestClient) -> None:
+    assert_error(client.post("/v1/completions", content=b"{not json"), 400)
+    assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)
+    assert_error(
+        client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400, "temperature"
+    )
+    assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    assert_error(client.post("/detokenize", json={"tokens": [999]}), 400, "tokens")
+    assert_error(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/tokenize", {"prompt": "x"}),
+    ):
+        error = assert_error(client.post(path, json={**body, "model": "gpt-17"}), 404, "model")
+        assert error["code"] == "model_not_found"
+    assert_error(client.get("/v1/models/gpt-17"), 404)
+    assert_error(client.get("/no/such/route"), 404)
+
+
+def test_oversized_body_is_413(client: TestClient) -> None:
+    big = json.dumps({"prompt": "x" * 10_000}).encode()  # fixture limit: 8192 bytes
+    assert_error(client.post("/v1/completions", content=big), 413)
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    assert_error(client.post("/v1/completions", content=chunked()), 413)
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_api_key_is_required_when_set() -> None:
+    with TestClient(create_app(tiny_config(api_key="s3cret"))) as client:
+        body = {"prompt": "x", "max_tokens": 1}
+        assert_error(client.post("/v1/completions", json=body), 401)
+        assert_error(
+            client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+        )
+        assert_error(client.post("/v1/completions", json=body, headers={"Authorization": "s3cret"}), 401)
+        assert_error(client.get("/v1/models"), 401)
+        assert_error(client.post("/tokenize", json={"prompt": "x"}), 401)
+        assert_error(
+            client.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer no"}), 401
+        )
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == TINY
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_engine_failure_ends_the_stream_with_an_error_and_frees_slots() -> None:
+    app = create_app(tiny_config())
+    engine = app.state.engine.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    engine.step = failing_step
+    with TestClient(app) as client:
+        body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
+        lines = [line for line in client.post("/v1/completions", json=body).text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][len("data: ") :])["error"]
+        assert "device fell over" in error["message"]
+        assert engine.pool.num_used == 0
+        non_stream = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+        assert non_stream.status_code == 200 and non_stream.json()["usage"]["completion_tokens"] == 3
