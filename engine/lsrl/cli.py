@@ -1,0 +1,132 @@
+"""``rnnserve lsrl``: compile LSRL program files into checkpoints and run them.
+
+A program file is Python that defines ``build()``, returning the program's output node, and optionally:
+
+- ``ALPHABET``: token strings, token ``i`` is ``ALPHABET[i]`` (a string of characters or a list of
+  strings); default ``"0123456789"``.
+- ``EMBEDDING``: one input vector per token, for programs whose ``Input`` has several dimensions
+  (default ``E[v] = [v]``).
+- ``VALUES``: each token's output value (``None``: never generated); default ``v`` for token ``v``.
+
+The file is executed as ordinary Python: compile only programs you trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path as FilePath
+from types import ModuleType
+
+import torch
+
+from engine.lsrl.compiler import LinStateOp, Path, compile_program
+from engine.lsrl.interpreter import run_program
+from engine.lsrl.program import Node
+from engine.lsrl.tokens import TokenInterface
+from engine.models.lsrl import LSRLModel
+from engine.tokenizer import CharTokenizer
+
+DEFAULT_ALPHABET = "0123456789"
+
+
+class ProgramFileError(ValueError):
+    """A program file does not define what ``rnnserve lsrl`` needs."""
+
+
+def _import(path: FilePath) -> ModuleType:
+    if not path.is_file():
+        raise ProgramFileError(f"{path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"lsrl_program_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ProgramFileError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
+    """The output node built by a program file and its token interface (see the module docstring)."""
+    path = FilePath(path)
+    module = _import(path)
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise ProgramFileError(f"{path}: define build() returning the program's output node")
+    output = build()
+    if not isinstance(output, Node):
+        raise ProgramFileError(f"{path}: build() returned {type(output).__name__}, not an LSRL node")
+    alphabet = list(getattr(module, "ALPHABET", DEFAULT_ALPHABET))
+    embedding = getattr(module, "EMBEDDING", None)
+    values = getattr(module, "VALUES", None)
+    if embedding is None and values is None:
+        return output, TokenInterface.scalar(alphabet)
+    scalar = TokenInterface.scalar(alphabet)
+    return output, TokenInterface.table(
+        alphabet,
+        scalar.embedding.tolist() if embedding is None else embedding,
+        scalar.values.tolist() if values is None else values,
+    )
+
+
+def compile_file(program: str | FilePath, out_dir: str | FilePath) -> tuple[Path, LSRLModel]:
+    """Compile a program file and write it as an ``architecture: "lsrl"`` checkpoint to ``out_dir``."""
+    from engine.loader import save_checkpoint
+
+    output, tokens = load_program_file(program)
+    path = compile_program(output)
+    model = LSRLModel.from_path(path, tokens)
+    save_checkpoint(model, out_dir)
+    return path, model
+
+
+def _summary(path: Path, model: LSRLModel) -> str:
+    kinds = [type(op).__name__.removesuffix("Op") for op in path.ops]
+    layers = sum(isinstance(op, LinStateOp) for op in path.ops)
+    state = model.state_spec()[0].numel
+    return (
+        f"{len(path.ops)} ops ({', '.join(kinds)}), {layers} LinState layer(s), "
+        f"{path.num_parameters} stored numbers, {state} state numbers per sequence"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    output, tokens = load_program_file(args.program)
+    ids = CharTokenizer(tokens.alphabet).encode(args.text)
+    inputs = tokens.embedding[ids]
+    reference = run_program(output, inputs)
+    model = LSRLModel.from_path(compile_program(output), tokens).to(dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, len(ids)])
+    compiled, _ = model.run_vectors(inputs, cu_seqlens, model.initial_state(1))
+    print("token\tinterpreted\tcompiled")
+    for token, y_ref, y in zip(ids, reference.tolist(), compiled.tolist(), strict=True):
+        print(f"{tokens.alphabet[token]}\t{y_ref}\t{y}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rnnserve lsrl", description="Compile and run LSRL programs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    comp = sub.add_parser("compile", help="compile PROGRAM.py into a checkpoint directory")
+    comp.add_argument(
+        "program", help="Python file defining build() (and optionally ALPHABET/EMBEDDING/VALUES)"
+    )
+    comp.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
+    run = sub.add_parser("run", help="print per-token outputs of PROGRAM.py, interpreted and compiled")
+    run.add_argument("program", help="Python file defining build()")
+    run.add_argument("text", help="input text in the program's alphabet")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``rnnserve lsrl``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        path, model = compile_file(args.program, args.output)
+    except ValueError as err:  # includes ProgramFileError and invalid programs
+        print(f"rnnserve lsrl: {err}", file=sys.stderr)
+        return 1
+    print(f"compiled {args.program} -> {args.output}: {_summary(path, model)}")
+    return 0
