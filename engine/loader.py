@@ -1,8 +1,10 @@
-"""Model loading: ``random:<preset>``, registered name prefixes (e.g. ``lsrl:``) and checkpoint directories.
+"""Model loading: ``random:<preset>``, registered name prefixes (e.g. ``lsrl:``), checkpoint directories and
+Hugging Face repo ids found in the local HF cache.
 
 A checkpoint directory holds ``config.json`` (with ``architecture``), one or more ``*.safetensors`` files
-and, unless the model is byte-level, ``tokenizer.json``. Weights are read with safetensors only: pickle
-files (``*.bin``, ``*.pt``, ...) are never opened.
+and, unless the model is byte-level, ``tokenizer.json``. A Hugging Face checkpoint instead has ``model_type``
+in its config.json; the architecture whose ``hf_model_types`` lists it maps the config and weight names.
+Weights are read with safetensors only: pickle files (``*.bin``, ``*.pt``, ...) are never opened.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from engine.lsrl.builtins import load_builtin
 from engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
 from engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
@@ -81,10 +84,13 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     if not config_path.exists():
         raise ModelLoadError(f"{path}: no config.json")
     config = json.loads(config_path.read_text())
+    if "architecture" not in config and "model_type" in config:
+        return load_hf_checkpoint(path, config, device, dtype)
     architecture = config.get("architecture")
     if architecture not in MODEL_REGISTRY:
         raise ModelLoadError(
-            f"{config_path}: unknown architecture {architecture!r}; known: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"{config_path}: unknown architecture {architecture!r}; "
+            f"known: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     cls = MODEL_REGISTRY[architecture]
     try:
@@ -104,9 +110,66 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     return _finish(model, device, dtype), tokenizer
 
 
-def load_safetensors_into(model: torch.nn.Module, path: Path) -> None:
-    """Read every ``*.safetensors`` file in ``path`` into ``model``; errors name missing/extra/mis-shaped keys."""
-    files = sorted(path.glob("*.safetensors"))
+def hf_architecture(model_type: str) -> type[RecurrentLM]:
+    """The registered architecture that reads Hugging Face checkpoints of ``model_type``."""
+    for cls in MODEL_REGISTRY.values():
+        if model_type in getattr(cls, "hf_model_types", ()):
+            return cls
+    known = sorted(t for cls in MODEL_REGISTRY.values() for t in getattr(cls, "hf_model_types", ()))
+    raise ModelLoadError(f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(known)}")
+
+
+def hf_eos_token_id(path: Path, config: dict) -> int | None:
+    """The id ``transformers``' ``generate`` stops at: generation_config.json's eos, else config.json's (first
+    of a list)."""
+    generation_path = path / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: torch.dtype | None) -> Loaded:
+    """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
+    cls = hf_architecture(str(config["model_type"]))
+    try:
+        model = cls(cls.from_hf_config(config))  # type: ignore[attr-defined]
+    except (KeyError, TypeError, ValueError) as err:
+        message = f"{path / 'config.json'}: cannot map {config['model_type']} config: {err!r}"
+        raise ModelLoadError(message) from err
+    load_safetensors_into(model, path, rename=cls.hf_weight_name)  # type: ignore[attr-defined]
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
+    tokenizer = HFTokenizer(path / "tokenizer.json")
+    tokenizer.eos_token_id = hf_eos_token_id(path, config)
+    if dtype is None:
+        dtype = next(model.parameters()).dtype
+    return _finish(model, device, dtype), tokenizer
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The shards named by ``model.safetensors.index.json``, else every ``*.safetensors`` file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        absent = [n for n in names if not (path / n).exists()]
+        if absent:
+            raise ModelLoadError(f"{path}: shard {absent[0]} listed in {index.name} is missing")
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def load_safetensors_into(
+    model: torch.nn.Module, path: Path, rename: Callable[[str], str] | None = None
+) -> None:
+    """Read the ``*.safetensors`` weights in ``path`` into ``model``.
+
+    Errors name missing, unexpected and mis-shaped keys.
+
+    ``rename`` maps checkpoint keys to parameter names. A tied parameter may be stored under either name.
+    """
+    files = _safetensors_files(path)
     if not files:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -117,29 +180,33 @@ def load_safetensors_into(model: torch.nn.Module, path: Path) -> None:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        weights.update(load_file(str(file)))
+        for key, tensor in load_file(str(file)).items():
+            weights[rename(key) if rename else key] = tensor
     expected = model.state_dict()
-    missing = sorted(k for k in expected if k not in weights and not _is_tied_alias(model, k))
+    missing = sorted(k for k in expected if k not in weights and not _tied_and_present(model, k, weights))
     unexpected = sorted(k for k in weights if k not in expected)
     if missing:
         raise ModelLoadError(f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if unexpected:
-        raise ModelLoadError(f"{path}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        more = " ..." if len(unexpected) > 5 else ""
+        raise ModelLoadError(f"{path}: unexpected weights {unexpected[:5]}{more}")
     for key, tensor in weights.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise ModelLoadError(
-                f"{path}: weight {key} has shape {tuple(tensor.shape)}, config expects {tuple(expected[key].shape)}"
+                f"{path}: weight {key} has shape {tuple(tensor.shape)}, "
+                f"config expects {tuple(expected[key].shape)}"
             )
     model.load_state_dict(weights, strict=False)
     float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
     model.to(dtype=float_dtypes[0] if float_dtypes else None)
 
 
-def _is_tied_alias(model: torch.nn.Module, key: str) -> bool:
-    """True for a parameter that shares storage with another key (tied embeddings are saved once)."""
+def _tied_and_present(model: torch.nn.Module, key: str, weights: dict[str, torch.Tensor]) -> bool:
+    """True for a parameter shared with another name the checkpoint holds (tied weights are saved once)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    unique = dict(model.named_parameters())
-    return key in params and key not in unique
+    if key not in params:
+        return False
+    return any(other in weights for other, p in params.items() if p is params[key] and other != key)
 
 
 def save_checkpoint(model: RecurrentLM, path: str | Path, tokenizer_json: str | Path | None = None) -> None:
@@ -155,8 +222,11 @@ def save_checkpoint(model: RecurrentLM, path: str | Path, tokenizer_json: str | 
         (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
 
 
-def load_model(name: str, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None) -> Loaded:
-    """Resolve ``name`` (``random:<preset>``, ``<prefix>:<name>``, or a directory) to a model and tokenizer."""
+def load_model(
+    name: str, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+) -> Loaded:
+    """Resolve ``name`` (``random:<preset>``, ``<prefix>:<name>``, a directory or an HF repo id in the local
+    cache) to a model and tokenizer."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
     prefix, sep, rest = name.partition(":")
@@ -167,6 +237,11 @@ def load_model(name: str, device: str | torch.device = "auto", dtype: str | torc
     path = Path(name).expanduser()
     if path.is_dir():
         return load_checkpoint(path, device, dtype)
+    if looks_like_repo_id(name):
+        try:
+            return load_checkpoint(resolve_repo_id(name), device, dtype)
+        except HFCacheMiss as err:
+            raise ModelLoadError(str(err)) from err
     raise ModelLoadError(f"model {name!r} is not a directory, a random:<preset> or a registered name")
 
 

@@ -1,0 +1,45 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import InvalidParameterError
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("random:mingru-tiny", device="cpu", max_num_seqs=4)
+
+
+def test_generate_accepts_strings_and_token_ids_in_order(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    mixed = llm.generate(["first", [102, 105, 114, 115, 116], "third"], params)
+    assert [o.prompt for o in mixed] == ["first", None, "third"]
+    assert mixed[0].outputs[0].token_ids == mixed[1].outputs[0].token_ids  # same tokens as "first"
+    single = llm.generate("first", params)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == mixed[0].outputs[0].token_ids
+    ids_only = llm.generate([102, 105, 114, 115, 116], params)
+    assert ids_only[0].prompt_token_ids == [102, 105, 114, 115, 116]
+
+
+def test_more_prompts_than_slots(llm: LLM) -> None:
+    outs = llm.generate([f"prompt {i}" for i in range(10)], SamplingParams(temperature=0, max_tokens=4))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 10
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_per_prompt_params_and_outputs(llm: LLM) -> None:
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, logprobs=2), SamplingParams(max_tokens=5, n=2)])
+    assert len(outs[0].outputs[0].token_ids) == 2 and len(outs[0].outputs[0].logprobs) == 2
+    assert len(outs[1].outputs) == 2
+    with pytest.raises(ValueError):
+        llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_empty_or_out_of_vocab_prompt_is_rejected(llm: LLM) -> None:
+    with pytest.raises(InvalidParameterError, match="empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 100000]], SamplingParams())

@@ -1,0 +1,83 @@
+"""Checkpoint directories, random presets and the safetensors-only rule."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.loader import ModelLoadError, load_model, save_checkpoint
+from engine.state_pool import StatePool
+from tests.engine.conftest import tiny_model
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    pool = StatePool(model.state_spec(), 1)
+    return model.prefill(torch.tensor(ids), torch.tensor([0, len(ids)]), torch.tensor([0]), pool.tensors)
+
+
+def test_save_and_load_round_trip(tmp_path: Path, architecture: str) -> None:
+    model = tiny_model(architecture, seed=3)
+    save_checkpoint(model, tmp_path)
+    loaded, tokenizer = load_model(str(tmp_path), device="cpu")
+    assert loaded.architecture == architecture
+    assert json.loads((tmp_path / "config.json").read_text())["architecture"] == architecture
+    torch.testing.assert_close(_logits(loaded, [1, 2, 3, 4]), _logits(model, [1, 2, 3, 4]), atol=0, rtol=0)
+    assert tokenizer.eos_token_id == 256
+
+
+def test_pickle_only_directory_is_refused(tmp_path: Path) -> None:
+    save_checkpoint(tiny_model("mingru"), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"not": "loaded"}))
+    with pytest.raises(ModelLoadError, match="pickle") as err:
+        load_model(str(tmp_path), device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_missing_and_misshaped_weights_are_named(tmp_path: Path) -> None:
+    model = tiny_model("mingru")
+    save_checkpoint(model, tmp_path)
+    weights = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    dropped = dict(weights)
+    del dropped["layers.1.in_proj.weight"]
+    save_file(dropped, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing weights \['layers.1.in_proj.weight'\]"):
+        load_model(str(tmp_path), device="cpu")
+    weights["norm_f.weight"] = torch.zeros(5)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"norm_f.weight has shape \(5,\)"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_unknown_architecture_and_preset(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architecture": "nonsense"}')
+    with pytest.raises(ModelLoadError, match="unknown architecture 'nonsense'"):
+        load_model(str(tmp_path), device="cpu")
+    with pytest.raises(ModelLoadError, match="unknown preset"):
+        load_model("random:does-not-exist", device="cpu")
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "absent"), device="cpu")
+
+
+def test_random_presets_are_deterministic_and_honour_dtype() -> None:
+    a, _ = load_model("random:mingru-tiny", device="cpu")
+    b, _ = load_model("random:mingru-tiny", device="cpu", dtype="bfloat16")
+    assert next(b.parameters()).dtype == torch.bfloat16
+    torch.testing.assert_close(a.embed.weight.to(torch.bfloat16), b.embed.weight)
+
+
+def test_bf16_checkpoint_loads_as_bf16(tmp_path: Path) -> None:
+    save_checkpoint(tiny_model("minlstm").to(torch.bfloat16), tmp_path)
+    model, _ = load_model(str(tmp_path), device="cpu")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_auto_device_is_cpu_without_cuda() -> None:
+    model, _ = load_model("random:mingru-tiny", device="auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert next(model.parameters()).device.type == expected

@@ -1,0 +1,76 @@
+"""Tokenizers and streaming detokenization that never yields a broken character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, IncrementalDetokenizer
+
+TEXTS = ["plain ascii", "héllo wörld", "emoji 😀🎉 family 👨‍👩‍👧", "中文字符和日本語のテキスト", "mixed: a😀b中c"]
+
+
+def _stream(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_stream_never_emits_a_partial_character(text: str) -> None:
+    tokenizer = ByteTokenizer()
+    deltas = _stream(tokenizer, tokenizer.encode(text))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 1  # really incremental
+
+
+def test_invalid_bytes_are_replaced_not_held_forever() -> None:
+    deltas = _stream(ByteTokenizer(), [0xFF, *b"abcdefgh"])
+    assert "".join(deltas) == "\ufffdabcdefgh"
+
+
+def test_special_tokens_carry_no_text() -> None:
+    tok = ByteTokenizer()
+    assert tok.decode([*b"hi", tok.eos_token_id, 300]) == "hi"
+    assert tok.vocab_size == 257
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters() -> None:
+    tok = CharTokenizer([".", *"ABCDEFGHIJKLMNOPQRSTUVWXYZ"])
+    assert tok.encode("CAN.") == [3, 1, 14, 0]
+    assert tok.decode([20, 15]) == "TO"
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("cat")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXTS * 20 + ["the cat sat on the mat"] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    return path
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_hf_tokenizer_stream_matches_full_decode(hf_tokenizer_dir: Path, text: str) -> None:
+    tokenizer = HFTokenizer(hf_tokenizer_dir / "tokenizer.json")
+    ids = tokenizer.encode(text)
+    deltas = _stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_hf_tokenizer_reads_eos(hf_tokenizer_dir: Path) -> None:
+    tokenizer = HFTokenizer(hf_tokenizer_dir / "tokenizer.json")
+    assert tokenizer.eos_token_id == 0
+    assert tokenizer.decode([tokenizer.eos_token_id, *tokenizer.encode("cat")]) == "cat"
