@@ -1,0 +1,254 @@
+"""Mamba-1 and FalconMamba language models in the Hugging Face ``MambaForCausalLM`` layout.
+
+Block (pre-norm, residual)::
+
+    x, z  = in_proj(RMSNorm(h)).chunk(2)              # d_inner each
+    x     = silu(conv1d_causal(x))                     # depthwise, kernel d_conv; state: last d_conv-1 inputs
+    dt, B, C = x_proj(x).split(dt_rank, N, N)          # FalconMamba: weightless RMSNorm on dt, B and C
+    dt    = softplus(dt_proj(dt))                      # back to d_inner
+    y     = selective_scan(x, dt, A=-exp(A_log), B, C, D) * silu(z)    # state: [d_inner, N]
+    h     = h + out_proj(y)
+
+Parameter names equal the Hugging Face ones, so checkpoints load without renaming (except the legacy
+``backbone.embedding.`` prefix). Both states are kept in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.base import (
+    ModelConfig,
+    RecurrentLM,
+    StateSpec,
+    StateTensors,
+    register_model,
+    register_preset,
+)
+from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.selective_scan import selective_scan_chunked, selective_state_update
+
+
+@dataclass
+class MambaConfig(ModelConfig):
+    vocab_size: int = 50280
+    d_model: int = 768
+    n_layers: int = 24
+    d_inner: int = 1536
+    d_state: int = 16
+    d_conv: int = 4
+    dt_rank: int = 48
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    bcdt_rms_norm: bool = False
+    mixer_rms_eps: float = 1e-6
+    scan_chunk_size: int = 32
+
+
+def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
+    """``slot_ids`` as a ``slice`` when they are consecutive (pool rows are then views, updated in place).
+
+    Checked on CPU only: on an accelerator the comparison would synchronise the device.
+    """
+    n = slot_ids.numel()
+    if slot_ids.device.type != "cpu" or n == 0:
+        return slot_ids
+    first = int(slot_ids[0])
+    if torch.equal(slot_ids, torch.arange(first, first + n, dtype=slot_ids.dtype)):
+        return slice(first, first + n)
+    return slot_ids
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 (``weight`` None: the weightless variant)."""
+    x32 = x.float()
+    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if weight is None else weight * out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.in_proj = nn.Linear(c.d_model, 2 * c.d_inner, bias=c.use_bias)
+        self.conv1d = nn.Conv1d(c.d_inner, c.d_inner, c.d_conv, groups=c.d_inner, bias=c.use_conv_bias)
+        self.x_proj = nn.Linear(c.d_inner, c.dt_rank + 2 * c.d_state, bias=False)
+        self.dt_proj = nn.Linear(c.dt_rank, c.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(c.d_inner, c.d_state))
+        self.D = nn.Parameter(torch.empty(c.d_inner))
+        self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
+
+    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)`` with ``dt`` discretised."""
+        c = self.config
+        dt, B, C = self.x_proj(x).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+        if c.bcdt_rms_norm:
+            dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
+        dt = F.softplus((dt @ self.dt_proj.weight.t()).float() + self.dt_proj.bias.float())
+        return dt, -torch.exp(self.A_log.float()), B, C
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0, :]
+
+    def prefill(
+        self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, z = self.in_proj(h).chunk(2, dim=-1)
+        x, conv_state = causal_conv1d_varlen_ref(
+            x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state
+        )
+        x = F.silu(x)
+        dt, A, B, C = self._ssm_inputs(x)
+        y, ssm_state = selective_scan_chunked(
+            x, dt, A, B, C, cu_seqlens, self.D, z, ssm_state, chunk_size=self.config.scan_chunk_size
+        )
+        return self.out_proj(y.to(h.dtype)), conv_state, ssm_state
+
+    def decode(
+        self, h: torch.Tensor, slots: torch.Tensor | slice, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place."""
+        x, z = self.in_proj(h).chunk(2, dim=-1)
+        x, conv_state = causal_conv1d_update_ref(x, conv_pool[slots], self._conv_weight(), self.conv1d.bias)
+        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        x = F.silu(x)
+        dt, A, B, C = self._ssm_inputs(x)
+        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z)
+        return self.out_proj(y.to(h.dtype))
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mixer = MambaMixer(config)
+
+
+class MambaBackbone(nn.Module):
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(MambaBlock(config) for _ in range(config.n_layers))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+
+
+@register_model
+class MambaLM(RecurrentLM):
+    """Mamba-1 (``MambaForCausalLM``); with ``bcdt_rms_norm`` FalconMamba (``FalconMambaForCausalLM``)."""
+
+    architecture = "mamba"
+    config_class = MambaConfig
+    hf_model_types = ("mamba", "falcon_mamba")
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__(config)
+        self.backbone = MambaBackbone(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> MambaConfig:
+        """Map a Hugging Face ``mamba``/``falcon_mamba`` config.json to :class:`MambaConfig`."""
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Mamba uses silu)")
+        d_model = hf["hidden_size"]
+        dt_rank = hf.get("time_step_rank", "auto")
+        return MambaConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=d_model,
+            n_layers=hf["num_hidden_layers"],
+            d_inner=hf.get("intermediate_size") or int(hf.get("expand", 2) * d_model),
+            d_state=hf.get("state_size", 16),
+            d_conv=hf.get("conv_kernel", 4),
+            dt_rank=math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank),
+            use_bias=hf.get("use_bias", False),
+            use_conv_bias=hf.get("use_conv_bias", True),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+            bcdt_rms_norm=hf["model_type"] == "falcon_mamba",
+            mixer_rms_eps=hf.get("mixer_rms_eps", 1e-6),
+        )
+
+    @staticmethod
+    def hf_weight_name(name: str) -> str:
+        """Checkpoint key -> parameter name (older exports call the embedding ``backbone.embedding``)."""
+        return name.replace("backbone.embedding.", "backbone.embeddings.")
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Mamba's initialisation: S4D-real ``A``, ``D = 1``, ``dt`` log-uniform in [1e-3, 0.1]."""
+        super().init_weights(generator)
+        c = self.config
+        for block in self.backbone.layers:
+            mixer = block.mixer
+            a = torch.arange(1, c.d_state + 1, dtype=torch.float32).expand(c.d_inner, -1)
+            mixer.A_log.data.copy_(torch.log(a))
+            mixer.D.data.fill_(1.0)
+            nn.init.uniform_(mixer.dt_proj.weight, -(c.dt_rank**-0.5), c.dt_rank**-0.5, generator=generator)
+            dt = torch.exp(
+                torch.rand(c.d_inner, generator=generator) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+            )
+            mixer.dt_proj.bias.data.copy_(dt + torch.log(-torch.expm1(-dt)))
+            nn.init.normal_(mixer.conv1d.weight, std=c.d_conv**-0.5, generator=generator)
+            if mixer.conv1d.bias is not None:
+                nn.init.zeros_(mixer.conv1d.bias)
+        nn.init.normal_(self.backbone.embeddings.weight, std=0.02, generator=generator)
+
+    def state_spec(self) -> list[StateSpec]:
+        c = self.config
+        return [
+            StateSpec("conv", (c.n_layers, c.d_inner, c.d_conv - 1), torch.float32, 0.0),
+            StateSpec("ssm", (c.n_layers, c.d_inner, c.d_state), torch.float32, 0.0),
+        ]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.backbone.norm_f(h)).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        for i, block in enumerate(self.backbone.layers):
+            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
+            out, conv, ssm = block.mixer.prefill(
+                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
+            )
+            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
+            ssm_pool[slot_ids] = ssm
+            h = h + out
+        return self._logits(h[cu_seqlens[1:] - 1])
+
+    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        slots = slot_index(slot_ids)
+        for i, block in enumerate(self.backbone.layers):
+            h = h + block.mixer.decode(block.norm(h), slots, state["conv"][:, i], state["ssm"][:, i])
+        return self._logits(h)
+
+
+register_preset("mamba-tiny", "mamba", vocab_size=320, d_model=64, n_layers=2, d_inner=128, dt_rank=4)
+register_preset("mamba-130m", "mamba", d_model=768, n_layers=24, d_inner=1536, dt_rank=48)
+register_preset("mamba-370m", "mamba", d_model=1024, n_layers=48, d_inner=2048, dt_rank=64)
+register_preset("mamba-790m", "mamba", d_model=1536, n_layers=48, d_inner=3072, dt_rank=96)
+register_preset("mamba-1.4b", "mamba", d_model=2048, n_layers=48, d_inner=4096, dt_rank=128)
+register_preset("mamba-2.8b", "mamba", d_model=2560, n_layers=64, d_inner=5120, dt_rank=160, vocab_size=50280)
