@@ -75,9 +75,7 @@ def test_prompt_forms_and_choice_indexes(client: TestClient) -> None:
 
 
 def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -> None:
-    response = client.post(
-        "/v1/completions", json={"prompt": ["Hello", "Hi"], "n": 2, "stream": True, **GREEDY}
-    )
+    response = client.post("/v1/completions", json={"prompt": ["Hello", "Hi"], "n": 2, "stream": True, **GREEDY})
     chunks = [c for c in events(response.text) if c != "[DONE]"]
     texts: dict[int, str] = {}
     finished = set()
@@ -92,19 +90,13 @@ def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -
 
 def test_seed_makes_sampling_reproducible(client: TestClient) -> None:
     params = {"prompt": "abc", "temperature": 1.0, "max_tokens": 12, "seed": 7}
-    assert (
-        complete(client, **params)["choices"][0]["text"] == complete(client, **params)["choices"][0]["text"]
-    )
+    assert complete(client, **params)["choices"][0]["text"] == complete(client, **params)["choices"][0]["text"]
 
 
 def test_stop_string_truncates_and_reports_stop(client: TestClient) -> None:
-    text = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True)["choices"][0][
-        "text"
-    ]
+    text = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
     stop = text[2:4]
-    choice = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])[
-        "choices"
-    ][0]
+    choice = complete(client, prompt="Hello", temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])["choices"][0]
     assert choice["text"] == text[: text.find(stop)] and choice["finish_reason"] == "stop"
 
 
@@ -177,9 +169,7 @@ def test_chat_non_streaming_and_streaming(client: TestClient) -> None:
 
 
 def test_chat_max_completion_tokens_logprobs_and_content_parts(client: TestClient) -> None:
-    messages = [
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
-    ]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
     body = client.post(
         "/v1/chat/completions",
         json={
@@ -194,9 +184,7 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts(client: TestClien
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and "bytes" in c for c in content)
     plain = [{"role": "user", "content": "Hi there"}]
-    same = client.post(
-        "/v1/chat/completions", json={"messages": plain, "max_tokens": 3, "temperature": 0}
-    ).json()
+    same = client.post("/v1/chat/completions", json={"messages": plain, "max_tokens": 3, "temperature": 0}).json()
     assert same["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
 
 

@@ -64,9 +64,7 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_completion_parameters_are_400(
-    client: TestClient, body: dict, param: str, stream: bool
-) -> None:
+def test_invalid_completion_parameters_are_400(client: TestClient, body: dict, param: str, stream: bool) -> None:
     if stream and param not in ("stream", "stream_options"):
         body = {**body, "stream": True}
     error = assert_error(client.post("/v1/completions", json=body), 400, param)
@@ -98,9 +96,7 @@ def test_invalid_chat_parameters_are_400(client: TestClient, body: dict, param: 
 def test_malformed_bodies_are_400(client: TestClient) -> None:
     assert_error(client.post("/v1/completions", content=b"{not json"), 400)
     assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)
-    assert_error(
-        client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400, "temperature"
-    )
+    assert_error(client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400, "temperature")
     assert_error(client.post("/tokenize", json={}), 400, "prompt")
     assert_error(client.post("/detokenize", json={"tokens": [999]}), 400, "tokens")
     assert_error(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
@@ -134,15 +130,11 @@ def test_api_key_is_required_when_set() -> None:
     with TestClient(create_app(tiny_config(api_key="s3cret"))) as client:
         body = {"prompt": "x", "max_tokens": 1}
         assert_error(client.post("/v1/completions", json=body), 401)
-        assert_error(
-            client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
-        )
+        assert_error(client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
         assert_error(client.post("/v1/completions", json=body, headers={"Authorization": "s3cret"}), 401)
         assert_error(client.get("/v1/models"), 401)
         assert_error(client.post("/tokenize", json={"prompt": "x"}), 401)
-        assert_error(
-            client.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer no"}), 401
-        )
+        assert_error(client.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer no"}), 401)
         ok = {"Authorization": "Bearer s3cret"}
         assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == TINY
