@@ -23,9 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model, register_preset
-from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from kernels.diag_linear_scan import diag_log_scan_ref
+from engine.models.base import (
+    ModelConfig,
+    RecurrentLM,
+    StateSpec,
+    StateTensors,
+    register_model,
+    register_preset,
+)
+from kernels.add_norm import add_norm
+from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.diag_linear_scan import diag_log_scan
+from kernels.min_rnn_step import (
+    g,
+    log_g,
+    min_rnn_step,
+    mingru_coefficients,
+    mingru_log_coefficients,
+    minlstm_coefficients,
+    minlstm_log_coefficients,
+)
+
+__all__ = ["MinRNNConfig", "MinGRUCell", "MinLSTMCell", "MinRNNBlock", "MinGRULM", "MinLSTMLM", "g", "log_g"]
 
 
 @dataclass
@@ -45,56 +64,38 @@ class MinRNNConfig(ModelConfig):
         return self.expansion * self.d_model
 
 
-def g(x: torch.Tensor) -> torch.Tensor:
-    """The paper's positive candidate activation: ``x + 0.5`` for ``x >= 0`` else ``sigmoid(x)``."""
-    return torch.where(x >= 0, x + 0.5, torch.sigmoid(x))
-
-
-def log_g(x: torch.Tensor) -> torch.Tensor:
-    """``log(g(x))`` computed stably."""
-    return torch.where(x >= 0, torch.log(F.relu(x) + 0.5), -F.softplus(-x))
-
-
 class MinGRUCell(nn.Module):
     """minGRU: ``z = sigmoid(k)``, ``h_t = (1 - z) h_{t-1} + z g(h~)``."""
 
+    name = "mingru"
     num_projections = 2
-
-    @staticmethod
-    def log_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, candidate = proj.float().chunk(2, dim=-1)
-        return -F.softplus(k), -F.softplus(-k) + log_g(candidate)
-
-    @staticmethod
-    def coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, candidate = proj.float().chunk(2, dim=-1)
-        z = torch.sigmoid(k)
-        return 1.0 - z, z * g(candidate)
+    coefficients = staticmethod(mingru_coefficients)
+    log_coefficients = staticmethod(mingru_log_coefficients)
 
 
 class MinLSTMCell(nn.Module):
-    """minLSTM: normalised forget/input gates ``f' = f/(f+i)``, ``i' = i/(f+i)``; ``h_t = f' h + i' g(h~)``."""
+    """minLSTM: normalised gates ``f' = f/(f+i)``, ``i' = i/(f+i)``; ``h_t = f' h + i' g(h~)``."""
 
+    name = "minlstm"
     num_projections = 3
+    coefficients = staticmethod(minlstm_coefficients)
+    log_coefficients = staticmethod(minlstm_log_coefficients)
 
-    @staticmethod
-    def _gate_diff(f: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-        return F.softplus(-f) - F.softplus(-i)
 
-    @classmethod
-    def log_coefficients(cls, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        f, i, candidate = proj.float().chunk(3, dim=-1)
-        diff = cls._gate_diff(f, i)
-        return -F.softplus(diff), -F.softplus(-diff) + log_g(candidate)
-
-    @classmethod
-    def coefficients(cls, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        f, i, candidate = proj.float().chunk(3, dim=-1)
-        diff = cls._gate_diff(f, i)
-        return torch.sigmoid(-diff), torch.sigmoid(diff) * g(candidate)
+def _add_norm(
+    norm: nn.LayerNorm, delta: torch.Tensor, stream: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stream += delta`` then ``norm(stream)``, fused on CUDA: returns ``(normed, stream)``."""
+    return add_norm(delta, stream, norm.weight, norm.bias, norm.eps)
 
 
 class MinRNNBlock(nn.Module):
+    """One pre-norm block.
+
+    ``prefill``/``decode`` take and return the residual stream as ``(delta, stream)``: the block's output is
+    ``stream + delta``, the add being fused into the next norm (``stream`` is None before the first block).
+    """
+
     def __init__(self, config: MinRNNConfig, cell: type[MinGRUCell] | type[MinLSTMCell]) -> None:
         super().__init__()
         d, dh = config.d_model, config.d_hidden
@@ -109,26 +110,49 @@ class MinRNNBlock(nn.Module):
         self.mlp_out = nn.Linear(config.mlp_ratio * d, d)
         self.scan_chunk_size = config.scan_chunk_size
 
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.mlp_out(F.gelu(self.mlp_in(normed)))
+
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp_out(F.gelu(self.mlp_in(self.norm2(x))))
+        """Unfused ``x + MLP(norm2(x))`` on a dense residual stream (used by the training script)."""
+        return x + self.mlp(self.norm2(x))
+
+    def _mix_then_mlp(self, mixed: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, stream = _add_norm(self.norm2, self.out_proj(mixed), stream)
+        return self.mlp(normed), stream
 
     def prefill(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        u, conv_state = causal_conv1d_varlen_ref(self.norm1(x), self.conv_weight, self.conv_bias, cu_seqlens, conv_state)
+        self,
+        delta: torch.Tensor,
+        stream: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        conv_state: torch.Tensor,
+        h: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed tokens; ``conv_state [B, C, K-1]``, ``h [B, Dh]`` in, final states out (not in place)."""
+        normed, stream = _add_norm(self.norm1, delta, stream)
+        u, conv_state = causal_conv1d_varlen(normed, self.conv_weight, self.conv_bias, cu_seqlens, conv_state)
         log_a, log_b = self.cell.log_coefficients(self.in_proj(u))
-        hidden, h = diag_log_scan_ref(log_a, log_b, cu_seqlens, h, chunk_size=self.scan_chunk_size)
-        x = x + self.out_proj(hidden.to(x.dtype))
-        return self._mlp(x), conv_state, h
+        hidden, h = diag_log_scan(log_a, log_b, cu_seqlens, h, chunk_size=self.scan_chunk_size)
+        delta, stream = self._mix_then_mlp(hidden.to(stream.dtype), stream)
+        return delta, stream, conv_state, h
 
     def decode(
-        self, x: torch.Tensor, conv_state: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        u, conv_state = causal_conv1d_update_ref(self.norm1(x), conv_state, self.conv_weight, self.conv_bias)
-        a, b = self.cell.coefficients(self.in_proj(u))
-        h = a * h + b
-        x = x + self.out_proj(h.to(x.dtype))
-        return self._mlp(x), conv_state, h
+        self,
+        delta: torch.Tensor,
+        stream: torch.Tensor | None,
+        slot_ids: torch.Tensor,
+        conv_pool: torch.Tensor,
+        h_pool: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row; updates rows ``slot_ids`` of this layer's pool views in place.
+
+        ``conv_pool [N, C, K-1]`` and ``h_pool [N, Dh]`` are views such as ``state["h"][:, layer]``.
+        """
+        normed, stream = _add_norm(self.norm1, delta, stream)
+        u = causal_conv1d_update(normed, conv_pool, self.conv_weight, self.conv_bias, slot_ids)
+        hidden = min_rnn_step(self.in_proj(u), h_pool, slot_ids, self.cell.name)
+        return self._mix_then_mlp(hidden, stream)
 
 
 class MinRNNLM(RecurrentLM):
@@ -161,28 +185,29 @@ class MinRNNLM(RecurrentLM):
             StateSpec("h", (c.n_layers, c.d_hidden), torch.float32, 0.0),
         ]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm_f(x)).float()
+    def _logits(self, delta: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        normed, _ = _add_norm(self.norm_f, delta, stream)
+        return self.lm_head(normed).float()
 
     def prefill(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
         conv, h = state["conv"][slot_ids], state["h"][slot_ids]
-        x = self.embed(input_ids)
+        delta, stream = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            x, conv[:, i], h[:, i] = layer.prefill(x, cu_seqlens, conv[:, i], h[:, i])
+            delta, stream, conv[:, i], h[:, i] = layer.prefill(delta, stream, cu_seqlens, conv[:, i], h[:, i])
         state["conv"][slot_ids] = conv
         state["h"][slot_ids] = h
-        return self._logits(x[cu_seqlens[1:] - 1])
+        last = cu_seqlens[1:] - 1
+        return self._logits(delta[last], stream[last])
 
     def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        conv, h = state["conv"][slot_ids], state["h"][slot_ids]
-        x = self.embed(input_ids)
+        """Reads and writes each layer's state slots in place (fused kernels on CUDA); graph-capturable."""
+        conv_pool, h_pool = state["conv"], state["h"]
+        delta, stream = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            x, conv[:, i], h[:, i] = layer.decode(x, conv[:, i], h[:, i])
-        state["conv"][slot_ids] = conv
-        state["h"][slot_ids] = h
-        return self._logits(x)
+            delta, stream = layer.decode(delta, stream, slot_ids, conv_pool[:, i], h_pool[:, i])
+        return self._logits(delta, stream)
 
 
 @register_model
