@@ -1,0 +1,103 @@
+"""HF checkpoint loading: repo ids from the local cache only, and one-line errors for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.loader import ModelLoadError, load_model
+from tests.models_hf import hf_harness
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2)
+    return hf_harness.save_hf(transformers.MambaForCausalLM(config), tmp_path / "ckpt")
+
+
+def load_error(name: str | Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(name), device="cpu")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_weight(checkpoint: Path) -> None:
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    del weights["backbone.layers.1.mixer.A_log"]
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    assert "missing weights ['backbone.layers.1.mixer.A_log']" in load_error(checkpoint)
+
+
+def test_shape_mismatch(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["state_size"] = 8
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    message = load_error(checkpoint)
+    assert "backbone.layers.0.mixer.A_log has shape (32, 4), config expects (32, 8)" in message
+
+
+def test_unknown_model_type(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "llama"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    message = load_error(checkpoint)
+    assert "unsupported Hugging Face model_type 'llama'" in message and "mamba" in message
+
+
+def test_missing_shard(checkpoint: Path, tmp_path: Path) -> None:
+    reference = transformers.MambaForCausalLM.from_pretrained(checkpoint)
+    sharded = hf_harness.save_hf(reference, tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    assert f"shard {shards[-1].name} listed in model.safetensors.index.json is missing" in load_error(sharded)
+
+
+def _fake_cache(cache: Path, repo_id: str, snapshot_of: Path, commit: str = "0123abcd") -> None:
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    (snapshot_of).rename(repo / "snapshots" / commit)
+
+
+def test_repo_id_from_local_cache(checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "hf_home" / "hub"
+    _fake_cache(cache, "state-spaces/tiny-mamba", checkpoint)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load_model("state-spaces/tiny-mamba", device="cpu")
+    assert model.architecture == "mamba" and tokenizer.vocab_size == 64
+    message = load_error("state-spaces/tiny-mamba@v2")
+    assert "revision 'v2' is not in the local cache" in message and str(cache) in message
+
+
+def test_repo_id_absent_from_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    message = load_error("state-spaces/mamba-130m-hf")
+    expected = tmp_path / "hub" / "models--state-spaces--mamba-130m-hf"
+    assert (
+        f"'state-spaces/mamba-130m-hf' is not in the local Hugging Face cache: {expected} does not exist"
+        in message
+    )
+
+
+def test_engine_never_imports_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine, engine.loader, engine.models, engine.hf_cache, engine.llm; "
+        "assert 'transformers' not in sys.modules and 'huggingface_hub' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,65 @@
+"""Mamba-1 and FalconMamba checkpoints in Hugging Face format match ``transformers`` token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models_hf import hf_harness
+
+transformers = pytest.importorskip("transformers")
+
+CASES = {
+    "mamba-default": ("mamba", {}, {}),
+    "mamba-biases-untied-sharded": (
+        "mamba",
+        {
+            "use_bias": True,
+            "use_conv_bias": False,
+            "tie_word_embeddings": False,
+            "conv_kernel": 3,
+            "time_step_rank": 5,
+            "state_size": 4,
+            "expand": 3,
+        },
+        {"max_shard_size": "40KB"},
+    ),
+    "falcon-mamba": ("falcon_mamba", {"state_size": 6, "mixer_rms_eps": 1e-5}, {}),
+}
+
+
+def build(model_type: str, overrides: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = {"vocab_size": 96, "hidden_size": 32, "state_size": 8, "num_hidden_layers": 2, "expand": 2}
+    if model_type == "mamba":
+        return transformers.MambaForCausalLM(transformers.MambaConfig(**{**base, **overrides})).eval()
+    config = transformers.FalconMambaConfig(**{**base, **overrides})
+    return transformers.FalconMambaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers(case: str, tmp_path: Path) -> None:
+    model_type, overrides, save_kwargs = CASES[case]
+    reference = build(model_type, overrides)
+    path = hf_harness.save_hf(reference, tmp_path, **save_kwargs)
+    if save_kwargs:
+        assert (path / "model.safetensors.index.json").exists()
+    hf_harness.run_all(reference, path)
+
+
+def test_eos_from_generation_config(tmp_path: Path) -> None:
+    reference = build("mamba", {})
+    hf_harness.check_eos_agrees(reference, hf_harness.save_hf(reference, tmp_path))
+
+
+def test_state_is_conv_tail_and_ssm_state_in_fp32(tmp_path: Path) -> None:
+    from engine.loader import load_model
+
+    reference = build("mamba", {})
+    model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu", dtype="bfloat16")
+    specs = {s.name: s for s in model.state_spec()}
+    assert specs["conv"].shape == (2, 64, 3) and specs["ssm"].shape == (2, 64, 8)
+    assert all(s.dtype == torch.float32 for s in specs.values())
+    assert next(model.parameters()).dtype == torch.bfloat16
