@@ -22,7 +22,11 @@ class SampleResult:
 
 
 def _column(seqs: list[Sequence], attr: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor([getattr(s.params, attr) for s in seqs], dtype=dtype, device=device)
+    """A per-row parameter as a device tensor, copied without waiting for the device."""
+    values = torch.tensor([float(getattr(s.params, attr)) for s in seqs], dtype=dtype)
+    if device.type == "cuda":
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -30,7 +34,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.token_counts is not None]
     if not rows:
         return logits
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)
     sub = [seqs[i] for i in rows]
     counts = torch.stack([s.token_counts for s in sub])  # type: ignore[misc]
     seen = torch.stack([s.seen_mask for s in sub])  # type: ignore[misc]
@@ -66,12 +70,13 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device, dtype = logits.device, logits.dtype
     temperature = _column(seqs, "temperature", device, dtype).clamp_min(1e-5)[:, None]
     logits = logits / temperature
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs], device=device)
+    top_k = _column(seqs, "top_k", device, dtype)
+    top_k = torch.where(top_k > 0, top_k, logits.shape[1])
     top_p = _column(seqs, "top_p", device, dtype)
     min_p = _column(seqs, "min_p", device, dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=device)[None, :]
-    remove = ranks >= top_k[:, None].clamp(1, logits.shape[1])
+    remove = ranks >= top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Drop a token once the mass before it already reaches top_p; the first token always stays.
     remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
@@ -94,13 +99,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     """Sample one token per row of ``logits [N, V]`` (fp32) for the matching ``seqs``."""
     logits = apply_penalties(logits.float(), seqs)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(s.params.greedy for s in seqs):
         probs = torch.softmax(filter_logits(logits, seqs), dim=-1)
         cdf = probs.cumsum(dim=-1)
         u = draw_uniform(seqs, logits.device)[:, None] * cdf[:, -1:]
         drawn = torch.searchsorted(cdf, u).squeeze(1).clamp_max(logits.shape[1] - 1)
+        greedy = _column(seqs, "greedy", logits.device, torch.float32) > 0
         tokens = torch.where(greedy, tokens, drawn)
     token_list = tokens.tolist()
     return SampleResult(token_list, _logprobs(logits, seqs, tokens, token_list))
