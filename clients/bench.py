@@ -153,7 +153,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices:  # a streamed token (or the final chunk of an all-whitespace tail)
                     now = time.perf_counter()
                     chunks += 1
                     if last is None:
@@ -168,7 +168,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
     result.output_tokens = result.output_tokens or chunks
     result.ok = result.ttft is not None
     if not result.ok:
-        result.error = "no tokens streamed"
+        result.error = "the stream ended without any chunk"
     return result
 
 

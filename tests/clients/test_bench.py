@@ -1,0 +1,54 @@
+"""``rnnserve bench`` against a live server with tiny sizes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from clients.bench import BenchConfig, benchmark, summarize
+from server import cli
+from tests.server.conftest import API_KEY
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_summarize_percentiles() -> None:
+    stats = summarize([float(x) for x in range(1, 101)], scale=1.0)
+    assert stats == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert summarize([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_bench_with_concurrency(live_url: str) -> None:
+    config = BenchConfig(url=f"{live_url}/v1", num_prompts=4, concurrency=2, input_len=16, output_len=4,
+                         api_key=API_KEY, progress=False)  # fmt: skip
+    figures = asyncio.run(benchmark(config))
+    assert figures["completed"] == 4 and figures["failed"] == 0
+    assert figures["total_output_tokens"] == 16
+    assert 8 <= figures["mean_prompt_tokens"] <= 24  # words calibrated through /tokenize (byte-level here)
+    assert figures["request_throughput"] > 0 and figures["output_throughput"] > 0
+    assert all(figures["ttft_ms"][k] > 0 for k in ("mean", "p50", "p90", "p99"))
+    assert figures["itl_ms"]["p99"] >= figures["itl_ms"]["p50"] > 0
+
+
+def test_bench_cli_with_request_rate_writes_json(
+    live_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--url", live_url, "--num-prompts", "3", "--request-rate", "50", "--input-len", "8",
+            "--output-len", "3", "--api-key", API_KEY, "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed, progress = capsys.readouterr()
+    assert "output throughput (tok/s)" in printed and "TTFT (ms)" in printed and "3/3" in progress
+    figures = json.loads(out.read_text())
+    assert figures["completed"] == 3 and figures["total_output_tokens"] == 9
+    assert set(figures["itl_ms"]) == {"mean", "p50", "p90", "p99"}
+
+
+def test_bench_reports_failures(live_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--url", live_url, "--num-prompts", "2", "--output-len", "2", "--api-key", "wrong",
+            "--model", "x", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 1
+    assert "HTTP 401" in capsys.readouterr().out

@@ -1,0 +1,140 @@
+"""The ``rnnserve`` command: --help, generate, serve (startup line, SIGTERM drain), lsrl forwarding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from server import cli
+from tests.server.conftest import TINY
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_FLAGS = [
+    "--model", "--host", "--port", "--device", "--dtype", "--max-num-seqs", "--state-memory",
+    "--max-prompt-tokens", "--api-key", "--served-model-name", "--max-num-batched-tokens", "--max-waiting",
+    "--max-body-bytes", "--drain-timeout",
+]  # fmt: skip
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(["--help"], capsys)
+    assert code == 0 and all(c in out for c in ("serve", "generate", "bench", "lsrl"))
+    code, out, _ = run_main(["serve", "--help"], capsys)
+    assert code == 0 and [f for f in SERVE_FLAGS if f not in out] == []
+    code, out, _ = run_main(["generate", "--help"], capsys)
+    assert code == 0 and all(f in out for f in ("--model", "--max-tokens", "--temperature", "--seed", "PROMPT"))
+    code, out, _ = run_main(["bench", "--help"], capsys)
+    flags = ("--url", "--num-prompts", "--concurrency", "--request-rate", "--input-len", "--output-len", "--json")
+    assert code == 0 and all(f in out for f in flags)
+
+
+def test_bad_flag_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main(["serve", "--max-num-seqs", "0"], capsys)[0] == 2
+    assert run_main(["serve", "--state-memory", "lots"], capsys)[0] == 2
+    assert run_main(["bench", "--concurrency", "2", "--request-rate", "1"], capsys)[0] == 2
+
+
+def test_parse_bytes() -> None:
+    assert cli.parse_bytes("1024") == 1024
+    assert cli.parse_bytes("512M") == 512 * 2**20
+    assert cli.parse_bytes("1GiB") == 2**30
+    assert cli.parse_bytes("2GB") == 2 * 10**9
+
+
+def test_generate_streams_the_greedy_completion(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(["generate", "--model", TINY, "--max-tokens", "8", "--temperature", "0", "Hello"], capsys)
+    assert code == 0
+    [expected] = LLM(TINY, max_num_seqs=1).generate("Hello", SamplingParams(temperature=0, max_tokens=8))
+    assert out == expected.outputs[0].text + "\n"
+    assert "8 tokens" in err
+
+
+def test_generate_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(["generate", "--model", "random:no-such-preset", "x"], capsys)
+    assert code == 2 and "no-such-preset" in err
+    code, _, err = run_main(["generate", "--model", TINY, "--temperature", "-1", "x"], capsys)
+    assert code == 2 and "temperature" in err
+
+
+def test_serve_without_the_default_model_explains_itself(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "missing")
+    assert cli.main(["serve"]) == 1
+    assert "--model" in caplog.text
+
+
+def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("engine.lsrl.cli")
+    fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "engine.lsrl.cli", fake)
+    assert cli.main(["lsrl", "compile", "--help"]) == 7
+    assert seen == [["compile", "--help"]]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_logs_startup_and_drains_on_sigterm() -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", TINY, "--port", str(port),
+               "--max-num-seqs", "3", "--drain-timeout", "20"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("Uvicorn running" in line for line in log):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.1)
+        [startup] = [line for line in log if "serving model=" in line]
+        assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
+        assert "state_bytes_per_slot=" in startup
+        body = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        texts = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert texts[-1]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        reader.join(timeout=5)
