@@ -232,9 +232,11 @@ class AsyncEngine:
 
     def _fail_all(self, err: BaseException) -> None:
         deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
+        now = time.monotonic()
         for request_id, tracked in list(self._tracked.items()):
             self.engine.abort_request(request_id)
             self.metrics.request_success.labels(finished_reason="abort").inc()
+            self.metrics.e2e_request_latency.observe(now - tracked.arrival)
             deliveries.append((tracked.sink, err))
         self._tracked.clear()
         self._update_load()
