@@ -15,8 +15,7 @@ from engine.models.lsrl import LSRLModel
 
 def random_matrix(rng: random.Random, rows: int, cols: int, density: float = 0.6) -> torch.Tensor:
     values = [
-        [rng.gauss(0.0, 1.0) / cols**0.5 if rng.random() < density else 0.0 for _ in range(cols)]
-        for _ in range(rows)
+        [rng.gauss(0.0, 1.0) / cols**0.5 if rng.random() < density else 0.0 for _ in range(cols)] for _ in range(rows)
     ]
     return torch.tensor(values, dtype=torch.float64)
 
@@ -110,9 +109,7 @@ def test_compiled_equals_interpreted_on_200_random_programs() -> None:
         lengths = [rng.randint(1, 7), rng.randint(1, 7)]
         inputs = torch.randn(sum(lengths), path.input_dim, dtype=torch.float64, generator=generator)
         reference = torch.cat([run_program(program, seq) for seq in inputs.split(lengths)])
-        tokens = TokenInterface(
-            ("a", "b"), torch.zeros(2, path.input_dim, dtype=torch.float64), torch.zeros(2)
-        )
+        tokens = TokenInterface(("a", "b"), torch.zeros(2, path.input_dim, dtype=torch.float64), torch.zeros(2))
         model = LSRLModel.from_path(path, tokens)
         cu_seqlens = torch.tensor([0, lengths[0], sum(lengths)])
         compiled, _ = model.run_vectors(inputs, cu_seqlens, model.initial_state(2))

@@ -33,9 +33,7 @@ def run(output, inputs) -> torch.Tensor:
 def test_primitives() -> None:
     x = Input(2)
     lin = Lin(x, [[1.0, 2.0], [0.0, -1.0]], b=[0.5, 0.0])
-    state = LinState(
-        lin, A=[[0.0, 1.0], [1.0, 0.0]], B=[[1.0, 0.0], [0.0, 1.0]], b=[1.0, 0.0], init_state=[3.0, 4.0]
-    )
+    state = LinState(lin, A=[[0.0, 1.0], [1.0, 0.0]], B=[[1.0, 0.0], [0.0, 1.0]], b=[1.0, 0.0], init_state=[3.0, 4.0])
     out = Concat([ReLU(lin), state, Multi(Concat([x, lin]))])
     y = run(out, [[1.0, 2.0], [-1.0, 1.0]])
     # token 0: lin = (5.5, -2); state = swap(3, 4) + lin + (1, 0) = (10.5, 1); multi = (1*5.5, 2*-2)

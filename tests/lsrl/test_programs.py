@@ -1,0 +1,78 @@
+"""The paper's programs give their known answers, uncompiled (interpreter) and compiled (model)."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from engine.lsrl import compile_program, run_program
+from engine.lsrl.programs import approximator, dictionary, majority
+from engine.lsrl.tokens import TokenInterface
+from engine.models.lsrl import LSRLModel
+from tests.lsrl.conftest import (
+    APPROXIMATOR,
+    APPROXIMATOR_INPUTS,
+    CAN_OUTPUTS,
+    CELLS,
+    DICTIONARY_VALUES,
+    MAJORITY,
+    PAIRS,
+    letters,
+    model_outputs,
+)
+
+
+def exact(y: torch.Tensor, expected: list[int], tolerance: float = 1e-6) -> bool:
+    """Every output within ``tolerance`` of the expected integer (greedy decoding is then exact)."""
+    return bool(((y.reshape(-1) - torch.tensor(expected, dtype=y.dtype)).abs() < tolerance).all())
+
+
+@pytest.mark.parametrize(("text", "expected"), MAJORITY)
+def test_majority(builtin, text: str, expected: list[int]) -> None:
+    tokens = [float(c) for c in text]
+    assert exact(run_program(majority(), torch.tensor(tokens).reshape(-1, 1)), expected)
+    model, tokenizer = builtin["majority"]
+    assert exact(model_outputs(model, tokenizer.encode(text)), expected)
+
+
+def test_dictionary_interpreted() -> None:
+    program = dictionary(3)
+    y = run_program(program, torch.tensor(letters("CAN" + PAIRS), dtype=torch.float64).reshape(-1, 1))
+    assert exact(y, CAN_OUTPUTS)
+    y = run_program(program, torch.tensor(letters("XYZ" + PAIRS), dtype=torch.float64).reshape(-1, 1))
+    assert exact(y, [0] * 33)
+
+
+@pytest.mark.parametrize("query", [*DICTIONARY_VALUES, "XYZ", "CAT"])
+def test_dictionary_compiled(builtin, query: str) -> None:
+    model, tokenizer = builtin["dictionary"]
+    y = model_outputs(model, tokenizer.encode(query + PAIRS))
+    value = DICTIONARY_VALUES.get(query)
+    expected_tail = [0, 0, 0] if value is None else [letters(value)[t % 3] for t in (30, 31, 32)]
+    assert exact(y[-3:], expected_tail)
+    if query == "CAN":
+        assert exact(y, CAN_OUTPUTS)
+
+
+def test_dictionary_relu_ifelse_also_compiles_exactly() -> None:
+    """Our debranching bypasses are exact, so even Eq. 7's f_ifelse survives compilation in fp64."""
+    model = LSRLModel.from_path(
+        compile_program(dictionary(3, form="relu")), TokenInterface.scalar(["."] + list(string.ascii_uppercase))
+    )
+    for query, value in DICTIONARY_VALUES.items():
+        y = model_outputs(model, letters(query + PAIRS))
+        assert exact(y[-3:], [letters(value)[t % 3] for t in (30, 31, 32)]), query
+
+
+@pytest.mark.parametrize(("query", "expected"), APPROXIMATOR)
+def test_approximator(builtin, query: str, expected: list[int]) -> None:
+    model, tokenizer = builtin["approximator"]
+    ids = tokenizer.encode(query + CELLS)
+    assert ids[1:] == tokenizer.encode(CELLS) and len(ids) == 5
+    q = [float(v) for v in query.strip("()").split(",")]
+    inputs = torch.tensor([[*q, 0.0, 0.0], *APPROXIMATOR_INPUTS], dtype=torch.float64)
+    assert torch.equal(model.embedding[ids], inputs)
+    assert exact(run_program(approximator(), inputs), expected)
+    assert exact(model_outputs(model, ids), expected, tolerance=1e-9)

@@ -1,0 +1,106 @@
+"""Compiled LSRL models through the model interface, checkpoints, the CLI, the offline engine and HTTP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from fastapi.testclient import TestClient
+
+from engine import LLM, SamplingParams
+from engine.loader import load_model, save_checkpoint
+from engine.lsrl.cli import main as lsrl_main
+from engine.state_pool import StatePool
+from engine.tokenizer import CharTokenizer
+from server.app import ServerConfig, create_app
+from tests.lsrl.conftest import APPROXIMATOR, CAN_OUTPUTS, CELLS, MAJORITY, PAIRS, model_outputs
+
+GREEDY7 = SamplingParams(temperature=0, max_tokens=7)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lsrl" / "majority.py"
+
+
+def test_state_holds_only_persistent_dimensions(builtin) -> None:
+    model, _ = builtin["dictionary"]
+    (spec,) = model.state_spec()
+    layers = model._linstates()
+    assert spec.dtype == torch.float64 and spec.shape == (sum(len(la.persistent) for la in layers),)
+    assert spec.shape[0] < sum(la.init_state.numel() for la in layers)  # bypass lanes are not stored
+    assert torch.equal(spec.initial, torch.cat([la.init_state[la.persistent] for la in layers]))
+
+
+def test_prefill_chunked_prefill_and_decode_agree(builtin) -> None:
+    model, tokenizer = builtin["dictionary"]
+    ids = torch.tensor(tokenizer.encode("CAN" + PAIRS))
+    pool = StatePool(model.state_spec(), 3)
+    whole, chunked, stepped = (torch.tensor([s]) for s in pool.allocate(3))
+    logits_whole = model.prefill(ids, torch.tensor([0, len(ids)]), whole, pool.tensors)
+    for chunk in ids.split(5):
+        logits_chunked = model.prefill(chunk, torch.tensor([0, len(chunk)]), chunked, pool.tensors)
+    for token in ids:
+        logits_stepped = model.decode(token.reshape(1), stepped, pool.tensors)
+    state = pool.tensors["state"]
+    assert torch.allclose(state[chunked], state[whole], rtol=0, atol=1e-9)
+    assert torch.allclose(state[stepped], state[whole], rtol=0, atol=1e-9)
+    for logits in (logits_whole, logits_chunked, logits_stepped):
+        assert logits.dtype == torch.float64 and int(logits.argmax()) == 20  # T
+
+
+def test_head_is_nearest_integer_and_skips_valueless_tokens(builtin) -> None:
+    model, tokenizer = builtin["approximator"]
+    logits = model.logits(torch.tensor([2.4, 2.6, -5.0, 42.0], dtype=torch.float64))
+    assert logits.argmax(dim=-1).tolist() == [2, 3, 0, 9]
+    assert torch.isinf(logits[:, tokenizer.encode("(0.5,0.5)")]).all()
+
+
+def test_checkpoint_round_trip_and_fp32_selection(builtin, tmp_path: Path) -> None:
+    model, _ = builtin["dictionary"]
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architecture"] == "lsrl" and config["alphabet"][:3] == [".", "A", "B"]
+    loaded, tokenizer = load_model(str(tmp_path), device="cpu")
+    assert isinstance(tokenizer, CharTokenizer) and loaded.embedding.dtype == torch.float64
+    ids = tokenizer.encode("CAN" + PAIRS)
+    assert torch.equal(model_outputs(loaded, ids), model_outputs(model, ids))
+    loaded32, _ = load_model(str(tmp_path), device="cpu", dtype="fp32")
+    assert loaded32.embedding.dtype == torch.float32 and loaded32.state_spec()[0].dtype == torch.float32
+    assert loaded32.layers[0].A.indices.dtype == torch.int64
+
+
+def test_cli_compiles_a_program_file_that_the_engine_serves(tmp_path: Path, capsys) -> None:
+    assert lsrl_main(["compile", str(EXAMPLE), "-o", str(tmp_path / "majority")]) == 0
+    assert "1 LinState layer(s)" in capsys.readouterr().out
+    llm = LLM(str(tmp_path / "majority"), device="cpu", max_num_seqs=4)
+    text, expected = MAJORITY[0]
+    outputs = llm.generate([text[: i + 1] for i in range(len(text))], SamplingParams(temperature=0, max_tokens=1))
+    assert [o.outputs[0].text for o in outputs] == [str(v) for v in expected]
+
+
+def test_cli_reports_bad_program_files(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    assert lsrl_main(["compile", str(bad), "-o", str(tmp_path / "out")]) == 1
+    assert "define build()" in capsys.readouterr().err
+
+
+def test_served_builtins_greedy_known_answers() -> None:
+    llm = LLM("lsrl:majority", device="cpu", max_num_seqs=8, max_num_batched_tokens=4)
+    for text, expected in MAJORITY:
+        prefixes = [text[: i + 1] for i in range(len(text))]
+        outputs = llm.generate(prefixes, SamplingParams(temperature=0, max_tokens=1))
+        assert [o.outputs[0].token_ids[0] for o in outputs] == expected
+    llm = LLM("lsrl:dictionary", device="cpu")
+    (out,) = llm.generate(["CAN" + PAIRS], GREEDY7)
+    assert out.outputs[0].text == "TOTTOTT" and out.outputs[0].token_ids[:1] == CAN_OUTPUTS[-1:]
+    llm = LLM("lsrl:approximator", device="cpu")
+    outputs = llm.generate([query + CELLS for query, _ in APPROXIMATOR], SamplingParams(temperature=0, max_tokens=3))
+    assert [o.outputs[0].text for o in outputs] == [str(expected[-1]) * 3 for _, expected in APPROXIMATOR]
+
+
+def test_http_completion_returns_the_dictionary_answer() -> None:
+    app = create_app(ServerConfig(model="lsrl:dictionary", max_num_seqs=4))
+    with TestClient(app) as client:
+        body = {"model": "lsrl:dictionary", "prompt": "CAN" + PAIRS, "temperature": 0, "max_tokens": 7}
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "TOTTOTT"
