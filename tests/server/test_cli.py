@@ -120,7 +120,7 @@ def test_serve_logs_startup_and_drains_on_sigterm() -> None:
         [startup] = [line for line in log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
         assert "state_bytes_per_slot=" in startup
-        body = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
