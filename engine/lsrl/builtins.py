@@ -41,15 +41,11 @@ def build_builtin(name: str) -> tuple[LSRLModel, CharTokenizer]:
     return LSRLModel.from_path(compiled(name), tokens), CharTokenizer(tokens.alphabet)
 
 
-def load_builtin(
-    name: str, device: torch.device, dtype: torch.dtype | None
-) -> tuple[LSRLModel, CharTokenizer]:
+def load_builtin(name: str, device: torch.device, dtype: torch.dtype | None) -> tuple[LSRLModel, CharTokenizer]:
     """Model source for ``lsrl:<name>`` (fp64 unless ``dtype`` says otherwise)."""
     if name not in BUILTINS:
         from engine.loader import ModelLoadError  # the loader imports this module
 
-        raise ModelLoadError(
-            f"unknown built-in LSRL model 'lsrl:{name}'; known: {', '.join(sorted(BUILTINS))}"
-        )
+        raise ModelLoadError(f"unknown built-in LSRL model 'lsrl:{name}'; known: {', '.join(sorted(BUILTINS))}")
     model, tokenizer = build_builtin(name)
     return model.to(device=device, dtype=dtype or torch.float64).requires_grad_(False), tokenizer

@@ -108,9 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rnnserve lsrl", description="Compile and run LSRL programs.")
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile PROGRAM.py into a checkpoint directory")
-    comp.add_argument(
-        "program", help="Python file defining build() (and optionally ALPHABET/EMBEDDING/VALUES)"
-    )
+    comp.add_argument("program", help="Python file defining build() (and optionally ALPHABET/EMBEDDING/VALUES)")
     comp.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     run = sub.add_parser("run", help="print per-token outputs of PROGRAM.py, interpreted and compiled")
     run.add_argument("program", help="Python file defining build()")

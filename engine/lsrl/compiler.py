@@ -170,9 +170,7 @@ def fold(output: Node) -> Node:
         elif isinstance(node, Concat):
             if all(x is ins[0] for x in ins):
                 eye = sparse.identity(ins[0].dim)
-                folded = _lin(
-                    ins[0], sparse.vstack([eye] * len(ins)), torch.zeros(node.dim, dtype=sparse.DTYPE)
-                )
+                folded = _lin(ins[0], sparse.vstack([eye] * len(ins)), torch.zeros(node.dim, dtype=sparse.DTYPE))
             else:
                 folded = Concat(ins)
         elif isinstance(node, Multi):
@@ -212,11 +210,11 @@ class _Debrancher:
         self.pending = [n for n in self.materialised if not isinstance(n, Input)]
         self.deps = {n.id: self._owners(self.expr[n.inputs[0].id].M) for n in self.pending}
         self.height = self._heights()
-        # Layout of the current path output h: atom i = E[i] @ h + e[i] for every available atom.
+        # Layout of the current path output h: atom i = E[i] @ h for every available atom (bypasses are
+        # linear, so no offset is ever needed).
         self.E = sparse.vstack(
             [sparse.identity(self.input.dim), sparse.zeros(self.num_atoms - self.input.dim, self.input.dim)]
         )
-        self.e = torch.zeros(self.num_atoms, dtype=sparse.DTYPE)
         self.available = {self.input.id}
         self.nonneg = torch.zeros(self.num_atoms, dtype=torch.bool)
         self.ops: list[PathOp] = []
@@ -253,7 +251,7 @@ class _Debrancher:
 
     def _current(self, expr: _Affine) -> _Affine:
         """``expr`` as an affine map of the current path output."""
-        return _Affine(sparse.matmul(expr.M, self.E), sparse.matvec(expr.M, self.e) + expr.c)
+        return _Affine(sparse.matmul(expr.M, self.E), expr.c)
 
     def _carried(self, remaining: Sequence[Node]) -> torch.Tensor:
         """Available atoms that a later stage or the output still reads."""
@@ -270,7 +268,6 @@ class _Debrancher:
     def _set_layout(self, width: int, atoms: torch.Tensor, lanes: torch.Tensor, signs: torch.Tensor) -> None:
         """New ``E``: ``atoms[k] += signs[k] * h[lanes[k]]`` (entries for the same atom add up)."""
         self.E = sparse.from_coo(torch.stack([atoms, lanes]), signs, (self.num_atoms, width))
-        self.e = torch.zeros(self.num_atoms, dtype=sparse.DTYPE)
 
     def run(self) -> Path:
         while self.pending:
@@ -280,7 +277,7 @@ class _Debrancher:
             staged = {n.id for n in stage}
             self.pending = [n for n in self.pending if n.id not in staged]
             carried = self._carried(self.pending)
-            carry = _Affine(sparse.rows(self.E, carried), self.e[carried])
+            carry = _Affine(sparse.rows(self.E, carried), torch.zeros(len(carried), dtype=sparse.DTYPE))
             inputs = [self._current(self.expr[n.inputs[0].id]) for n in stage]
             if isinstance(leader, ReLU):
                 self._relu_stage(stage, inputs, carried, carry)
@@ -295,14 +292,10 @@ class _Debrancher:
     def _stage_atoms(self, stage: list[Node]) -> torch.Tensor:
         return torch.cat([self._atoms(n) for n in stage])
 
-    def _relu_stage(
-        self, stage: list[Node], inputs: list[_Affine], carried: torch.Tensor, carry: _Affine
-    ) -> None:
+    def _relu_stage(self, stage: list[Node], inputs: list[_Affine], carried: torch.Tensor, carry: _Affine) -> None:
         own = self._stage_atoms(stage)
         split = ~self.nonneg[carried]
-        negative = _Affine(
-            sparse.prune(-sparse.rows(carry.M, torch.nonzero(split).reshape(-1))), -carry.c[split]
-        )
+        negative = _Affine(sparse.prune(-sparse.rows(carry.M, torch.nonzero(split).reshape(-1))), -carry.c[split])
         self._emit_lin([*inputs, carry, negative])
         width = len(own) + len(carried) + int(split.sum())
         lanes = torch.arange(width)
@@ -318,23 +311,16 @@ class _Debrancher:
         n_carry = len(carried)
         A = sparse.block_diag([n.A for n in stage] + [sparse.zeros(n_carry, n_carry)])
         B = sparse.vstack([sparse.matmul(n.B, x.M) for n, x in zip(stage, inputs, strict=True)] + [carry.M])
-        bias = torch.cat(
-            [sparse.matvec(n.B, x.c) + n.b for n, x in zip(stage, inputs, strict=True)] + [carry.c]
-        )
+        bias = torch.cat([sparse.matvec(n.B, x.c) + n.b for n, x in zip(stage, inputs, strict=True)] + [carry.c])
         init = torch.cat([n.init_state for n in stage] + [torch.zeros(n_carry, dtype=sparse.DTYPE)])
         self.ops.append(LinStateOp(A, B, bias, init))
         atoms = torch.cat([self._stage_atoms(stage), carried])
         self._set_layout(len(atoms), atoms, torch.arange(len(atoms)), torch.ones(len(atoms)))
 
-    def _multi_stage(
-        self, stage: list[Node], inputs: list[_Affine], carried: torch.Tensor, carry: _Affine
-    ) -> None:
-        firsts = [
-            _Affine(sparse.rows(x.M, range(n.dim)), x.c[: n.dim]) for n, x in zip(stage, inputs, strict=True)
-        ]
+    def _multi_stage(self, stage: list[Node], inputs: list[_Affine], carried: torch.Tensor, carry: _Affine) -> None:
+        firsts = [_Affine(sparse.rows(x.M, range(n.dim)), x.c[: n.dim]) for n, x in zip(stage, inputs, strict=True)]
         seconds = [
-            _Affine(sparse.rows(x.M, range(n.dim, 2 * n.dim)), x.c[n.dim :])
-            for n, x in zip(stage, inputs, strict=True)
+            _Affine(sparse.rows(x.M, range(n.dim, 2 * n.dim)), x.c[n.dim :]) for n, x in zip(stage, inputs, strict=True)
         ]
         width = carry.M.shape[1]
         ones = _Affine(sparse.zeros(len(carried), width), torch.ones(len(carried), dtype=sparse.DTYPE))

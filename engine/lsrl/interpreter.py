@@ -73,11 +73,7 @@ class Interpreter:
         """Run a whole sequence ``[T, input.dim]`` from the initial state; returns ``[T, output.dim]``."""
         self.reset()
         inputs = torch.as_tensor(inputs, dtype=self.dtype).reshape(-1, self.input.dim)
-        return (
-            torch.stack([self.step(x) for x in inputs])
-            if len(inputs)
-            else inputs.new_zeros(0, self.output.dim)
-        )
+        return torch.stack([self.step(x) for x in inputs]) if len(inputs) else inputs.new_zeros(0, self.output.dim)
 
 
 def run_program(output: Node, inputs: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -18,9 +18,7 @@ DTYPE = torch.float64
 
 def from_coo(indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """A pruned sparse matrix from ``[2, nnz]`` indices and values (duplicates are summed)."""
-    matrix = torch.sparse_coo_tensor(
-        indices, values.to(DTYPE), shape, dtype=DTYPE, check_invariants=False
-    ).coalesce()
+    matrix = torch.sparse_coo_tensor(indices, values.to(DTYPE), shape, dtype=DTYPE, check_invariants=False).coalesce()
     keep = matrix.values() != 0
     if bool(keep.all()):
         return matrix

@@ -28,11 +28,7 @@ class TokenInterface:
         size = len(self.alphabet)
         if len(set(self.alphabet)) != size or any(not s for s in self.alphabet):
             raise ValueError("token strings must be distinct and non-empty")
-        if (
-            self.embedding.dim() != 2
-            or self.embedding.shape[0] != size
-            or tuple(self.values.shape) != (size,)
-        ):
+        if self.embedding.dim() != 2 or self.embedding.shape[0] != size or tuple(self.values.shape) != (size,):
             raise ValueError(
                 f"{size} tokens need an embedding [{size}, input_dim] and values [{size}]; got "
                 f"{tuple(self.embedding.shape)} and {tuple(self.values.shape)}"
@@ -61,9 +57,7 @@ def _num(v: float) -> str:
     return f"{v:g}"
 
 
-def approximator_tokens(
-    d_in: int = 2, delta: float = 0.5, grid: float = 0.1, max_value: int = 9
-) -> TokenInterface:
+def approximator_tokens(d_in: int = 2, delta: float = 0.5, grid: float = 0.1, max_value: int = 9) -> TokenInterface:
     """Text tokens for Listing 1 with ``d_out = 1`` on a fixed cell size ``delta``.
 
     ``"0"`` .. ``"9"``: outputs (value k); as inputs they are the zero vector, a cell of size 0 that

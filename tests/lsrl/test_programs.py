@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import string
 
 import pytest
@@ -76,3 +77,17 @@ def test_approximator(builtin, query: str, expected: list[int]) -> None:
     assert torch.equal(model.embedding[ids], inputs)
     assert exact(run_program(approximator(), inputs), expected)
     assert exact(model_outputs(model, ids), expected, tolerance=1e-9)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_dictionary_other_key_lengths_compiled(n: int) -> None:
+    rng = random.Random(n)
+    query = [rng.randint(1, 26) for _ in range(n)]
+    near_miss = [k % 26 + 1 for k in query]  # every token differs by one
+    keys = [[rng.choice([k for k in range(1, 27) if k != query[0]])] + query[1:], near_miss, query, near_miss[:1]]
+    keys[3] += query[1:]  # keys differ from the query in their first token only
+    values = [[rng.randint(1, 26) for _ in range(n)] for _ in range(4)]
+    ids = keys[2] + [t for key, value in zip(keys, values, strict=True) for t in key + value]
+    model = LSRLModel.from_path(compile_program(dictionary(n)), TokenInterface.scalar([str(i) for i in range(27)]))
+    y = model_outputs(model, ids)
+    assert exact(y[-n:], [values[2][t % n] for t in range(len(ids) - n, len(ids))])
