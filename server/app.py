@@ -298,6 +298,8 @@ class OpenAIServing:
             ) from err
         except EngineDeadError as err:
             raise APIError(503, str(err), type="service_unavailable") from err
+        except ValueError as err:  # the tokenizer rejected the text (e.g. a character outside an alphabet)
+            raise bad_request(str(err), param="prompt") from err
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

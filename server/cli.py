@@ -224,13 +224,14 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     app = create_app(config, engine)
     pool = engine.pool
+    weight = next(iter(engine.model.parameters()), None)
     logger.info(
         "serving model=%s name=%s device=%s dtype=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
         "auth=%s url=http://%s:%d",
         config.model_path,
         ",".join(config.model_names),
         engine.device,
-        str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+        str(weight.dtype).removeprefix("torch.") if weight is not None else "none",
         pool.bytes_per_slot,
         pool.num_slots,
         pool.total_bytes,

@@ -7,6 +7,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.tokenizer import CharTokenizer
 from server.app import create_app
 from tests.server.conftest import TINY, tiny_config
 
@@ -163,3 +166,13 @@ def test_engine_failure_ends_the_stream_with_an_error_and_frees_slots() -> None:
         assert engine.pool.num_used == 0
         non_stream = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
         assert non_stream.status_code == 200 and non_stream.json()["usage"]["completion_tokens"] == 3
+
+
+def test_text_the_tokenizer_rejects_is_400() -> None:
+    model, _ = load_model(TINY, device="cpu")
+    engine = LLMEngine(model, CharTokenizer("abc"), EngineConfig(max_num_seqs=2))
+    with TestClient(create_app(tiny_config(), engine=engine)) as client:
+        assert_error(client.post("/v1/completions", json={"prompt": "abz"}), 400, "prompt")
+        assert_error(client.post("/tokenize", json={"prompt": "abz"}), 400, "prompt")
+        ok = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 3
