@@ -21,6 +21,7 @@ and sparse matrices as ``<name>.indices`` (int64 ``[2, nnz]``, coalesced order) 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from engine.lsrl.tokens import TokenInterface
 from engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
 
 FLOAT = torch.float64
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,16 +105,27 @@ class LinStateLayer(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
         self.init_state = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
         self.persistent = list(spec["persistent"])
+        self._keep: dict[torch.device, torch.Tensor] = {}
+
+    def _recurrence(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent dimensions (index tensor, cached per device) and ``A`` restricted to them."""
+        if device not in self._keep:
+            self._keep[device] = torch.tensor(self.persistent, dtype=torch.long, device=device)
+        keep = self._keep[device]
+        return keep, self.A.matrix(keep)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` packed ``[T, in]``; ``state`` ``[B, len(persistent)]``. Returns outputs and final states."""
+        """``x`` packed ``[T, in]`` (``cu_seqlens=None``: one token per sequence, no host sync);
+        ``state`` ``[B, len(persistent)]``. Returns the outputs ``s_t`` and the final states."""
         update = self.B.apply(x) + self.bias
         if not self.persistent:
             return update, state
-        keep = torch.tensor(self.persistent, dtype=torch.long, device=x.device)
-        a = self.A.matrix(keep)
+        keep, a = self._recurrence(x.device)
+        if cu_seqlens is None:
+            out = update + torch.sparse.mm(a, state.t()).t()
+            return out, out[:, keep]
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         out = update.clone()
         state = state.clone()
@@ -153,23 +166,17 @@ class LSRLModel(RecurrentLM):
             else:
                 raise ValueError(f"unknown LSRL op type {kind!r}")
             if spec["in_dim"] != width:
-                raise ValueError(
-                    f"LSRL op {len(layers) - 1} ({kind}) takes {spec['in_dim']} inputs, gets {width}"
-                )
+                raise ValueError(f"LSRL op {len(layers) - 1} ({kind}) takes {spec['in_dim']} inputs, gets {width}")
             width = spec["out_dim"]
         if width != 1:
-            raise ValueError(
-                f"a served LSRL program must output one number per token, this one outputs {width}"
-            )
+            raise ValueError(f"a served LSRL program must output one number per token, this one outputs {width}")
         self.layers = nn.ModuleList(layers)
 
     @classmethod
     def from_path(cls, path: Path, tokens: TokenInterface) -> LSRLModel:
         """Build the model of a compiled program with the given token interface (weights in fp64)."""
         if path.input_dim != tokens.input_dim:
-            raise ValueError(
-                f"program input has {path.input_dim} dimensions, token embedding {tokens.input_dim}"
-            )
+            raise ValueError(f"program input has {path.input_dim} dimensions, token embedding {tokens.input_dim}")
         specs: list[dict[str, Any]] = []
         for op in path.ops:
             spec: dict[str, Any] = {"in_dim": op.in_dim, "out_dim": op.out_dim}
@@ -214,6 +221,10 @@ class LSRLModel(RecurrentLM):
         return self.embedding.dtype
 
     def state_spec(self) -> list[StateSpec]:
+        if self.dtype != torch.float64:
+            logger.warning(
+                "LSRL model in %s: compiled programs can give wrong answers below fp64 (docs/lsrl.md)", self.dtype
+            )
         initial = [layer.init_state.detach()[layer.persistent] for layer in self._linstates()]
         init = torch.cat(initial) if initial else torch.zeros(0, dtype=self.dtype)
         return [StateSpec("state", (init.numel(),), self.dtype, init.cpu())]
@@ -222,9 +233,11 @@ class LSRLModel(RecurrentLM):
         return [layer for layer in self.layers if isinstance(layer, LinStateLayer)]
 
     def run_vectors(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Program outputs ``[T, 1]`` for packed input vectors ``x`` ``[T, input_dim]``, and final states."""
+        """Program outputs ``[T, 1]`` for packed input vectors ``x`` ``[T, input_dim]``, and final states.
+
+        ``cu_seqlens=None`` means one token per sequence (decode)."""
         finals, offset = [], 0
         for layer in self.layers:
             if isinstance(layer, LinStateLayer):
@@ -255,5 +268,6 @@ class LSRLModel(RecurrentLM):
         return self.logits(y[cu_seqlens[1:] - 1])
 
     def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        cu_seqlens = torch.arange(input_ids.numel() + 1, device=input_ids.device)
-        return self.prefill(input_ids, cu_seqlens, slot_ids, state)
+        y, final = self.run_vectors(self.embedding[input_ids], None, state["state"][slot_ids])
+        state["state"][slot_ids] = final
+        return self.logits(y)

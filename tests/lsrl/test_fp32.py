@@ -40,3 +40,10 @@ def test_which_builtins_stay_exact_in_fp32() -> None:
             assert torch.equal(interpreted.reshape(-1).double().round(), reference), (name, text)
         measured[name] = exact
     assert measured == COMPILED_FP32_EXACT
+
+
+def test_loading_below_fp64_is_reported(caplog) -> None:
+    model = build_builtin("majority")[0].to(torch.float32)
+    with caplog.at_level("WARNING", logger="engine.models.lsrl"):
+        model.state_spec()
+    assert "below fp64" in caplog.text
