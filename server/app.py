@@ -344,9 +344,7 @@ class OpenAIServing:
             return sse_response(stream.events(), submission)
         return JSONResponse(await until_disconnect(request, stream.collect(), submission))
 
-    def render(
-        self, messages: list, add_generation_prompt: bool, continue_final_message: bool = False
-    ) -> str:
+    def render(self, messages: list, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
         return render_chat(
             self.tokenizer,
             [{"role": m.role, "content": m.text()} for m in messages],
@@ -359,11 +357,7 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         try:
-            text = (
-                req.prompt
-                if req.prompt is not None
-                else self.render(req.messages or [], req.add_generation_prompt)
-            )
+            text = req.prompt if req.prompt is not None else self.render(req.messages or [], req.add_generation_prompt)
             tokens = self.tokenizer.encode(text)
         except (InvalidParameterError, ValueError) as err:
             raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err
@@ -374,9 +368,7 @@ class OpenAIServing:
         self.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
-            )
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
 
@@ -466,7 +458,8 @@ class _Generation(ABC):
             "choices": choices,
         }
         if self.req.include_usage:
-            body["usage"] = usage
+            options = self.req.stream_options
+            body["usage"] = self.usage() if usage is None and options and options.continuous_usage_stats else usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def final_outputs(self) -> dict[str, RequestOutput]:
@@ -537,9 +530,7 @@ class CompletionStream(_Generation):
             "index": index,
             "text": text,
             "finish_reason": sample.finish_reason,
-            "logprobs": self.logprobs(index, sample.new_logprobs)
-            if self.params.logprobs is not None
-            else None,
+            "logprobs": self.logprobs(index, sample.new_logprobs) if self.params.logprobs is not None else None,
         }
 
     async def collect(self) -> dict:
@@ -550,9 +541,7 @@ class CompletionStream(_Generation):
             for sample in out.outputs:
                 index = self.choice_index(out, sample)
                 text = (self.prompt_text(out) if self.req.echo else "") + sample.text
-                logprobs = (
-                    self.logprobs(index, sample.logprobs or []) if self.params.logprobs is not None else None
-                )
+                logprobs = self.logprobs(index, sample.logprobs or []) if self.params.logprobs is not None else None
                 choices.append(
                     {
                         "index": index,
@@ -584,9 +573,7 @@ class ChatStream(_Generation):
         def item(token_id: int, logprob: float) -> dict:
             return {"token": s.token_text(token_id), "logprob": logprob, "bytes": s.token_bytes(token_id)}
 
-        content = [
-            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
-        ]
+        content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}
 
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
@@ -614,9 +601,7 @@ class ChatStream(_Generation):
                 "index": sample.index,
                 "message": {"role": "assistant", "content": sample.text},
                 "finish_reason": sample.finish_reason,
-                "logprobs": self.logprobs(sample.logprobs or [])
-                if self.params.logprobs is not None
-                else None,
+                "logprobs": self.logprobs(sample.logprobs or []) if self.params.logprobs is not None else None,
             }
             for sample in out.outputs
         ]

@@ -57,6 +57,15 @@ def test_completion_streaming_matches_non_streaming(client: TestClient) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6  # type: ignore[index]
 
 
+def test_continuous_usage_stats_reports_usage_on_every_chunk(client: TestClient) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "Hello", "stream": True, "stream_options": options, **GREEDY, "ignore_eos": True}
+    chunks = events(client.post("/v1/completions", json=body).text)[:-1]
+    completion_tokens = [c["usage"]["completion_tokens"] for c in chunks]  # type: ignore[index]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks)  # type: ignore[index]
+
+
 def test_stream_without_usage_has_no_usage_field(client: TestClient) -> None:
     chunks = events(client.post("/v1/completions", json={"prompt": "Hi", "stream": True, **GREEDY}).text)
     assert chunks[-1] == "[DONE]" and all("usage" not in c for c in chunks[:-1])
