@@ -76,6 +76,28 @@ def test_cli_compiles_a_program_file_that_the_engine_serves(tmp_path: Path, caps
     assert [o.outputs[0].text for o in outputs] == [str(v) for v in expected]
 
 
+VECTOR_PROGRAM = """
+from engine.lsrl import Input, LinState
+
+ALPHABET = ["0", "1", "2", "3", "4", "5", "a+", "b+"]
+EMBEDDING = [[0, 0]] * 6 + [[1, 0], [0, 2]]  # digits change nothing, a+ adds 1, b+ adds 2
+VALUES = [0, 1, 2, 3, 4, 5, None, None]
+
+
+def build():
+    x = Input(2)
+    return LinState(x[0] + x[1], A=[[1]], B=[[1]])
+"""
+
+
+def test_cli_compiles_a_vector_input_program_with_its_embedding(tmp_path: Path) -> None:
+    (tmp_path / "total.py").write_text(VECTOR_PROGRAM)
+    assert lsrl_main(["compile", str(tmp_path / "total.py"), "-o", str(tmp_path / "total")]) == 0
+    llm = LLM(str(tmp_path / "total"), device="cpu")
+    outputs = llm.generate(["a+b+", "b+b+a+", "a+"], SamplingParams(temperature=0, max_tokens=3))
+    assert [o.outputs[0].text for o in outputs] == ["333", "555", "111"]
+
+
 def test_cli_reports_bad_program_files(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("x = 1\n")
