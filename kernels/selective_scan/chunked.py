@@ -14,7 +14,7 @@ import torch
 from kernels.selective_scan.naive import gate_output
 
 
-def _time_major_order(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, list[int]]:
+def time_major_order(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, list[int]]:
     """Sequences by decreasing length, and the packed row of every (step, running sequence) pair.
 
     Returns ``(active [max_len], rows [T], order [B])``: ``active[t]`` sequences run at step ``t``; ``rows``
@@ -47,7 +47,7 @@ def selective_scan_chunked(
     """Same contract as :func:`~kernels.selective_scan.naive.selective_scan_ref`."""
     batch = cu_seqlens.numel() - 1
     d_inner, d_state = A.shape
-    active, rows, order = _time_major_order(cu_seqlens)
+    active, rows, order = time_major_order(cu_seqlens)
     order_t = torch.tensor(order, dtype=torch.long, device=x.device)
     if initial_state is None:
         h = x.new_zeros(batch, d_inner, d_state, dtype=torch.float32)
