@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, getattr(args, "log_level", "info").upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown bench output
     if args.command == "serve":
         return serve(args)
     if args.command == "generate":
