@@ -8,8 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.tokenizer import ByteTokenizer
+from server.app import create_app
 from server.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
-from tests.server.conftest import TINY
+from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,3 +223,10 @@ def test_models_tokenize_detokenize_health(client: TestClient) -> None:
 def test_model_name_may_be_given_or_omitted(client: TestClient) -> None:
     assert complete(client, prompt="a", model=TINY, max_tokens=1)["model"] == TINY
     assert complete(client, prompt="a", max_tokens=1)["model"] == TINY
+
+
+def test_state_memory_budget_sizes_the_pool() -> None:
+    config = tiny_config(max_num_seqs=None, state_memory=3 * 2560 + 100)  # mingru-tiny: 2560 bytes per slot
+    with TestClient(create_app(config)) as client:
+        text = client.get("/metrics").text
+    assert "rnnserve_state_slots_total 3.0" in text and "rnnserve_state_memory_total_bytes 7680.0" in text
