@@ -96,8 +96,8 @@ def draw_uniform(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampleResult:
-    """Sample one token per row of ``logits [N, V]`` (fp32) for the matching ``seqs``."""
-    logits = apply_penalties(logits.float(), seqs)
+    """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``."""
+    logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
     tokens = logits.argmax(dim=-1)
     if not all(s.params.greedy for s in seqs):
