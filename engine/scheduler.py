@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.sampling_params import InvalidParameterError
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.state_pool import StatePool
 
@@ -69,7 +70,7 @@ class Scheduler:
 
     def add(self, group: SequenceGroup) -> None:
         if group.params.n > self.pool.num_slots:
-            raise ValueError(f"n={group.params.n} exceeds the {self.pool.num_slots} state slots")
+            raise InvalidParameterError("n", f"n={group.params.n} exceeds the {self.pool.num_slots} state slots")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(group)

@@ -149,3 +149,12 @@ def test_state_bytes_per_slot_match_the_spec(architecture: str) -> None:
     assert engine.pool.bytes_per_slot == expected
     assert engine.pool.total_bytes == 3 * expected
     assert sum(t[:3].nbytes for t in engine.pool.tensors.values()) == engine.pool.total_bytes
+
+
+def test_n_above_the_slot_count_is_a_parameter_error() -> None:
+    from engine.sampling_params import InvalidParameterError
+
+    engine = make_engine(max_num_seqs=2)
+    with pytest.raises(InvalidParameterError) as err:
+        engine.add_request("x", SamplingParams(n=3))
+    assert err.value.param == "n"
