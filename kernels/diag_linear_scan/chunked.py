@@ -80,7 +80,11 @@ def diag_scan_varlen_triton(
     log_space: bool,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ``a, b [T, D]`` (log-space when ``log_space``) -> ``(h [T, D], final_state [B, D])`` in fp32."""
+    """Packed ``a, b [T, D]`` (log-space when ``log_space``) -> ``(h [T, D], final_state [B, D])`` in fp32.
+
+    ``chunk_size`` (a power of two) bounds the steps scanned in parallel per chunk, at most 32 here: the
+    pairwise scan stays stable at any length, so unlike the reference's Heinsen chunks it only sets the tile.
+    """
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     total, dim = a.shape
@@ -90,11 +94,13 @@ def diag_scan_varlen_triton(
     final_state = torch.empty(batch, dim, dtype=torch.float32, device=a.device)
     if initial_state is not None and initial_state.stride(-1) != 1:
         initial_state = initial_state.contiguous()
-    block_d = min(triton.next_power_of_2(dim), 64)
+    # 32 x 32 tiles keep the log-space scan under ~64 registers per thread on sm_90 (64 x 64 spills).
+    block_t = min(chunk_size, 32)
+    block_d = min(triton.next_power_of_2(dim), 32)
     grid = (batch, triton.cdiv(dim, block_d))
     _diag_scan_varlen_kernel[grid](
         a, b, h, initial_state if initial_state is not None else final_state, final_state, cu_seqlens, dim,
         initial_state.stride(0) if initial_state is not None else 0,
-        LOG_SPACE=log_space, HAS_H0=initial_state is not None, BT=chunk_size, BD=block_d,
+        LOG_SPACE=log_space, HAS_H0=initial_state is not None, BT=block_t, BD=block_d,
     )
     return h, final_state

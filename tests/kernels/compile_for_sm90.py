@@ -1,0 +1,80 @@
+"""Compile every Triton kernel for an H100 (sm_90) without a GPU and report its resource use.
+
+Run in a process without ``TRITON_INTERPRET`` (under the interpreter ``@triton.jit`` yields interpreted
+functions that cannot be compiled). Prints one JSON line per kernel configuration:
+``{"kernel", "config", "registers", "stack", "local"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.add_norm.fused import _add_norm_kernel
+from kernels.causal_conv1d.chunked import _conv_final_state_kernel, _conv_varlen_kernel
+from kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
+from kernels.diag_linear_scan.chunked import _diag_scan_varlen_kernel
+from kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
+from kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """(kernel, pointer/float argument types, constexprs, num_warps) as the wrappers launch them."""
+    f32, i64 = "*fp32", "*i64"
+    scan_ptrs = {"a_ptr": act, "b_ptr": act, "h_ptr": f32, "h0_ptr": f32, "ht_ptr": f32, "cu_seqlens_ptr": i64}
+    conv_ptrs = {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "h0_ptr": f32, "y_ptr": act,
+                 "cu_seqlens_ptr": i64, "seq_idx_ptr": i64}
+    norm_ptrs = {"x_ptr": act, "residual_ptr": act, "weight_ptr": act, "bias_ptr": act, "out_ptr": act,
+                 "sum_ptr": act, "eps": "fp32"}
+    configs = []
+    for log_space in (False, True):
+        configs.append((_diag_scan_varlen_kernel, scan_ptrs,
+                        {"LOG_SPACE": log_space, "HAS_H0": True, "BT": 32, "BD": 32}, 4))
+        configs.append((_diag_scan_step_kernel,
+                        {"a_ptr": act, "b_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "out_ptr": f32},
+                        {"LOG_SPACE": log_space, "BD": 1024}, 4))
+    configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "BT": 32, "BC": 64}, 8))
+    configs.append((_conv_final_state_kernel, {"x_ptr": act, "h0_ptr": f32, "ht_ptr": f32, "cu_seqlens_ptr": i64},
+                    {"K": 4, "HAS_H0": True, "BC": 64, "BK": 4}, 4))
+    configs.append((_conv_update_kernel,
+                    {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "y_ptr": act},
+                    {"K": 4, "HAS_BIAS": True, "BC": 256, "BK": 4}, 4))
+    for is_lstm in (False, True):
+        configs.append((_min_rnn_step_kernel, {"proj_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "out_ptr": act},
+                        {"IS_LSTM": is_lstm, "BD": 1024}, 4))
+    for rms in (False, True):
+        configs.append((_add_norm_kernel, norm_ptrs,
+                        {"HAS_RESIDUAL": True, "HAS_BIAS": not rms, "RMS": rms, "BN": 8192}, 16))
+    return configs
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    for act in ("*fp32", "*bf16"):
+        for kernel, types, constexprs, num_warps in _configs(act):
+            names = kernel.arg_names
+            signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+            source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+            compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(compiled.asm["cubin"])
+                cubin.flush()
+                usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
+                                       check=True).stdout
+            resources = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+            print(json.dumps({"kernel": kernel.__name__, "config": {"act": act, **constexprs},
+                              "registers": resources["REG"], "stack": resources["STACK"],
+                              "local": resources["LOCAL"]}))
+
+
+if __name__ == "__main__":
+    main()
