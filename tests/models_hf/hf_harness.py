@@ -39,7 +39,9 @@ def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def check_prefill_logits(reference: torch.nn.Module, path: Path, atol: float = 1e-4) -> None:
+def check_prefill_logits(
+    reference: torch.nn.Module, path: Path, atol: float = 1e-4, use_cache: bool = True
+) -> None:
     """(a) One packed prefill of every prompt: last-token logits within ``atol`` of ``transformers``."""
     model, _ = load_model(str(path), device="cpu", dtype="float32")
     seqs = prompts(reference.config.vocab_size)
@@ -47,7 +49,9 @@ def check_prefill_logits(reference: torch.nn.Module, path: Path, atol: float = 1
     ids, cu = pack(seqs)
     slots = torch.tensor([(3 * i + 2) % (len(seqs) + 3) for i in range(len(seqs))])
     ours = model.prefill(ids, cu, slots, pool.tensors)
-    expected = torch.stack([reference(torch.tensor([s])).logits[0, -1].float() for s in seqs])
+    expected = torch.stack(
+        [reference(torch.tensor([s]), use_cache=use_cache).logits[0, -1].float() for s in seqs]
+    )
     torch.testing.assert_close(ours, expected, atol=atol, rtol=0)
 
 
@@ -79,10 +83,17 @@ def check_chunked_and_stepwise(path: Path, vocab_size: int, chunk: int = 13) -> 
 
 @torch.inference_mode()
 def hf_greedy(
-    reference: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_at_eos: bool
+    reference: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_at_eos: bool,
+    use_cache: bool = True,
 ) -> list[int]:
-    """``transformers``' ``generate`` (greedy); with ``stop_at_eos=False`` the eos id is switched off."""
-    kwargs: dict = {"do_sample": False, "max_new_tokens": max_new_tokens}
+    """``transformers``' ``generate`` (greedy); with ``stop_at_eos=False`` the eos id is switched off.
+
+    ``use_cache=False`` recomputes the whole sequence per token (for configs whose HF cache is broken).
+    """
+    kwargs: dict = {"do_sample": False, "max_new_tokens": max_new_tokens, "use_cache": use_cache}
     if not stop_at_eos:
         kwargs.update(eos_token_id=None, pad_token_id=0)
     out = reference.generate(
@@ -92,7 +103,7 @@ def hf_greedy(
 
 
 def check_greedy_generation(
-    reference: torch.nn.Module, path: Path, max_num_batched_tokens: int = 2048
+    reference: torch.nn.Module, path: Path, max_num_batched_tokens: int = 2048, use_cache: bool = True
 ) -> None:
     """(b) 32 greedy tokens per prompt (lengths 1..200) served 8 at a time == ``transformers`` generate."""
     seqs = prompts(reference.config.vocab_size)
@@ -105,7 +116,7 @@ def check_greedy_generation(
     )
     outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     ours = [o.outputs[0].token_ids for o in outs]
-    theirs = [hf_greedy(reference, s, NEW_TOKENS, stop_at_eos=False) for s in seqs]
+    theirs = [hf_greedy(reference, s, NEW_TOKENS, stop_at_eos=False, use_cache=use_cache) for s in seqs]
     assert ours == theirs
 
 
@@ -131,9 +142,9 @@ def check_eos_agrees(reference: torch.nn.Module, path: Path) -> None:
     assert final.outputs[0].finish_reason == "stop"
 
 
-def run_all(reference: torch.nn.Module, path: Path) -> None:
+def run_all(reference: torch.nn.Module, path: Path, use_cache: bool = True) -> None:
     """Checks (a), (c) and (b) for one saved checkpoint."""
     reference.eval()
-    check_prefill_logits(reference, path)
+    check_prefill_logits(reference, path, use_cache=use_cache)
     check_chunked_and_stepwise(path, reference.config.vocab_size)
-    check_greedy_generation(reference, path)
+    check_greedy_generation(reference, path, use_cache=use_cache)
