@@ -347,7 +347,7 @@ class RecurrentGemmaLM(RecurrentLM):
         return name
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Griffin's initialisation: decay ``a`` uniform in [0.9, 0.999] (through ``a^2``), unit-variance gates."""
+        """Griffin's initialisation: squared decay uniform in [0.9^2, 0.999^2], unit-variance gates."""
         super().init_weights(generator)
         c = self.config
         for layer in self.model.layers:
