@@ -38,3 +38,23 @@ def test_kernel_path_matches_reference_path(model_class):
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-3, atol=1e-3)
     for name, expected in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_class", [MinGRULM, MinLSTMLM])
+def test_kernel_prefill_matches_kernel_decode(model_class):
+    """The Triton scan/conv prefill and the fused decode kernels agree token for token."""
+    model = model_class(MinRNNConfig(vocab_size=512, d_model=256, n_layers=3))
+    model.init_weights(torch.Generator().manual_seed(0))
+    model = model.cuda().eval()
+    prompt = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.inference_mode():
+        prefilled = StatePool(model.state_spec(), num_slots=4, device="cuda")
+        logits = model.prefill(prompt, torch.tensor([0, 100], device="cuda"), torch.tensor([2], device="cuda"),
+                               prefilled.tensors)
+        decoded = StatePool(model.state_spec(), num_slots=4, device="cuda")
+        slot = torch.tensor([1], device="cuda")
+        for token in prompt:
+            step_logits = model.decode(token.view(1), slot, decoded.tensors)
+    torch.testing.assert_close(step_logits, logits, rtol=1e-4, atol=1e-4)
+    for name, tensor in prefilled.tensors.items():
+        torch.testing.assert_close(decoded.tensors[name][1], tensor[2], rtol=1e-4, atol=1e-4)
