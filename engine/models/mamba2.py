@@ -1,0 +1,264 @@
+"""Mamba-2 language model in the Hugging Face ``Mamba2ForCausalLM`` layout.
+
+Block (pre-norm, residual)::
+
+    z, xBC, dt = in_proj(RMSNorm(h)).split(d_inner, d_inner + 2 G N, H)
+    x, B, C    = silu(conv1d_causal(xBC)).split(d_inner, G N, G N)    # state: last d_conv-1 inputs
+    dt         = clamp(softplus(dt + dt_bias), *time_step_limit)
+    y          = SSD(x as [H, P], dt, A = -exp(A_log), B, C as [G, N]) + D x   # state: [H, P, N] per layer
+    h          = h + out_proj(GroupRMSNorm(y * silu(z)))               # norm per group of d_inner / G channels
+
+Parameter names equal the Hugging Face ones. Conv tail and SSD state are kept in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.base import (
+    ModelConfig,
+    RecurrentLM,
+    StateSpec,
+    StateTensors,
+    register_model,
+    register_preset,
+)
+from engine.models.mamba import RMSNorm, slot_index
+from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.ssd import ssd_scan_chunked, ssd_state_update
+
+
+def _json_float(value: float | str | dict) -> float:
+    """A float from config.json; ``transformers`` writes infinities as ``{"__float__": "Infinity"}``."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+@dataclass
+class Mamba2Config(ModelConfig):
+    vocab_size: int = 50280
+    d_model: int = 768
+    n_layers: int = 24
+    n_heads: int = 24
+    head_dim: int = 64
+    d_state: int = 128
+    n_groups: int = 1
+    d_conv: int = 4
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+    dt_min_limit: float = 0.0
+    dt_max_limit: float = math.inf
+    tie_embeddings: bool = True
+    chunk_size: int = 64
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """``RMSNorm(y * silu(z))`` with statistics per group of channels, in fp32."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        g = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * g.to(z.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.in_proj = nn.Linear(c.d_model, c.d_inner + c.conv_dim + c.n_heads, bias=c.use_bias)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.d_conv, groups=c.conv_dim, bias=c.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(c.n_heads))
+        self.A_log = nn.Parameter(torch.empty(c.n_heads))
+        self.D = nn.Parameter(torch.empty(c.n_heads))
+        self.norm = GatedGroupRMSNorm(c.d_inner, c.n_groups, c.norm_eps)
+        self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
+
+    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        return self.in_proj(h).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+
+    def _ssd_inputs(
+        self, xbc: torch.Tensor, dt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv ``xBC [N, conv_dim]`` and raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt``, ``A``, ``B``, ``C``."""
+        c = self.config
+        x, B, C = F.silu(xbc).split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.dt_min_limit, c.dt_max_limit)
+        groups = (c.n_groups, c.d_state)
+        A = -torch.exp(self.A_log.float())
+        return (
+            x.unflatten(-1, (c.n_heads, c.head_dim)),
+            dt,
+            A,
+            B.unflatten(-1, groups),
+            C.unflatten(-1, groups),
+        )
+
+    def prefill(
+        self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z, xbc, dt = self._split(h)
+        xbc, conv_state = causal_conv1d_varlen_ref(
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state
+        )
+        x, dt, A, B, C = self._ssd_inputs(xbc, dt)
+        y, ssm_state = ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
+        return self.out_proj(self.norm(y.flatten(1), z)), conv_state, ssm_state
+
+    def decode(
+        self, h: torch.Tensor, slots: torch.Tensor | slice, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        z, xbc, dt = self._split(h)
+        xbc, conv_state = causal_conv1d_update_ref(
+            xbc, conv_pool[slots], self.conv1d.weight[:, 0], self.conv1d.bias
+        )
+        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        x, dt, A, B, C = self._ssd_inputs(xbc, dt)
+        y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D)
+        return self.out_proj(self.norm(y.flatten(1), z))
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mixer = Mamba2Mixer(config)
+
+
+class Mamba2Backbone(nn.Module):
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Mamba2Block(config) for _ in range(config.n_layers))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+
+
+@register_model
+class Mamba2LM(RecurrentLM):
+    """Mamba-2 (``Mamba2ForCausalLM``): multi-head SSD with grouped B/C and a gated group RMSNorm."""
+
+    architecture = "mamba2"
+    config_class = Mamba2Config
+    hf_model_types = ("mamba2",)
+
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__(config)
+        if config.n_heads % config.n_groups:
+            raise ValueError(f"n_heads {config.n_heads} is not a multiple of n_groups {config.n_groups}")
+        self.backbone = Mamba2Backbone(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> Mamba2Config:
+        """Map a Hugging Face ``mamba2`` config.json to :class:`Mamba2Config`."""
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Mamba-2 uses silu)")
+        heads, head_dim = hf["num_heads"], hf["head_dim"]
+        if int(hf.get("expand", 2) * hf["hidden_size"]) != heads * head_dim:
+            raise ValueError("expand * hidden_size must equal num_heads * head_dim")
+        low, high = hf.get("time_step_limit", (0.0, math.inf))
+        return Mamba2Config(
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=heads,
+            head_dim=head_dim,
+            d_state=hf.get("state_size", 128),
+            n_groups=hf.get("n_groups", 1),
+            d_conv=hf.get("conv_kernel", 4),
+            use_bias=hf.get("use_bias", False),
+            use_conv_bias=hf.get("use_conv_bias", True),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            dt_min_limit=_json_float(low),
+            dt_max_limit=_json_float(high),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+        )
+
+    @staticmethod
+    def hf_weight_name(name: str) -> str:
+        return name.replace("backbone.embedding.", "backbone.embeddings.")
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Mamba-2's initialisation: ``A`` in 1..H, ``D = 1``, ``dt`` log-uniform in [1e-3, 0.1]."""
+        super().init_weights(generator)
+        c = self.config
+        for block in self.backbone.layers:
+            mixer = block.mixer
+            mixer.A_log.data.copy_(torch.log(torch.arange(1, c.n_heads + 1, dtype=torch.float32)))
+            mixer.D.data.fill_(1.0)
+            u = torch.rand(c.n_heads, generator=generator)
+            dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            mixer.dt_bias.data.copy_(dt + torch.log(-torch.expm1(-dt)))
+            nn.init.normal_(mixer.conv1d.weight, std=c.d_conv**-0.5, generator=generator)
+            if mixer.conv1d.bias is not None:
+                nn.init.zeros_(mixer.conv1d.bias)
+        nn.init.normal_(self.backbone.embeddings.weight, std=0.02, generator=generator)
+
+    def state_spec(self) -> list[StateSpec]:
+        c = self.config
+        return [
+            StateSpec("conv", (c.n_layers, c.conv_dim, c.d_conv - 1), torch.float32, 0.0),
+            StateSpec("ssm", (c.n_layers, c.n_heads, c.head_dim, c.d_state), torch.float32, 0.0),
+        ]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.backbone.norm_f(h)).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        for i, block in enumerate(self.backbone.layers):
+            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
+            out, conv, ssm = block.mixer.prefill(
+                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
+            )
+            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
+            ssm_pool[slot_ids] = ssm
+            h = h + out
+        return self._logits(h[cu_seqlens[1:] - 1])
+
+    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        slots = slot_index(slot_ids)
+        for i, block in enumerate(self.backbone.layers):
+            h = h + block.mixer.decode(block.norm(h), slots, state["conv"][:, i], state["ssm"][:, i])
+        return self._logits(h)
+
+
+register_preset(
+    "mamba2-tiny", "mamba2", vocab_size=320, d_model=64, n_layers=2, n_heads=4, head_dim=32, d_state=16
+)
+# The Mamba-2 paper's language models: expand 2, head_dim 64, d_state 128, one B/C group.
+for _name, _width, _depth in (
+    ("130m", 768, 24),
+    ("370m", 1024, 48),
+    ("780m", 1536, 48),
+    ("1.3b", 2048, 48),
+    ("2.7b", 2560, 64),
+):
+    register_preset(f"mamba2-{_name}", "mamba2", d_model=_width, n_layers=_depth, n_heads=2 * _width // 64)

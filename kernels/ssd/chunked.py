@@ -1,0 +1,100 @@
+"""Chunked SSD prefill over packed variable-length batches (the Mamba-2 "state space duality" algorithm).
+
+Every sequence is cut into chunks of ``chunk_size`` tokens (chunks never straddle sequences) and the chunks
+of the whole batch are processed together:
+
+1. within a chunk, outputs are a masked "attention" ``(C_l . B_s) * exp(cumA_l - cumA_s) * dt_s x_s``;
+2. each chunk's own end state ``sum_s exp(cumA_end - cumA_s) dt_s x_s B_s``;
+3. a short sequential pass over chunk positions carries states between a sequence's chunks;
+4. each chunk's incoming state contributes ``exp(cumA_l) C_l . S_in``.
+
+Padding positions inside the last chunk of a sequence get ``dt = 0``: no decay, no input, so they leave
+the state unchanged. Everything but step 3 is a handful of batched matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ssd.naive import expand_groups
+
+
+def _chunk_layout(
+    cu_seqlens: torch.Tensor, chunk_size: int, pad_row: int
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Token rows of every chunk ``[num_chunks, chunk_size]`` (``pad_row`` past the end) and, per
+    sequence, its chunk ids in order."""
+    bounds = cu_seqlens.tolist()
+    starts, ends, per_seq = [], [], []
+    for b in range(len(bounds) - 1):
+        ids = []
+        for s in range(bounds[b], bounds[b + 1], chunk_size):
+            ids.append(len(starts))
+            starts.append(s)
+            ends.append(min(s + chunk_size, bounds[b + 1]))
+        per_seq.append(ids)
+    offsets = torch.arange(chunk_size)
+    rows = torch.tensor(starts, dtype=torch.long)[:, None] + offsets
+    rows = torch.where(rows < torch.tensor(ends, dtype=torch.long)[:, None], rows, pad_row)
+    return rows.to(cu_seqlens.device), per_seq
+
+
+def ssd_scan_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`~kernels.ssd.naive.ssd_scan_ref`."""
+    total, heads, head_dim = x.shape
+    batch = cu_seqlens.numel() - 1
+    d_state = B.shape[-1]
+    rows, per_seq = _chunk_layout(cu_seqlens, chunk_size, pad_row=total)
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])
+        return padded[rows]
+
+    xdt = chunked(x) * chunked(dt)[..., None]  # [c, l, h, p]
+    log_decay = torch.cumsum(chunked(dt) * A.float(), dim=1)  # [c, l, h]
+    Bc, Cc = expand_groups(chunked(B), heads), expand_groups(chunked(C), heads)  # [c, l, h, n]
+
+    # 1. intra-chunk outputs
+    seg = log_decay.transpose(1, 2)[:, :, :, None] - log_decay.transpose(1, 2)[:, :, None, :]  # [c, h, l, s]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    weights = torch.exp(seg.masked_fill(~causal, float("-inf"))) * torch.einsum("clhn,cshn->chls", Cc, Bc)
+    y = torch.einsum("chls,cshp->clhp", weights, xdt)
+
+    # 2. each chunk's end state from its own inputs
+    to_end = torch.exp(log_decay[:, -1:, :] - log_decay)  # [c, l, h]
+    chunk_states = torch.einsum("clhn,clhp->chpn", Bc * to_end[..., None], xdt)
+
+    # 3. carry states across each sequence's chunks
+    chunk_decay = torch.exp(log_decay[:, -1, :])[:, :, None, None]  # [c, h, 1, 1]
+    state = (
+        x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32)
+        if initial_state is None
+        else initial_state.float().clone()
+    )
+    incoming = torch.empty_like(chunk_states)
+    for position in range(max(map(len, per_seq), default=0)):
+        seqs = [b for b, ids in enumerate(per_seq) if position < len(ids)]
+        ids = torch.tensor([per_seq[b][position] for b in seqs], device=x.device)
+        seq_index = torch.tensor(seqs, device=x.device)
+        incoming[ids] = state[seq_index]
+        state[seq_index] = chunk_decay[ids] * state[seq_index] + chunk_states[ids]
+
+    # 4. contribution of the incoming state
+    y = y + torch.einsum("clhn,chpn->clhp", Cc * torch.exp(log_decay)[..., None], incoming)
+
+    out = x.new_empty((total + 1, heads, head_dim), dtype=torch.float32)
+    out[rows.flatten()] = y.reshape(-1, heads, head_dim)
+    out = out[:total]
+    if D is not None:
+        out = out + D.float()[:, None] * x.float()
+    return out, state
