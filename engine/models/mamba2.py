@@ -6,7 +6,7 @@ Block (pre-norm, residual)::
     x, B, C    = silu(conv1d_causal(xBC)).split(d_inner, G N, G N)    # state: last d_conv-1 inputs
     dt         = clamp(softplus(dt + dt_bias), *time_step_limit)
     y          = SSD(x as [H, P], dt, A = -exp(A_log), B, C as [G, N]) + D x   # state: [H, P, N] per layer
-    h          = h + out_proj(GroupRMSNorm(y * silu(z)))               # norm per group of d_inner / G channels
+    h          = h + out_proj(GroupRMSNorm(y * silu(z)))     # statistics per group of d_inner / G channels
 
 Parameter names equal the Hugging Face ones. Conv tail and SSD state are kept in fp32.
 """
@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
     def _ssd_inputs(
         self, xbc: torch.Tensor, dt: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Post-conv ``xBC [N, conv_dim]`` and raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt``, ``A``, ``B``, ``C``."""
+        """Post-conv ``xBC [N, conv_dim]``, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt``, ``A``, ``B``, ``C``."""
         c = self.config
         x, B, C = F.silu(xbc).split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.dt_min_limit, c.dt_max_limit)
