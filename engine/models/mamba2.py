@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
     def _ssd_inputs(
         self, xbc: torch.Tensor, dt: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Post-conv ``xBC [N, conv_dim]``, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt``, ``A``, ``B``, ``C``."""
+        """``xBC [N, conv_dim]`` after the conv, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt, A, B, C``."""
         c = self.config
         x, B, C = F.silu(xbc).split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.dt_min_limit, c.dt_max_limit)
