@@ -47,7 +47,7 @@ def causal_conv1d_update(
 
         return causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
     y, new_state = causal_conv1d_update_ref(x, conv_state[slot_ids], weight, bias)
-    conv_state[slot_ids] = new_state.to(conv_state.dtype)
+    conv_state[slot_ids] = new_state
     return y
 
 

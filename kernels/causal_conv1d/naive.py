@@ -1,7 +1,8 @@
 """PyTorch reference for the causal depthwise conv1d with a state tail.
 
 Layout: packed inputs ``x [T, C]``; weight ``[C, K]`` (tap ``K-1`` multiplies the current token);
-state tail ``[B, C, K-1]`` holding each sequence's last ``K-1`` inputs, oldest first.
+state tail ``[B, C, K-1]`` holding each sequence's last ``K-1`` inputs, oldest first. Computes in fp32;
+outputs have ``x``'s dtype, states are fp32.
 """
 
 from __future__ import annotations
@@ -47,25 +48,25 @@ def causal_conv1d_varlen_ref(
     width = weight.shape[1]
     batch = cu_seqlens.numel() - 1
     if initial_state is None:
-        initial_state = x.new_zeros(batch, channels, width - 1)
-    ext = torch.cat([initial_state.transpose(1, 2).reshape(-1, channels).to(x.dtype), x])
+        initial_state = x.new_zeros(batch, channels, width - 1, dtype=torch.float32)
+    ext = torch.cat([initial_state.transpose(1, 2).reshape(-1, channels).float(), x.float()])
     taps, tails = _window_index(cu_seqlens, width, total)
-    w = weight.to(x.dtype)
+    w = weight.float()
     y = ext[taps[0]] * w[:, 0]
     for j in range(1, width):
         y = y + ext[taps[j]] * w[:, j]
     if bias is not None:
-        y = y + bias.to(x.dtype)
+        y = y + bias.float()
     final_state = ext[tails].transpose(1, 2)
-    return y, final_state
+    return y.to(x.dtype), final_state
 
 
 def causal_conv1d_update_ref(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step: ``x [B, C]``, ``conv_state [B, C, K-1]`` -> ``(y [B, C], new_state)``."""
-    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)
-    y = (window * weight.to(x.dtype)).sum(-1)
+    window = torch.cat([conv_state.float(), x.float()[:, :, None]], dim=2)
+    y = (window * weight.float()).sum(-1)
     if bias is not None:
-        y = y + bias.to(x.dtype)
-    return y, window[:, :, 1:]
+        y = y + bias.float()
+    return y.to(x.dtype), window[:, :, 1:]
