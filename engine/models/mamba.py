@@ -32,7 +32,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.selective_scan import selective_scan_chunked, selective_state_update
 
 
@@ -114,9 +114,7 @@ class MambaMixer(nn.Module):
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, z = self.in_proj(h).chunk(2, dim=-1)
-        x, conv_state = causal_conv1d_varlen_ref(
-            x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state
-        )
+        x, conv_state = causal_conv1d_varlen(x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state)
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
         y, ssm_state = selective_scan_chunked(
@@ -125,12 +123,19 @@ class MambaMixer(nn.Module):
         return self.out_proj(y.to(h.dtype)), conv_state, ssm_state
 
     def decode(
-        self, h: torch.Tensor, slots: torch.Tensor | slice, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+        self,
+        h: torch.Tensor,
+        slot_ids: torch.Tensor,
+        slots: torch.Tensor | slice,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place."""
+        """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place.
+
+        ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
+        """
         x, z = self.in_proj(h).chunk(2, dim=-1)
-        x, conv_state = causal_conv1d_update_ref(x, conv_pool[slots], self._conv_weight(), self.conv1d.bias)
-        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids)
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
         y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z)
@@ -242,7 +247,9 @@ class MambaLM(RecurrentLM):
         h = self.backbone.embeddings(input_ids)
         slots = slot_index(slot_ids)
         for i, block in enumerate(self.backbone.layers):
-            h = h + block.mixer.decode(block.norm(h), slots, state["conv"][:, i], state["ssm"][:, i])
+            h = h + block.mixer.decode(
+                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
+            )
         return self._logits(h)
 
 

@@ -31,7 +31,7 @@ from engine.models.base import (
     register_preset,
 )
 from engine.models.mamba import RMSNorm, slot_index
-from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.ssd import ssd_scan_chunked, ssd_state_update
 
 
@@ -120,7 +120,7 @@ class Mamba2Mixer(nn.Module):
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         z, xbc, dt = self._split(h)
-        xbc, conv_state = causal_conv1d_varlen_ref(
+        xbc, conv_state = causal_conv1d_varlen(
             xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state
         )
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
@@ -128,13 +128,16 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y.flatten(1), z)), conv_state, ssm_state
 
     def decode(
-        self, h: torch.Tensor, slots: torch.Tensor | slice, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+        self,
+        h: torch.Tensor,
+        slot_ids: torch.Tensor,
+        slots: torch.Tensor | slice,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
+        """One token per sequence; the pool views are updated in place (``slots``: see ``slot_index``)."""
         z, xbc, dt = self._split(h)
-        xbc, conv_state = causal_conv1d_update_ref(
-            xbc, conv_pool[slots], self.conv1d.weight[:, 0], self.conv1d.bias
-        )
-        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D)
         return self.out_proj(self.norm(y.flatten(1), z))
@@ -246,7 +249,9 @@ class Mamba2LM(RecurrentLM):
         h = self.backbone.embeddings(input_ids)
         slots = slot_index(slot_ids)
         for i, block in enumerate(self.backbone.layers):
-            h = h + block.mixer.decode(block.norm(h), slots, state["conv"][:, i], state["ssm"][:, i])
+            h = h + block.mixer.decode(
+                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
+            )
         return self._logits(h)
 
 

@@ -35,7 +35,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
 
 
@@ -129,7 +129,7 @@ class RecurrentBlock(nn.Module):
         lru_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y = gelu_tanh(self.linear_y(x))
-        u, conv_state = causal_conv1d_varlen_ref(
+        u, conv_state = causal_conv1d_varlen(
             self.linear_x(x), self.conv_1d.weight[:, 0], self.conv_1d.bias, cu_seqlens, conv_state
         )
         a, b = self.rg_lru.coefficients(u, first)
@@ -145,10 +145,9 @@ class RecurrentBlock(nn.Module):
         lru_pool: torch.Tensor,
     ) -> torch.Tensor:
         y = gelu_tanh(self.linear_y(x))
-        u, conv_state = causal_conv1d_update_ref(
-            self.linear_x(x), conv_pool[slot_ids], self.conv_1d.weight[:, 0], self.conv_1d.bias
+        u = causal_conv1d_update(
+            self.linear_x(x), conv_pool, self.conv_1d.weight[:, 0], self.conv_1d.bias, slot_ids
         )
-        conv_pool[slot_ids] = conv_state.to(conv_pool.dtype)
         a, b = self.rg_lru.coefficients(u, first)
         h = diag_scan_step(a, b, lru_pool, slot_ids)
         return self.linear_out(h.to(x.dtype) * y)
