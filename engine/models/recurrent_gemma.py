@@ -308,7 +308,7 @@ class RecurrentGemmaLM(RecurrentLM):
         # Index of each layer within its kind's state tensors.
         self._state_index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self._num = {kind: kinds.count(kind) for kind in ("recurrent", "attention")}
-        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.bfloat16))
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.bfloat16, device="cpu"))
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> RecurrentGemmaConfig:
