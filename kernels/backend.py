@@ -34,7 +34,3 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _forced = previous
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
