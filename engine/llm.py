@@ -29,7 +29,8 @@ class LLM:
 
     ``model`` is a checkpoint directory, ``random:<preset>`` or a registered name (e.g. ``lsrl:majority``).
     ``device="auto"`` uses CUDA when present. The state pool holds ``max_num_seqs`` slots, or as many as
-    fit in ``state_memory`` bytes (the smaller of both when both are given).
+    fit in ``state_memory`` bytes (the smaller of both when both are given). On CUDA, decode replays CUDA
+    graphs unless ``enforce_eager``.
     """
 
     def __init__(
@@ -40,10 +41,14 @@ class LLM:
         max_num_seqs: int | None = 64,
         state_memory: int | None = None,
         max_num_batched_tokens: int = 2048,
+        enforce_eager: bool = False,
     ) -> None:
         loaded, tokenizer = load_model(model, device=device, dtype=dtype)
         config = EngineConfig(
-            max_num_seqs=max_num_seqs, state_memory=state_memory, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs,
+            state_memory=state_memory,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(loaded, tokenizer, config)
 

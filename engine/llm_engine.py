@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prompt_tokens: int | None = None
     max_waiting: int | None = None
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -53,7 +54,7 @@ class LLMEngine:
             state_memory=self.config.state_memory,
             device=device,
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, enforce_eager=self.config.enforce_eager)
         self.scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens, self.config.max_waiting)
         self.eos_token_id = tokenizer.eos_token_id
         self.last_step = StepStats()
@@ -62,7 +63,7 @@ class LLMEngine:
 
     @classmethod
     def from_name(
-        cls, model: str, device: str = "auto", dtype: str | torch.dtype | None = None, **config: int | None
+        cls, model: str, device: str = "auto", dtype: str | torch.dtype | None = None, **config: int | bool | None
     ) -> LLMEngine:
         loaded, tokenizer = load_model(model, device=device, dtype=dtype)
         return cls(loaded, tokenizer, EngineConfig(**config))  # type: ignore[arg-type]

@@ -75,6 +75,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     max_prompt_tokens: int | None = None
     max_waiting: int | None = 256
+    enforce_eager: bool = False
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     chat_default_max_tokens: int = 256
@@ -102,6 +103,7 @@ def build_engine(config: ServerConfig) -> LLMEngine:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         max_waiting=config.max_waiting,
+        enforce_eager=config.enforce_eager,
     )
 
 

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="reject longer prompts with 400 (default: no limit besides the body size)",
     )
     serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up",
+    )
+    serve.add_argument(
         "--max-waiting",
         type=positive_int,
         default=256,
@@ -207,6 +212,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         max_waiting=args.max_waiting,
+        enforce_eager=args.enforce_eager,
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         chat_default_max_tokens=args.chat_max_tokens,

@@ -43,3 +43,7 @@ def test_empty_or_out_of_vocab_prompt_is_rejected(llm: LLM) -> None:
         llm.generate("", SamplingParams())
     with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
         llm.generate([[1, 2, 100000]], SamplingParams())
+
+
+def test_cpu_never_captures_cuda_graphs(llm: LLM) -> None:
+    assert llm.engine.runner.graphs is None

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVE_FLAGS = [
     "--model", "--host", "--port", "--device", "--dtype", "--max-num-seqs", "--state-memory",
     "--max-prompt-tokens", "--api-key", "--served-model-name", "--max-num-batched-tokens", "--max-waiting",
+    "--enforce-eager",
     "--max-body-bytes", "--drain-timeout",
 ]  # fmt: skip
 

@@ -1,0 +1,25 @@
+"""Through the whole engine on CUDA: CUDA-graph decode gives the same tokens as eager decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("preset", ["random:mingru-tiny", "random:minlstm-tiny"])
+def test_engine_with_graphs_matches_eager(preset: str) -> None:
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(37)]  # 37 rows: a padded bucket
+    params = [SamplingParams(temperature=0, max_tokens=48), SamplingParams(temperature=0.9, seed=3, max_tokens=48)]
+    for sp in params:
+        graphs = LLM(preset, device="cuda", dtype="float32", max_num_seqs=40).generate(prompts, sp)
+        eager = LLM(preset, device="cuda", dtype="float32", max_num_seqs=40, enforce_eager=True).generate(prompts, sp)
+        assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_graph_runner_is_used_on_cuda_only_without_enforce_eager() -> None:
+    assert LLM("random:mingru-tiny", device="cuda", max_num_seqs=4).engine.runner.graphs is not None
+    assert LLM("random:mingru-tiny", device="cuda", max_num_seqs=4, enforce_eager=True).engine.runner.graphs is None
