@@ -14,13 +14,18 @@ Usage: ``python benchmarks/hf_compare.py [--model random:mamba-130m] [--batches 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
+# Sleep instead of spin while waiting at OpenMP barriers: on a shared machine, spinning threads of one
+# engine starve the other's (both engines run in this process under the same setting).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+import torch  # noqa: E402
+
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def hf_reference(model: torch.nn.Module) -> torch.nn.Module:

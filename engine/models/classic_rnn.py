@@ -23,7 +23,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from kernels.selective_scan.chunked import time_major_order
+from kernels.selective_scan import time_major_order
 
 
 @dataclass

@@ -33,7 +33,7 @@ from engine.models.base import (
     register_preset,
 )
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.selective_scan import selective_scan_chunked, selective_state_update
+from kernels.selective_scan import selective_scan_varlen, selective_state_update
 
 
 @dataclass
@@ -117,7 +117,7 @@ class MambaMixer(nn.Module):
         x, conv_state = causal_conv1d_varlen(x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state)
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
-        y, ssm_state = selective_scan_chunked(
+        y, ssm_state = selective_scan_varlen(
             x, dt, A, B, C, cu_seqlens, self.D, z, ssm_state, chunk_size=self.config.scan_chunk_size
         )
         return self.out_proj(y.to(h.dtype)), conv_state, ssm_state

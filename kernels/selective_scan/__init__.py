@@ -1,16 +1,86 @@
-"""Mamba-1 selective scan: the varlen prefill (chunked, time-major) and the fused decode state update.
+"""Mamba-1 selective scan: varlen prefill and the decode state update on state-pool slots.
 
-``naive.py`` is the token-by-token reference, ``chunked.py`` the packed varlen prefill and
-``fused_recurrent.py`` the in-place decode step on state-pool slots.
+``naive.py`` is the token-by-token reference; ``chunked.py`` the PyTorch varlen prefill (time-major, one
+fused op per step); ``fused_recurrent.py`` the PyTorch in-place decode update; ``cpu.py`` fused C++ kernels
+for both, used on CPU whenever they compile. The two public functions pick the fastest available path.
 """
 
-from kernels.selective_scan.chunked import selective_scan_chunked
-from kernels.selective_scan.fused_recurrent import selective_state_update
-from kernels.selective_scan.naive import selective_scan_ref, selective_state_update_ref
+from __future__ import annotations
+
+import torch
+
+from kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
+from kernels.selective_scan.cpu import cpu_kernels, usable
+from kernels.selective_scan.fused_recurrent import selective_state_update_torch
+from kernels.selective_scan.naive import gate_output, selective_scan_ref, selective_state_update_ref
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+def selective_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen selective scan; same contract as :func:`selective_scan_ref`."""
+    if not usable(x) or A.shape[1] > 64:
+        return selective_scan_chunked(x, dt, A, B, C, cu_seqlens, D, z, initial_state, chunk_size)
+    batch = cu_seqlens.numel() - 1
+    if initial_state is None:
+        state = x.new_zeros((batch, *A.shape), dtype=torch.float32)
+    else:
+        state = initial_state.to(torch.float32, copy=True).contiguous()
+    y = cpu_kernels().scan(
+        _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), cu_seqlens.long().contiguous(), state
+    )
+    return gate_output(y, x, D, z), state
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    slots: torch.Tensor | slice,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step on pool rows ``state[slots]`` in place (see :func:`selective_state_update_torch`)."""
+    d_state = A.shape[1]
+    fused = (
+        usable(x)
+        and d_state <= 64
+        and state.dtype == torch.float32
+        and state.stride(-1) == 1
+        and state.stride(-2) == d_state
+    )
+    if not fused:
+        return selective_state_update_torch(state, slots, x, dt, A, B, C, D, z)
+    if isinstance(slots, slice):
+        slot_ids = torch.arange(slots.start, slots.stop)
+    else:
+        slot_ids = slots.long().contiguous()
+    y = cpu_kernels().step(state, slot_ids, _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C))
+    return gate_output(y, x, D, z)
+
 
 __all__ = [
-    "selective_scan_chunked",
+    "selective_scan_varlen",
     "selective_state_update",
+    "selective_scan_chunked",
+    "selective_state_update_torch",
     "selective_scan_ref",
     "selective_state_update_ref",
+    "time_major_order",
 ]

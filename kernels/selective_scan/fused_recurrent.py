@@ -1,4 +1,4 @@
-"""Mamba-1 decode step applied in place to a state pool (``selective_state_update``)."""
+"""Mamba-1 decode step applied in place to a state pool, in PyTorch ops (any device)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from kernels.selective_scan.naive import gate_output
 
 
-def selective_state_update(
+def selective_state_update_torch(
     state: torch.Tensor,
     slots: torch.Tensor | slice,
     x: torch.Tensor,

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.selective_scan import selective_scan_chunked, selective_scan_ref, selective_state_update
+from kernels.selective_scan import (
+    selective_scan_chunked,
+    selective_scan_ref,
+    selective_scan_varlen,
+    selective_state_update,
+    selective_state_update_torch,
+)
+from kernels.selective_scan.cpu import cpu_kernels
 
 
 def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, seed: int = 0) -> dict:
@@ -25,6 +32,9 @@ def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, seed: int = 
     }
 
 
+needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="fused CPU kernels could not be built")
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 32])
 @pytest.mark.parametrize("lengths", [[1], [5, 1, 9, 4], [17, 17, 2]])
 def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
@@ -35,8 +45,24 @@ def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
     torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("d_inner", [6, 16, 37])
+@pytest.mark.parametrize("lengths", [[1], [5, 1, 9, 4], [40, 17, 2]])
+def test_fused_cpu_scan_matches_reference(lengths: list[int], d_inner: int) -> None:
+    args = _inputs(lengths, d_inner=d_inner, d_state=16)
+    y_ref, h_ref = selective_scan_ref(**args)
+    initial = args["initial_state"].clone()
+    y, h = selective_scan_varlen(**args)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(args["initial_state"], initial)
+
+
+@pytest.mark.parametrize(
+    "update", [selective_state_update_torch, pytest.param(selective_state_update, marks=needs_cpu_kernels)]
+)
 @pytest.mark.parametrize("consecutive", [True, False])
-def test_state_update_in_place_matches_reference(consecutive: bool) -> None:
+def test_state_update_in_place_matches_reference(consecutive: bool, update) -> None:
     lengths = [1, 1, 1]
     args = _inputs(lengths)
     y_ref, h_ref = selective_scan_ref(**args)
@@ -46,7 +72,7 @@ def test_state_update_in_place_matches_reference(consecutive: bool) -> None:
     untouched = pool[[1, 5]].clone()
     slots = slice(2, 5) if consecutive else slot_ids
     step = {k: args[k] for k in ("x", "dt", "A", "B", "C", "D", "z")}
-    y = selective_state_update(pool, slots, **step)
+    y = update(pool, slots, **step)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[slot_ids], h_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[1, 5]], untouched)
