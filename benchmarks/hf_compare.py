@@ -13,9 +13,17 @@ Usage: ``python benchmarks/hf_compare.py [--model random:mamba-130m] [--batches 
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
+import sys
+from pathlib import Path
+
+# ``benchmarks/kernels.py`` would shadow the ``kernels`` package: import from the repository root.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
 
 # Sleep instead of spin while waiting at OpenMP barriers: on a shared machine, spinning threads of one
 # engine starve the other's (both engines run in this process under the same setting).
@@ -86,30 +94,12 @@ def run_transformers(reference, prompts: list[list[int]], new_tokens: int) -> tu
     return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="random:mamba-130m")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--profile", action="store_true", help="profile rnnserve's decode at the largest batch"
-    )
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    model, tokenizer = load_model(args.model, device="cpu", dtype=args.dtype)
+def measure(args: argparse.Namespace, dtype: str) -> list[tuple]:
+    """Both engines on the same weights in ``dtype``; one row per batch size."""
+    model, tokenizer = load_model(args.model, device="cpu", dtype=dtype)
     reference = hf_reference(model)
     g = torch.Generator().manual_seed(0)
     n = args.new_tokens
-    print(
-        f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {args.dtype}), "
-        f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {n} new tokens"
-    )
     run_rnnserve(model, tokenizer, [[1, 2, 3]], 2)
     run_transformers(reference, [[1, 2, 3]], 2)
     rows = []
@@ -119,31 +109,61 @@ def main() -> None:
         ours_first, _ = run_rnnserve(model, tokenizer, prompts, 1)
         hf_full, hf_tokens = run_transformers(reference, prompts, n)
         hf_first, _ = run_transformers(reference, prompts, 1)
-        rows.append((batch, ours_full, ours_first, hf_full, hf_first, ours_tokens == hf_tokens))
-        print(f"  batch {batch} done", flush=True)
-
-    print(
-        f"\n{'batch':>5} | {'engine':<12} | {'end-to-end tok/s':>16} | {'decode tok/s':>12} | "
-        "speedup (e2e / decode)"
-    )
-    print("-" * 84)
-    for batch, ours_full, ours_first, hf_full, hf_first, same in rows:
-        ours_e2e, hf_e2e = batch * n / ours_full, batch * n / hf_full
-        ours_dec = batch * (n - 1) / max(ours_full - ours_first, 1e-9)
-        hf_dec = batch * (n - 1) / max(hf_full - hf_first, 1e-9)
-        print(f"{batch:>5} | {'transformers':<12} | {hf_e2e:>16.1f} | {hf_dec:>12.1f} |")
-        print(
-            f"{batch:>5} | {'rnnserve':<12} | {ours_e2e:>16.1f} | {ours_dec:>12.1f} | "
-            f"{ours_e2e / hf_e2e:>9.1f}x / {ours_dec / hf_dec:.1f}x"
-        )
-        print(f"{'':>5} | greedy tokens identical: {'yes' if same else 'NO'}")
-
-    if args.profile:
-        batch = max(args.batches)
-        prompts = torch.randint(0, model.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        rows.append((dtype, batch, ours_full, ours_first, hf_full, hf_first, ours_tokens == hf_tokens))
+        print(f"  {dtype} batch {batch} done", flush=True)
+    if args.profile and dtype == args.dtypes[0]:
+        prompts = torch.randint(
+            0, model.vocab_size, (max(args.batches), args.prompt_len), generator=g
+        ).tolist()
         with torch.profiler.profile() as prof:
             run_rnnserve(model, tokenizer, prompts, n)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="random:mamba-130m")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        help="weight dtypes, e.g. float32 bfloat16 (states stay fp32)",
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both engines")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one rnnserve run at the largest batch"
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.new_tokens
+    print(
+        f"model {args.model}, {torch.get_num_threads()} threads, prompt {args.prompt_len}, {n} new tokens, "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+    )
+    rows = [row for dtype in args.dtypes for row in measure(args, dtype)]
+
+    print(
+        f"\n{'dtype':<9} | {'batch':>5} | {'engine':<12} | {'end-to-end tok/s':>16} | {'decode tok/s':>12} | "
+        "rnnserve speedup (e2e / decode)"
+    )
+    print("-" * 104)
+    for dtype, batch, ours_full, ours_first, hf_full, hf_first, same in rows:
+        ours_e2e, hf_e2e = batch * n / ours_full, batch * n / hf_full
+        ours_dec = batch * (n - 1) / max(ours_full - ours_first, 1e-9)
+        hf_dec = batch * (n - 1) / max(hf_full - hf_first, 1e-9)
+        print(f"{dtype:<9} | {batch:>5} | {'transformers':<12} | {hf_e2e:>16.1f} | {hf_dec:>12.1f} |")
+        print(
+            f"{dtype:<9} | {batch:>5} | {'rnnserve':<12} | {ours_e2e:>16.1f} | {ours_dec:>12.1f} | "
+            f"{ours_e2e / hf_e2e:>6.1f}x / {ours_dec / hf_dec:.1f}x   (greedy tokens identical: "
+            f"{'yes' if same else 'NO'})"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def resolve_repo_id(name: str, cache_dir: Path | None = None) -> Path:
     hint = "" if offline else " (rnnserve never downloads: fetch it first, e.g. `huggingface-cli download`)"
     if not repo_dir.is_dir():
         raise HFCacheMiss(
-            f"{repo_id!r} is not in the local Hugging Face cache: {repo_dir} does not exist{hint}"
+            f"{repo_id!r} is not a local directory nor in the local Hugging Face cache: "
+            f"{repo_dir} does not exist{hint}"
         )
     ref = repo_dir / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
