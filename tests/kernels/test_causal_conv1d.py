@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 from kernels.causal_conv1d import (
     causal_conv1d_update,
@@ -12,6 +11,7 @@ from kernels.causal_conv1d import (
     causal_conv1d_varlen,
     causal_conv1d_varlen_ref,
 )
+from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 CHANNELS = 20  # not a power of two: exercises the channel mask
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 from kernels.diag_linear_scan import (
     diag_linear_scan,
@@ -14,6 +13,7 @@ from kernels.diag_linear_scan import (
     diag_scan_step,
     diag_scan_step_ref,
 )
+from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
