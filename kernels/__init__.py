@@ -1,1 +1,2 @@
-"""Sequence-mixing ops: each folder holds a PyTorch reference and (where written) Triton kernels."""
+"""Sequence-mixing and fused ops, one folder each: a PyTorch reference (``naive.py``), Triton kernels beside it
+and public functions that pick Triton on CUDA tensors (see :mod:`kernels.backend` and ``docs/kernels.md``)."""
