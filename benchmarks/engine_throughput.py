@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/kernels.py would shadow the kernels package: import from the repo root instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+sys.path.insert(0, str(ROOT))
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import load_model
