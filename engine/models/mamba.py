@@ -99,13 +99,12 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)`` with ``dt`` discretised."""
+        """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)``; the scan adds dt's bias and softplus."""
         c = self.config
         dt, B, C = self.x_proj(x).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
-        dt = F.softplus((dt @ self.dt_proj.weight.t()).float() + self.dt_proj.bias.float())
-        return dt, -torch.exp(self.A_log.float()), B, C
+        return dt @ self.dt_proj.weight.t(), -torch.exp(self.A_log.float()), B, C
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0, :]
@@ -118,7 +117,18 @@ class MambaMixer(nn.Module):
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
         y, ssm_state = selective_scan_varlen(
-            x, dt, A, B, C, cu_seqlens, self.D, z, ssm_state, chunk_size=self.config.scan_chunk_size
+            x,
+            dt,
+            A,
+            B,
+            C,
+            cu_seqlens,
+            self.D,
+            z,
+            ssm_state,
+            self.dt_proj.bias,
+            True,
+            self.config.scan_chunk_size,
         )
         return self.out_proj(y.to(h.dtype)), conv_state, ssm_state
 
@@ -138,7 +148,7 @@ class MambaMixer(nn.Module):
         x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids)
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
-        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z)
+        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z, self.dt_proj.bias, True)
         return self.out_proj(y.to(h.dtype))
 
 

@@ -12,11 +12,12 @@ import torch
 from kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
 from kernels.selective_scan.cpu import cpu_kernels, usable
 from kernels.selective_scan.fused_recurrent import selective_state_update_torch
-from kernels.selective_scan.naive import gate_output, selective_scan_ref, selective_state_update_ref
+from kernels.selective_scan.naive import discretise, selective_scan_ref, selective_state_update_ref
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.float().contiguous()
+def _f32(t: torch.Tensor | None) -> torch.Tensor:
+    """fp32 contiguous; ``None`` becomes the empty tensor the C++ kernels read as "absent"."""
+    return torch.empty(0) if t is None else t.float().contiguous()
 
 
 def selective_scan_varlen(
@@ -29,20 +30,23 @@ def selective_scan_varlen(
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen selective scan; same contract as :func:`selective_scan_ref`."""
     if not usable(x) or A.shape[1] > 64:
-        return selective_scan_chunked(x, dt, A, B, C, cu_seqlens, D, z, initial_state, chunk_size)
+        return selective_scan_chunked(
+            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size
+        )
     batch = cu_seqlens.numel() - 1
     if initial_state is None:
         state = x.new_zeros((batch, *A.shape), dtype=torch.float32)
     else:
         state = initial_state.to(torch.float32, copy=True).contiguous()
-    y = cpu_kernels().scan(
-        _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), cu_seqlens.long().contiguous(), state
-    )
-    return gate_output(y, x, D, z), state
+    inputs = [_f32(t) for t in (x, dt, dt_bias, A, B, C, D, z)]
+    y = cpu_kernels().scan(*inputs, cu_seqlens.long().contiguous(), state, dt_softplus)
+    return y, state
 
 
 def selective_state_update(
@@ -55,6 +59,8 @@ def selective_state_update(
     C: torch.Tensor,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
 ) -> torch.Tensor:
     """One decode step on pool rows ``state[slots]`` in place (see :func:`selective_state_update_torch`)."""
     d_state = A.shape[1]
@@ -66,13 +72,25 @@ def selective_state_update(
         and state.stride(-2) == d_state
     )
     if not fused:
-        return selective_state_update_torch(state, slots, x, dt, A, B, C, D, z)
+        return selective_state_update_torch(state, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     if isinstance(slots, slice):
         slot_ids = torch.arange(slots.start, slots.stop)
     else:
         slot_ids = slots.long().contiguous()
-    y = cpu_kernels().step(state, slot_ids, _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C))
-    return gate_output(y, x, D, z)
+    kernels = cpu_kernels()
+    return kernels.step(
+        state,
+        slot_ids,
+        _f32(x),
+        _f32(dt),
+        _f32(dt_bias),
+        _f32(A),
+        _f32(B),
+        _f32(C),
+        _f32(D),
+        _f32(z),
+        dt_softplus,
+    )
 
 
 __all__ = [
@@ -83,4 +101,5 @@ __all__ = [
     "selective_scan_ref",
     "selective_state_update_ref",
     "time_major_order",
+    "discretise",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.selective_scan.naive import gate_output
+from kernels.selective_scan.naive import discretise, gate_output
 
 
 def time_major_order(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, list[int]]:
@@ -42,9 +42,12 @@ def selective_scan_chunked(
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`~kernels.selective_scan.naive.selective_scan_ref`."""
+    dt = discretise(dt, dt_bias, dt_softplus)
     batch = cu_seqlens.numel() - 1
     d_inner, d_state = A.shape
     active, rows, order = time_major_order(cu_seqlens)

@@ -3,8 +3,9 @@ C++ extension builder.
 
 On a CPU the PyTorch formulation of the scan is memory-bound: it materialises ``exp(dt A)`` and
 ``dt B x`` as ``[tokens, d_inner, d_state]`` tensors and streams over them several times. These kernels
-keep each block of 16 channels' ``[16, d_state]`` state in registers/L1 and read every input once, so the
-scan costs a few percent of a Mamba layer instead of about half of it (the rest is matrix multiplies).
+keep each block of 16 channels' ``[16, d_state]`` state in registers/L1, read every input once and also
+fuse the ``dt`` discretisation (bias + softplus) and the output's ``D`` skip and SiLU gate, so the scan
+costs a few percent of a Mamba layer instead of about half of it (the rest is matrix multiplies).
 
 The extension needs a C++ compiler with OpenMP (g++ on Linux). When it cannot be built, or when
 ``RNNSERVE_CPU_KERNELS=0``, :func:`cpu_kernels` returns ``None`` and callers use the PyTorch path.
@@ -28,77 +29,101 @@ _SOURCE = r"""
 namespace {
 constexpr int64_t kBlock = 16;  // channels per work item
 
-// One sequence, channels [d0, d1): h[d, n] = exp(dt A) h + dt x B;  y[t, d] = C_t . h[d].
-inline void scan_block(const float* x, const float* dt, const float* A, const float* B, const float* C,
-                       float* y, float* state, int64_t D, int64_t N, int64_t t0, int64_t t1, int64_t d0,
-                       int64_t d1, int64_t state_row) {
+struct Args {
+  const float *x, *dt, *dt_bias, *A, *B, *C, *D, *z;  // dt_bias, D, z may be null
+  float *y, *state;
+  int64_t channels, d_state;
+  bool softplus;
+};
+
+inline float discretise(float v, const Args& a, int64_t d) {
+  if (a.dt_bias) v += a.dt_bias[d];
+  if (a.softplus) v = v > 20.f ? v : std::log1p(std::exp(v));  // torch's softplus (threshold 20)
+  return v;
+}
+
+// Tokens [t0, t1) of one sequence, channels [d0, d1), state rows at `state_row`:
+// h[d, n] = exp(dt A) h + dt x B;  y[t, d] = (C_t . h[d] + D x) * silu(z).
+inline void scan_block(const Args& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1, int64_t state_row) {
+  const int64_t N = a.d_state, Dm = a.channels, width = d1 - d0;
   float h[kBlock * 64];
-  float a[kBlock * 64];
-  const int64_t width = d1 - d0;
+  float A[kBlock * 64];
   for (int64_t j = 0; j < width; ++j)
     for (int64_t n = 0; n < N; ++n) {
-      h[j * N + n] = state[state_row + (d0 + j) * N + n];
-      a[j * N + n] = A[(d0 + j) * N + n];
+      h[j * N + n] = a.state[state_row + (d0 + j) * N + n];
+      A[j * N + n] = a.A[(d0 + j) * N + n];
     }
   for (int64_t t = t0; t < t1; ++t) {
-    const float* Bt = B + t * N;
-    const float* Ct = C + t * N;
+    const float* Bt = a.B + t * N;
+    const float* Ct = a.C + t * N;
     for (int64_t j = 0; j < width; ++j) {
-      const float delta = dt[t * D + d0 + j];
-      const float u = delta * x[t * D + d0 + j];
+      const int64_t d = d0 + j, row = t * Dm + d;
+      const float delta = discretise(a.dt[row], a, d);
+      const float xv = a.x[row];
+      const float u = delta * xv;
       float* hj = h + j * N;
-      const float* aj = a + j * N;
+      const float* Aj = A + j * N;
       float acc = 0.f;
       for (int64_t n = 0; n < N; ++n) {
-        hj[n] = std::exp(delta * aj[n]) * hj[n] + u * Bt[n];
+        hj[n] = std::exp(delta * Aj[n]) * hj[n] + u * Bt[n];
         acc += hj[n] * Ct[n];
       }
-      y[t * D + d0 + j] = acc;
+      if (a.D) acc += a.D[d] * xv;
+      if (a.z) {
+        const float zv = a.z[row];
+        acc *= zv / (1.f + std::exp(-zv));
+      }
+      a.y[row] = acc;
     }
   }
   for (int64_t j = 0; j < width; ++j)
-    for (int64_t n = 0; n < N; ++n) state[state_row + (d0 + j) * N + n] = h[j * N + n];
+    for (int64_t n = 0; n < N; ++n) a.state[state_row + (d0 + j) * N + n] = h[j * N + n];
+}
+
+const float* optional(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+Args make_args(const torch::Tensor& x, const torch::Tensor& dt, const torch::Tensor& dt_bias,
+               const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C, const torch::Tensor& D,
+               const torch::Tensor& z, torch::Tensor& y, torch::Tensor& state, bool softplus) {
+  TORCH_CHECK(A.size(1) <= 64, "d_state > 64 is not supported by the fused CPU scan");
+  return Args{x.data_ptr<float>(), dt.data_ptr<float>(), optional(dt_bias), A.data_ptr<float>(),
+              B.data_ptr<float>(), C.data_ptr<float>(), optional(D), optional(z), y.data_ptr<float>(),
+              state.data_ptr<float>(), x.size(1), A.size(1), softplus};
 }
 }  // namespace
 
-// Packed varlen prefill: x, dt [T, D]; A [D, N]; B, C [T, N]; cu_seqlens [Bt + 1] (int64);
-// state [Bt, D, N] (contiguous, updated in place). Returns y [T, D] (before the D skip and the gate).
-torch::Tensor scan(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
-                   torch::Tensor cu_seqlens, torch::Tensor state) {
-  const int64_t T = x.size(0), D = x.size(1), N = A.size(1), batch = cu_seqlens.size(0) - 1;
-  TORCH_CHECK(N <= 64, "d_state > 64 is not supported by the fused CPU scan");
-  auto y = torch::empty({T, D}, x.options());
-  const int64_t blocks = (D + kBlock - 1) / kBlock;
+// Packed varlen prefill. x, dt, z [T, Dm]; dt_bias, D [Dm]; A [Dm, N]; B, C [T, N]; cu_seqlens [Bt + 1];
+// state [Bt, Dm, N] contiguous, updated in place. Empty tensors stand for absent dt_bias / D / z.
+torch::Tensor scan(torch::Tensor x, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor A,
+                   torch::Tensor B, torch::Tensor C, torch::Tensor D, torch::Tensor z,
+                   torch::Tensor cu_seqlens, torch::Tensor state, bool softplus) {
+  auto y = torch::empty_like(x);
+  const Args a = make_args(x, dt, dt_bias, A, B, C, D, z, y, state, softplus);
+  const int64_t batch = cu_seqlens.size(0) - 1, blocks = (a.channels + kBlock - 1) / kBlock;
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
-  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
-  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *sp = state.data_ptr<float>();
   at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / blocks, d0 = (i % blocks) * kBlock;
-      scan_block(xp, dtp, Ap, Bp, Cp, yp, sp, D, N, cu[b], cu[b + 1], d0, std::min(d0 + kBlock, D), b * D * N);
+      scan_block(a, cu[b], cu[b + 1], d0, std::min(d0 + kBlock, a.channels), b * a.channels * a.d_state);
     }
   });
   return y;
 }
 
-// Decode: one token per sequence. pool [S, D, N] (rows may be strided, (D, N) contiguous) updated in
-// place at slot_ids [Bt]; x, dt [Bt, D]; B, C [Bt, N]. Returns y [Bt, D].
-torch::Tensor step(torch::Tensor pool, torch::Tensor slot_ids, torch::Tensor x, torch::Tensor dt, torch::Tensor A,
-                   torch::Tensor B, torch::Tensor C) {
-  const int64_t batch = x.size(0), D = x.size(1), N = A.size(1);
-  TORCH_CHECK(N <= 64, "d_state > 64 is not supported by the fused CPU scan");
-  TORCH_CHECK(pool.stride(2) == 1 && pool.stride(1) == N, "pool rows must be contiguous [D, N]");
-  auto y = torch::empty({batch, D}, x.options());
-  const int64_t blocks = (D + kBlock - 1) / kBlock, row_stride = pool.stride(0);
+// Decode, one token per sequence. pool [S, Dm, N] (slot rows may be strided, each row contiguous) is
+// updated in place at slot_ids [Bt]; x, dt, z [Bt, Dm]; B, C [Bt, N].
+torch::Tensor step(torch::Tensor pool, torch::Tensor slot_ids, torch::Tensor x, torch::Tensor dt,
+                   torch::Tensor dt_bias, torch::Tensor A, torch::Tensor B, torch::Tensor C, torch::Tensor D,
+                   torch::Tensor z, bool softplus) {
+  TORCH_CHECK(pool.stride(2) == 1 && pool.stride(1) == A.size(1), "pool rows must be contiguous [Dm, N]");
+  auto y = torch::empty_like(x);
+  const Args a = make_args(x, dt, dt_bias, A, B, C, D, z, y, pool, softplus);
+  const int64_t batch = x.size(0), blocks = (a.channels + kBlock - 1) / kBlock, row_stride = pool.stride(0);
   const int64_t* slots = slot_ids.data_ptr<int64_t>();
-  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
-  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *sp = pool.data_ptr<float>();
   at::parallel_for(0, batch * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / blocks, d0 = (i % blocks) * kBlock;
-      scan_block(xp, dtp, Ap, Bp, Cp, yp, sp, D, N, b, b + 1, d0, std::min(d0 + kBlock, D), slots[b] * row_stride);
+      scan_block(a, b, b + 1, d0, std::min(d0 + kBlock, a.channels), slots[b] * row_stride);
     }
   });
   return y;

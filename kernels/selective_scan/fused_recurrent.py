@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.selective_scan.naive import gate_output
+from kernels.selective_scan.naive import discretise, gate_output
 
 
 def selective_state_update_torch(
@@ -17,14 +17,16 @@ def selective_state_update_torch(
     C: torch.Tensor,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
 ) -> torch.Tensor:
     """Advance ``state[slots]`` (pool ``[N, Di, Ns]`` fp32, a strided view is fine) by one token.
 
     ``slots`` is a ``[B]`` index tensor or, when the batch occupies consecutive slots, a ``slice`` (then the
-    update runs in place on the pool without a gather/scatter). ``x, dt, z [B, Di]`` (``dt`` discretised),
-    ``B, C [B, Ns]``; returns ``y [B, Di]`` in fp32.
+    update runs in place on the pool without a gather/scatter). ``x, dt, z [B, Di]`` (``dt`` before
+    :func:`~kernels.selective_scan.naive.discretise`), ``B, C [B, Ns]``; returns ``y [B, Di]`` in fp32.
     """
-    delta = dt.float()
+    delta = discretise(dt, dt_bias, dt_softplus)
     decay = (delta[:, :, None] * A.float()).exp_()
     h = state[slots]
     h.mul_(decay).addcmul_((delta * x.float())[:, :, None], B.float()[:, None, :])

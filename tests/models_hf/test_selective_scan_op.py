@@ -16,12 +16,14 @@ from kernels.selective_scan import (
 from kernels.selective_scan.cpu import cpu_kernels
 
 
-def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
+def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, optional: bool = True) -> dict:
+    """Random scan inputs; ``optional=False`` leaves out D, z and dt's bias/softplus (dt given positive)."""
+    g = torch.Generator().manual_seed(0)
     total = sum(lengths)
-    return {
+    dt = torch.randn(total, d_inner, generator=g) * 2
+    args = {
         "x": torch.randn(total, d_inner, generator=g),
-        "dt": F.softplus(torch.randn(total, d_inner, generator=g)),
+        "dt": dt if optional else F.softplus(dt),
         "A": -torch.rand(d_inner, d_state, generator=g) * 4,
         "B": torch.randn(total, d_state, generator=g),
         "C": torch.randn(total, d_state, generator=g),
@@ -29,7 +31,12 @@ def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, seed: int = 
         "D": torch.randn(d_inner, generator=g),
         "z": torch.randn(total, d_inner, generator=g),
         "initial_state": torch.randn(len(lengths), d_inner, d_state, generator=g),
+        "dt_bias": torch.randn(d_inner, generator=g) + 12,  # some dt past softplus' linear threshold (20)
+        "dt_softplus": True,
     }
+    if not optional:
+        args.update(D=None, z=None, dt_bias=None, dt_softplus=False)
+    return args
 
 
 needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="fused CPU kernels could not be built")
@@ -46,10 +53,11 @@ def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("optional", [True, False])
 @pytest.mark.parametrize("d_inner", [6, 16, 37])
 @pytest.mark.parametrize("lengths", [[1], [5, 1, 9, 4], [40, 17, 2]])
-def test_fused_cpu_scan_matches_reference(lengths: list[int], d_inner: int) -> None:
-    args = _inputs(lengths, d_inner=d_inner, d_state=16)
+def test_fused_cpu_scan_matches_reference(lengths: list[int], d_inner: int, optional: bool) -> None:
+    args = _inputs(lengths, d_inner=d_inner, d_state=16, optional=optional)
     y_ref, h_ref = selective_scan_ref(**args)
     initial = args["initial_state"].clone()
     y, h = selective_scan_varlen(**args)
@@ -71,7 +79,7 @@ def test_state_update_in_place_matches_reference(consecutive: bool, update) -> N
     pool[slot_ids] = args["initial_state"]
     untouched = pool[[1, 5]].clone()
     slots = slice(2, 5) if consecutive else slot_ids
-    step = {k: args[k] for k in ("x", "dt", "A", "B", "C", "D", "z")}
+    step = {k: args[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus")}
     y = update(pool, slots, **step)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[slot_ids], h_ref, atol=1e-5, rtol=1e-5)
