@@ -44,10 +44,15 @@ inline float discretise(float v, const Args& a, int64_t d) {
 
 // Tokens [t0, t1) of one sequence, channels [d0, d1), state rows at `state_row`:
 // h[d, n] = exp(dt A) h + dt x B;  y[t, d] = (C_t . h[d] + D x) * silu(z).
-inline void scan_block(const Args& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1, int64_t state_row) {
-  const int64_t N = a.d_state, Dm = a.channels, width = d1 - d0;
-  float h[kBlock * 64];
-  float A[kBlock * 64];
+// NS > 0 fixes d_state at compile time (fully vectorised inner loops); NS == 0 reads it at run time.
+template <int64_t NS>
+void scan_block(const Args& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1, int64_t state_row) {
+  const int64_t N = NS > 0 ? NS : a.d_state, Dm = a.channels, width = d1 - d0;
+  alignas(64) float h[kBlock * 64];
+  alignas(64) float A[kBlock * 64];
+  alignas(64) float delta[kBlock];
+  alignas(64) float u[kBlock];
+  alignas(64) float acc[kBlock];
   for (int64_t j = 0; j < width; ++j)
     for (int64_t n = 0; n < N; ++n) {
       h[j * N + n] = a.state[state_row + (d0 + j) * N + n];
@@ -56,28 +61,45 @@ inline void scan_block(const Args& a, int64_t t0, int64_t t1, int64_t d0, int64_
   for (int64_t t = t0; t < t1; ++t) {
     const float* Bt = a.B + t * N;
     const float* Ct = a.C + t * N;
+    const int64_t row = t * Dm + d0;
     for (int64_t j = 0; j < width; ++j) {
-      const int64_t d = d0 + j, row = t * Dm + d;
-      const float delta = discretise(a.dt[row], a, d);
-      const float xv = a.x[row];
-      const float u = delta * xv;
+      delta[j] = discretise(a.dt[row + j], a, d0 + j);
+      u[j] = delta[j] * a.x[row + j];
+    }
+    for (int64_t j = 0; j < width; ++j) {
       float* hj = h + j * N;
       const float* Aj = A + j * N;
-      float acc = 0.f;
+      const float dj = delta[j], uj = u[j];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t n = 0; n < N; ++n) {
-        hj[n] = std::exp(delta * Aj[n]) * hj[n] + u * Bt[n];
-        acc += hj[n] * Ct[n];
+        const float hn = std::exp(dj * Aj[n]) * hj[n] + uj * Bt[n];
+        hj[n] = hn;
+        sum += hn * Ct[n];
       }
-      if (a.D) acc += a.D[d] * xv;
+      acc[j] = sum;
+    }
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t d = d0 + j;
+      float out = acc[j];
+      if (a.D) out += a.D[d] * a.x[row + j];
       if (a.z) {
-        const float zv = a.z[row];
-        acc *= zv / (1.f + std::exp(-zv));
+        const float zv = a.z[row + j];
+        out *= zv / (1.f + std::exp(-zv));
       }
-      a.y[row] = acc;
+      a.y[row + j] = out;
     }
   }
   for (int64_t j = 0; j < width; ++j)
     for (int64_t n = 0; n < N; ++n) a.state[state_row + (d0 + j) * N + n] = h[j * N + n];
+}
+
+void scan_block_any(const Args& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1, int64_t state_row) {
+  switch (a.d_state) {
+    case 16: return scan_block<16>(a, t0, t1, d0, d1, state_row);
+    case 8: return scan_block<8>(a, t0, t1, d0, d1, state_row);
+    default: return scan_block<0>(a, t0, t1, d0, d1, state_row);
+  }
 }
 
 const float* optional(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
@@ -104,7 +126,8 @@ torch::Tensor scan(torch::Tensor x, torch::Tensor dt, torch::Tensor dt_bias, tor
   at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / blocks, d0 = (i % blocks) * kBlock;
-      scan_block(a, cu[b], cu[b + 1], d0, std::min(d0 + kBlock, a.channels), b * a.channels * a.d_state);
+      const int64_t d1 = std::min(d0 + kBlock, a.channels);
+      scan_block_any(a, cu[b], cu[b + 1], d0, d1, b * a.channels * a.d_state);
     }
   });
   return y;
@@ -123,7 +146,7 @@ torch::Tensor step(torch::Tensor pool, torch::Tensor slot_ids, torch::Tensor x, 
   at::parallel_for(0, batch * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / blocks, d0 = (i % blocks) * kBlock;
-      scan_block(a, b, b + 1, d0, std::min(d0 + kBlock, a.channels), slots[b] * row_stride);
+      scan_block_any(a, b, b + 1, d0, std::min(d0 + kBlock, a.channels), slots[b] * row_stride);
     }
   });
   return y;
@@ -149,7 +172,7 @@ def cpu_kernels() -> ModuleType | None:
             name="rnnserve_selective_scan_cpu",
             cpp_sources=_SOURCE,
             functions=["scan", "step"],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as err:  # no compiler, no OpenMP, read-only cache dir, ...
