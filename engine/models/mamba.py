@@ -68,6 +68,18 @@ def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
     return slot_ids
 
 
+def small_batch_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for a decode batch ``x [B, in]``.
+
+    On CPU in fp32 it is computed as ``(W @ x^T)^T``: MKL then streams the weight once instead of repacking
+    it for every call, which makes batch-32 decode GEMMs about 2x faster (the result is a transposed view).
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] > 64 or x.dim() != 2:
+        return layer(x)
+    out = torch.mm(layer.weight, x.t()).t()
+    return out if layer.bias is None else out + layer.bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (``weight`` None: the weightless variant)."""
     x32 = x.float()
@@ -98,10 +110,13 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.empty(c.d_inner))
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
-    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _ssm_inputs(
+        self, x: torch.Tensor, decode: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)``; the scan adds dt's bias and softplus."""
         c = self.config
-        dt, B, C = self.x_proj(x).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+        projected = small_batch_linear(self.x_proj, x) if decode else self.x_proj(x)
+        dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
         return dt @ self.dt_proj.weight.t(), -torch.exp(self.A_log.float()), B, C
@@ -144,12 +159,12 @@ class MambaMixer(nn.Module):
 
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
         """
-        x, z = self.in_proj(h).chunk(2, dim=-1)
+        x, z = small_batch_linear(self.in_proj, h).chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids)
         x = F.silu(x)
-        dt, A, B, C = self._ssm_inputs(x)
+        dt, A, B, C = self._ssm_inputs(x, decode=True)
         y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z, self.dt_proj.bias, True)
-        return self.out_proj(y.to(h.dtype))
+        return small_batch_linear(self.out_proj, y.to(h.dtype))
 
 
 class MambaBlock(nn.Module):
@@ -236,8 +251,9 @@ class MambaLM(RecurrentLM):
             StateSpec("ssm", (c.n_layers, c.d_inner, c.d_state), torch.float32, 0.0),
         ]
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.backbone.norm_f(h)).float()
+    def _logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        h = self.backbone.norm_f(h)
+        return (small_batch_linear(self.lm_head, h) if decode else self.lm_head(h)).float()
 
     def prefill(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors

@@ -30,7 +30,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from engine.models.mamba import RMSNorm, slot_index
+from engine.models.mamba import RMSNorm, slot_index, small_batch_linear
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.ssd import ssd_scan_chunked, ssd_state_update
 
@@ -95,9 +95,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedGroupRMSNorm(c.d_inner, c.n_groups, c.norm_eps)
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
-    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(
+        self, h: torch.Tensor, decode: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
-        return self.in_proj(h).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        projected = small_batch_linear(self.in_proj, h) if decode else self.in_proj(h)
+        return projected.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
 
     def _ssd_inputs(
         self, xbc: torch.Tensor, dt: torch.Tensor
@@ -136,11 +139,11 @@ class Mamba2Mixer(nn.Module):
         ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
         """One token per sequence; the pool views are updated in place (``slots``: see ``slot_index``)."""
-        z, xbc, dt = self._split(h)
+        z, xbc, dt = self._split(h, decode=True)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D)
-        return self.out_proj(self.norm(y.flatten(1), z))
+        return small_batch_linear(self.out_proj, self.norm(y.flatten(1), z))
 
 
 class Mamba2Block(nn.Module):
@@ -228,8 +231,9 @@ class Mamba2LM(RecurrentLM):
             StateSpec("ssm", (c.n_layers, c.n_heads, c.head_dim, c.d_state), torch.float32, 0.0),
         ]
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.backbone.norm_f(h)).float()
+    def _logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        h = self.backbone.norm_f(h)
+        return (small_batch_linear(self.lm_head, h) if decode else self.lm_head(h)).float()
 
     def prefill(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
@@ -252,7 +256,7 @@ class Mamba2LM(RecurrentLM):
             h = h + block.mixer.decode(
                 block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
             )
-        return self._logits(h)
+        return self._logits(h, decode=True)
 
 
 register_preset(
