@@ -31,6 +31,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
+from engine.models.layers import linear
 from kernels.add_norm import add_norm
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.diag_linear_scan import diag_log_scan
@@ -111,14 +112,14 @@ class MinRNNBlock(nn.Module):
         self.scan_chunk_size = config.scan_chunk_size
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.mlp_out(F.gelu(self.mlp_in(normed)))
+        return linear(self.mlp_out, F.gelu(linear(self.mlp_in, normed)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Unfused ``x + MLP(norm2(x))`` on a dense residual stream (used by the training script)."""
         return x + self.mlp(self.norm2(x))
 
     def _mix_then_mlp(self, mixed: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, stream = _add_norm(self.norm2, self.out_proj(mixed), stream)
+        normed, stream = _add_norm(self.norm2, linear(self.out_proj, mixed), stream)
         return self.mlp(normed), stream
 
     def prefill(
@@ -132,7 +133,7 @@ class MinRNNBlock(nn.Module):
         """Packed tokens; ``conv_state [B, C, K-1]``, ``h [B, Dh]`` in, final states out (not in place)."""
         normed, stream = _add_norm(self.norm1, delta, stream)
         u, conv_state = causal_conv1d_varlen(normed, self.conv_weight, self.conv_bias, cu_seqlens, conv_state)
-        log_a, log_b = self.cell.log_coefficients(self.in_proj(u))
+        log_a, log_b = self.cell.log_coefficients(linear(self.in_proj, u))
         hidden, h = diag_log_scan(log_a, log_b, cu_seqlens, h, chunk_size=self.scan_chunk_size)
         delta, stream = self._mix_then_mlp(hidden.to(stream.dtype), stream)
         return delta, stream, conv_state, h
@@ -151,7 +152,7 @@ class MinRNNBlock(nn.Module):
         """
         normed, stream = _add_norm(self.norm1, delta, stream)
         u = causal_conv1d_update(normed, conv_pool, self.conv_weight, self.conv_bias, slot_ids)
-        hidden = min_rnn_step(self.in_proj(u), h_pool, slot_ids, self.cell.name)
+        hidden = min_rnn_step(linear(self.in_proj, u), h_pool, slot_ids, self.cell.name)
         return self._mix_then_mlp(hidden, stream)
 
 
@@ -187,7 +188,7 @@ class MinRNNLM(RecurrentLM):
 
     def _logits(self, delta: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         normed, _ = _add_norm(self.norm_f, delta, stream)
-        return self.lm_head(normed).float()
+        return linear(self.lm_head, normed).float()
 
     def prefill(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors

@@ -60,8 +60,9 @@ def min_rnn_step_triton(
     dim = state.shape[-1]
     if width != (3 if cell == "minlstm" else 2) * dim:
         raise ValueError(f"{cell}: proj width {width} does not match state dim {dim}")
-    if proj.stride(-1) != 1 or state.stride(-1) != 1:
-        raise ValueError("proj and state must be contiguous along their last dimension")
+    if state.stride(-1) != 1:
+        raise ValueError("state must be contiguous along its last dimension (it is updated in place)")
+    proj = proj.contiguous()
     out = torch.empty(batch, dim, dtype=proj.dtype, device=proj.device)
     block_d = min(triton.next_power_of_2(dim), 1024)
     _min_rnn_step_kernel[(batch, triton.cdiv(dim, block_d))](
