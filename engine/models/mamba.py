@@ -32,6 +32,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
+from engine.models.layers import linear
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.selective_scan import selective_scan_varlen, selective_state_update
 
@@ -68,18 +69,6 @@ def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
     return slot_ids
 
 
-def small_batch_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for a decode batch ``x [B, in]``.
-
-    On CPU in fp32 it is computed as ``(W @ x^T)^T``: MKL then streams the weight once instead of repacking
-    it for every call, which makes batch-32 decode GEMMs about 2x faster (the result is a transposed view).
-    """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] > 64 or x.dim() != 2:
-        return layer(x)
-    out = torch.mm(layer.weight, x.t()).t()
-    return out if layer.bias is None else out + layer.bias
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (``weight`` None: the weightless variant)."""
     x32 = x.float()
@@ -110,12 +99,10 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.empty(c.d_inner))
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
-    def _ssm_inputs(
-        self, x: torch.Tensor, decode: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)``; the scan adds dt's bias and softplus."""
         c = self.config
-        projected = small_batch_linear(self.x_proj, x) if decode else self.x_proj(x)
+        projected = linear(self.x_proj, x)
         dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
@@ -127,7 +114,7 @@ class MambaMixer(nn.Module):
     def prefill(
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, z = self.in_proj(h).chunk(2, dim=-1)
+        x, z = linear(self.in_proj, h).chunk(2, dim=-1)
         x, conv_state = causal_conv1d_varlen(x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state)
         x = F.silu(x)
         dt, A, B, C = self._ssm_inputs(x)
@@ -145,7 +132,7 @@ class MambaMixer(nn.Module):
             True,
             self.config.scan_chunk_size,
         )
-        return self.out_proj(y.to(h.dtype)), conv_state, ssm_state
+        return linear(self.out_proj, y.to(h.dtype)), conv_state, ssm_state
 
     def decode(
         self,
@@ -159,12 +146,12 @@ class MambaMixer(nn.Module):
 
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
         """
-        x, z = small_batch_linear(self.in_proj, h).chunk(2, dim=-1)
+        x, z = linear(self.in_proj, h).chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids)
         x = F.silu(x)
-        dt, A, B, C = self._ssm_inputs(x, decode=True)
+        dt, A, B, C = self._ssm_inputs(x)
         y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z, self.dt_proj.bias, True)
-        return small_batch_linear(self.out_proj, y.to(h.dtype))
+        return linear(self.out_proj, y.to(h.dtype))
 
 
 class MambaBlock(nn.Module):
@@ -182,8 +169,44 @@ class MambaBackbone(nn.Module):
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
 
 
+class MixerStackLM(RecurrentLM):
+    """Embedding -> pre-norm residual mixer blocks -> norm -> LM head, with ``conv`` and ``ssm`` states.
+
+    Shared by Mamba-1 and Mamba-2: ``backbone.layers[i].mixer`` implements ``prefill`` and ``decode``.
+    """
+
+    backbone: nn.Module
+    lm_head: nn.Linear
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(self.lm_head, self.backbone.norm_f(h)).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        for i, block in enumerate(self.backbone.layers):
+            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
+            out, conv, ssm = block.mixer.prefill(
+                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
+            )
+            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
+            ssm_pool[slot_ids] = ssm
+            h = h + out
+        return self._logits(h[cu_seqlens[1:] - 1])
+
+    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)
+        slots = slot_index(slot_ids)
+        for i, block in enumerate(self.backbone.layers):
+            h = h + block.mixer.decode(
+                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
+            )
+        return self._logits(h)
+
+
 @register_model
-class MambaLM(RecurrentLM):
+class MambaLM(MixerStackLM):
     """Mamba-1 (``MambaForCausalLM``); with ``bcdt_rms_norm`` FalconMamba (``FalconMambaForCausalLM``)."""
 
     architecture = "mamba"
@@ -250,33 +273,6 @@ class MambaLM(RecurrentLM):
             StateSpec("conv", (c.n_layers, c.d_inner, c.d_conv - 1), torch.float32, 0.0),
             StateSpec("ssm", (c.n_layers, c.d_inner, c.d_state), torch.float32, 0.0),
         ]
-
-    def _logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        h = self.backbone.norm_f(h)
-        return (small_batch_linear(self.lm_head, h) if decode else self.lm_head(h)).float()
-
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        for i, block in enumerate(self.backbone.layers):
-            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
-            out, conv, ssm = block.mixer.prefill(
-                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
-            )
-            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
-            ssm_pool[slot_ids] = ssm
-            h = h + out
-        return self._logits(h[cu_seqlens[1:] - 1])
-
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        slots = slot_index(slot_ids)
-        for i, block in enumerate(self.backbone.layers):
-            h = h + block.mixer.decode(
-                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
-            )
-        return self._logits(h)
 
 
 register_preset("mamba-tiny", "mamba", vocab_size=320, d_model=64, n_layers=2, d_inner=128, dt_rank=4)

@@ -24,13 +24,12 @@ from torch import nn
 
 from engine.models.base import (
     ModelConfig,
-    RecurrentLM,
     StateSpec,
-    StateTensors,
     register_model,
     register_preset,
 )
-from engine.models.mamba import RMSNorm, slot_index, small_batch_linear
+from engine.models.layers import linear
+from engine.models.mamba import MixerStackLM, RMSNorm
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.ssd import ssd_scan_chunked, ssd_state_update
 
@@ -95,11 +94,9 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedGroupRMSNorm(c.d_inner, c.n_groups, c.norm_eps)
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
-    def _split(
-        self, h: torch.Tensor, decode: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
-        projected = small_batch_linear(self.in_proj, h) if decode else self.in_proj(h)
+        projected = linear(self.in_proj, h)
         return projected.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
 
     def _ssd_inputs(
@@ -128,7 +125,7 @@ class Mamba2Mixer(nn.Module):
         )
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
         y, ssm_state = ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
-        return self.out_proj(self.norm(y.flatten(1), z)), conv_state, ssm_state
+        return linear(self.out_proj, self.norm(y.flatten(1), z)), conv_state, ssm_state
 
     def decode(
         self,
@@ -139,11 +136,11 @@ class Mamba2Mixer(nn.Module):
         ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
         """One token per sequence; the pool views are updated in place (``slots``: see ``slot_index``)."""
-        z, xbc, dt = self._split(h, decode=True)
+        z, xbc, dt = self._split(h)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D)
-        return small_batch_linear(self.out_proj, self.norm(y.flatten(1), z))
+        return linear(self.out_proj, self.norm(y.flatten(1), z))
 
 
 class Mamba2Block(nn.Module):
@@ -162,7 +159,7 @@ class Mamba2Backbone(nn.Module):
 
 
 @register_model
-class Mamba2LM(RecurrentLM):
+class Mamba2LM(MixerStackLM):
     """Mamba-2 (``Mamba2ForCausalLM``): multi-head SSD with grouped B/C and a gated group RMSNorm."""
 
     architecture = "mamba2"
@@ -230,33 +227,6 @@ class Mamba2LM(RecurrentLM):
             StateSpec("conv", (c.n_layers, c.conv_dim, c.d_conv - 1), torch.float32, 0.0),
             StateSpec("ssm", (c.n_layers, c.n_heads, c.head_dim, c.d_state), torch.float32, 0.0),
         ]
-
-    def _logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        h = self.backbone.norm_f(h)
-        return (small_batch_linear(self.lm_head, h) if decode else self.lm_head(h)).float()
-
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        for i, block in enumerate(self.backbone.layers):
-            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
-            out, conv, ssm = block.mixer.prefill(
-                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
-            )
-            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
-            ssm_pool[slot_ids] = ssm
-            h = h + out
-        return self._logits(h[cu_seqlens[1:] - 1])
-
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        slots = slot_index(slot_ids)
-        for i, block in enumerate(self.backbone.layers):
-            h = h + block.mixer.decode(
-                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
-            )
-        return self._logits(h, decode=True)
 
 
 register_preset(
