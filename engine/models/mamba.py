@@ -154,29 +154,36 @@ class MambaMixer(nn.Module):
         return linear(self.out_proj, y.to(h.dtype))
 
 
-class MambaBlock(nn.Module):
-    def __init__(self, config: MambaConfig) -> None:
+class MixerBlock(nn.Module):
+    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
         super().__init__()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mixer = MambaMixer(config)
+        self.mixer = mixer(config)
 
 
-class MambaBackbone(nn.Module):
-    def __init__(self, config: MambaConfig) -> None:
+class MixerBackbone(nn.Module):
+    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(MambaBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(MixerBlock(config, mixer) for _ in range(config.n_layers))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
 
 
 class MixerStackLM(RecurrentLM):
     """Embedding -> pre-norm residual mixer blocks -> norm -> LM head, with ``conv`` and ``ssm`` states.
 
-    Shared by Mamba-1 and Mamba-2: ``backbone.layers[i].mixer`` implements ``prefill`` and ``decode``.
+    Shared by Mamba-1 and Mamba-2 (module names follow the Hugging Face layout): subclasses set ``mixer``,
+    whose ``prefill`` and ``decode`` run one layer.
     """
 
-    backbone: nn.Module
-    lm_head: nn.Linear
+    mixer: type[nn.Module]
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.backbone = MixerBackbone(config, self.mixer)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(self.lm_head, self.backbone.norm_f(h)).float()
@@ -212,13 +219,7 @@ class MambaLM(MixerStackLM):
     architecture = "mamba"
     config_class = MambaConfig
     hf_model_types = ("mamba", "falcon_mamba")
-
-    def __init__(self, config: MambaConfig) -> None:
-        super().__init__(config)
-        self.backbone = MambaBackbone(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+    mixer = MambaMixer
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> MambaConfig:

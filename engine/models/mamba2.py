@@ -29,7 +29,7 @@ from engine.models.base import (
     register_preset,
 )
 from engine.models.layers import linear
-from engine.models.mamba import MixerStackLM, RMSNorm
+from engine.models.mamba import MixerStackLM
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.ssd import ssd_scan_chunked, ssd_state_update
 
@@ -143,21 +143,6 @@ class Mamba2Mixer(nn.Module):
         return linear(self.out_proj, self.norm(y.flatten(1), z))
 
 
-class Mamba2Block(nn.Module):
-    def __init__(self, config: Mamba2Config) -> None:
-        super().__init__()
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mixer = Mamba2Mixer(config)
-
-
-class Mamba2Backbone(nn.Module):
-    def __init__(self, config: Mamba2Config) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Mamba2Block(config) for _ in range(config.n_layers))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
-
-
 @register_model
 class Mamba2LM(MixerStackLM):
     """Mamba-2 (``Mamba2ForCausalLM``): multi-head SSD with grouped B/C and a gated group RMSNorm."""
@@ -165,15 +150,12 @@ class Mamba2LM(MixerStackLM):
     architecture = "mamba2"
     config_class = Mamba2Config
     hf_model_types = ("mamba2",)
+    mixer = Mamba2Mixer
 
     def __init__(self, config: Mamba2Config) -> None:
-        super().__init__(config)
         if config.n_heads % config.n_groups:
             raise ValueError(f"n_heads {config.n_heads} is not a multiple of n_groups {config.n_groups}")
-        self.backbone = Mamba2Backbone(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        super().__init__(config)
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> Mamba2Config:
