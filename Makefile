@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint gpu-test bench clean
+.PHONY: install serve test lint gpu-test bench clean default-model
 
 install: $(STAMP)
 
