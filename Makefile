@@ -33,5 +33,9 @@ gpu-test:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/kernels.py
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/decode.py
 
+# Retrain the embedded model in engine/default_model/ (fetches Debian's `fortunes`; <= 30 min on 2 cores).
+default-model: install
+	$(PY) scripts/train_default_model.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
