@@ -1,7 +1,7 @@
 """Train the embedded default model: a small byte-level minGRU on Debian's ``fortunes`` cookie files.
 
-One command reproduces ``engine/default_model/`` on a fresh machine (Debian or Ubuntu with apt lists;
-run ``apt-get update`` once if ``apt-get download`` cannot find the package)::
+One command reproduces ``engine/default_model/`` on a fresh machine (Debian or Ubuntu; as root the script
+refreshes the apt package lists itself when ``apt-get download`` finds nothing)::
 
     make default-model            # = .venv/bin/python scripts/train_default_model.py
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -49,6 +50,10 @@ def fetch_corpus(data_dir: Path) -> Path:
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         result = subprocess.run(["apt-get", "download", PACKAGE], cwd=tmp, capture_output=True, text=True)
+        if result.returncode != 0 and os.geteuid() == 0:
+            # A fresh machine has no package lists yet: fetch them once and retry.
+            subprocess.run(["apt-get", "update", "-qq"], check=False)
+            result = subprocess.run(["apt-get", "download", PACKAGE], cwd=tmp, capture_output=True, text=True)
         debs = list(Path(tmp).glob(f"{PACKAGE}_*.deb"))
         if result.returncode != 0 or not debs:
             raise SystemExit(
