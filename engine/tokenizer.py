@@ -52,6 +52,7 @@ class CharTokenizer(Tokenizer):
     def __init__(self, alphabet: Sequence[str], eos_token_id: int | None = None) -> None:
         self.alphabet = list(alphabet)
         self._index = {ch: i for i, ch in enumerate(self.alphabet)}
+        self._longest_first = sorted(self._index, key=len, reverse=True)
         self.eos_token_id = eos_token_id
 
     @property
@@ -61,9 +62,8 @@ class CharTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         ids = []
         i = 0
-        symbols = sorted(self._index, key=len, reverse=True)
         while i < len(text):
-            for sym in symbols:
+            for sym in self._longest_first:
                 if text.startswith(sym, i):
                     ids.append(self._index[sym])
                     i += len(sym)

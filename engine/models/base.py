@@ -123,25 +123,3 @@ def register_preset(name: str, architecture: str, **config: Any) -> None:
     if name in PRESETS:
         raise ValueError(f"preset {name!r} registered twice")
     PRESETS[name] = (architecture, config)
-
-
-def seq_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Lengths ``[B]`` from cumulative offsets ``[B + 1]``."""
-    return cu_seqlens[1:] - cu_seqlens[:-1]
-
-
-def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Unpack ``[T, ...]`` into a zero-padded ``[B, max_len, ...]`` (right padding)."""
-    lengths = seq_lengths(cu_seqlens)
-    batch = lengths.numel()
-    out = x.new_zeros((batch, max_len, *x.shape[1:]))
-    positions = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    seq_index = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths)
-    out[seq_index, positions] = x
-    return out
-
-
-def last_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Index of each sequence's last token in the packed batch."""
-    return cu_seqlens[1:] - 1
-
