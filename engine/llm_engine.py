@@ -145,7 +145,8 @@ class LLMEngine:
                 logit_rows.append(prefill_logits[row : row + 1].expand(len(group.seqs), -1))
                 progressed[group.request_id] = group
         if to_sample:
-            result = sample(torch.cat(logit_rows), to_sample, self.eos_token_id)
+            logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)  # cat would copy
+            result = sample(logits, to_sample, self.eos_token_id)
             for seq, token, logprob in zip(to_sample, result.token_ids, result.logprobs, strict=True):
                 seq.append_token(token, logprob, self.eos_token_id)
                 if seq.finished:

@@ -98,6 +98,9 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(c.d_inner, c.d_state))
         self.D = nn.Parameter(torch.empty(c.d_inner))
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
+        self._A_key: tuple | None = None
+        self._A_cache = torch.empty(0)
+        self.register_load_state_dict_post_hook(self._forget_derived)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)``; the scan adds dt's bias and softplus."""
@@ -106,7 +109,25 @@ class MambaMixer(nn.Module):
         dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
-        return dt @ self.dt_proj.weight.t(), -torch.exp(self.A_log.float()), B, C
+        return dt @ self.dt_proj.weight.t(), self._A(), B, C
+
+    def _A(self) -> torch.Tensor:
+        """``-exp(A_log)`` in fp32, recomputed only when ``A_log`` changes (decode would redo it every step).
+
+        A change is a new tensor, an in-place update of a normal tensor, or a ``load_state_dict`` (inference
+        tensors carry no version counter)."""
+        try:
+            version = self.A_log._version
+        except RuntimeError:
+            version = -1
+        key = (self.A_log.data_ptr(), version, self.A_log.device)
+        if self._A_key != key:
+            self._A_cache = -torch.exp(self.A_log.detach().float())
+            self._A_key = key
+        return self._A_cache
+
+    def _forget_derived(self, *_: Any) -> None:
+        self._A_key = None
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0, :]
@@ -147,8 +168,7 @@ class MambaMixer(nn.Module):
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
         """
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
-        x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids)
-        x = F.silu(x)
+        x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids, silu=True)
         dt, A, B, C = self._ssm_inputs(x)
         y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z, self.dt_proj.bias, True)
         return linear(self.out_proj, y.to(h.dtype))

@@ -1,15 +1,18 @@
 """Causal depthwise conv1d with a per-slot state tail (prefill over packed batches, one-step update).
 
 ``naive.py`` is the PyTorch reference, ``chunked.py`` the Triton varlen prefill, ``fused_recurrent.py`` the
-Triton decode update that shifts the tail of each slot in place.
+Triton decode update that shifts the tail of each slot in place, ``causal_conv1d_cpu.cpp`` a fused C++ decode update for
+CPU tensors (see :mod:`kernels.cpu_extension`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.backend import use_triton
 from kernels.causal_conv1d.naive import _window_index, causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.cpu_extension import use_cpu_kernel
 
 
 def causal_conv1d_varlen(
@@ -74,8 +77,10 @@ def causal_conv1d_update(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     slot_ids: torch.Tensor,
+    silu: bool = False,
 ) -> torch.Tensor:
-    """One decode step for ``x [B, C]``: returns ``y [B, C]`` and shifts ``x`` into ``conv_state[slot_ids]``.
+    """One decode step for ``x [B, C]``: returns ``y [B, C]`` (SiLU'd when ``silu``) and shifts ``x`` into
+    ``conv_state[slot_ids]``.
 
     ``conv_state`` is a pool ``[N, C, K-1]`` (a strided view such as ``pool[:, layer]`` is fine), updated in
     place.
@@ -83,8 +88,24 @@ def causal_conv1d_update(
     if use_triton(x):
         from kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
 
-        return causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
-    return _causal_conv1d_update_pool(x, conv_state, weight, bias, slot_ids)
+        y = causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
+        return F.silu(y) if silu else y
+    if (
+        use_cpu_kernel(x)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and conv_state.dtype == torch.float32
+        and conv_state.stride(-1) == 1
+    ):
+        return torch.ops.rnnserve.causal_conv1d_update(
+            x,
+            conv_state,
+            weight.float().contiguous(),
+            None if bias is None else bias.float().contiguous(),
+            slot_ids.long().contiguous(),
+            silu,
+        )
+    y = _causal_conv1d_update_pool(x, conv_state, weight, bias, slot_ids)
+    return F.silu(y) if silu else y
 
 
 def _causal_conv1d_update_pool(

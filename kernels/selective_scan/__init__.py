@@ -1,23 +1,36 @@
 """Mamba-1 selective scan: varlen prefill and the decode state update on state-pool slots.
 
 ``naive.py`` is the token-by-token reference; ``chunked.py`` the PyTorch varlen prefill (time-major, one
-fused op per step); ``fused_recurrent.py`` the PyTorch in-place decode update; ``cpu.py`` fused C++ kernels
-for both, used on CPU whenever they compile. The two public functions pick the fastest available path.
+fused op per step); ``fused_recurrent.py`` the PyTorch in-place decode update; ``selective_scan_cpu.cpp``
+fused C++ kernels for both (see :mod:`kernels.cpu_extension`), used on CPU whenever they compile. The two
+public functions pick the fastest available path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.cpu_extension import use_cpu_kernel
 from kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
-from kernels.selective_scan.cpu import cpu_kernels, usable
 from kernels.selective_scan.fused_recurrent import selective_state_update_torch
 from kernels.selective_scan.naive import discretise, selective_scan_ref, selective_state_update_ref
 
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
-def _f32(t: torch.Tensor | None) -> torch.Tensor:
-    """fp32 contiguous; ``None`` becomes the empty tensor the C++ kernels read as "absent"."""
-    return torch.empty(0) if t is None else t.float().contiguous()
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter as the C++ kernels read it: fp32 contiguous (``None`` stays absent)."""
+    return None if t is None else t.float().contiguous()
+
+
+def _activations(x: torch.Tensor, *others: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``others`` in ``x``'s dtype (fp32 or bf16, any strides), as the C++ kernels read them."""
+    dtype = x.dtype if x.dtype in _ACTIVATION_DTYPES else torch.float32
+    return [None if t is None else t.to(dtype) for t in (x, *others)]
+
+
+def _fused(x: torch.Tensor, A: torch.Tensor) -> bool:
+    return use_cpu_kernel(x) and A.shape[1] <= 64 and x.dim() == 2
 
 
 def selective_scan_varlen(
@@ -35,7 +48,7 @@ def selective_scan_varlen(
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen selective scan; same contract as :func:`selective_scan_ref`."""
-    if not usable(x) or A.shape[1] > 64:
+    if not _fused(x, A):
         return selective_scan_chunked(
             x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size
         )
@@ -44,8 +57,10 @@ def selective_scan_varlen(
         state = x.new_zeros((batch, *A.shape), dtype=torch.float32)
     else:
         state = initial_state.to(torch.float32, copy=True).contiguous()
-    inputs = [_f32(t) for t in (x, dt, dt_bias, A, B, C, D, z)]
-    y = cpu_kernels().scan(*inputs, cu_seqlens.long().contiguous(), state, dt_softplus)
+    x, dt, B, C, z = _activations(x, dt, B, C, z)
+    y = torch.ops.rnnserve.selective_scan(
+        x, dt, _f32(dt_bias), _f32(A), B, C, _f32(D), z, cu_seqlens.long().contiguous(), state, dt_softplus
+    )
     return y, state
 
 
@@ -65,8 +80,7 @@ def selective_state_update(
     """One decode step on pool rows ``state[slots]`` in place (see :func:`selective_state_update_torch`)."""
     d_state = A.shape[1]
     fused = (
-        usable(x)
-        and d_state <= 64
+        _fused(x, A)
         and state.dtype == torch.float32
         and state.stride(-1) == 1
         and state.stride(-2) == d_state
@@ -77,19 +91,9 @@ def selective_state_update(
         slot_ids = torch.arange(slots.start, slots.stop)
     else:
         slot_ids = slots.long().contiguous()
-    kernels = cpu_kernels()
-    return kernels.step(
-        state,
-        slot_ids,
-        _f32(x),
-        _f32(dt),
-        _f32(dt_bias),
-        _f32(A),
-        _f32(B),
-        _f32(C),
-        _f32(D),
-        _f32(z),
-        dt_softplus,
+    x, dt, B, C, z = _activations(x, dt, B, C, z)
+    return torch.ops.rnnserve.selective_state_update(
+        state, slot_ids, x, dt, _f32(dt_bias), _f32(A), B, C, _f32(D), z, dt_softplus
     )
 
 

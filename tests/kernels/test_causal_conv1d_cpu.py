@@ -1,12 +1,14 @@
-"""The PyTorch (CPU) paths of the conv dispatch functions equal the reference."""
+"""The CPU paths of the conv dispatch functions (PyTorch and fused C++) equal the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.causal_conv1d import _causal_conv1d_update_pool, causal_conv1d_update, causal_conv1d_varlen
 from kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from kernels.cpu_extension import cpu_ops
 
 
 @pytest.mark.parametrize("width", [2, 4])
@@ -39,3 +41,45 @@ def test_pool_update_equals_reference_with_gapped_slots() -> None:
     assert torch.equal(pool[slots], new_ref)
     others = torch.tensor([1, 3, 4, 5, 6, 8])
     assert torch.equal(pool[others], before[others])
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_update_reads_strided_views(dtype: torch.dtype, silu: bool) -> None:
+    """The C++ update on a transposed input (a ``W @ x^T`` GEMM output) and a layer view of a multi-layer
+    pool equals the reference, bit for bit in the pool, and leaves the other layers and slots alone."""
+    g = torch.Generator().manual_seed(1)
+    channels, width, layers = 40, 4, 3
+    pool = torch.randn(9, layers, channels, width - 1, generator=g)
+    layer_view = pool[:, 1]
+    slots = torch.tensor([5, 0, 8, 2, 7])
+    x = torch.randn(channels, len(slots), generator=g).to(dtype).t()
+    weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
+    y_ref, new_ref = causal_conv1d_update_ref(x.float(), layer_view[slots], weight, bias)
+    if silu:
+        y_ref = F.silu(y_ref)
+    before = pool.clone()
+    y = causal_conv1d_update(x, layer_view, weight, bias, slots, silu=silu)
+    assert y.dtype == dtype and y.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
+    else:  # one rounding of the fp32 result
+        torch.testing.assert_close(y.float(), y_ref, atol=1e-6, rtol=2**-8)
+    assert torch.equal(layer_view[slots], new_ref)
+    changed = torch.zeros_like(pool, dtype=torch.bool)
+    changed[slots, 1] = True
+    assert torch.equal(pool[~changed], before[~changed])
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+def test_fused_cpu_update_equals_pytorch_path_without_bias() -> None:
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(6, 16, 2, generator=g)
+    slots = torch.tensor([3, 1])
+    x, weight = torch.randn(2, 16, generator=g), torch.randn(16, 3, generator=g)
+    pool_torch = pool.clone()
+    y = causal_conv1d_update(x, pool, weight, None, slots)
+    y_torch = _causal_conv1d_update_pool(x, pool_torch, weight, None, slots)
+    torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=0)
+    assert torch.equal(pool, pool_torch)

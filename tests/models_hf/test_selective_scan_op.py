@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_extension import cpu_ops
 from kernels.selective_scan import (
     selective_scan_chunked,
     selective_scan_ref,
@@ -13,7 +14,6 @@ from kernels.selective_scan import (
     selective_state_update,
     selective_state_update_torch,
 )
-from kernels.selective_scan.cpu import cpu_kernels
 
 
 def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, optional: bool = True) -> dict:
@@ -39,7 +39,7 @@ def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, optional: bo
     return args
 
 
-needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="fused CPU kernels could not be built")
+needs_cpu_kernels = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 32])
@@ -54,7 +54,7 @@ def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("optional", [True, False])
-@pytest.mark.parametrize("d_inner", [6, 16, 37])
+@pytest.mark.parametrize("d_inner", [6, 16, 37, 300])
 @pytest.mark.parametrize("lengths", [[1], [5, 1, 9, 4], [40, 17, 2]])
 def test_fused_cpu_scan_matches_reference(lengths: list[int], d_inner: int, optional: bool) -> None:
     args = _inputs(lengths, d_inner=d_inner, d_state=16, optional=optional)
@@ -84,3 +84,34 @@ def test_state_update_in_place_matches_reference(consecutive: bool, update) -> N
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[slot_ids], h_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[1, 5]], untouched)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_kernels_read_strided_and_bf16_activations(dtype: torch.dtype) -> None:
+    """x, dt, z, B, C as GEMM outputs arrive: transposed views and column slices, in fp32 or bf16."""
+    lengths = [7, 1, 12]
+    args = _inputs(lengths, d_inner=24, d_state=16)
+    for name in ("x", "dt", "z"):  # transposed views, as (W @ x^T)^T leaves them
+        args[name] = args[name].to(dtype).t().contiguous().t()
+    packed = torch.cat([args["B"], args["C"]], dim=1).to(dtype)  # column slices of one projection
+    args["B"], args["C"] = packed[:, :16], packed[:, 16:]
+    reference = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype else v for k, v in args.items()}
+    y_ref, h_ref = selective_scan_ref(**reference)
+    y, h = selective_scan_varlen(**args)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
+
+    pool = torch.randn(5, 24, 16)
+    slot_ids = torch.tensor([4, 0, 2])
+    pool[slot_ids] = reference["initial_state"]
+    first = torch.tensor([0, 7, 8])  # each sequence's first token
+    step = dict(args)
+    for name in ("x", "dt", "z"):
+        step[name] = args[name][first].t().contiguous().t()
+    step["B"], step["C"] = packed[first][:, :16], packed[first][:, 16:]
+    assert not step["x"].is_contiguous() and not step["B"].is_contiguous()
+    y_step = selective_state_update(
+        pool, slot_ids, *(step[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus"))
+    )
+    torch.testing.assert_close(y_step, y_ref[first], atol=1e-5, rtol=1e-5)
