@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.base import (
@@ -136,8 +135,9 @@ class MambaMixer(nn.Module):
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
-        x, conv_state = causal_conv1d_varlen(x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state)
-        x = F.silu(x)
+        x, conv_state = causal_conv1d_varlen(
+            x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state, silu=True
+        )
         dt, A, B, C = self._ssm_inputs(x)
         y, ssm_state = selective_scan_varlen(
             x,

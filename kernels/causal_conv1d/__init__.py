@@ -21,16 +21,34 @@ def causal_conv1d_varlen(
     bias: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ``x [T, C]``, ``weight [C, K]`` -> ``(y [T, C], final_state [B, C, K-1])``.
+    """Packed ``x [T, C]``, ``weight [C, K]`` -> ``(y [T, C], final_state [B, C, K-1])``, ``y`` SiLU'd when
+    ``silu``.
 
     Each sequence continues from its ``initial_state [B, C, K-1]`` tail (zeros when ``None``).
     """
     if use_triton(x):
         from kernels.causal_conv1d.chunked import causal_conv1d_varlen_triton
 
-        return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state)
-    return _causal_conv1d_varlen_shifted(x, weight, bias, cu_seqlens, initial_state)
+        y, final = causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state)
+        return (F.silu(y) if silu else y), final
+    if _fused_cpu(x, weight) and (initial_state is None or initial_state.stride(-1) == 1):
+        return torch.ops.rnnserve.causal_conv1d_varlen(
+            x,
+            weight.float().contiguous(),
+            None if bias is None else bias.float().contiguous(),
+            cu_seqlens.long().contiguous(),
+            None if initial_state is None else initial_state.float(),
+            silu,
+        )
+    y, final = _causal_conv1d_varlen_shifted(x, weight, bias, cu_seqlens, initial_state)
+    return (F.silu(y) if silu else y), final
+
+
+def _fused_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the fused C++ kernels take this conv (CPU, fp32/bf16 activations, widths 2-4)."""
+    return use_cpu_kernel(x) and x.dtype in (torch.float32, torch.bfloat16) and 2 <= weight.shape[1] <= 4
 
 
 def _causal_conv1d_varlen_shifted(
@@ -90,12 +108,7 @@ def causal_conv1d_update(
 
         y = causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
         return F.silu(y) if silu else y
-    if (
-        use_cpu_kernel(x)
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and conv_state.dtype == torch.float32
-        and conv_state.stride(-1) == 1
-    ):
+    if _fused_cpu(x, weight) and conv_state.dtype == torch.float32 and conv_state.stride(-1) == 1:
         return torch.ops.rnnserve.causal_conv1d_update(
             x,
             conv_state,

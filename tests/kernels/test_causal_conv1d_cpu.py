@@ -83,3 +83,31 @@ def test_fused_cpu_update_equals_pytorch_path_without_bias() -> None:
     y_torch = _causal_conv1d_update_pool(x, pool_torch, weight, None, slots)
     torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=0)
     assert torch.equal(pool, pool_torch)
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_varlen_equals_reference(dtype: torch.dtype, width: int, silu: bool) -> None:
+    """The C++ prefill on a column slice of a wider projection (as ``in_proj(h).chunk(2)`` leaves it), over
+    more than one 256-channel block, with strided initial tails and sequences shorter than the tail."""
+    g = torch.Generator().manual_seed(width)
+    lengths = [1, 2, 3, 67, 5, 1, 40]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    channels = 300
+    x = torch.randn(cu[-1].item(), 2 * channels, generator=g).to(dtype)[:, :channels]
+    weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
+    pool = torch.randn(len(lengths), 2, channels, width - 1, generator=g)
+    for initial in (None, pool[:, 1]):
+        for b in (bias, None):
+            y, final = causal_conv1d_varlen(x, weight, b, cu, initial, silu=silu)
+            y_ref, final_ref = causal_conv1d_varlen_ref(x.float(), weight, b, cu, initial)
+            if silu:
+                y_ref = F.silu(y_ref)
+            assert y.dtype == dtype and final.dtype == torch.float32
+            if dtype == torch.float32:
+                torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
+            else:  # one rounding of the fp32 result
+                torch.testing.assert_close(y.float(), y_ref, atol=1e-6, rtol=2**-8)
+            assert torch.equal(final, final_ref)
