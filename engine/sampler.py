@@ -13,6 +13,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sequence import Sequence
+from kernels.row_argmax import row_argmax
 
 
 @dataclass
@@ -99,7 +100,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``."""
     logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
-    tokens = logits.argmax(dim=-1)
+    tokens = row_argmax(logits)
     if not all(s.params.greedy for s in seqs):
         probs = torch.softmax(filter_logits(logits, seqs), dim=-1)
         cdf = probs.cumsum(dim=-1)
