@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,6 +22,18 @@ SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # p
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 _built: bool | None = None
+
+
+def ensure_ninja_on_path() -> None:
+    """PyTorch's extension builder runs ``ninja`` from ``PATH``; when only the ``ninja`` wheel (a dependency)
+    provides it, e.g. a venv used without being activated, put the wheel's directory on ``PATH``."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def cpu_ops() -> bool:
@@ -34,6 +47,7 @@ def cpu_ops() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
+        ensure_ninja_on_path()
         load(
             name="rnnserve_cpu_kernels",
             sources=SOURCES,
