@@ -65,6 +65,43 @@ struct Args {
   bool softplus;
 };
 
+// Token t's inputs for channels [d0, d0 + width): B_t, C_t, x and the discretised dt (bias, softplus).
+template <typename T>
+__attribute__((always_inline)) inline void load_token(const Args<T>& a, int64_t t, int64_t d0, int64_t width,
+                                                      int64_t N, const float* bias, float* Bt, float* Ct, float* xs,
+                                                      float* delta) {
+  a.B.load_row(t, 0, N, Bt);
+  a.C.load_row(t, 0, N, Ct);
+  a.x.load_row(t, d0, width, xs);
+  a.dt.load_row(t, d0, width, delta);
+  if (a.softplus) {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) {
+      const float v = delta[j] + bias[j];
+      delta[j] = v > 20.f ? v : std::log1p(std::exp(v));  // torch's softplus (threshold 20)
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) delta[j] += bias[j];
+  }
+}
+
+// y[t, d0 : d0 + width] = (acc + D x) * silu(z), or without the gate when z is absent.
+template <typename T>
+__attribute__((always_inline)) inline void write_output(const Args<T>& a, int64_t t, int64_t d0, int64_t width,
+                                                        const float* acc, const float* skip, const float* xs,
+                                                        float* zs) {
+  float* y = a.y + t * a.channels + d0;
+  if (a.z.data) {
+    a.z.load_row(t, d0, width, zs);
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) y[j] = (acc[j] + skip[j] * xs[j]) * rnnserve::silu(zs[j]);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) y[j] = acc[j] + skip[j] * xs[j];
+  }
+}
+
 // Tokens [t0, t1) of one sequence, channels [d0, d1), states at `state` ([channels, N] rows, updated in place):
 // h[d, n] = exp(dt A) h + dt x B;  y[t, d] = (C_t . h[d] + D x) * silu(z).
 // Per token, the per-channel math (softplus, skip, gate) runs as vector loops over the block's channels, and
@@ -78,24 +115,10 @@ void scan_block(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1
     bias[j] = a.dt_bias ? a.dt_bias[d0 + j] : 0.f;
     skip[j] = a.D ? a.D[d0 + j] : 0.f;
   }
-  const bool gate = a.z.data != nullptr;
   float* h0 = state + d0 * N;
   const float* A0 = a.A + d0 * N;
   for (int64_t t = t0; t < t1; ++t) {
-    a.B.load_row(t, 0, N, Bt);
-    a.C.load_row(t, 0, N, Ct);
-    a.x.load_row(t, d0, width, xs);
-    a.dt.load_row(t, d0, width, delta);
-    if (a.softplus) {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = delta[j] + bias[j];
-        delta[j] = v > 20.f ? v : std::log1p(std::exp(v));  // torch's softplus (threshold 20)
-      }
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) delta[j] += bias[j];
-    }
+    load_token(a, t, d0, width, N, bias, Bt, Ct, xs, delta);
     for (int64_t j = 0; j < width; ++j) {
       float* hj = h0 + j * N;
       const float* Aj = A0 + j * N;
@@ -109,15 +132,7 @@ void scan_block(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1
       }
       acc[j] = sum;
     }
-    float* y = a.y + t * a.channels + d0;
-    if (gate) {
-      a.z.load_row(t, d0, width, zs);
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) y[j] = (acc[j] + skip[j] * xs[j]) * rnnserve::silu(zs[j]);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) y[j] = acc[j] + skip[j] * xs[j];
-    }
+    write_output(a, t, d0, width, acc, skip, xs, zs);
   }
 }
 
@@ -143,7 +158,6 @@ void scan_block_by_channel(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0,
       A[n * kWideBlock + j] = a.A[(d0 + j) * N + n];
     }
   }
-  const bool gate = a.z.data != nullptr;
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kPrefetchTokens < t1) {
       const int64_t ahead = t + kPrefetchTokens;
@@ -153,20 +167,7 @@ void scan_block_by_channel(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0,
       a.B.prefetch_row(ahead, 0, N);
       a.C.prefetch_row(ahead, 0, N);
     }
-    a.B.load_row(t, 0, N, Bt);
-    a.C.load_row(t, 0, N, Ct);
-    a.x.load_row(t, d0, width, xs);
-    a.dt.load_row(t, d0, width, delta);
-    if (a.softplus) {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = delta[j] + bias[j];
-        delta[j] = v > 20.f ? v : std::log1p(std::exp(v));  // torch's softplus (threshold 20)
-      }
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) delta[j] += bias[j];
-    }
+    load_token(a, t, d0, width, N, bias, Bt, Ct, xs, delta);
 #pragma omp simd
     for (int64_t j = 0; j < width; ++j) {
       xs[j] *= delta[j];  // u = dt x; x itself is re-read for the skip term below
@@ -184,15 +185,7 @@ void scan_block_by_channel(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0,
       }
     }
     a.x.load_row(t, d0, width, xs);
-    float* y = a.y + t * a.channels + d0;
-    if (gate) {
-      a.z.load_row(t, d0, width, zs);
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) y[j] = (acc[j] + skip[j] * xs[j]) * rnnserve::silu(zs[j]);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) y[j] = acc[j] + skip[j] * xs[j];
-    }
+    write_output(a, t, d0, width, acc, skip, xs, zs);
   }
   for (int64_t j = 0; j < width; ++j)
     for (int64_t n = 0; n < N; ++n) state[(d0 + j) * N + n] = h[n * kWideBlock + j];
