@@ -1,4 +1,4 @@
-// Small math helpers shared by the fused CPU kernels (header-only, included by kernels/<op>/<op>_cpu.cpp).
+// Small math and memory helpers shared by the fused CPU kernels (header-only, included by kernels/<op>/<op>_cpu.cpp).
 #pragma once
 
 #include <cmath>
@@ -31,5 +31,12 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
 }
 
 __attribute__((always_inline)) inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+// Asks for `bytes` from `p` on to be brought into cache. Long scans call it a few tokens ahead: rows of a
+// packed batch are pages apart, which the hardware prefetchers do not follow.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
 
 }  // namespace rnnserve

@@ -110,11 +110,8 @@ void conv_prefill_block(const T* x, int64_t xs0, int64_t xs1, const float* w, co
     b[j] = bias ? bias[c0 + j] : 0.f;
   }
   for (int64_t t = t0; t < t1; ++t) {
-    if (t + kPrefetchTokens < t1) {
-      const char* ahead = reinterpret_cast<const char*>(x + (t + kPrefetchTokens) * xs0 + c0 * xs1);
-      for (int64_t offset = 0; offset < count * xs1 * static_cast<int64_t>(sizeof(T)); offset += 64)
-        __builtin_prefetch(ahead + offset);
-    }
+    if (t + kPrefetchTokens < t1)
+      rnnserve::prefetch(x + (t + kPrefetchTokens) * xs0 + c0 * xs1, ((count - 1) * xs1 + 1) * sizeof(T));
     const T* row = x + t * xs0 + c0 * xs1;
     float* current = window[K - 1];
     if (xs1 == 1) {

@@ -24,7 +24,8 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _activations(x: torch.Tensor, *others: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """``others`` in ``x``'s dtype (fp32 or bf16, any strides), as the C++ kernels read them."""
+    """``x`` and ``others`` in one dtype (``x``'s if fp32 or bf16, else fp32; any strides), as the C++ kernels
+    read them."""
     dtype = x.dtype if x.dtype in _ACTIVATION_DTYPES else torch.float32
     return [None if t is None else t.to(dtype) for t in (x, *others)]
 

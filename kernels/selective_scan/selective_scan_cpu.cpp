@@ -19,15 +19,13 @@ namespace {
 constexpr int64_t kBlock = 64;  // channels per work item of short runs (decode)
 constexpr int64_t kWideBlock = 256;  // channels per work item of a prefill
 constexpr int64_t kMaxState = 64;
-constexpr int64_t kMinTokensByChannel = 4;
-constexpr int64_t kPrefetchTokens = 2;  // how far ahead a long scan prefetches its input rows  // shorter runs (decode) skip the state transposes
+constexpr int64_t kMinTokensByChannel = 4;  // shorter runs (decode) skip the state transposes
+constexpr int64_t kPrefetchTokens = 2;  // how far ahead a long scan prefetches its input rows
 
 template <typename T>
 struct View2d {  // read-only [rows, cols] view with element strides
   const T* data;
   int64_t row_stride, col_stride;
-
-  float operator()(int64_t i, int64_t j) const { return static_cast<float>(data[i * row_stride + j * col_stride]); }
 
   // out[0, count) = row i, columns [j0, j0 + count), as fp32; a plain (vectorisable) loop for unit strides.
   __attribute__((always_inline)) void load_row(int64_t i, int64_t j0, int64_t count, float* out) const {
@@ -40,13 +38,9 @@ struct View2d {  // read-only [rows, cols] view with element strides
     }
   }
 
-  // Asks for row i, columns [j0, j0 + count) to be brought into cache (rows of a packed batch are far apart
-  // and crossing pages, which the hardware prefetchers do not follow).
+  // Asks for row i, columns [j0, j0 + count) to be brought into cache (see rnnserve::prefetch).
   void prefetch_row(int64_t i, int64_t j0, int64_t count) const {
-    if (!data) return;
-    const char* p = reinterpret_cast<const char*>(data + i * row_stride + j0 * col_stride);
-    const int64_t bytes = (count - 1) * col_stride * static_cast<int64_t>(sizeof(T)) + sizeof(T);
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+    if (data) rnnserve::prefetch(data + i * row_stride + j0 * col_stride, ((count - 1) * col_stride + 1) * sizeof(T));
   }
 };
 
