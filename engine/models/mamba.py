@@ -31,7 +31,7 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from engine.models.layers import linear
+from engine.models.layers import linear, matmul_t
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.selective_scan import selective_scan_varlen, selective_state_update
 
@@ -108,7 +108,7 @@ class MambaMixer(nn.Module):
         dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
-        return dt @ self.dt_proj.weight.t(), self._A(), B, C
+        return matmul_t(dt, self.dt_proj.weight), self._A(), B, C
 
     def _A(self) -> torch.Tensor:
         """``-exp(A_log)`` in fp32, recomputed only when ``A_log`` changes (decode would redo it every step).

@@ -1,0 +1,55 @@
+"""``F.linear`` for a few bf16 rows (a decode batch), reading the weight at memory speed on CPUs with AMX.
+
+``skinny_linear_cpu.cpp`` multiplies 16-row blocks of the weight, as stored, with tiles repacked from ``x``;
+it applies to bf16 ``x [M, K]`` with 1 to :data:`MAX_ROWS` rows and a bf16 weight, both with a unit stride
+along ``K``, on CPUs with AMX-BF16 (Sapphire Rapids and later). Everything else, and the reference the
+tests compare against, is ``torch.nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_extension import use_cpu_kernel
+
+MAX_ROWS = 32
+
+_available: bool | None = None
+
+
+def amx_available() -> bool:
+    """True when the fused kernels are built with AMX-BF16 and the OS lets this process use its tiles."""
+    global _available
+    if _available is None:
+        _available = bool(torch.ops.rnnserve.skinny_linear_available())
+    return _available
+
+
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear` runs the AMX kernel for these operands."""
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and use_cpu_kernel(x)
+        and weight.device.type == "cpu"
+        and amx_available()
+    )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: the AMX kernel where :func:`skinny_linear_applies`, else ``F.linear``.
+
+    The kernel accumulates in fp32 and rounds once; it returns a contiguous ``[M, N]`` tensor.
+    """
+    if skinny_linear_applies(x, weight):
+        return torch.ops.rnnserve.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_ROWS", "amx_available", "skinny_linear", "skinny_linear_applies"]
