@@ -70,11 +70,12 @@ def test_fused_cpu_scan_matches_reference(lengths: list[int], d_inner: int, opti
     "update", [selective_state_update_torch, pytest.param(selective_state_update, marks=needs_cpu_kernels)]
 )
 @pytest.mark.parametrize("consecutive", [True, False])
-def test_state_update_in_place_matches_reference(consecutive: bool, update) -> None:
+@pytest.mark.parametrize(("d_inner", "d_state"), [(6, 5), (300, 16)])  # 300: 16-channel groups and a tail
+def test_state_update_in_place_matches_reference(consecutive: bool, update, d_inner: int, d_state: int) -> None:
     lengths = [1, 1, 1]
-    args = _inputs(lengths)
+    args = _inputs(lengths, d_inner=d_inner, d_state=d_state)
     y_ref, h_ref = selective_scan_ref(**args)
-    pool = torch.randn(6, 6, 5)
+    pool = torch.randn(6, d_inner, d_state)
     slot_ids = torch.tensor([2, 3, 4]) if consecutive else torch.tensor([4, 0, 2])
     pool[slot_ids] = args["initial_state"]
     untouched = pool[[1, 5]].clone()
