@@ -7,7 +7,7 @@ Block (pre-norm, residual)::
     dt, B, C = x_proj(x).split(dt_rank, N, N)          # FalconMamba: weightless RMSNorm on dt, B and C
     dt    = softplus(dt_proj(dt))                      # back to d_inner
     y     = selective_scan(x, dt, A=-exp(A_log), B, C, D) * silu(z)    # state: [d_inner, N]
-    h     = h + out_proj(y)
+    h     = h + out_proj(y)                            # the stream h is fp32 when residual_in_fp32 (default)
 
 Parameter names equal the Hugging Face ones, so checkpoints load without renaming (except the legacy
 ``backbone.embedding.`` prefix). Both states are kept in fp32.
@@ -32,6 +32,7 @@ from engine.models.base import (
     register_preset,
 )
 from engine.models.layers import linear, matmul_t
+from kernels.add_norm import residual_rms_norm
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.selective_scan import selective_scan_varlen, selective_state_update
 
@@ -52,6 +53,7 @@ class MambaConfig(ModelConfig):
     bcdt_rms_norm: bool = False
     mixer_rms_eps: float = 1e-6
     scan_chunk_size: int = 32
+    residual_in_fp32: bool = True
 
 
 def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
@@ -205,31 +207,45 @@ class MixerStackLM(RecurrentLM):
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self.lm_head, self.backbone.norm_f(h)).float()
+    def _stream(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the residual stream: fp32 for ``residual_in_fp32`` models, as in the reference."""
+        h = self.backbone.embeddings(input_ids)
+        return h.float() if self.config.residual_in_fp32 else h
+
+    def _add_norm(
+        self, stream: torch.Tensor, delta: torch.Tensor | None, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stream + delta`` and the norm feeding block ``layer`` (the final norm past the last block)."""
+        layers = self.backbone.layers
+        norm = layers[layer].norm if layer < len(layers) else self.backbone.norm_f
+        return residual_rms_norm(stream, delta, norm.weight, norm.eps, layer < len(layers))
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return linear(self.lm_head, normed).float()
 
     def prefill(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        for i, block in enumerate(self.backbone.layers):
+        layers = self.backbone.layers
+        last = cu_seqlens[1:] - 1
+        normed, stream = self._add_norm(self._stream(input_ids), None, 0)
+        for i, block in enumerate(layers):
             conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
-            out, conv, ssm = block.mixer.prefill(
-                block.norm(h), cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids]
-            )
+            out, conv, ssm = block.mixer.prefill(normed, cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids])
             conv_pool[slot_ids] = conv.to(conv_pool.dtype)
             ssm_pool[slot_ids] = ssm
-            h = h + out
-        return self._logits(h[cu_seqlens[1:] - 1])
+            if i + 1 < len(layers):
+                normed, stream = self._add_norm(stream, out, i + 1)
+        normed, _ = self._add_norm(stream[last], out[last], len(layers))  # only the last rows need logits
+        return self._logits(normed)
 
     def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
         slots = slot_index(slot_ids)
+        normed, stream = self._add_norm(self._stream(input_ids), None, 0)
         for i, block in enumerate(self.backbone.layers):
-            h = h + block.mixer.decode(
-                block.norm(h), slot_ids, slots, state["conv"][:, i], state["ssm"][:, i]
-            )
-        return self._logits(h)
+            out = block.mixer.decode(normed, slot_ids, slots, state["conv"][:, i], state["ssm"][:, i])
+            normed, stream = self._add_norm(stream, out, i + 1)
+        return self._logits(normed)
 
 
 @register_model
@@ -262,6 +278,7 @@ class MambaLM(MixerStackLM):
             tie_embeddings=hf.get("tie_word_embeddings", True),
             bcdt_rms_norm=hf["model_type"] == "falcon_mamba",
             mixer_rms_eps=hf.get("mixer_rms_eps", 1e-6),
+            residual_in_fp32=hf.get("residual_in_fp32", True),
         )
 
     @staticmethod

@@ -56,6 +56,7 @@ class Mamba2Config(ModelConfig):
     dt_max_limit: float = math.inf
     tie_embeddings: bool = True
     chunk_size: int = 64
+    residual_in_fp32: bool = True
 
     @property
     def d_inner(self) -> int:
@@ -181,6 +182,7 @@ class Mamba2LM(MixerStackLM):
             dt_min_limit=_json_float(low),
             dt_max_limit=_json_float(high),
             tie_embeddings=hf.get("tie_word_embeddings", False),
+            residual_in_fp32=hf.get("residual_in_fp32", True),
         )
 
     @staticmethod

@@ -63,3 +63,23 @@ def test_state_is_conv_tail_and_ssm_state_in_fp32(tmp_path: Path) -> None:
     assert specs["conv"].shape == (2, 64, 3) and specs["ssm"].shape == (2, 64, 8)
     assert all(s.dtype == torch.float32 for s in specs.values())
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("residual_in_fp32", [True, False])
+def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_path: Path) -> None:
+    """As in ``transformers``' blocks, ``residual_in_fp32`` (default True) keeps the residual stream of a bf16
+    model in fp32; prefill and decode agree either way."""
+    from engine.loader import load_model
+    from engine.state_pool import StatePool
+
+    reference = build("mamba", {"residual_in_fp32": residual_in_fp32})
+    model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu", dtype="bfloat16")
+    assert model.config.residual_in_fp32 is residual_in_fp32
+    ids = torch.tensor([3, 1, 4, 1, 5, 9])
+    assert model._stream(ids).dtype == (torch.float32 if residual_in_fp32 else torch.bfloat16)
+    with torch.inference_mode():
+        pools = [StatePool(model.state_spec(), 2) for _ in range(2)]
+        whole = model.prefill(ids, torch.tensor([0, 6]), torch.tensor([1]), pools[0].tensors)
+        for token in ids:
+            stepwise = model.decode(token[None], torch.tensor([1]), pools[1].tensors)
+    torch.testing.assert_close(stepwise, whole, atol=0.05, rtol=0.02)
