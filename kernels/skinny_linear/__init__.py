@@ -29,15 +29,16 @@ def amx_available() -> bool:
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`skinny_linear` runs the AMX kernel for these operands."""
     return (
-        x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
         and weight.stride(1) == 1
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and use_cpu_kernel(x)
-        and weight.device.type == "cpu"
         and amx_available()
     )
 
