@@ -70,6 +70,17 @@ def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
     return slot_ids
 
 
+def _version_key(t: torch.Tensor | None) -> tuple | None:
+    """Identifies a tensor's current contents: storage, version counter (-1 for inference tensors), device."""
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:
+        version = -1
+    return t.data_ptr(), version, t.device
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (``weight`` None: the weightless variant)."""
     x32 = x.float()
@@ -99,61 +110,49 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(c.d_inner, c.d_state))
         self.D = nn.Parameter(torch.empty(c.d_inner))
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
-        self._A_key: tuple | None = None
-        self._A_cache = torch.empty(0)
+        self._fp32_key: tuple | None = None
+        self._fp32_cache: tuple = ()
         self.register_load_state_dict_post_hook(self._forget_derived)
 
-    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [*, Di]`` (after conv + SiLU) -> ``(dt, A, B, C)``; the scan adds dt's bias and softplus."""
+    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [*, Di]`` (after conv + SiLU) -> ``(dt, B, C)``; the scan adds dt's bias and softplus."""
         c = self.config
         projected = linear(self.x_proj, x)
         dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
             dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
-        return matmul_t(dt, self.dt_proj.weight), self._A(), B, C
+        return matmul_t(dt, self.dt_proj.weight), B, C
 
-    def _A(self) -> torch.Tensor:
-        """``-exp(A_log)`` in fp32, recomputed only when ``A_log`` changes (decode would redo it every step).
+    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(A = -exp(A_log), D, dt_bias, conv weight [Di, K], conv bias)`` in fp32 and contiguous, as the
+        kernels read them; recomputed only when a parameter changes (decode would convert them every step).
 
         A change is a new tensor, an in-place update of a normal tensor, or a ``load_state_dict`` (inference
         tensors carry no version counter)."""
-        try:
-            version = self.A_log._version
-        except RuntimeError:
-            version = -1
-        key = (self.A_log.data_ptr(), version, self.A_log.device)
-        if self._A_key != key:
-            self._A_cache = -torch.exp(self.A_log.detach().float())
-            self._A_key = key
-        return self._A_cache
+        sources = (self.A_log, self.D, self.dt_proj.bias, self.conv1d.weight, self.conv1d.bias)
+        key = tuple(_version_key(p) for p in sources)
+        if self._fp32_key != key:
+            self._fp32_cache = (
+                -torch.exp(self.A_log.detach().float()),
+                *(None if p is None else p.detach().float().contiguous() for p in (self.D, self.dt_proj.bias)),
+                self.conv1d.weight.detach()[:, 0, :].float().contiguous(),
+                None if self.conv1d.bias is None else self.conv1d.bias.detach().float().contiguous(),
+            )
+            self._fp32_key = key
+        return self._fp32_cache
 
     def _forget_derived(self, *_: Any) -> None:
-        self._A_key = None
-
-    def _conv_weight(self) -> torch.Tensor:
-        return self.conv1d.weight[:, 0, :]
+        self._fp32_key = None
 
     def prefill(
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
-        x, conv_state = causal_conv1d_varlen(
-            x, self._conv_weight(), self.conv1d.bias, cu_seqlens, conv_state, silu=True
-        )
-        dt, A, B, C = self._ssm_inputs(x)
+        x, conv_state = causal_conv1d_varlen(x, conv_weight, conv_bias, cu_seqlens, conv_state, silu=True)
+        dt, B, C = self._ssm_inputs(x)
         y, ssm_state = selective_scan_varlen(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            cu_seqlens,
-            self.D,
-            z,
-            ssm_state,
-            self.dt_proj.bias,
-            True,
-            self.config.scan_chunk_size,
+            x, dt, A, B, C, cu_seqlens, D, z, ssm_state, dt_bias, True, self.config.scan_chunk_size
         )
         return linear(self.out_proj, y.to(h.dtype)), conv_state, ssm_state
 
@@ -169,10 +168,11 @@ class MambaMixer(nn.Module):
 
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
         """
+        A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
-        x = causal_conv1d_update(x, conv_pool, self._conv_weight(), self.conv1d.bias, slot_ids, silu=True)
-        dt, A, B, C = self._ssm_inputs(x)
-        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, z, self.dt_proj.bias, True)
+        x = causal_conv1d_update(x, conv_pool, conv_weight, conv_bias, slot_ids, silu=True)
+        dt, B, C = self._ssm_inputs(x)
+        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, D, z, dt_bias, True)
         return linear(self.out_proj, y.to(h.dtype))
 
 

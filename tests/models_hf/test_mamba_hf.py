@@ -83,3 +83,30 @@ def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_pat
         for token in ids:
             stepwise = model.decode(token[None], torch.tensor([1]), pools[1].tensors)
     torch.testing.assert_close(stepwise, whole, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_fp32_parameters_follow_weight_updates(dtype: str) -> None:
+    """The mixer converts A_log, D, dt_bias and the conv parameters to fp32 once; an in-place update or a
+    ``load_state_dict`` must reach the kernels."""
+    from engine.loader import load_model
+    from engine.state_pool import StatePool
+
+    model, _ = load_model("random:mamba-tiny", device="cpu", dtype=dtype)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def logits() -> torch.Tensor:  # two steps: A only acts on a non-zero state
+        pool = StatePool(model.state_spec(), 2)
+        with torch.inference_mode():
+            model.decode(torch.tensor([7]), torch.tensor([1]), pool.tensors)
+            return model.decode(torch.tensor([9]), torch.tensor([1]), pool.tensors)
+
+    before = logits()
+    mixer = model.backbone.layers[0].mixer
+    for param in (mixer.D, mixer.dt_proj.bias, mixer.conv1d.bias, mixer.A_log):
+        with torch.no_grad():
+            param.add_(0.5)
+        changed = logits()
+        assert not torch.equal(changed, before)
+        model.load_state_dict(original)
+        assert torch.equal(logits(), before)
