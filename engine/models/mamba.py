@@ -172,7 +172,7 @@ class MambaMixer(nn.Module):
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_pool, conv_weight, conv_bias, slot_ids, silu=True)
         dt, B, C = self._ssm_inputs(x)
-        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, D, z, dt_bias, True)
+        y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, D, z, dt_bias, True, slot_ids)
         return linear(self.out_proj, y.to(h.dtype))
 
 

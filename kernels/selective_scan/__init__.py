@@ -77,8 +77,12 @@ def selective_state_update(
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
+    slot_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step on pool rows ``state[slots]`` in place (see :func:`selective_state_update_torch`)."""
+    """One decode step on pool rows ``state[slots]`` in place (see :func:`selective_state_update_torch`).
+
+    ``slot_ids``, when given, are ``slots`` as an int64 tensor (the fused kernel takes ids; a caller that holds
+    them saves building them from a slice every layer)."""
     d_state = A.shape[1]
     fused = (
         _fused(x, A)
@@ -88,10 +92,9 @@ def selective_state_update(
     )
     if not fused:
         return selective_state_update_torch(state, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-    if isinstance(slots, slice):
-        slot_ids = torch.arange(slots.start, slots.stop)
-    else:
-        slot_ids = slots.long().contiguous()
+    if slot_ids is None:
+        slot_ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+    slot_ids = slot_ids.long().contiguous()
     x, dt, B, C, z = _activations(x, dt, B, C, z)
     return torch.ops.rnnserve.selective_state_update(
         state, slot_ids, x, dt, _f32(dt_bias), _f32(A), B, C, _f32(D), z, dt_softplus
