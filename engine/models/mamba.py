@@ -134,7 +134,8 @@ class MambaMixer(nn.Module):
         if self._fp32_key != key:
             self._fp32_cache = (
                 -torch.exp(self.A_log.detach().float()),
-                *(None if p is None else p.detach().float().contiguous() for p in (self.D, self.dt_proj.bias)),
+                self.D.detach().float().contiguous(),
+                self.dt_proj.bias.detach().float().contiguous(),
                 self.conv1d.weight.detach()[:, 0, :].float().contiguous(),
                 None if self.conv1d.bias is None else self.conv1d.bias.detach().float().contiguous(),
             )

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -25,7 +26,7 @@ namespace {
 constexpr int64_t kTileRows = 16;  // outputs per A tile, k-pairs per B tile, rows of x per B tile
 constexpr int64_t kStepK = 32;     // bf16 elements of k per tile product
 constexpr int64_t kMaxRows = 2 * kTileRows;
-constexpr int64_t kPrefetchSteps = 2;
+constexpr int64_t kPrefetchSteps = 2;  // how far ahead W is prefetched (see prefetch_rows)
 
 #ifdef RNNSERVE_HAVE_AMX
 // Linux hands out AMX tile state only to a process that asks for it (once; oneDNN asks the same way).
