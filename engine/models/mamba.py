@@ -34,6 +34,7 @@ from engine.models.base import (
 from engine.models.layers import linear, matmul_t
 from kernels.add_norm import residual_rms_norm
 from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.mamba_decode import fused_mixer_decode_applies
 from kernels.selective_scan import selective_scan_varlen, selective_state_update
 
 
@@ -167,8 +168,39 @@ class MambaMixer(nn.Module):
     ) -> torch.Tensor:
         """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place.
 
-        ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`).
+        ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`). On
+        CPU the whole step is one fused op (:mod:`kernels.mamba_decode`).
         """
+        A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
+        if not self.config.bcdt_rms_norm and fused_mixer_decode_applies(h, conv_pool, ssm_pool):
+            return torch.ops.rnnserve.mamba_mixer_decode(
+                h,
+                self.in_proj.weight,
+                self.in_proj.bias,
+                conv_pool,
+                conv_weight,
+                conv_bias,
+                slot_ids.long().contiguous(),
+                self.x_proj.weight,
+                self.dt_proj.weight,
+                dt_bias,
+                A,
+                D,
+                ssm_pool,
+                self.out_proj.weight,
+                self.out_proj.bias,
+            )
+        return self.decode_unfused(h, slot_ids, slots, conv_pool, ssm_pool)
+
+    def decode_unfused(
+        self,
+        h: torch.Tensor,
+        slot_ids: torch.Tensor,
+        slots: torch.Tensor | slice,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`decode` op by op: the path off CPU, for FalconMamba, and the fused op's reference."""
         A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_pool, conv_weight, conv_bias, slot_ids, silu=True)

@@ -25,3 +25,10 @@ def test_path_left_alone_when_ninja_is_found(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setenv("PATH", str(tmp_path))
     cpu_extension.ensure_ninja_on_path()
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    """A broken kernel source must fail the suite, not quietly skip every fused-kernel test."""
+    if os.environ.get("RNNSERVE_CPU_KERNELS", "1") == "0" or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("fused CPU kernels disabled, or no C++ compiler")
+    assert cpu_extension.cpu_ops(), "the fused CPU kernels failed to build (see the warning logged above)"
