@@ -15,7 +15,8 @@ MAX_STATE = 64  # the fused selective-scan kernel's d_state limit
 
 
 def fused_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
-    """Whether a decode step on ``h [B, d_model]`` with these pool views can run as one fused op."""
+    """Whether a decode step on ``h [B, d_model]`` with these pool views can run as one fused op (which has no
+    autograd formula: only with gradients off, as the engine runs)."""
     d_state = ssm_pool.shape[-1]
     return (
         h.dim() == 2
@@ -26,6 +27,7 @@ def fused_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_poo
         and ssm_pool.stride(-1) == 1
         and ssm_pool.stride(-2) == d_state
         and d_state <= MAX_STATE
+        and not torch.is_grad_enabled()
         and use_cpu_kernel(h)
     )
 

@@ -51,9 +51,12 @@ def test_fused_step_equals_unfused_step(dtype: torch.dtype, batch: int, use_bias
         assert torch.equal(pools[0].tensors[name], pools[1].tensors[name])
 
 
+@torch.inference_mode()
 def test_other_inputs_take_the_unfused_path() -> None:
     pool = StatePool(tiny_mamba(torch.float32, False).state_spec(), 2)
     conv, ssm = pool.tensors["conv"][:, 0], pool.tensors["ssm"][:, 0]
     assert not fused_mixer_decode_applies(torch.zeros(2, 48, dtype=torch.float16), conv, ssm)
     assert not fused_mixer_decode_applies(torch.zeros(2, 48), conv.double(), ssm)
     assert not fused_mixer_decode_applies(torch.zeros(2, 48), conv, ssm.transpose(-1, -2))
+    with torch.enable_grad():
+        assert not fused_mixer_decode_applies(torch.zeros(2, 48), conv, ssm)
