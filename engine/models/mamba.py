@@ -82,21 +82,23 @@ def _version_key(t: torch.Tensor | None) -> tuple | None:
     return t.data_ptr(), version, t.device
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 (``weight`` None: the weightless variant)."""
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, statistics in fp32 (FalconMamba's norm on dt, B and C)."""
     x32 = x.float()
-    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return out if weight is None else weight * out
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
+    """A block's (or the final) RMSNorm; the stacks apply it fused with the residual add
+    (:func:`kernels.add_norm.residual_rms_norm`), and ``forward`` is the same norm without the add."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return residual_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 class MambaMixer(nn.Module):
@@ -121,7 +123,7 @@ class MambaMixer(nn.Module):
         projected = linear(self.x_proj, x)
         dt, B, C = projected.split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if c.bcdt_rms_norm:
-            dt, B, C = (rms_norm(t, None, c.mixer_rms_eps) for t in (dt, B, C))
+            dt, B, C = (weightless_rms_norm(t, c.mixer_rms_eps) for t in (dt, B, C))
         return matmul_t(dt, self.dt_proj.weight), B, C
 
     def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -171,8 +173,8 @@ class MambaMixer(nn.Module):
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`). On
         CPU the whole step is one fused op (:mod:`kernels.mamba_decode`).
         """
-        A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         if not self.config.bcdt_rms_norm and fused_mixer_decode_applies(h, conv_pool, ssm_pool):
+            A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
             return torch.ops.rnnserve.mamba_mixer_decode(
                 h,
                 self.in_proj.weight,
