@@ -20,11 +20,11 @@ serve: install
 	$(VENV)/bin/rnnserve serve $(ARGS)
 
 test: install
-	$(PY) -m ruff check engine kernels server clients tests benchmarks scripts
+	$(PY) -m ruff check rnnserve engine kernels server clients tests benchmarks scripts examples
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m ruff check engine kernels server clients tests benchmarks scripts
+	$(PY) -m ruff check rnnserve engine kernels server clients tests benchmarks scripts examples
 
 # On a CUDA machine whose Python already has torch and triton (no install: GPU machines may be offline):
 # the gpu-marked tests, then the kernel and decode benchmarks.

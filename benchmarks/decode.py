@@ -23,11 +23,10 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
-
-from engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E402
-from engine.loader import build_random  # noqa: E402
-from engine.models.base import RecurrentLM  # noqa: E402
-from engine.state_pool import StatePool  # noqa: E402
+from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E402
+from rnnserve.engine.loader import build_random  # noqa: E402
+from rnnserve.engine.models.base import RecurrentLM  # noqa: E402
+from rnnserve.engine.state_pool import StatePool  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

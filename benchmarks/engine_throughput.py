@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.loader import load_model
+from rnnserve.engine.sampling_params import SamplingParams
 
 
 def _prompt(seed: int, length: int, vocab: int) -> list[int]:

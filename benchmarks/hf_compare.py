@@ -30,10 +30,9 @@ import os  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-
-from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from rnnserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from rnnserve.engine.loader import load_model  # noqa: E402
+from rnnserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def hf_reference(model: torch.nn.Module) -> torch.nn.Module:

@@ -25,12 +25,11 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from kernels.add_norm import add_norm  # noqa: E402
-from kernels.backend import force_triton  # noqa: E402
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
-from kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step  # noqa: E402
-from kernels.min_rnn_step import min_rnn_step  # noqa: E402
+from rnnserve.kernels.add_norm import add_norm  # noqa: E402
+from rnnserve.kernels.backend import force_triton  # noqa: E402
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
+from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step  # noqa: E402
+from rnnserve.kernels.min_rnn_step import min_rnn_step  # noqa: E402
 
 GRAPH_CALLS = 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

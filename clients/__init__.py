@@ -1,6 +1,6 @@
 """Python clients for rnnserve or any OpenAI-compatible server, and the `rnnserve bench` load generator."""
 
-from clients.client import (
+from rnnserve.clients.client import (
     APIError,
     AsyncClient,
     ChatCompletion,

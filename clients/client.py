@@ -2,7 +2,7 @@
 
 ::
 
-    from clients import Client
+    from rnnserve.clients import Client
 
     with Client("http://127.0.0.1:8000", api_key="secret") as client:
         print(client.completions("Once upon a time", max_tokens=32).choices[0].text)

@@ -14,8 +14,7 @@ import logging
 import time
 
 import torch
-
-from engine.models.base import RecurrentLM, StateTensors
+from rnnserve.engine.models.base import RecurrentLM, StateTensors
 
 logger = logging.getLogger(__name__)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.loader import load_model
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

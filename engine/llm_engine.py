@@ -7,17 +7,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.models.base import RecurrentLM
-from engine.outputs import RequestOutput
-from engine.sampler import sample
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup
-from engine.state_pool import StatePool
-from engine.tokenizer import Tokenizer
+from rnnserve.engine.loader import load_model
+from rnnserve.engine.model_runner import ModelRunner
+from rnnserve.engine.models.base import RecurrentLM
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampler import sample
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.scheduler import Scheduler
+from rnnserve.engine.sequence import Sequence, SequenceGroup
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.engine.tokenizer import Tokenizer
 
 
 @dataclass

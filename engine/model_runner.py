@@ -7,10 +7,9 @@ On CUDA the decode step replays CUDA graphs captured at start-up (one per batch-
 from __future__ import annotations
 
 import torch
-
-from engine.cuda_graph_runner import CUDAGraphDecodeRunner
-from engine.models.base import RecurrentLM
-from engine.state_pool import StatePool
+from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner
+from rnnserve.engine.models.base import RecurrentLM
+from rnnserve.engine.state_pool import StatePool
 
 
 class ModelRunner:

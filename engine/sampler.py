@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.outputs import TokenLogprob
-from engine.sequence import Sequence
-from kernels.row_argmax import row_argmax
+from rnnserve.engine.outputs import TokenLogprob
+from rnnserve.engine.sequence import Sequence
+from rnnserve.kernels.row_argmax import row_argmax
 
 
 @dataclass

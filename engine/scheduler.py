@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.sampling_params import InvalidParameterError
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.state_pool import StatePool
+from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from rnnserve.engine.state_pool import StatePool
 
 
 @dataclass

@@ -7,10 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class SequenceStatus(enum.Enum):

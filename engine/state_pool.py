@@ -8,8 +8,7 @@ sequence. Allocation is a free-list pop; nothing grows while requests run.
 from __future__ import annotations
 
 import torch
-
-from engine.models.base import StateSpec
+from rnnserve.engine.models.base import StateSpec
 
 
 class OutOfSlotsError(RuntimeError):

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.loader import DEFAULT_MODEL_DIR, load_model, save_checkpoint  # noqa: E402
-from engine.models.minrnn import MinGRULM, MinRNNBlock, MinRNNConfig  # noqa: E402
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR, load_model, save_checkpoint  # noqa: E402
+from rnnserve.engine.models.minrnn import MinGRULM, MinRNNBlock, MinRNNConfig  # noqa: E402
 
 PACKAGE = "fortunes"
 EXCLUDED_FILES = {"ascii-art"}  # pictures, not prose
@@ -277,7 +277,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"saved {args.out} ({size / 1e6:.2f} MB)", flush=True)
 
-    from engine import LLM, SamplingParams
+    from rnnserve.engine import LLM, SamplingParams
 
     loaded, _ = load_model(str(args.out), device="cpu")
     assert bits_per_byte(loaded, val[: 16 * 1024 + 1]) == bits_per_byte(model, val[: 16 * 1024 + 1])

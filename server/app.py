@@ -4,7 +4,7 @@ Build an app for any model the loader knows and drive it in-process (the engine 
 app's lifespan, so use ``TestClient`` as a context manager)::
 
     from fastapi.testclient import TestClient
-    from server.app import ServerConfig, create_app
+    from rnnserve.server.app import ServerConfig, create_app
 
     app = create_app(ServerConfig(model="lsrl:dictionary", max_num_seqs=4))
     with TestClient(app) as client:
@@ -35,26 +35,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from engine.llm_engine import LLMEngine
-from engine.loader import DEFAULT_MODEL_DIR
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from engine.scheduler import QueueFullError
-from engine.tokenizer import ByteTokenizer, Tokenizer
-from server.async_engine import AsyncEngine, EngineDeadError, Submission
-from server.chat_template import render_chat
-from server.errors import APIError, bad_request, from_validation_error
-from server.metrics import ServerMetrics
-from server.protocol import (
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR
+from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
+from rnnserve.server.async_engine import AsyncEngine, EngineDeadError, Submission
+from rnnserve.server.chat_template import render_chat
+from rnnserve.server.errors import APIError, bad_request, from_validation_error
+from rnnserve.server.metrics import ServerMetrics
+from rnnserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("rnnserve.server")
 

@@ -19,11 +19,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from engine.sequence import SequenceGroup
-from server.metrics import ServerMetrics
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.sequence import SequenceGroup
+from rnnserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("rnnserve.engine")
 

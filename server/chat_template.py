@@ -12,9 +12,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from engine.sampling_params import InvalidParameterError
-from engine.tokenizer import Tokenizer
+from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.tokenizer import Tokenizer
 
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"

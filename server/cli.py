@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
 
 logger = logging.getLogger("rnnserve")
 
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)"
     )
 
-    from clients.bench import add_bench_arguments
+    from rnnserve.clients.bench import add_bench_arguments
 
     bench = commands.add_parser(
         "bench",
@@ -199,8 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from server.app import ServerConfig, build_engine, create_app
+    from rnnserve.server.app import ServerConfig, build_engine, create_app
 
     config = ServerConfig(
         model=args.model,
@@ -263,8 +262,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import InvalidParameterError, SamplingParams
+    from rnnserve.engine.llm_engine import LLMEngine
+    from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 
     model = args.model if args.model is not None else str(DEFAULT_MODEL_DIR)
     try:
@@ -309,7 +308,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def lsrl(argv: list[str]) -> int:
     try:
-        from engine.lsrl.cli import main as lsrl_main
+        from rnnserve.engine.lsrl.cli import main as lsrl_main
     except ImportError as err:
         print(f"rnnserve lsrl: the LSRL tools are not available ({err})", file=sys.stderr)
         return 2
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "generate":
         return generate(args)
-    from clients.bench import run_bench
+    from rnnserve.clients.bench import run_bench
 
     return run_bench(args)
 

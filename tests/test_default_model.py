@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.loader import DEFAULT_MODEL_DIR, load_model
-from engine.models.minrnn import MinGRULM
-from engine.tokenizer import ByteTokenizer
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR, load_model
+from rnnserve.engine.models.minrnn import MinGRULM
+from rnnserve.engine.tokenizer import ByteTokenizer
 
 COMMON_WORDS = {"the", "a", "and", "of", "to", "is", "in", "it", "you", "that", "i", "be", "for", "not", "are",
                 "with", "as", "on", "he", "we", "they", "have", "his", "this", "but", "all", "your", "was"}

@@ -4,8 +4,8 @@ Write a program with the primitives and helpers, run it with :func:`run_program`
 :func:`compile_program` and serve the result as an ``architecture: "lsrl"`` model.
 """
 
-from engine.lsrl.compiler import Path, compile_program, debranch, fold
-from engine.lsrl.helpers import (
+from rnnserve.engine.lsrl.compiler import Path, compile_program, debranch, fold
+from rnnserve.engine.lsrl.helpers import (
     f_and,
     f_bump,
     f_constant,
@@ -19,8 +19,8 @@ from engine.lsrl.helpers import (
     f_smaller,
     f_step,
 )
-from engine.lsrl.interpreter import Interpreter, run_program
-from engine.lsrl.program import Concat, Input, Lin, LinState, Multi, Node, ReLU
+from rnnserve.engine.lsrl.interpreter import Interpreter, run_program
+from rnnserve.engine.lsrl.program import Concat, Input, Lin, LinState, Multi, Node, ReLU
 
 __all__ = [
     "Concat",

@@ -4,7 +4,7 @@
 - ``lsrl:dictionary`` (Listing 2, n = 3): token 0 is ``.``, 1..26 are ``A``..``Z``; prompt = query, then
   key/value pairs, e.g. ``CANAUSVIEBULSOFCANOTTDENCOPENGLON`` continues greedily with ``TOTTOTT``.
 - ``lsrl:approximator`` (Listing 1, d_in = 2, d_out = 1, delta = 0.5): prompt = query then cells, e.g.
-  ``(0.7,0.2)[0,0]=1[0,0.5]=2[0.5,0]=3[0.5,0.5]=4`` continues with ``3`` (see :mod:`engine.lsrl.tokens`).
+  ``(0.7,0.2)[0,0]=1[0,0.5]=2[0.5,0]=3[0.5,0.5]=4`` continues with ``3`` (see :mod:`rnnserve.engine.lsrl.tokens`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import string
 from collections.abc import Callable
 
 import torch
-
-from engine.lsrl import programs
-from engine.lsrl.compiler import Path, compile_program
-from engine.lsrl.program import Node
-from engine.lsrl.tokens import TokenInterface, approximator_tokens
-from engine.models.lsrl import LSRLModel
-from engine.tokenizer import CharTokenizer
+from rnnserve.engine.lsrl import programs
+from rnnserve.engine.lsrl.compiler import Path, compile_program
+from rnnserve.engine.lsrl.program import Node
+from rnnserve.engine.lsrl.tokens import TokenInterface, approximator_tokens
+from rnnserve.engine.models.lsrl import LSRLModel
+from rnnserve.engine.tokenizer import CharTokenizer
 
 BUILTINS: dict[str, tuple[Callable[[], Node], Callable[[], TokenInterface]]] = {
     "majority": (programs.majority, lambda: TokenInterface.scalar("01")),
@@ -44,7 +43,7 @@ def build_builtin(name: str) -> tuple[LSRLModel, CharTokenizer]:
 def load_builtin(name: str, device: torch.device, dtype: torch.dtype | None) -> tuple[LSRLModel, CharTokenizer]:
     """Model source for ``lsrl:<name>`` (fp64 unless ``dtype`` says otherwise)."""
     if name not in BUILTINS:
-        from engine.loader import ModelLoadError  # the loader imports this module
+        from rnnserve.engine.loader import ModelLoadError  # the loader imports this module
 
         raise ModelLoadError(f"unknown built-in LSRL model 'lsrl:{name}'; known: {', '.join(sorted(BUILTINS))}")
     model, tokenizer = build_builtin(name)

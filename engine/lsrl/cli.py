@@ -20,13 +20,12 @@ from pathlib import Path as FilePath
 from types import ModuleType
 
 import torch
-
-from engine.lsrl.compiler import LinStateOp, Path, compile_program
-from engine.lsrl.interpreter import run_program
-from engine.lsrl.program import Node
-from engine.lsrl.tokens import TokenInterface
-from engine.models.lsrl import LSRLModel
-from engine.tokenizer import CharTokenizer
+from rnnserve.engine.lsrl.compiler import LinStateOp, Path, compile_program
+from rnnserve.engine.lsrl.interpreter import run_program
+from rnnserve.engine.lsrl.program import Node
+from rnnserve.engine.lsrl.tokens import TokenInterface
+from rnnserve.engine.models.lsrl import LSRLModel
+from rnnserve.engine.tokenizer import CharTokenizer
 
 DEFAULT_ALPHABET = "0123456789"
 
@@ -71,7 +70,7 @@ def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
 
 def compile_file(program: str | FilePath, out_dir: str | FilePath) -> tuple[Path, LSRLModel]:
     """Compile a program file and write it as an ``architecture: "lsrl"`` checkpoint to ``out_dir``."""
-    from engine.loader import save_checkpoint
+    from rnnserve.engine.loader import save_checkpoint
 
     output, tokens = load_program_file(program)
     path = compile_program(output)

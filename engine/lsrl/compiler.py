@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from engine.lsrl import sparse
-from engine.lsrl.program import (
+from rnnserve.engine.lsrl import sparse
+from rnnserve.engine.lsrl.program import (
     Concat,
     Input,
     Lin,

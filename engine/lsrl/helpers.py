@@ -10,9 +10,8 @@ import math
 from typing import Any, Literal
 
 import torch
-
-from engine.lsrl import sparse
-from engine.lsrl.program import Concat, Lin, LinState, Multi, Node, ReLU
+from rnnserve.engine.lsrl import sparse
+from rnnserve.engine.lsrl.program import Concat, Lin, LinState, Multi, Node, ReLU
 
 DEFAULT_MU = 100.0
 DEFAULT_LAMBDA = 100.0

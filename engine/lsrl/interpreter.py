@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from engine.lsrl import sparse
-from engine.lsrl.program import (
+from rnnserve.engine.lsrl import sparse
+from rnnserve.engine.lsrl.program import (
     Concat,
     Input,
     Lin,

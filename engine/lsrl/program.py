@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.lsrl import sparse
+from rnnserve.engine.lsrl import sparse
 
 _ids = itertools.count()
 

@@ -7,9 +7,8 @@ Each function builds a fresh program and returns its output node. With the ReLU 
 from __future__ import annotations
 
 import torch
-
-from engine.lsrl import sparse
-from engine.lsrl.helpers import (
+from rnnserve.engine.lsrl import sparse
+from rnnserve.engine.lsrl.helpers import (
     IfElseForm,
     f_and,
     f_bump,
@@ -20,7 +19,7 @@ from engine.lsrl.helpers import (
     f_not,
     f_smaller,
 )
-from engine.lsrl.program import Concat, Input, Lin, LinState, Node
+from rnnserve.engine.lsrl.program import Concat, Input, Lin, LinState, Node
 
 
 def _counter(x: Node, start: float) -> Node:

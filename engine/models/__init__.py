@@ -1,7 +1,7 @@
 """Model registry: importing this package registers every architecture and its ``random:`` presets."""
 
 # Importing each architecture module registers its models and presets.
-from engine.models import classic_rnn, lsrl, mamba, mamba2, minrnn, recurrent_gemma  # noqa: F401
-from engine.models.base import MODEL_REGISTRY, PRESETS, ModelConfig, RecurrentLM, StateSpec
+from rnnserve.engine.models import classic_rnn, lsrl, mamba, mamba2, minrnn, recurrent_gemma  # noqa: F401
+from rnnserve.engine.models.base import MODEL_REGISTRY, PRESETS, ModelConfig, RecurrentLM, StateSpec
 
 __all__ = ["MODEL_REGISTRY", "PRESETS", "ModelConfig", "RecurrentLM", "StateSpec"]

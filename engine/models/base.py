@@ -1,7 +1,7 @@
 """The small interface every architecture implements.
 
 A model is a ``torch.nn.Module`` that owns its weights but not its recurrent state. The state lives in
-a :class:`~engine.state_pool.StatePool`: one preallocated tensor ``[num_slots, *shape]`` per
+a :class:`~rnnserve.engine.state_pool.StatePool`: one preallocated tensor ``[num_slots, *shape]`` per
 :class:`StateSpec`. ``prefill`` and ``decode`` receive that mapping plus the slot ids of the sequences
 in the batch, read each sequence's state from its slot and write the new state back in place.
 """

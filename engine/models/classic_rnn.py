@@ -12,10 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.nn.utils.rnn import PackedSequence
-
-from engine.models.base import (
+from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
     StateSpec,
@@ -23,7 +20,9 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from kernels.selective_scan import time_major_order
+from rnnserve.kernels.selective_scan import time_major_order
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 
 @dataclass

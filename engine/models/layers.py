@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from rnnserve.kernels.skinny_linear import skinny_linear_applies
 from torch import nn
-
-from kernels.skinny_linear import skinny_linear_applies
 
 SMALL_BATCH_ROWS = 128
 
@@ -19,7 +18,7 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, with two CPU paths for decode batches and small prefill chunks:
 
-    * bf16, 1..32 rows, on CPUs with AMX: the :mod:`kernels.skinny_linear` kernel, which reads the weight
+    * bf16, 1..32 rows, on CPUs with AMX: the :mod:`rnnserve.kernels.skinny_linear` kernel, which reads the weight
       as stored at memory speed (about 2x oneDNN at 1-32 rows);
     * 2..128 rows otherwise: ``(W @ x^T)^T``. With few rows, MKL/oneDNN repack the weight for ``x @ W^T``
       on every call; ``W @ x^T`` streams it as stored instead: 1.4-1.8x faster in fp32 and 1.5-2.5x in

@@ -1,9 +1,9 @@
 """Compiled LSRL programs served as recurrent language models (``architecture: "lsrl"``).
 
 The model is the compiled path: an ordered list of layers (sparse ``linear``, ``relu``, ``multi`` and
-``linstate``), see :mod:`engine.lsrl.compiler`. Tokens enter through an embedding table (``E[v] = v`` for
+``linstate``), see :mod:`rnnserve.engine.lsrl.compiler`. Tokens enter through an embedding table (``E[v] = v`` for
 scalar programs) and the scalar program output ``y`` is scored by ``logits_v = 2 v y - v^2`` (see
-:mod:`engine.lsrl.tokens`).
+:mod:`rnnserve.engine.lsrl.tokens`).
 
 State: for every ``linstate`` layer, only the state dimensions its ``A`` reads at the next token (non-zero
 columns) are kept, concatenated into one ``state`` vector per slot and initialised from ``s0``.
@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
+from rnnserve.engine.lsrl.tokens import TokenInterface
+from rnnserve.engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
 from torch import nn
-
-from engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
-from engine.lsrl.tokens import TokenInterface
-from engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
 
 FLOAT = torch.float64
 logger = logging.getLogger(__name__)

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
-from engine.models.base import (
+from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
     StateSpec,
@@ -31,11 +29,12 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from engine.models.layers import linear, matmul_t
-from kernels.add_norm import residual_rms_norm
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.mamba_decode import fused_mixer_decode_applies
-from kernels.selective_scan import selective_scan_varlen, selective_state_update
+from rnnserve.engine.models.layers import linear, matmul_t
+from rnnserve.kernels.add_norm import residual_rms_norm
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.mamba_decode import fused_mixer_decode_applies
+from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
+from torch import nn
 
 
 @dataclass
@@ -90,7 +89,7 @@ def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """A block's (or the final) RMSNorm; the stacks apply it fused with the residual add
-    (:func:`kernels.add_norm.residual_rms_norm`), and ``forward`` is the same norm without the add."""
+    (:func:`rnnserve.kernels.add_norm.residual_rms_norm`), and ``forward`` is the same norm without the add."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -171,7 +170,7 @@ class MambaMixer(nn.Module):
         """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place.
 
         ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`). On
-        CPU the whole step is one fused op (:mod:`kernels.mamba_decode`).
+        CPU the whole step is one fused op (:mod:`rnnserve.kernels.mamba_decode`).
         """
         if not self.config.bcdt_rms_norm and fused_mixer_decode_applies(h, conv_pool, ssm_pool):
             A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()

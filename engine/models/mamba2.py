@@ -20,18 +20,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.models.base import (
+from rnnserve.engine.models.base import (
     ModelConfig,
     StateSpec,
     register_model,
     register_preset,
 )
-from engine.models.layers import linear
-from engine.models.mamba import MixerStackLM
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.ssd import ssd_scan_chunked, ssd_state_update
+from rnnserve.engine.models.layers import linear
+from rnnserve.engine.models.mamba import MixerStackLM
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
+from torch import nn
 
 
 def _json_float(value: float | str | dict) -> float:

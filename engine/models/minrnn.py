@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.models.base import (
+from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
     StateSpec,
@@ -31,11 +29,11 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from engine.models.layers import linear
-from kernels.add_norm import add_norm
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.diag_linear_scan import diag_log_scan
-from kernels.min_rnn_step import (
+from rnnserve.engine.models.layers import linear
+from rnnserve.kernels.add_norm import add_norm
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.diag_linear_scan import diag_log_scan
+from rnnserve.kernels.min_rnn_step import (
     g,
     log_g,
     min_rnn_step,
@@ -44,6 +42,7 @@ from kernels.min_rnn_step import (
     minlstm_coefficients,
     minlstm_log_coefficients,
 )
+from torch import nn
 
 __all__ = ["MinRNNConfig", "MinGRUCell", "MinLSTMCell", "MinRNNBlock", "MinGRULM", "MinLSTMLM", "g", "log_g"]
 

@@ -25,9 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.models.base import (
+from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
     StateSpec,
@@ -35,8 +33,9 @@ from engine.models.base import (
     register_model,
     register_preset,
 )
-from kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
+from torch import nn
 
 
 @dataclass

@@ -3,7 +3,7 @@
     rnnserve lsrl compile examples/lsrl/majority.py -o majority
 """
 
-from engine.lsrl import Input, LinState, Node, f_larger, f_not
+from rnnserve.engine.lsrl import Input, LinState, Node, f_larger, f_not
 
 ALPHABET = "01"
 

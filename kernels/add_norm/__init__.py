@@ -1,16 +1,15 @@
 """LayerNorm / RMSNorm fused with the residual add of a pre-norm block.
 
 ``naive.py`` holds the PyTorch references, ``fused.py`` the Triton kernel of :func:`add_norm` (one program
-per row), ``add_norm_cpu.cpp`` the CPU kernel of :func:`residual_rms_norm` (see :mod:`kernels.cpu_extension`).
+per row), ``add_norm_cpu.cpp`` the CPU kernel of :func:`residual_rms_norm` (see :mod:`rnnserve.kernels.cpu_extension`).
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.add_norm.naive import add_norm_ref, residual_rms_norm_ref
-from kernels.backend import use_triton
-from kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.add_norm.naive import add_norm_ref, residual_rms_norm_ref
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 
 def add_norm(
@@ -27,7 +26,7 @@ def add_norm(
     stream, so consecutive blocks chain ``normed, stream = add_norm(delta, stream, ...)``.
     """
     if use_triton(x):
-        from kernels.add_norm.fused import add_norm_triton
+        from rnnserve.kernels.add_norm.fused import add_norm_triton
 
         return add_norm_triton(x, residual, weight, bias, eps, rms)
     return add_norm_ref(x, residual, weight, bias, eps, rms)
@@ -42,7 +41,7 @@ def residual_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba's ``new_stream = stream + delta`` then RMSNorm, with the reference's rounding steps.
 
-    See :func:`~kernels.add_norm.naive.residual_rms_norm_ref` for the exact semantics; 2-D CPU tensors (the
+    See :func:`~rnnserve.kernels.add_norm.naive.residual_rms_norm_ref` for the exact semantics; 2-D CPU tensors (the
     stream's rows contiguous) run the fused C++ kernel. Returns ``(normed, new_stream)``.
     """
     fused = (

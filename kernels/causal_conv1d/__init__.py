@@ -2,17 +2,16 @@
 
 ``naive.py`` is the PyTorch reference, ``chunked.py`` the Triton varlen prefill, ``fused_recurrent.py`` the
 Triton decode update that shifts the tail of each slot in place, ``causal_conv1d_cpu.cpp`` a fused C++ decode update for
-CPU tensors (see :mod:`kernels.cpu_extension`).
+CPU tensors (see :mod:`rnnserve.kernels.cpu_extension`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.backend import use_triton
-from kernels.causal_conv1d.naive import _window_index, causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.causal_conv1d.naive import _window_index, causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 
 def causal_conv1d_varlen(
@@ -29,7 +28,7 @@ def causal_conv1d_varlen(
     Each sequence continues from its ``initial_state [B, C, K-1]`` tail (zeros when ``None``).
     """
     if use_triton(x):
-        from kernels.causal_conv1d.chunked import causal_conv1d_varlen_triton
+        from rnnserve.kernels.causal_conv1d.chunked import causal_conv1d_varlen_triton
 
         y, final = causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state)
         return (F.silu(y) if silu else y), final
@@ -104,7 +103,7 @@ def causal_conv1d_update(
     place.
     """
     if use_triton(x):
-        from kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
+        from rnnserve.kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
 
         y = causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
         return F.silu(y) if silu else y

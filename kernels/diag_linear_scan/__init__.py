@@ -7,9 +7,8 @@ Serves minGRU, minLSTM, RG-LRU and diagonal linear RNNs. ``naive.py`` is the PyT
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import use_triton
-from kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
 
 
 def diag_linear_scan(
@@ -21,7 +20,7 @@ def diag_linear_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``a, b [T, D]`` -> ``(h [T, D], final_state [B, D])`` in fp32; ``initial_state [B, D]``."""
     if use_triton(a):
-        from kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
+        from rnnserve.kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
 
         return diag_scan_varlen_triton(a, b, cu_seqlens, initial_state, False, chunk_size)
     return diag_linear_scan_ref(a, b, cu_seqlens, initial_state)
@@ -39,7 +38,7 @@ def diag_log_scan(
     ``initial_state`` is the linear-space state (>= 0); returns linear-space ``(h, final_state)``.
     """
     if use_triton(log_a):
-        from kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
+        from rnnserve.kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
 
         return diag_scan_varlen_triton(log_a, log_b, cu_seqlens, initial_state, True, chunk_size)
     return diag_log_scan_ref(log_a, log_b, cu_seqlens, initial_state, chunk_size=chunk_size)
@@ -54,7 +53,7 @@ def diag_scan_step(
     ``a, b [B, D]`` are logs when ``log_space``.
     """
     if use_triton(a):
-        from kernels.diag_linear_scan.fused_recurrent import diag_scan_step_triton
+        from rnnserve.kernels.diag_linear_scan.fused_recurrent import diag_scan_step_triton
 
         return diag_scan_step_triton(a, b, state, slot_ids, log_space)
     h = diag_scan_step_ref(a, b, state[slot_ids], log_space)

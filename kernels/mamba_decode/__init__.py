@@ -1,15 +1,14 @@
 """One Mamba-1 mixer decode step as a single fused CPU op (``mamba_decode_cpu.cpp``).
 
 The op chains the CPU kernels of ``skinny_linear``, ``causal_conv1d`` and ``selective_scan`` (and ATen GEMMs,
-chosen as :func:`engine.models.layers.matmul_t` chooses them) without returning to Python between them. Its
-reference is the unfused step of :class:`engine.models.mamba.MambaMixer`, which the tests compare it with.
+chosen as :func:`rnnserve.engine.models.layers.matmul_t` chooses them) without returning to Python between them. Its
+reference is the unfused step of :class:`rnnserve.engine.models.mamba.MambaMixer`, which the tests compare it with.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 MAX_STATE = 64  # the fused selective-scan kernel's d_state limit
 

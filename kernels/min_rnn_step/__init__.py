@@ -1,15 +1,14 @@
 """Fused minGRU / minLSTM decode step (gate activations + recurrence + in-place state write).
 
 ``naive.py`` holds the PyTorch reference and the gate formulas the models share; ``fused_recurrent.py`` the
-Triton kernel. Prefill uses the same gates in log space with :func:`kernels.diag_linear_scan.diag_log_scan`.
+Triton kernel. Prefill uses the same gates in log space with :func:`rnnserve.kernels.diag_linear_scan.diag_log_scan`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import use_triton
-from kernels.min_rnn_step.naive import (
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.min_rnn_step.naive import (
     g,
     log_g,
     min_rnn_step_ref,
@@ -27,7 +26,7 @@ def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor
     are updated in place. Returns the new hidden state ``[B, D]`` in ``proj``'s dtype.
     """
     if use_triton(proj):
-        from kernels.min_rnn_step.fused_recurrent import min_rnn_step_triton
+        from rnnserve.kernels.min_rnn_step.fused_recurrent import min_rnn_step_triton
 
         return min_rnn_step_triton(proj, state, slot_ids, cell)
     h = min_rnn_step_ref(proj, state[slot_ids], cell)

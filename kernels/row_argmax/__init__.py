@@ -1,15 +1,14 @@
 """Greedy token choice: the first index of each row's maximum (``torch.argmax(logits, dim=-1)`` semantics).
 
 ``row_argmax_cpu.cpp`` is a fused C++ kernel for fp32 CPU logits with rows or columns contiguous (see
-:mod:`kernels.cpu_extension`); everything else uses ``torch.argmax``, the reference the tests compare
+:mod:`rnnserve.kernels.cpu_extension`); everything else uses ``torch.argmax``, the reference the tests compare
 against. On a row containing NaN the kernel still returns a valid index, not necessarily the NaN's.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 MIN_FUSED_VOCAB = 1024  # below this, torch.argmax is as fast
 

@@ -2,18 +2,17 @@
 
 ``naive.py`` is the token-by-token reference; ``chunked.py`` the PyTorch varlen prefill (time-major, one
 fused op per step); ``fused_recurrent.py`` the PyTorch in-place decode update; ``selective_scan_cpu.cpp``
-fused C++ kernels for both (see :mod:`kernels.cpu_extension`), used on CPU whenever they compile. The two
+fused C++ kernels for both (see :mod:`rnnserve.kernels.cpu_extension`), used on CPU whenever they compile. The two
 public functions pick the fastest available path.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_extension import use_cpu_kernel
-from kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
-from kernels.selective_scan.fused_recurrent import selective_state_update_torch
-from kernels.selective_scan.naive import discretise, selective_scan_ref, selective_state_update_ref
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
+from rnnserve.kernels.selective_scan.fused_recurrent import selective_state_update_torch
+from rnnserve.kernels.selective_scan.naive import discretise, selective_scan_ref, selective_state_update_ref
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 

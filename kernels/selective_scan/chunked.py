@@ -10,8 +10,7 @@ one fused ``addcmul`` per step over the running prefix (no padding, no per-step 
 from __future__ import annotations
 
 import torch
-
-from kernels.selective_scan.naive import discretise, gate_output
+from rnnserve.kernels.selective_scan.naive import discretise, gate_output
 
 
 def time_major_order(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, list[int]]:
@@ -46,7 +45,7 @@ def selective_scan_chunked(
     dt_softplus: bool = False,
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`~kernels.selective_scan.naive.selective_scan_ref`."""
+    """Same contract as :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`."""
     dt = discretise(dt, dt_bias, dt_softplus)
     batch = cu_seqlens.numel() - 1
     d_inner, d_state = A.shape

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.selective_scan.naive import discretise, gate_output
+from rnnserve.kernels.selective_scan.naive import discretise, gate_output
 
 
 def selective_state_update_torch(
@@ -24,7 +23,7 @@ def selective_state_update_torch(
 
     ``slots`` is a ``[B]`` index tensor or, when the batch occupies consecutive slots, a ``slice`` (then the
     update runs in place on the pool without a gather/scatter). ``x, dt, z [B, Di]`` (``dt`` before
-    :func:`~kernels.selective_scan.naive.discretise`), ``B, C [B, Ns]``; returns ``y [B, Di]`` in fp32.
+    :func:`~rnnserve.kernels.selective_scan.naive.discretise`), ``B, C [B, Ns]``; returns ``y [B, Di]`` in fp32.
     """
     delta = discretise(dt, dt_bias, dt_softplus)
     decay = (delta[:, :, None] * A.float()).exp_()

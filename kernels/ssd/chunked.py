@@ -15,8 +15,7 @@ the state unchanged. Everything but step 3 is a handful of batched matmuls.
 from __future__ import annotations
 
 import torch
-
-from kernels.ssd.naive import expand_groups
+from rnnserve.kernels.ssd.naive import expand_groups
 
 
 def _chunk_layout(
@@ -50,7 +49,7 @@ def ssd_scan_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`~kernels.ssd.naive.ssd_scan_ref`."""
+    """Same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`."""
     total, heads, head_dim = x.shape
     batch = cu_seqlens.numel() - 1
     d_state = B.shape[-1]

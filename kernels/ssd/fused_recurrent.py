@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.ssd.naive import expand_groups
+from rnnserve.kernels.ssd.naive import expand_groups
 
 
 def ssd_state_update(

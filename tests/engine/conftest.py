@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.models import MODEL_REGISTRY
-from engine.models.minrnn import MinRNNConfig
-from engine.tokenizer import ByteTokenizer
+from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.models import MODEL_REGISTRY
+from rnnserve.engine.models.minrnn import MinRNNConfig
+from rnnserve.engine.tokenizer import ByteTokenizer
 
 ARCHITECTURES = ["mingru", "minlstm"]
 

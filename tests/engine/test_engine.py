@@ -7,9 +7,9 @@ import resource
 
 import pytest
 import torch
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.scheduler import QueueFullError
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError
 from tests.engine.conftest import make_engine, run_to_completion
 
 PROMPTS = ["Hello there", "a", "The quick brown fox jumps over the lazy dog. " * 6, "xyz" * 40, "Zebra!"]
@@ -152,7 +152,7 @@ def test_state_bytes_per_slot_match_the_spec(architecture: str) -> None:
 
 
 def test_n_above_the_slot_count_is_a_parameter_error() -> None:
-    from engine.sampling_params import InvalidParameterError
+    from rnnserve.engine.sampling_params import InvalidParameterError
 
     engine = make_engine(max_num_seqs=2)
     with pytest.raises(InvalidParameterError) as err:

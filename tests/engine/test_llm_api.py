@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.sampling_params import InvalidParameterError
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError
 
 
 @pytest.fixture(scope="module")

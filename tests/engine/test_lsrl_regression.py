@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 import string
 
-from engine import LLM, SamplingParams
+from rnnserve.engine import LLM, SamplingParams
+
 from tests.lsrl.conftest import rotated
 
 

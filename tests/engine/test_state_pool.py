@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.models.base import StateSpec
-from engine.state_pool import OutOfSlotsError, StatePool
+from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.state_pool import OutOfSlotsError, StatePool
 
 SPECS = [
     StateSpec("ring", (4, 3), torch.float32, 0.0),

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.cuda_graph_runner import CUDAGraphDecodeRunner, bucket_sizes
-from engine.models.minrnn import MinGRULM, MinRNNConfig
-from engine.state_pool import StatePool
+from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner, bucket_sizes
+from rnnserve.engine.models.minrnn import MinGRULM, MinRNNConfig
+from rnnserve.engine.state_pool import StatePool
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 MAX_NUM_SEQS = 40

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
+from rnnserve.engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.add_norm import add_norm, add_norm_ref
-from kernels.causal_conv1d import (
+from rnnserve.kernels.add_norm import add_norm, add_norm_ref
+from rnnserve.kernels.causal_conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
     causal_conv1d_varlen,
     causal_conv1d_varlen_ref,
 )
-from kernels.diag_linear_scan import (
+from rnnserve.kernels.diag_linear_scan import (
     diag_linear_scan,
     diag_linear_scan_ref,
     diag_log_scan,
@@ -21,7 +20,7 @@ from kernels.diag_linear_scan import (
     diag_scan_step,
     diag_scan_step_ref,
 )
-from kernels.min_rnn_step import min_rnn_step, min_rnn_step_ref
+from rnnserve.kernels.min_rnn_step import min_rnn_step, min_rnn_step_ref
 
 pytestmark = [
     pytest.mark.gpu,

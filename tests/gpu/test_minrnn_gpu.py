@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
-from engine.state_pool import StatePool
-from kernels.backend import force_triton
+from rnnserve.engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels.backend import force_triton
 
 pytestmark = [
     pytest.mark.gpu,

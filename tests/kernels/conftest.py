@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from kernels.backend import HAS_TRITON, force_triton
+from rnnserve.kernels.backend import HAS_TRITON, force_triton
 
 
 @pytest.fixture

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.causal_conv1d import _causal_conv1d_update_pool, causal_conv1d_update, causal_conv1d_varlen
-from kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.causal_conv1d import _causal_conv1d_update_pool, causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from rnnserve.kernels.cpu_extension import cpu_ops
 
 
 @pytest.mark.parametrize("width", [2, 4])

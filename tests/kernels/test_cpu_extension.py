@@ -6,8 +6,7 @@ import os
 import shutil
 
 import pytest
-
-from kernels import cpu_extension
+from rnnserve.kernels import cpu_extension
 
 
 def test_ninja_wheel_directory_goes_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.models.mamba import MambaConfig, MambaLM
-from engine.state_pool import StatePool
-from kernels.cpu_extension import cpu_ops
-from kernels.mamba_decode import fused_mixer_decode_applies
+from rnnserve.engine.models.mamba import MambaConfig, MambaLM
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.mamba_decode import fused_mixer_decode_applies
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 

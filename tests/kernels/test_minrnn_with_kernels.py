@@ -6,19 +6,18 @@ import importlib
 
 import pytest
 import torch
-
-from engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
-from engine.state_pool import StatePool
-from kernels.backend import force_triton
+from rnnserve.engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels.backend import force_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
 TRITON_WRAPPERS = [
-    ("kernels.add_norm.fused", "add_norm_triton"),
-    ("kernels.causal_conv1d.chunked", "causal_conv1d_varlen_triton"),
-    ("kernels.causal_conv1d.fused_recurrent", "causal_conv1d_update_triton"),
-    ("kernels.diag_linear_scan.chunked", "diag_scan_varlen_triton"),
-    ("kernels.min_rnn_step.fused_recurrent", "min_rnn_step_triton"),
+    ("rnnserve.kernels.add_norm.fused", "add_norm_triton"),
+    ("rnnserve.kernels.causal_conv1d.chunked", "causal_conv1d_varlen_triton"),
+    ("rnnserve.kernels.causal_conv1d.fused_recurrent", "causal_conv1d_update_triton"),
+    ("rnnserve.kernels.diag_linear_scan.chunked", "diag_scan_varlen_triton"),
+    ("rnnserve.kernels.min_rnn_step.fused_recurrent", "min_rnn_step_triton"),
 ]
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.add_norm import residual_rms_norm, residual_rms_norm_ref
-from kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.add_norm import residual_rms_norm, residual_rms_norm_ref
+from rnnserve.kernels.cpu_extension import cpu_ops
 
 DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.cpu_extension import cpu_ops
-from kernels.row_argmax import row_argmax
+from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.row_argmax import row_argmax
 
 
 @pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")

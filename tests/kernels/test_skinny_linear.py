@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from engine.models.layers import matmul_t
-from kernels.cpu_extension import cpu_ops
-from kernels.skinny_linear import MAX_ROWS, amx_available, skinny_linear, skinny_linear_applies
+from rnnserve.engine.models.layers import matmul_t
+from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.skinny_linear import MAX_ROWS, amx_available, skinny_linear, skinny_linear_applies
 
 needs_amx = pytest.mark.skipif(
     not (cpu_ops() and amx_available()), reason="needs the fused CPU kernels and a CPU with AMX-BF16"

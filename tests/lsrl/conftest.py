@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.lsrl.builtins import build_builtin
-from engine.models.lsrl import LSRLModel
+from rnnserve.engine.lsrl.builtins import build_builtin
+from rnnserve.engine.models.lsrl import LSRLModel
 
 MAJORITY = [
     ("101100011101", [1, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]),

@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 
 import torch
-
-from engine.lsrl import Concat, Input, Lin, LinState, Multi, Node, ReLU, compile_program, fold, run_program
-from engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
-from engine.lsrl.program import topological_order
-from engine.lsrl.tokens import TokenInterface
-from engine.models.lsrl import LSRLModel
+from rnnserve.engine.lsrl import Concat, Input, Lin, LinState, Multi, Node, ReLU, compile_program, fold, run_program
+from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
+from rnnserve.engine.lsrl.program import topological_order
+from rnnserve.engine.lsrl.tokens import TokenInterface
+from rnnserve.engine.models.lsrl import LSRLModel
 
 
 def random_matrix(rng: random.Random, rows: int, cols: int, density: float = 0.6) -> torch.Tensor:

@@ -9,9 +9,9 @@ programs stay exact in fp32. fp64 is the default and reference dtype of every LS
 from __future__ import annotations
 
 import torch
+from rnnserve.engine.lsrl import run_program
+from rnnserve.engine.lsrl.builtins import BUILTINS, build_builtin
 
-from engine.lsrl import run_program
-from engine.lsrl.builtins import BUILTINS, build_builtin
 from tests.lsrl.conftest import APPROXIMATOR, CELLS, DICTIONARY_VALUES, MAJORITY, PAIRS, model_outputs
 
 # Built-in -> does the compiled model give every known answer in fp32? (measured, see module docstring)
@@ -44,6 +44,6 @@ def test_which_builtins_stay_exact_in_fp32() -> None:
 
 def test_loading_below_fp64_is_reported(caplog) -> None:
     model = build_builtin("majority")[0].to(torch.float32)
-    with caplog.at_level("WARNING", logger="engine.models.lsrl"):
+    with caplog.at_level("WARNING", logger="rnnserve.engine.models.lsrl"):
         model.state_spec()
     assert "below fp64" in caplog.text

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.lsrl import (
+from rnnserve.engine.lsrl import (
     Concat,
     Input,
     Lin,

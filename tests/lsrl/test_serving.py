@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 from fastapi.testclient import TestClient
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.loader import load_model, save_checkpoint
+from rnnserve.engine.lsrl.cli import main as lsrl_main
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.engine.tokenizer import CharTokenizer
+from rnnserve.server.app import ServerConfig, create_app
 
-from engine import LLM, SamplingParams
-from engine.loader import load_model, save_checkpoint
-from engine.lsrl.cli import main as lsrl_main
-from engine.state_pool import StatePool
-from engine.tokenizer import CharTokenizer
-from server.app import ServerConfig, create_app
 from tests.lsrl.conftest import APPROXIMATOR, CAN_OUTPUTS, CELLS, MAJORITY, PAIRS, model_outputs
 
 GREEDY7 = SamplingParams(temperature=0, max_tokens=7)
@@ -77,7 +77,7 @@ def test_cli_compiles_a_program_file_that_the_engine_serves(tmp_path: Path, caps
 
 
 VECTOR_PROGRAM = """
-from engine.lsrl import Input, LinState
+from rnnserve.engine.lsrl import Input, LinState
 
 ALPHABET = ["0", "1", "2", "3", "4", "5", "a+", "b+"]
 EMBEDDING = [[0, 0]] * 6 + [[1, 0], [0, 2]]  # digits change nothing, a+ adds 1, b+ adds 2

@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.loader import load_model
+from rnnserve.engine.state_pool import StatePool
 from tokenizers import Tokenizer, models
-
-from engine import LLM, SamplingParams
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.state_pool import StatePool
 
 PROMPT_LENGTHS = [1, 2, 9, 33, 64, 100, 157, 200, 5, 71]
 NEW_TOKENS = 32

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.loader import load_model, save_checkpoint
+from rnnserve.engine.models import MODEL_REGISTRY
+from rnnserve.engine.models.classic_rnn import ClassicRNNConfig
+from rnnserve.engine.state_pool import StatePool
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.loader import load_model, save_checkpoint
-from engine.models import MODEL_REGISTRY
-from engine.models.classic_rnn import ClassicRNNConfig
-from engine.state_pool import StatePool
 from tests.models_hf.hf_harness import check_chunked_and_stepwise, pack, prompts
 
 CASES = {

@@ -55,7 +55,7 @@ def test_eos_from_generation_config(tmp_path: Path) -> None:
 
 
 def test_state_is_conv_tail_and_ssm_state_in_fp32(tmp_path: Path) -> None:
-    from engine.loader import load_model
+    from rnnserve.engine.loader import load_model
 
     reference = build("mamba", {})
     model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu", dtype="bfloat16")
@@ -69,8 +69,8 @@ def test_state_is_conv_tail_and_ssm_state_in_fp32(tmp_path: Path) -> None:
 def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_path: Path) -> None:
     """As in ``transformers``' blocks, ``residual_in_fp32`` (default True) keeps the residual stream of a bf16
     model in fp32; prefill and decode agree either way."""
-    from engine.loader import load_model
-    from engine.state_pool import StatePool
+    from rnnserve.engine.loader import load_model
+    from rnnserve.engine.state_pool import StatePool
 
     reference = build("mamba", {"residual_in_fp32": residual_in_fp32})
     model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu", dtype="bfloat16")
@@ -89,8 +89,8 @@ def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_pat
 def test_cached_fp32_parameters_follow_weight_updates(dtype: str) -> None:
     """The mixer converts A_log, D, dt_bias and the conv parameters to fp32 once; an in-place update or a
     ``load_state_dict`` must reach the kernels."""
-    from engine.loader import load_model
-    from engine.state_pool import StatePool
+    from rnnserve.engine.loader import load_model
+    from rnnserve.engine.state_pool import StatePool
 
     model, _ = load_model("random:mamba-tiny", device="cpu", dtype=dtype)
     original = {k: v.clone() for k, v in model.state_dict().items()}

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.models import PRESETS
+from rnnserve.engine import LLM, SamplingParams
+from rnnserve.engine.models import PRESETS
 
 TINY = [
     "mamba-tiny",

@@ -52,7 +52,7 @@ def test_matches_transformers(case: str, tmp_path: Path) -> None:
 
 
 def test_state_is_constant_size(tmp_path: Path) -> None:
-    from engine.loader import load_model
+    from rnnserve.engine.loader import load_model
 
     reference = build(CASES["griffin-mqa-window16"])
     model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu")

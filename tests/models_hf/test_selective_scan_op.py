@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu_extension import cpu_ops
-from kernels.selective_scan import (
+from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.selective_scan import (
     selective_scan_chunked,
     selective_scan_ref,
     selective_scan_varlen,

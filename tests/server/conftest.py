@@ -6,9 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-
-from server.app import ServerConfig, create_app
-from server.background import serve_in_thread
+from rnnserve.server.app import ServerConfig, create_app
+from rnnserve.server.background import serve_in_thread
 
 TINY = "random:mingru-tiny"
 API_KEY = "test-secret-key"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rnnserve.engine.llm import LLM
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.server import cli
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from server import cli
 from tests.server.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,9 +91,9 @@ def test_serve_without_the_default_model_explains_itself(
 
 def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("engine.lsrl.cli")
+    fake = types.ModuleType("rnnserve.engine.lsrl.cli")
     fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.lsrl.cli", fake)
+    monkeypatch.setitem(sys.modules, "rnnserve.engine.lsrl.cli", fake)
     assert cli.main(["lsrl", "compile", "--help"]) == 7
     assert seen == [["compile", "--help"]]
 
@@ -106,7 +106,7 @@ def free_port() -> int:
 
 def test_serve_logs_startup_and_drains_on_sigterm() -> None:
     port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", TINY, "--port", str(port),
+    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(port),
                "--max-num-seqs", "3", "--drain-timeout", "20"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

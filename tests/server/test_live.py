@@ -9,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from rnnserve.server.app import create_app
+from rnnserve.server.background import serve_in_thread
 
-from server.app import create_app
-from server.background import serve_in_thread
 from tests.server.conftest import API_KEY, TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(90)
@@ -163,7 +163,7 @@ def test_abort_frees_slots_before_the_next_engine_step() -> None:
     engine.step = counting_step
 
     async def scenario() -> None:
-        from engine.sampling_params import SamplingParams
+        from rnnserve.engine.sampling_params import SamplingParams
 
         bridge.start(asyncio.get_running_loop())
         try:

@@ -1,0 +1,17 @@
+"""rnnserve: inference serving for recurrent language models.
+
+The repository keeps its folders at the top level (``engine/``, ``kernels/``, ``server/``, ``clients/``); they
+are installed as ``rnnserve.engine``, ``rnnserve.kernels``, ``rnnserve.server`` and ``rnnserve.clients``
+(setuptools ``package-dir`` in ``pyproject.toml``). Run from a source checkout without installing (e.g.
+``PYTHONPATH=.``), this package also looks for them beside this folder.
+"""
+
+from pathlib import Path as _Path
+
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "engine").is_dir() and (_checkout / "engine" / "__init__.py").is_file():
+    __path__.append(str(_checkout))  # type: ignore[name-defined]  # noqa: F821
+
+from rnnserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
