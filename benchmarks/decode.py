@@ -23,6 +23,7 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
+
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import RecurrentLM  # noqa: E402

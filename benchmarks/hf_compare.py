@@ -30,6 +30,7 @@ import os  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+
 from rnnserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from rnnserve.engine.loader import load_model  # noqa: E402
 from rnnserve.engine.sampling_params import SamplingParams  # noqa: E402

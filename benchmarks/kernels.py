@@ -25,6 +25,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from rnnserve.kernels.add_norm import add_norm  # noqa: E402
 from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402

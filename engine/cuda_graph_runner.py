@@ -14,6 +14,7 @@ import logging
 import time
 
 import torch
+
 from rnnserve.engine.models.base import RecurrentLM, StateTensors
 
 logger = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.outputs import RequestOutput

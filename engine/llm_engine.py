@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from rnnserve.engine.lsrl.builtins import load_builtin
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
 from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
-from safetensors.torch import load_file, save_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 

@@ -7,6 +7,7 @@ On CUDA the decode step replays CUDA graphs captured at start-up (one per batch-
 from __future__ import annotations
 
 import torch
+
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner
 from rnnserve.engine.models.base import RecurrentLM
 from rnnserve.engine.state_pool import StatePool

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rnnserve.engine.outputs import TokenLogprob
 from rnnserve.engine.sequence import Sequence
 from rnnserve.kernels.row_argmax import row_argmax

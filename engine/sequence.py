@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -8,6 +8,7 @@ sequence. Allocation is a free-list pop; nothing grows while requests run.
 from __future__ import annotations
 
 import torch
+
 from rnnserve.engine.models.base import StateSpec
 
 

@@ -35,6 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -52,8 +55,6 @@ from rnnserve.server.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("rnnserve.server")
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.tokenizer import Tokenizer
 

@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
+
     from rnnserve.server.app import ServerConfig, build_engine, create_app
 
     config = ServerConfig(

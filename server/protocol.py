@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

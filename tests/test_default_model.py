@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, load_model
 from rnnserve.engine.models.minrnn import MinGRULM

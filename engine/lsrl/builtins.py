@@ -14,6 +14,7 @@ import string
 from collections.abc import Callable
 
 import torch
+
 from rnnserve.engine.lsrl import programs
 from rnnserve.engine.lsrl.compiler import Path, compile_program
 from rnnserve.engine.lsrl.program import Node

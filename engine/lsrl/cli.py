@@ -20,6 +20,7 @@ from pathlib import Path as FilePath
 from types import ModuleType
 
 import torch
+
 from rnnserve.engine.lsrl.compiler import LinStateOp, Path, compile_program
 from rnnserve.engine.lsrl.interpreter import run_program
 from rnnserve.engine.lsrl.program import Node

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from rnnserve.engine.lsrl import sparse
 from rnnserve.engine.lsrl.program import (
     Concat,

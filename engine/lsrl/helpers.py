@@ -10,6 +10,7 @@ import math
 from typing import Any, Literal
 
 import torch
+
 from rnnserve.engine.lsrl import sparse
 from rnnserve.engine.lsrl.program import Concat, Lin, LinState, Multi, Node, ReLU
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rnnserve.engine.lsrl import sparse
 from rnnserve.engine.lsrl.program import (
     Concat,

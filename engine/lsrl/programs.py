@@ -7,6 +7,7 @@ Each function builds a fresh program and returns its output node. With the ReLU 
 from __future__ import annotations
 
 import torch
+
 from rnnserve.engine.lsrl import sparse
 from rnnserve.engine.lsrl.helpers import (
     IfElseForm,

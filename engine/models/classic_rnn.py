@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
 from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
@@ -21,8 +24,6 @@ from rnnserve.engine.models.base import (
     register_preset,
 )
 from rnnserve.kernels.selective_scan import time_major_order
-from torch import nn
-from torch.nn.utils.rnn import PackedSequence
 
 
 @dataclass

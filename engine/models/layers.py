@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from rnnserve.kernels.skinny_linear import skinny_linear_applies
 from torch import nn
+
+from rnnserve.kernels.skinny_linear import skinny_linear_applies
 
 SMALL_BATCH_ROWS = 128
 

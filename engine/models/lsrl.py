@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
 from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
 from rnnserve.engine.lsrl.tokens import TokenInterface
 from rnnserve.engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
-from torch import nn
 
 FLOAT = torch.float64
 logger = logging.getLogger(__name__)

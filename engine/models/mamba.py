@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
@@ -34,7 +36,6 @@ from rnnserve.kernels.add_norm import residual_rms_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.mamba_decode import fused_mixer_decode_applies
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
-from torch import nn
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from rnnserve.engine.models.base import (
     ModelConfig,
     StateSpec,
@@ -30,7 +32,6 @@ from rnnserve.engine.models.layers import linear
 from rnnserve.engine.models.mamba import MixerStackLM
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
-from torch import nn
 
 
 def _json_float(value: float | str | dict) -> float:

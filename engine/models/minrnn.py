@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
@@ -42,7 +44,6 @@ from rnnserve.kernels.min_rnn_step import (
     minlstm_coefficients,
     minlstm_log_coefficients,
 )
-from torch import nn
 
 __all__ = ["MinRNNConfig", "MinGRUCell", "MinLSTMCell", "MinRNNBlock", "MinGRULM", "MinLSTMLM", "g", "log_g"]
 

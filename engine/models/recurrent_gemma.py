@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from rnnserve.engine.models.base import (
     ModelConfig,
     RecurrentLM,
@@ -35,7 +37,6 @@ from rnnserve.engine.models.base import (
 )
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
-from torch import nn
 
 
 @dataclass

@@ -7,6 +7,7 @@ per row), ``add_norm_cpu.cpp`` the CPU kernel of :func:`residual_rms_norm` (see 
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.add_norm.naive import add_norm_ref, residual_rms_norm_ref
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel

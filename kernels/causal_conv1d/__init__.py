@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.causal_conv1d.naive import _window_index, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from rnnserve.kernels.cpu_extension import use_cpu_kernel

@@ -7,6 +7,7 @@ Serves minGRU, minLSTM, RG-LRU and diagonal linear RNNs. ``naive.py`` is the PyT
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
 

@@ -8,6 +8,7 @@ reference is the unfused step of :class:`rnnserve.engine.models.mamba.MambaMixer
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 MAX_STATE = 64  # the fused selective-scan kernel's d_state limit

@@ -7,6 +7,7 @@ Triton kernel. Prefill uses the same gates in log space with :func:`rnnserve.ker
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.min_rnn_step.naive import (
     g,

@@ -8,6 +8,7 @@ against. On a row containing NaN the kernel still returns a valid index, not nec
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 MIN_FUSED_VOCAB = 1024  # below this, torch.argmax is as fast

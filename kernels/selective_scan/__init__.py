@@ -9,6 +9,7 @@ public functions pick the fastest available path.
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
 from rnnserve.kernels.selective_scan.fused_recurrent import selective_state_update_torch

@@ -10,6 +10,7 @@ one fused ``addcmul`` per step over the running prefix (no padding, no per-step 
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.selective_scan.naive import discretise, gate_output
 
 

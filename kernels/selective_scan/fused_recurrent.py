@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.selective_scan.naive import discretise, gate_output
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 MAX_ROWS = 32

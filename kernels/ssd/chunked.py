@@ -15,6 +15,7 @@ the state unchanged. Everything but step 3 is a handful of batched matmuls.
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.ssd.naive import expand_groups
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rnnserve.kernels.ssd.naive import expand_groups
 
 

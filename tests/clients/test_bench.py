@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from rnnserve.clients.bench import BenchConfig, benchmark, summarize
 from rnnserve.server import cli
-
 from tests.server.conftest import API_KEY
 
 pytestmark = pytest.mark.timeout(90)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rnnserve.clients import APIError, AsyncClient, ChatCompletion, Client, Completion
 
+from rnnserve.clients import APIError, AsyncClient, ChatCompletion, Client, Completion
 from tests.server.conftest import API_KEY, TINY
 
 pytestmark = pytest.mark.timeout(60)

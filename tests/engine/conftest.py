@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
 from rnnserve.engine.models import MODEL_REGISTRY
 from rnnserve.engine.models.minrnn import MinRNNConfig

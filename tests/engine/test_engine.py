@@ -7,9 +7,9 @@ import resource
 
 import pytest
 import torch
+
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
-
 from tests.engine.conftest import make_engine, run_to_completion
 
 PROMPTS = ["Hello there", "a", "The quick brown fox jumps over the lazy dog. " * 6, "xyz" * 40, "Zebra!"]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
-from rnnserve.engine.state_pool import StatePool
 from safetensors.torch import save_file
 
+from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
+from rnnserve.engine.state_pool import StatePool
 from tests.engine.conftest import tiny_model
 
 

@@ -7,7 +7,6 @@ import random
 import string
 
 from rnnserve.engine import LLM, SamplingParams
-
 from tests.lsrl.conftest import rotated
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rnnserve.engine.state_pool import StatePool
 
+from rnnserve.engine.state_pool import StatePool
 from tests.engine.conftest import tiny_model
 
 LENGTHS = [1, 2, 7, 8, 63, 64, 65, 129, 300]

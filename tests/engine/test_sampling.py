@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+
 from rnnserve.engine.sampler import sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.tokenizer import ByteTokenizer
-
 from tests.engine.conftest import make_engine, run_to_completion
 
 VOCAB = 8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.state_pool import OutOfSlotsError, StatePool
 

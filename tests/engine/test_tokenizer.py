@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, IncrementalDetokenizer
 
 TEXTS = ["plain ascii", "héllo wörld", "emoji 😀🎉 family 👨‍👩‍👧", "中文字符和日本語のテキスト", "mixed: a😀b中c"]

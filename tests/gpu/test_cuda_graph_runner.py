@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner, bucket_sizes
 from rnnserve.engine.models.minrnn import MinGRULM, MinRNNConfig
 from rnnserve.engine.state_pool import StatePool

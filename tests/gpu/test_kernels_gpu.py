@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.add_norm import add_norm, add_norm_ref
 from rnnserve.kernels.causal_conv1d import (
     causal_conv1d_update,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from rnnserve.kernels.backend import HAS_TRITON, force_triton
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.causal_conv1d import _causal_conv1d_update_pool, causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from rnnserve.kernels.cpu_extension import cpu_ops

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+
 from rnnserve.kernels import cpu_extension
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.cpu_extension import cpu_ops

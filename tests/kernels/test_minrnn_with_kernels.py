@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+
 from rnnserve.engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.backend import force_triton

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.kernels.add_norm import residual_rms_norm, residual_rms_norm_ref
 from rnnserve.kernels.cpu_extension import cpu_ops
 

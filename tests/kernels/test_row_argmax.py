@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.row_argmax import row_argmax
 

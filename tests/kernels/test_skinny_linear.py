@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from rnnserve.engine.models.layers import matmul_t
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.skinny_linear import MAX_ROWS, amx_available, skinny_linear, skinny_linear_applies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.lsrl.builtins import build_builtin
 from rnnserve.engine.models.lsrl import LSRLModel
 

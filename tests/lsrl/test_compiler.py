@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from rnnserve.engine.lsrl import Concat, Input, Lin, LinState, Multi, Node, ReLU, compile_program, fold, run_program
 from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
 from rnnserve.engine.lsrl.program import topological_order

@@ -9,9 +9,9 @@ programs stay exact in fp32. fp64 is the default and reference dtype of every LS
 from __future__ import annotations
 
 import torch
+
 from rnnserve.engine.lsrl import run_program
 from rnnserve.engine.lsrl.builtins import BUILTINS, build_builtin
-
 from tests.lsrl.conftest import APPROXIMATOR, CELLS, DICTIONARY_VALUES, MAJORITY, PAIRS, model_outputs
 
 # Built-in -> does the compiled model give every known answer in fp32? (measured, see module docstring)

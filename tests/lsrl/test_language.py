@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rnnserve.engine.lsrl import (
     Concat,
     Input,

@@ -7,11 +7,11 @@ import string
 
 import pytest
 import torch
+
 from rnnserve.engine.lsrl import compile_program, run_program
 from rnnserve.engine.lsrl.programs import approximator, dictionary, majority
 from rnnserve.engine.lsrl.tokens import TokenInterface
 from rnnserve.engine.models.lsrl import LSRLModel
-
 from tests.lsrl.conftest import (
     APPROXIMATOR,
     APPROXIMATOR_INPUTS,

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 from fastapi.testclient import TestClient
+
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import load_model, save_checkpoint
 from rnnserve.engine.lsrl.cli import main as lsrl_main
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import ServerConfig, create_app
-
 from tests.lsrl.conftest import APPROXIMATOR, CAN_OUTPUTS, CELLS, MAJORITY, PAIRS, model_outputs
 
 GREEDY7 = SamplingParams(temperature=0, max_tokens=7)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models
+
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.state_pool import StatePool
-from tokenizers import Tokenizer, models
 
 PROMPT_LENGTHS = [1, 2, 9, 33, 64, 100, 157, 200, 5, 71]
 NEW_TOKENS = 32

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import load_model, save_checkpoint
 from rnnserve.engine.models import MODEL_REGISTRY
 from rnnserve.engine.models.classic_rnn import ClassicRNNConfig
 from rnnserve.engine.state_pool import StatePool
-from torch import nn
-
 from tests.models_hf.hf_harness import check_chunked_and_stepwise, pack, prompts
 
 CASES = {

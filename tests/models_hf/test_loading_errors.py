@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rnnserve.engine.loader import ModelLoadError, load_model
 from safetensors.torch import load_file, save_file
 
+from rnnserve.engine.loader import ModelLoadError, load_model
 from tests.models_hf import hf_harness
 
 transformers = pytest.importorskip("transformers")

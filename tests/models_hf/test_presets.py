@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.models import PRESETS
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.selective_scan import (
     selective_scan_chunked,

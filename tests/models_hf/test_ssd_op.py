@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_scan_ref, ssd_state_update
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+
 from rnnserve.server.app import ServerConfig, create_app
 from rnnserve.server.background import serve_in_thread
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
-
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from rnnserve.engine.llm import LLM
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server import cli
-
 from tests.server.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,11 +6,11 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+
 from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import create_app
-
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
-
 from tests.server.conftest import API_KEY, TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(90)
