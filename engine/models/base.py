@@ -2,19 +2,22 @@
 
 A model is a ``torch.nn.Module`` that owns its weights but not its recurrent state. The state lives in
 a :class:`~rnnserve.engine.state_pool.StatePool`: one preallocated tensor ``[num_slots, *shape]`` per
-:class:`StateSpec`. ``prefill`` and ``decode`` receive that mapping plus the slot ids of the sequences
-in the batch, read each sequence's state from its slot and write the new state back in place.
+:class:`StateSpec`. ``prefill`` and ``decode`` receive that mapping plus a batch (:class:`PrefillBatch`,
+:class:`DecodeBatch`) naming the tokens, their positions and the slots of its sequences; they read each
+sequence's state from its slot and write the new state back in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from rnnserve.engine.sampling_params import InvalidParameterError
 
 StateTensors = Mapping[str, torch.Tensor]
 
@@ -62,19 +65,106 @@ class ModelConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
 
+def long_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Host ints -> an int64 tensor on ``device``, copied without waiting for the device."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Prompt chunks of ``B`` sequences packed into one variable-length batch (tensors on the model's device).
+
+    ``input_ids [T]`` is every chunk's tokens concatenated, ``cu_seqlens [B + 1]`` the int64 offsets,
+    ``slot_ids [B]`` the state slots and ``positions [T]`` each token's index in its whole sequence: a chunk
+    that continues a prompt starts at the number of tokens its slot has already consumed. ``starts`` and
+    ``lengths`` are the same facts on the host (per sequence), so a model never syncs to read them.
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_ids: torch.Tensor
+    positions: torch.Tensor
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[Sequence[int] | torch.Tensor],
+        slots: Sequence[int],
+        starts: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> PrefillBatch:
+        """Pack token chunks for ``slots``; ``starts`` (default 0) are the tokens each slot consumed before."""
+        starts = tuple(int(s) for s in starts) if starts is not None else (0,) * len(chunks)
+        token_lists = [c.tolist() if isinstance(c, torch.Tensor) else list(c) for c in chunks]
+        lengths = tuple(len(c) for c in token_lists)
+        offsets = [0]
+        positions: list[int] = []
+        for start, length in zip(starts, lengths, strict=True):
+            offsets.append(offsets[-1] + length)
+            positions.extend(range(start, start + length))
+        return cls(
+            input_ids=long_tensor([t for c in token_lists for t in c], device),
+            cu_seqlens=long_tensor(offsets, device),
+            slot_ids=long_tensor(slots, device),
+            positions=long_tensor(positions, device),
+            starts=starts,
+            lengths=lengths,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def last_token_rows(self) -> torch.Tensor:
+        """Row of each sequence's last token in the packed batch (where its logits come from)."""
+        return self.cu_seqlens[1:] - 1
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One token for each of ``B`` sequences: ``input_ids [B]``, ``slot_ids [B]`` and ``positions [B]`` (the
+    input token's index in its sequence), int64 on the model's device. Under CUDA graphs these are views of
+    static buffers; padded rows use the pool's scratch slot."""
+
+    input_ids: torch.Tensor
+    slot_ids: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[int],
+        slots: Sequence[int],
+        positions: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> DecodeBatch:
+        return cls(long_tensor(token_ids, device), long_tensor(slots, device), long_tensor(positions, device))
+
+
 class RecurrentLM(nn.Module):
     """A recurrent language model served by rnnserve.
 
-    Subclasses set ``architecture`` and ``config_class`` and implement the three methods below.
-    ``prefill`` takes a packed variable-length batch: ``input_ids`` is every sequence's tokens
-    concatenated (``[T]``), ``cu_seqlens`` the ``[B + 1]`` int64 offsets, ``slot_ids`` the ``[B]`` slots.
-    It continues each sequence from the state in its slot (so a prompt may arrive in chunks), writes the
-    final state back and returns the logits of each sequence's last token, ``[B, V]`` in fp32.
-    ``decode`` advances ``B`` sequences by one token each and returns ``[B, V]`` fp32 logits.
+    Subclasses set ``architecture`` and ``config_class`` and implement ``state_spec``, ``prefill`` and
+    ``decode``. ``prefill`` continues each sequence of a :class:`PrefillBatch` from the state in its slot (so
+    a prompt may arrive in chunks), writes the final state back and returns the logits of each sequence's
+    last token, ``[B, V]`` in fp32 (fp64 for fp64 models). ``decode`` advances the ``B`` sequences of a
+    :class:`DecodeBatch` by one token each and returns ``[B, V]`` logits.
+
+    A model whose sequences have a length limit sets ``max_model_len``; :meth:`check_request` turns a request
+    it cannot serve into a 400 before admission. Architectures that read Hugging Face checkpoints list their
+    ``model_type`` values in ``hf_model_types`` and override :meth:`from_hf_config` (and
+    :meth:`hf_weight_name` when parameter names differ).
     """
 
     architecture: ClassVar[str]
     config_class: ClassVar[type[ModelConfig]]
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -83,13 +173,43 @@ class RecurrentLM(nn.Module):
     def state_spec(self) -> list[StateSpec]:
         raise NotImplementedError
 
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
+    def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Most tokens (prompt + generated) one sequence may hold; ``None`` for no limit."""
+        return None
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise :class:`~rnnserve.engine.sampling_params.InvalidParameterError` for a request this model
+        cannot serve (called before admission, so it becomes a 400 and never fails a running batch)."""
+        limit = self.max_model_len
+        if limit is None:
+            return
+        if num_prompt_tokens > limit:
+            raise InvalidParameterError(
+                "prompt", f"prompt has {num_prompt_tokens} tokens, the model holds at most {limit}"
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"{limit}-token limit",
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Map a Hugging Face ``config.json`` (one of ``hf_model_types``) to this architecture's config."""
+        raise NotImplementedError(f"{cls.__name__} does not read Hugging Face checkpoints")
+
+    @staticmethod
+    def hf_weight_name(name: str) -> str:
+        """Hugging Face checkpoint key -> parameter name (identity unless the layouts differ)."""
+        return name
 
     @property
     def vocab_size(self) -> int:
