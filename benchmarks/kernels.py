@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from rnnserve.kernels.add_norm import add_norm  # noqa: E402
 from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
+from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step  # noqa: E402
 from rnnserve.kernels.min_rnn_step import min_rnn_step  # noqa: E402
 
@@ -164,6 +165,8 @@ def main() -> None:
     if not args.cpu_smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: use --cpu-smoke")
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    if device.type == "cpu":
+        build_cpu_extension()  # before timing: on CPU the conv's non-Triton path is its C++ kernel
     dtype = torch.float32 if args.cpu_smoke else DTYPES[args.dtype]
     min_seconds = 0.02 if args.cpu_smoke else args.min_seconds
     peak = peak_bandwidth(device, (16 if args.cpu_smoke else 1024) * 2**20, min_seconds)

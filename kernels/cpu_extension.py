@@ -1,10 +1,14 @@
-"""The fused CPU kernels: one C++ extension built from every ``kernels/<op>/<op>_cpu.cpp`` on first use.
+"""The fused CPU kernels: one C++ extension built from every ``kernels/<op>/<op>_cpu.cpp``.
 
 Each source registers its functions in the ``rnnserve`` operator namespace (``TORCH_LIBRARY_FRAGMENT``), so
-callers reach them as ``torch.ops.rnnserve.<name>`` once :func:`cpu_ops` has returned ``True``. Building
-needs a C++ compiler with OpenMP (g++ on Linux) and takes about a minute once; the result is cached by
-PyTorch's extension builder. When it cannot be built, or when ``RNNSERVE_CPU_KERNELS=0``, :func:`cpu_ops`
-returns ``False`` and every op falls back to its PyTorch path.
+callers reach them as ``torch.ops.rnnserve.<name>`` once the extension is loaded. The sources keep distinct
+file names because PyTorch's extension builder names each object file after its source's base name.
+
+Call :func:`build_cpu_extension` at start-up (the engine does): building needs a C++ compiler with OpenMP
+(g++ on Linux), takes about a minute once and is cached by PyTorch's extension builder, so a cached start
+takes a second or two. When it cannot be built, or when ``RNNSERVE_CPU_KERNELS=0``, every op falls back to
+its PyTorch path. A process that never called it builds on the first op that asks (:func:`cpu_ops`), with a
+warning: that first call then waits for the build.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "rnnserve"
 SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # plus the shared cpu_math.h
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
@@ -36,14 +42,26 @@ def ensure_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def cpu_ops() -> bool:
-    """Build (once) and load the extension; ``True`` when ``torch.ops.rnnserve`` holds the fused kernels."""
+def registered_ops() -> list[str]:
+    """Names of the operators registered under ``torch.ops.rnnserve`` (empty before the extension loads)."""
+    prefix = f"{NAMESPACE}::"
+    return sorted(name[len(prefix) :] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
+
+
+def build_cpu_extension() -> bool:
+    """Build (once per machine, cached) and load the fused CPU kernels; ``True`` when they are usable.
+
+    Logs ``fused CPU kernels ready (N ops) in X s``, or a warning naming the PyTorch fallback. Later calls
+    return the first call's answer at once.
+    """
     global _built
     if _built is not None:
         return _built
     _built = False
     if os.environ.get("RNNSERVE_CPU_KERNELS", "1") == "0":
+        log.info("fused CPU kernels disabled (RNNSERVE_CPU_KERNELS=0): CPU ops run their PyTorch paths")
         return False
+    start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
@@ -56,9 +74,20 @@ def cpu_ops() -> bool:
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
-        _built = True
     except Exception as err:  # no compiler, no OpenMP, read-only cache dir, ...
-        log.warning("fused CPU kernels unavailable, using the PyTorch paths: %s", err)
+        log.warning("fused CPU kernels unavailable, CPU ops fall back to their PyTorch paths (slower): %s", err)
+        return False
+    _built = True
+    log.info("fused CPU kernels ready (%d ops) in %.1f s", len(registered_ops()), time.perf_counter() - start)
+    return True
+
+
+def cpu_ops() -> bool:
+    """``True`` when ``torch.ops.rnnserve`` holds the fused kernels; builds them on the first call if
+    :func:`build_cpu_extension` has not run yet (with a warning, since the caller then waits for the build)."""
+    if _built is None:
+        log.warning("fused CPU kernels requested before build_cpu_extension(): building them now")
+        return build_cpu_extension()
     return _built
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def _window_index(cu_seqlens: torch.Tensor, width: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_index(cu_seqlens: torch.Tensor, width: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices into ``ext = [tails (B*(K-1) rows); x (T rows)]`` for every conv tap and final tail.
 
     Returns ``taps [K, T]`` and ``tails [B, K-1]``.
@@ -50,7 +50,7 @@ def causal_conv1d_varlen_ref(
     if initial_state is None:
         initial_state = x.new_zeros(batch, channels, width - 1, dtype=torch.float32)
     ext = torch.cat([initial_state.transpose(1, 2).reshape(-1, channels).float(), x.float()])
-    taps, tails = _window_index(cu_seqlens, width, total)
+    taps, tails = window_index(cu_seqlens, width, total)
     w = weight.float()
     y = ext[taps[0]] * w[:, 0]
     for j in range(1, width):

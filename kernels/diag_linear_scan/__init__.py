@@ -1,7 +1,7 @@
 """Gated diagonal linear recurrence ``h_t = a_t * h_{t-1} + b_t`` in linear and log space.
 
 Serves minGRU, minLSTM, RG-LRU and diagonal linear RNNs. ``naive.py`` is the PyTorch reference,
-``chunked.py`` the Triton varlen prefill (chunked scan), ``fused_recurrent.py`` the Triton decode step.
+``chunk.py`` the Triton varlen prefill (chunked scan), ``fused_recurrent.py`` the Triton decode step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def diag_linear_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``a, b [T, D]`` -> ``(h [T, D], final_state [B, D])`` in fp32; ``initial_state [B, D]``."""
     if use_triton(a):
-        from rnnserve.kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
+        from rnnserve.kernels.diag_linear_scan.chunk import diag_scan_varlen_triton
 
         return diag_scan_varlen_triton(a, b, cu_seqlens, initial_state, False, chunk_size)
     return diag_linear_scan_ref(a, b, cu_seqlens, initial_state)
@@ -39,7 +39,7 @@ def diag_log_scan(
     ``initial_state`` is the linear-space state (>= 0); returns linear-space ``(h, final_state)``.
     """
     if use_triton(log_a):
-        from rnnserve.kernels.diag_linear_scan.chunked import diag_scan_varlen_triton
+        from rnnserve.kernels.diag_linear_scan.chunk import diag_scan_varlen_triton
 
         return diag_scan_varlen_triton(log_a, log_b, cu_seqlens, initial_state, True, chunk_size)
     return diag_log_scan_ref(log_a, log_b, cu_seqlens, initial_state, chunk_size=chunk_size)
@@ -62,11 +62,4 @@ def diag_scan_step(
     return h
 
 
-__all__ = [
-    "diag_linear_scan",
-    "diag_log_scan",
-    "diag_scan_step",
-    "diag_linear_scan_ref",
-    "diag_log_scan_ref",
-    "diag_scan_step_ref",
-]
+__all__ = ["diag_linear_scan", "diag_log_scan", "diag_scan_step"]

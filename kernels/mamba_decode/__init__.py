@@ -1,8 +1,10 @@
-"""One Mamba-1 mixer decode step as a single fused CPU op (``mamba_decode_cpu.cpp``).
+"""One Mamba-1 mixer decode step (in_proj, conv update, x_proj/dt_proj, selective state update, out_proj).
 
-The op chains the CPU kernels of ``skinny_linear``, ``causal_conv1d`` and ``selective_scan`` (and ATen GEMMs,
-chosen as :func:`rnnserve.engine.models.layers.matmul_t` chooses them) without returning to Python between them. Its
-reference is the unfused step of :class:`rnnserve.engine.models.mamba.MambaMixer`, which the tests compare it with.
+``naive.py`` is the reference, composed from the other ops' references; ``mamba_decode_cpu.cpp`` runs the
+whole step as one fused CPU op that chains the CPU kernels of ``skinny_linear``, ``causal_conv1d`` and
+``selective_scan`` (and ATen GEMMs, chosen as :func:`rnnserve.engine.models.layers.matmul_t` chooses them)
+without returning to Python between them. Off CPU the model runs its op-by-op step, which reaches the Triton
+kernels; there is no Triton kernel of the whole step.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 
 MAX_STATE = 64  # the fused selective-scan kernel's d_state limit
 
 
-def fused_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
-    """Whether a decode step on ``h [B, d_model]`` with these pool views can run as one fused op (which has no
-    autograd formula: only with gradients off, as the engine runs)."""
+def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+    """Whether :func:`mamba_mixer_decode` runs the fused CPU op for ``h [B, d_model]`` and these pool views
+    (it has no autograd formula: only with gradients off, as the engine runs)."""
     d_state = ssm_pool.shape[-1]
     return (
         h.dim() == 2
@@ -32,4 +35,39 @@ def fused_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_poo
     )
 
 
-__all__ = ["fused_mixer_decode_applies"]
+def mamba_mixer_decode(
+    h: torch.Tensor,
+    in_proj_weight: torch.Tensor,
+    in_proj_bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    slot_ids: torch.Tensor,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decode step: ``h [B, d_model]`` -> ``out [B, d_model]`` in ``h``'s dtype, advancing this layer's
+    pool views ``conv_pool [N, Di, K-1]`` and ``ssm_pool [N, Di, Ns]`` at rows ``slot_ids`` in place.
+
+    Weights are in ``h``'s dtype; ``conv_weight [Di, K]``, ``dt_bias``, ``A = -exp(A_log)`` and ``D`` fp32 and
+    contiguous (see :mod:`rnnserve.kernels.mamba_decode.naive`). The fused CPU op where
+    :func:`mamba_mixer_decode_applies`, else the reference.
+    """
+    if not mamba_mixer_decode_applies(h, conv_pool, ssm_pool):
+        return mamba_mixer_decode_ref(
+            h, in_proj_weight, in_proj_bias, conv_pool, conv_weight, conv_bias, slot_ids, x_proj_weight,
+            dt_proj_weight, dt_bias, A, D, ssm_pool, out_proj_weight, out_proj_bias,
+        )
+    return torch.ops.rnnserve.mamba_mixer_decode(
+        h, in_proj_weight, in_proj_bias, conv_pool, conv_weight, conv_bias, slot_ids.long().contiguous(),
+        x_proj_weight, dt_proj_weight, dt_bias, A, D, ssm_pool, out_proj_weight, out_proj_bias,
+    )
+
+
+__all__ = ["MAX_STATE", "mamba_mixer_decode", "mamba_mixer_decode_applies"]

@@ -1,8 +1,8 @@
 // One Mamba-1 mixer decode step as a single op on CPU:
 //   x, z = in_proj(h);  x = silu(conv_update(x));  dt, B, C = x_proj(x);  dt = dt_proj(dt)
 //   y = selective_state_update(x, dt, A, B, C, D, z);  return out_proj(y)
-// It calls the other fused CPU kernels through the dispatcher and picks each GEMM path exactly as
-// engine/models/layers.matmul_t does, so it computes the same numbers as the Python mixer. The Python step
+// It calls the other fused CPU kernels through the dispatcher and picks each GEMM path exactly as matmul_t
+// (engine/models/layers/linear.py) does, so it computes the same numbers as the Python mixer. The Python step
 // is about 30 calls plus their glue, which took about a quarter of a bf16 decode step at batch 1.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,14 +13,14 @@
 namespace {
 using OptTensor = std::optional<at::Tensor>;
 constexpr int64_t kSkinnyMaxRows = 32;     // kernels/skinny_linear: MAX_ROWS
-constexpr int64_t kSmallBatchRows = 128;   // engine/models/layers: SMALL_BATCH_ROWS
+constexpr int64_t kSmallBatchRows = 128;   // engine/models/layers/linear.py: SMALL_BATCH_ROWS
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// x @ w^T + b, by the same rules as engine/models/layers.matmul_t.
+// x @ w^T + b, by the same rules as engine/models/layers/linear.py: matmul_t.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
   static const auto skinny =

@@ -37,7 +37,6 @@ def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor
 
 __all__ = [
     "min_rnn_step",
-    "min_rnn_step_ref",
     "g",
     "log_g",
     "mingru_coefficients",

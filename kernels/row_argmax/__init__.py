@@ -1,8 +1,8 @@
 """Greedy token choice: the first index of each row's maximum (``torch.argmax(logits, dim=-1)`` semantics).
 
-``row_argmax_cpu.cpp`` is a fused C++ kernel for fp32 CPU logits with rows or columns contiguous (see
-:mod:`rnnserve.kernels.cpu_extension`); everything else uses ``torch.argmax``, the reference the tests compare
-against. On a row containing NaN the kernel still returns a valid index, not necessarily the NaN's.
+``naive.py`` is the reference (``torch.argmax``); ``row_argmax_cpu.cpp`` a fused C++ kernel for fp32 CPU
+logits with rows or columns contiguous (see :mod:`rnnserve.kernels.cpu_extension`). On a row containing NaN
+the kernel still returns a valid index, not necessarily the NaN's.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.row_argmax.naive import row_argmax_ref
 
 MIN_FUSED_VOCAB = 1024  # below this, torch.argmax is as fast
 
@@ -23,7 +24,7 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
         and 1 in logits.stride()
         and use_cpu_kernel(logits)
     )
-    return torch.ops.rnnserve.row_argmax(logits) if fused else logits.argmax(dim=-1)
+    return torch.ops.rnnserve.row_argmax(logits) if fused else row_argmax_ref(logits)
 
 
-__all__ = ["row_argmax"]
+__all__ = ["MIN_FUSED_VOCAB", "row_argmax"]

@@ -1,9 +1,10 @@
 """Mamba-1 selective scan: varlen prefill and the decode state update on state-pool slots.
 
-``naive.py`` is the token-by-token reference; ``chunked.py`` the PyTorch varlen prefill (time-major, one
-fused op per step); ``fused_recurrent.py`` the PyTorch in-place decode update; ``selective_scan_cpu.cpp``
-fused C++ kernels for both (see :mod:`rnnserve.kernels.cpu_extension`), used on CPU whenever they compile. The two
-public functions pick the fastest available path.
+``naive.py`` is the token-by-token reference; ``selective_scan_cpu.cpp`` fused C++ kernels for the varlen
+prefill and the decode update (see :mod:`rnnserve.kernels.cpu_extension`), used on CPU whenever they compile;
+``torch_chunked.py`` (time-major chunks, one fused op per step) and ``torch_recurrent.py`` (in-place update)
+the PyTorch paths for every other case. There is no Triton kernel yet. The two public functions pick the
+fastest available path.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
-from rnnserve.kernels.selective_scan.chunked import selective_scan_chunked, time_major_order
-from rnnserve.kernels.selective_scan.fused_recurrent import selective_state_update_torch
-from rnnserve.kernels.selective_scan.naive import discretise, selective_scan_ref, selective_state_update_ref
+from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked, time_major_order
+from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,7 +48,8 @@ def selective_scan_varlen(
     dt_softplus: bool = False,
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed varlen selective scan; same contract as :func:`selective_scan_ref`."""
+    """Packed varlen selective scan; same contract as
+    :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`."""
     if not _fused(x, A):
         return selective_scan_chunked(
             x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size
@@ -101,13 +102,4 @@ def selective_state_update(
     )
 
 
-__all__ = [
-    "selective_scan_varlen",
-    "selective_state_update",
-    "selective_scan_chunked",
-    "selective_state_update_torch",
-    "selective_scan_ref",
-    "selective_state_update_ref",
-    "time_major_order",
-    "discretise",
-]
+__all__ = ["selective_scan_varlen", "selective_state_update", "time_major_order"]

@@ -1,17 +1,17 @@
 """``F.linear`` for a few bf16 rows (a decode batch), reading the weight at memory speed on CPUs with AMX.
 
-``skinny_linear_cpu.cpp`` multiplies 16-row blocks of the weight, as stored, with tiles repacked from ``x``;
-it applies to bf16 ``x [M, K]`` with 1 to :data:`MAX_ROWS` rows and a bf16 weight, both with a unit stride
-along ``K``, on CPUs with AMX-BF16 (Sapphire Rapids and later). Everything else, and the reference the
-tests compare against, is ``torch.nn.functional.linear``.
+``naive.py`` is the reference, ``F.linear``. ``skinny_linear_cpu.cpp`` multiplies 16-row blocks of the weight,
+as stored, with tiles repacked from ``x``; it applies to bf16 ``x [M, K]`` with 1 to :data:`MAX_ROWS` rows and
+a bf16 weight, both with a unit stride along ``K``, on CPUs with AMX-BF16 (Sapphire Rapids and later).
+Everything else runs the reference.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.skinny_linear.naive import skinny_linear_ref
 
 MAX_ROWS = 32
 
@@ -44,13 +44,13 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``: the AMX kernel where :func:`skinny_linear_applies`, else ``F.linear``.
+    """``x @ weight.T + bias``: the AMX kernel where :func:`skinny_linear_applies`, else the reference.
 
     The kernel accumulates in fp32 and rounds once; it returns a contiguous ``[M, N]`` tensor.
     """
     if skinny_linear_applies(x, weight):
         return torch.ops.rnnserve.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return skinny_linear_ref(x, weight, bias)
 
 
 __all__ = ["MAX_ROWS", "amx_available", "skinny_linear", "skinny_linear_applies"]

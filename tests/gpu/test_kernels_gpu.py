@@ -6,22 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.add_norm import add_norm, add_norm_ref
-from rnnserve.kernels.causal_conv1d import (
-    causal_conv1d_update,
-    causal_conv1d_update_ref,
-    causal_conv1d_varlen,
-    causal_conv1d_varlen_ref,
-)
-from rnnserve.kernels.diag_linear_scan import (
-    diag_linear_scan,
-    diag_linear_scan_ref,
-    diag_log_scan,
-    diag_log_scan_ref,
-    diag_scan_step,
-    diag_scan_step_ref,
-)
-from rnnserve.kernels.min_rnn_step import min_rnn_step, min_rnn_step_ref
+from rnnserve.kernels.add_norm import add_norm
+from rnnserve.kernels.add_norm.naive import add_norm_ref
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step
+from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
+from rnnserve.kernels.min_rnn_step import min_rnn_step
+from rnnserve.kernels.min_rnn_step.naive import min_rnn_step_ref
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,9 +18,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from rnnserve.kernels.add_norm.fused import _add_norm_kernel
-from rnnserve.kernels.causal_conv1d.chunked import _conv_final_state_kernel, _conv_varlen_kernel
+from rnnserve.kernels.causal_conv1d.chunk import _conv_final_state_kernel, _conv_varlen_kernel
 from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
-from rnnserve.kernels.diag_linear_scan.chunked import _diag_scan_varlen_kernel
+from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.kernels.add_norm import add_norm, add_norm_ref
+from rnnserve.kernels.add_norm import add_norm
+from rnnserve.kernels.add_norm.naive import add_norm_ref
 
 WIDTH = 48  # not a power of two
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.kernels.causal_conv1d import (
-    causal_conv1d_update,
-    causal_conv1d_update_ref,
-    causal_conv1d_varlen,
-    causal_conv1d_varlen_ref,
-)
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 CHANNELS = 20  # not a power of two: exercises the channel mask

@@ -1,4 +1,4 @@
-"""The CPU paths of the conv dispatch functions (PyTorch and fused C++) equal the reference."""
+"""The CPU paths of the conv op (the PyTorch paths and the fused C++ kernels) equal the reference."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.causal_conv1d import _causal_conv1d_update_pool, causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from rnnserve.kernels.causal_conv1d.torch_recurrent import causal_conv1d_update_torch
+from rnnserve.kernels.causal_conv1d.torch_varlen import causal_conv1d_varlen_torch
 from rnnserve.kernels.cpu_extension import cpu_ops
 
 
@@ -22,7 +24,7 @@ def test_shifted_varlen_conv_equals_reference(width: int, dtype: torch.dtype) ->
     weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
     tails = torch.randn(len(lengths), channels, width - 1, generator=g)
     for initial in (None, tails):
-        y, final = causal_conv1d_varlen(x, weight, bias, cu, initial)
+        y, final = causal_conv1d_varlen_torch(x, weight, bias, cu, initial)
         y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, bias, cu, initial)
         assert y.dtype == dtype and final.dtype == torch.float32
         torch.testing.assert_close(y.float(), y_ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
@@ -36,7 +38,7 @@ def test_pool_update_equals_reference_with_gapped_slots() -> None:
     x, weight, bias = torch.randn(4, 16, generator=g), torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
     y_ref, new_ref = causal_conv1d_update_ref(x, pool[slots], weight, bias)
     before = pool.clone()
-    y = causal_conv1d_update(x, pool, weight, bias, slots)
+    y = causal_conv1d_update_torch(x, pool, weight, bias, slots)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
     assert torch.equal(pool[slots], new_ref)
     others = torch.tensor([1, 3, 4, 5, 6, 8])
@@ -80,7 +82,7 @@ def test_fused_cpu_update_equals_pytorch_path_without_bias() -> None:
     x, weight = torch.randn(2, 16, generator=g), torch.randn(16, 3, generator=g)
     pool_torch = pool.clone()
     y = causal_conv1d_update(x, pool, weight, None, slots)
-    y_torch = _causal_conv1d_update_pool(x, pool_torch, weight, None, slots)
+    y_torch = causal_conv1d_update_torch(x, pool_torch, weight, None, slots)
     torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=0)
     assert torch.equal(pool, pool_torch)
 

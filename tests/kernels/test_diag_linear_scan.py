@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.kernels.diag_linear_scan import (
-    diag_linear_scan,
-    diag_linear_scan_ref,
-    diag_log_scan,
-    diag_log_scan_ref,
-    diag_scan_step,
-    diag_scan_step_ref,
-)
+from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step
+from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.kernels.min_rnn_step import min_rnn_step, min_rnn_step_ref
+from rnnserve.kernels.min_rnn_step import min_rnn_step
+from rnnserve.kernels.min_rnn_step.naive import min_rnn_step_ref
 from tests.kernels.kernel_cases import slot_ids_for
 
 DIM = 40  # not a power of two

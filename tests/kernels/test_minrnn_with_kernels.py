@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.backend import force_triton
@@ -15,9 +16,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 TRITON_WRAPPERS = [
     ("rnnserve.kernels.add_norm.fused", "add_norm_triton"),
-    ("rnnserve.kernels.causal_conv1d.chunked", "causal_conv1d_varlen_triton"),
+    ("rnnserve.kernels.causal_conv1d.chunk", "causal_conv1d_varlen_triton"),
     ("rnnserve.kernels.causal_conv1d.fused_recurrent", "causal_conv1d_update_triton"),
-    ("rnnserve.kernels.diag_linear_scan.chunked", "diag_scan_varlen_triton"),
+    ("rnnserve.kernels.diag_linear_scan.chunk", "diag_scan_varlen_triton"),
     ("rnnserve.kernels.min_rnn_step.fused_recurrent", "min_rnn_step_triton"),
 ]
 
@@ -45,19 +46,24 @@ def test_logits_and_states_match_reference(triton_on_cpu, kernel_calls, model_cl
     model.init_weights(torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
     pools = {backend: StatePool(model.state_spec(), num_slots=7) for backend in ("reference", "triton")}
-    slots = torch.tensor([5, 0, 3])
+    slots = [5, 0, 3]
     # Two prefill chunks (the second continues from non-zero states), then decode steps.
-    chunks = [
-        (torch.tensor([0, 1, 12, 21]), torch.randint(0, 50, (21,), generator=gen)),
-        (torch.tensor([0, 9, 10, 13]), torch.randint(0, 50, (13,), generator=gen)),
-    ]
-    steps = [torch.randint(0, 50, (3,), generator=gen) for _ in range(3)]
+    consumed = [0, 0, 0]
+    prefills = []
+    for lengths in ([1, 11, 9], [9, 1, 3]):
+        chunks = [torch.randint(0, 50, (n,), generator=gen) for n in lengths]
+        prefills.append(PrefillBatch.build(chunks, slots, consumed))
+        consumed = [c + n for c, n in zip(consumed, lengths, strict=True)]
+    steps = []
+    for _ in range(3):
+        steps.append(DecodeBatch.build(torch.randint(0, 50, (3,), generator=gen).tolist(), slots, consumed))
+        consumed = [c + 1 for c in consumed]
     logits = {}
     with torch.no_grad():
         for backend, pool in pools.items():
             with force_triton(backend == "triton"):
-                outs = [model.prefill(ids, cu, slots, pool.tensors) for cu, ids in chunks]
-                outs += [model.decode(ids, slots, pool.tensors) for ids in steps]
+                outs = [model.prefill(batch, pool.tensors) for batch in prefills]
+                outs += [model.decode(batch, pool.tensors) for batch in steps]
             logits[backend] = torch.stack(outs)
     assert all(count > 0 for count in kernel_calls.values()), kernel_calls
     torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-4)

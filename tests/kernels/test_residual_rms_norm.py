@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.kernels.add_norm import residual_rms_norm, residual_rms_norm_ref
 from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.residual_rms_norm import residual_rms_norm
+from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
 
 DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 

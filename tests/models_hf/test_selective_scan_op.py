@@ -7,13 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from rnnserve.kernels.cpu_extension import cpu_ops
-from rnnserve.kernels.selective_scan import (
-    selective_scan_chunked,
-    selective_scan_ref,
-    selective_scan_varlen,
-    selective_state_update,
-    selective_state_update_torch,
-)
+from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
+from rnnserve.kernels.selective_scan.naive import selective_scan_ref
+from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked
+from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
 
 
 def _inputs(lengths: list[int], d_inner: int = 6, d_state: int = 5, optional: bool = True) -> dict:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_scan_ref, ssd_state_update
+from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
+from rnnserve.kernels.ssd.naive import ssd_scan_ref
 
 
 def _inputs(lengths: list[int], heads: int = 4, groups: int = 2, head_dim: int = 3, d_state: int = 5) -> dict:

@@ -1,4 +1,4 @@
-"""Chunked SSD prefill over packed variable-length batches (the Mamba-2 "state space duality" algorithm).
+"""Chunked SSD prefill over packed variable-length batches in PyTorch (Mamba-2's "state space duality" algorithm).
 
 Every sequence is cut into chunks of ``chunk_size`` tokens (chunks never straddle sequences) and the chunks
 of the whole batch are processed together:

@@ -1,4 +1,5 @@
-"""Mamba-1 decode step applied in place to a state pool, in PyTorch ops (any device)."""
+"""Mamba-1 decode step applied in place to a state pool, in PyTorch ops: the path when the C++ kernel does not
+apply (any device)."""
 
 from __future__ import annotations
 

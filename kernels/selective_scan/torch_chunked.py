@@ -1,4 +1,4 @@
-"""Varlen selective-scan prefill in PyTorch, organised for CPUs (and any device without a Triton kernel).
+"""Varlen selective-scan prefill in PyTorch, organised for CPUs: the path when the C++ kernel does not apply.
 
 The packed tokens are reordered time-major: sequences sorted by length (longest first), so the sequences
 still running at step ``t`` are always a prefix of that order. Per chunk of ``chunk_size`` steps the

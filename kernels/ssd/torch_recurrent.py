@@ -1,4 +1,4 @@
-"""Mamba-2 decode step applied in place to a state pool (``ssd_state_update``)."""
+"""Mamba-2 decode step applied in place to a state pool (``ssd_state_update``), in PyTorch ops."""
 
 from __future__ import annotations
 

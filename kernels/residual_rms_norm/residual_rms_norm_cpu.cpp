@@ -1,5 +1,5 @@
 // Residual add + RMSNorm of a pre-norm block on CPU, in one pass per row, with the rounding steps of the
-// Hugging Face Mamba / Mamba-2 blocks (see kernels/add_norm/naive.py: residual_rms_norm_ref):
+// Hugging Face Mamba / Mamba-2 blocks (see kernels/residual_rms_norm/naive.py: residual_rms_norm_ref):
 //   new_stream = stream + delta                      (in the stream's dtype S: fp32 when residual_in_fp32)
 //   x = U(new_stream);  y = U(x * rsqrt(mean(x^2) + eps));  normed = T(weight * y)
 // where T is the weight's dtype and U is T for a block's norm or S for the final norm. Replaces the 8-10
