@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
-from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.sampling_params import SamplingParams
 
 
@@ -51,13 +53,15 @@ def prefill_rates(engine: LLMEngine, long_prompt: int, token_by_token: int) -> t
     (slot,) = engine.pool.allocate()
     start = time.perf_counter()
     chunk = engine.config.max_num_batched_tokens
-    for begin in range(0, long_prompt, chunk):
-        engine.runner.prefill([ids[begin : begin + chunk]], [slot])
-    chunked = long_prompt / (time.perf_counter() - start)
-    engine.pool.reset(torch.tensor([slot]))
-    start = time.perf_counter()
-    for token in ids[:token_by_token]:
-        engine.runner.decode([token], [slot])
+    model, state, device = engine.model, engine.pool.tensors, engine.device
+    with torch.inference_mode():
+        for begin in range(0, long_prompt, chunk):
+            model.prefill(PrefillBatch.build([ids[begin : begin + chunk]], [slot], [begin], device), state)
+        chunked = long_prompt / (time.perf_counter() - start)
+        engine.pool.reset(torch.tensor([slot]))
+        start = time.perf_counter()
+        for position, token in enumerate(ids[:token_by_token]):
+            model.decode(DecodeBatch.build([token], [slot], [position], device), state)
     stepwise = token_by_token / (time.perf_counter() - start)
     engine.pool.free([slot])
     return chunked, stepwise

@@ -31,7 +31,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rnnserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from rnnserve.engine.config import EngineConfig  # noqa: E402
+from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from rnnserve.engine.loader import load_model  # noqa: E402
 from rnnserve.engine.sampling_params import SamplingParams  # noqa: E402
 

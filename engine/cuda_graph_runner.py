@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from rnnserve.engine.models.base import RecurrentLM, StateTensors
+from rnnserve.engine.models.base import DecodeBatch, RecurrentLM, StateTensors
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class CUDAGraphDecodeRunner:
         self.buckets = bucket_sizes(max_batch_size)
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.slot_ids = torch.full((max_batch_size,), scratch_slot, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -68,19 +69,20 @@ class CUDAGraphDecodeRunner:
         free_before, _ = torch.cuda.mem_get_info()
         self.input_ids.zero_()
         self.slot_ids.fill_(self.scratch_slot)
+        self.positions.zero_()
         # Warm-up on a side stream compiles the Triton kernels and sets up cuBLAS; it writes only the scratch slot.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for bucket in self.buckets:
-                self.model.decode(self.input_ids[:bucket], self.slot_ids[:bucket], self.state)
+                self.model.decode(self._static_batch(bucket), self.state)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = None
         for bucket in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[bucket] = self.model.decode(self.input_ids[:bucket], self.slot_ids[:bucket], self.state)
+                self._logits[bucket] = self.model.decode(self._static_batch(bucket), self.state)
             pool = graph.pool() if pool is None else pool
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
@@ -90,18 +92,22 @@ class CUDAGraphDecodeRunner:
             len(self._graphs), self.buckets, time.perf_counter() - start, (free_before - free_after) / 2**20,
         )
 
+    def _static_batch(self, size: int) -> DecodeBatch:
+        return DecodeBatch(self.input_ids[:size], self.slot_ids[:size], self.positions[:size])
+
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, decode: DecodeBatch) -> torch.Tensor:
         """Decode one token for each of ``B`` sequences; returns their logits ``[B, V]``.
 
         The result is a view of the graph's static output buffer: it is overwritten by the next call.
         """
         if not self._graphs:
             raise RuntimeError("call capture() before decoding")
-        batch = input_ids.shape[0]
+        batch = decode.input_ids.shape[0]
         bucket = self.bucket_for(batch)
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.slot_ids[:batch].copy_(slot_ids, non_blocking=True)
+        self.input_ids[:batch].copy_(decode.input_ids, non_blocking=True)
+        self.slot_ids[:batch].copy_(decode.slot_ids, non_blocking=True)
+        self.positions[:batch].copy_(decode.positions, non_blocking=True)
         if bucket > batch:
             self.slot_ids[batch:bucket].fill_(self.scratch_slot)
         self._graphs[bucket].replay()

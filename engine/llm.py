@@ -1,13 +1,12 @@
-"""Offline batch generation: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+"""Offline batch generation: ``LLM(model, **engine_options).generate(prompts, SamplingParams(...))``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
-from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
-from rnnserve.engine.loader import load_model
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import Tokenizer
@@ -27,30 +26,14 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 class LLM:
     """Load a model and generate for many prompts at once with continuous batching.
 
-    ``model`` is a checkpoint directory, ``random:<preset>`` or a registered name (e.g. ``lsrl:majority``).
-    ``device="auto"`` uses CUDA when present. The state pool holds ``max_num_seqs`` slots, or as many as
-    fit in ``state_memory`` bytes (the smaller of both when both are given). On CUDA, decode replays CUDA
-    graphs unless ``enforce_eager``.
+    ``model`` is a checkpoint directory, a Hugging Face repo id in the local cache, ``random:<preset>`` or a
+    registered name (e.g. ``lsrl:majority``); ``None`` is the embedded default model. Every other
+    :class:`~rnnserve.engine.config.EngineConfig` field is a keyword: ``device``, ``dtype``, ``max_num_seqs``,
+    ``state_memory``, ``max_num_batched_tokens``, ``max_prompt_tokens``, ``max_waiting``, ``enforce_eager``.
     """
 
-    def __init__(
-        self,
-        model: str,
-        device: str = "auto",
-        dtype: str | torch.dtype | None = None,
-        max_num_seqs: int | None = 64,
-        state_memory: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        enforce_eager: bool = False,
-    ) -> None:
-        loaded, tokenizer = load_model(model, device=device, dtype=dtype)
-        config = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            state_memory=state_memory,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enforce_eager=enforce_eager,
-        )
-        self.engine = LLMEngine(loaded, tokenizer, config)
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
 
     @property
     def tokenizer(self) -> Tokenizer:

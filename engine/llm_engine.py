@@ -1,33 +1,29 @@
-"""The engine loop: add requests, step (prefill + decode + sample), abort, report progress."""
+"""The engine loop: add requests, step (schedule -> run -> sample -> postprocess), abort, report load."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM
-from rnnserve.engine.outputs import RequestOutput
-from rnnserve.engine.sampler import sample
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.sampler import SampleResult, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-from rnnserve.engine.scheduler import Scheduler
+from rnnserve.engine.scheduler import Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import Tokenizer
+from rnnserve.kernels.cpu_extension import build_cpu_extension
 
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int | None = 64
-    state_memory: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_prompt_tokens: int | None = None
-    max_waiting: int | None = None
-    enforce_eager: bool = False
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +36,17 @@ class StepStats:
     seconds: float = 0.0
 
 
+@dataclass
+class EngineLoad:
+    """How full the engine is (for load gauges and health)."""
+
+    num_running: int
+    num_waiting: int
+    num_slots: int
+    slots_used: int
+    bytes_per_slot: int
+
+
 class LLMEngine:
     """Continuous-batching engine over one model and its state pool (not thread-safe: one caller)."""
 
@@ -48,6 +55,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         device = next(iter(model.parameters()), torch.empty(0)).device
+        if device.type == "cpu":
+            build_cpu_extension()  # build the fused CPU kernels now, never inside a request
         self.pool = StatePool.from_budget(
             model.state_spec(),
             max_num_seqs=self.config.max_num_seqs,
@@ -55,22 +64,32 @@ class LLMEngine:
             device=device,
         )
         self.runner = ModelRunner(model, self.pool, enforce_eager=self.config.enforce_eager)
-        self.scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens, self.config.max_waiting)
+        self.scheduler = Scheduler(
+            self.pool, model.vocab_size, self.config.max_num_batched_tokens, self.config.max_waiting
+        )
         self.eos_token_id = tokenizer.eos_token_id
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
         self._ids = itertools.count()
 
     @classmethod
-    def from_name(
-        cls, model: str, device: str = "auto", dtype: str | torch.dtype | None = None, **config: int | bool | None
-    ) -> LLMEngine:
-        loaded, tokenizer = load_model(model, device=device, dtype=dtype)
-        return cls(loaded, tokenizer, EngineConfig(**config))  # type: ignore[arg-type]
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load ``config.model`` (the embedded default model when ``None``) and build the engine."""
+        model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
+        return cls(model, tokenizer, config)
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_slots=self.pool.num_slots,
+            slots_used=self.pool.num_used,
+            bytes_per_slot=self.pool.bytes_per_slot,
+        )
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt (text or token ids)."""
@@ -90,69 +109,100 @@ class LLMEngine:
         return text, ids
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidParameterError or QueueFullError."""
+        """Queue a request; returns its id. Raises InvalidParameterError (a 400) or QueueFullError (a 429)."""
         text, ids = self.encode_prompt(prompt)
         bad_stop = [t for t in params.stop_token_ids if t >= self.model.vocab_size]
         if bad_stop:
             raise InvalidParameterError("stop_token_ids", f"stop token id {bad_stop[0]} is outside the vocabulary")
+        self.model.check_request(len(ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        group = SequenceGroup(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params)
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        group = SequenceGroup(request_id, text, ids, params, metrics)
         group.seqs = [Sequence(group, i, self.tokenizer) for i in range(params.n)]
         self.scheduler.add(group)
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request in any phase; its slots are free when this returns."""
-        return self.scheduler.abort(request_id) is not None
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in any phase; its slots are free when this returns. Returns its final output, or
+        ``None`` for an unknown (or already finished) request."""
+        group = self.scheduler.abort(request_id)
+        return group.output() if group is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return an output for every request that progressed."""
+        """Run one engine iteration; return an output for every request that progressed or failed.
+
+        A failure while running, sampling or post-processing fails only the requests it concerns: those of
+        the batch whose model call raised (their states may be half-written), or the one request whose
+        sampling or stop handling raised.
+        """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        stats = StepStats()
-        to_sample: list[Sequence] = []
-        logit_rows: list[torch.Tensor] = []
-        if batch.decode:
-            decode_logits = self.runner.decode(
-                [s.last_token_id for s in batch.decode], [s.slot for s in batch.decode]  # type: ignore[misc]
-            )
-            to_sample += batch.decode
-            logit_rows.append(decode_logits)
-            stats.decode_batch_size = len(batch.decode)
-        progressed = {s.group.request_id: s.group for s in batch.decode}
-        if batch.prefill:
-            prefill_logits = self.runner.prefill(
-                [c.token_ids for c in batch.prefill], [c.group.seqs[0].slot for c in batch.prefill]  # type: ignore[misc]
-            )
-            for row, chunk in enumerate(batch.prefill):
-                group = chunk.group
-                group.num_prefilled = chunk.end
-                stats.prefill_tokens += chunk.end - chunk.start
-                if group.first_scheduled_time is None:
-                    group.first_scheduled_time = time.monotonic()
-                if not chunk.completes_prompt:
-                    continue
-                if len(group.seqs) > 1:
-                    self.pool.copy(group.seqs[0].slot, [s.slot for s in group.seqs[1:]])  # type: ignore[arg-type]
-                for seq in group.seqs:
-                    seq.init_sampling_state(self.model.vocab_size, self.device)
-                to_sample += group.seqs
-                logit_rows.append(prefill_logits[row : row + 1].expand(len(group.seqs), -1))
-                progressed[group.request_id] = group
-        if to_sample:
-            logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)  # cat would copy
-            result = sample(logits, to_sample, self.eos_token_id)
-            for seq, token, logprob in zip(to_sample, result.token_ids, result.logprobs, strict=True):
-                seq.append_token(token, logprob, self.eos_token_id)
-                if seq.finished:
-                    self.scheduler.finish_sequence(seq)
-            stats.generated_tokens = len(to_sample)
+        stats = StepStats(decode_batch_size=len(batch.decode))
+        seqs, logits = self._run(batch, stats)
+        if seqs:
+            result = self._sample(logits, seqs)
+            self.scheduler.postprocess(seqs, result.token_ids, result.logprobs, self.eos_token_id)
+            stats.generated_tokens = sum(1 for s in seqs if s.group.error is None)
         self.total_prefill_tokens += stats.prefill_tokens
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
-        return [group.output() for group in progressed.values()]
+        progressed = {g.request_id: g for g in batch.groups() if g.error is not None or g.prefill_done}
+        return [g.output() for g in progressed.values()]
+
+    def _run(self, batch: SchedulerOutput, stats: StepStats) -> tuple[list[Sequence], torch.Tensor]:
+        """Decode, then prefill; returns the samples to sample now and their logits rows."""
+        seqs: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        if batch.decode:
+            try:
+                rows.append(self.runner.decode(batch.decode))
+                seqs += batch.decode
+            except Exception as err:  # noqa: BLE001
+                self._fail_groups({s.group.request_id: s.group for s in batch.decode}.values(), err)
+        if batch.prefill:
+            try:
+                prefill_logits = self.runner.prefill(batch.prefill)
+            except Exception as err:  # noqa: BLE001
+                self._fail_groups([c.group for c in batch.prefill], err)
+            else:
+                stats.prefill_tokens = sum(c.end - c.start for c in batch.prefill)
+                ready = self.scheduler.complete_prefill(batch.prefill)
+                for row, chunk in enumerate(batch.prefill):
+                    if chunk.completes_prompt:
+                        rows.append(prefill_logits[row : row + 1].expand(len(chunk.group.seqs), -1))
+                seqs += ready
+        if not rows:
+            return [], torch.empty(0)
+        return seqs, rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """Sample the whole batch; if that raises, sample row by row and fail only the rows that raise."""
+        try:
+            return sample(logits, seqs, self.eos_token_id)
+        except Exception:  # noqa: BLE001
+            logger.warning("batched sampling failed; retrying row by row to isolate the request", exc_info=True)
+        result = SampleResult([], [])
+        for row, seq in enumerate(seqs):
+            try:
+                one = sample(logits[row : row + 1], [seq], self.eos_token_id)
+            except Exception as err:  # noqa: BLE001
+                if seq.group.error is None:
+                    self._fail_groups([seq.group], err)
+                one = SampleResult([0], [None])
+            result.token_ids += one.token_ids
+            result.logprobs += one.logprobs
+        return result
+
+    def _fail_groups(self, groups: Iterable[SequenceGroup], err: BaseException) -> None:
+        for group in groups:
+            logger.error("request %s failed: %s: %s", group.request_id, type(err).__name__, err, exc_info=err)
+            self.scheduler.fail(group, err)

@@ -1,5 +1,6 @@
-"""Model loading: ``random:<preset>``, registered name prefixes (e.g. ``lsrl:``), checkpoint directories and
-Hugging Face repo ids found in the local HF cache.
+"""Model loading: ``<prefix>:<name>`` model sources (``random:``, ``lsrl:``, see
+:mod:`rnnserve.engine.model_sources`), checkpoint directories and Hugging Face repo ids found in the local HF
+cache.
 
 A checkpoint directory holds ``config.json`` (with ``architecture``), one or more ``*.safetensors`` files
 and, unless the model is byte-level, ``tokenizer.json``. A Hugging Face checkpoint instead has ``model_type``
@@ -17,28 +18,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
-from rnnserve.engine.lsrl.builtins import load_builtin
+from rnnserve.engine.model_sources import Loaded, ModelLoadError, model_source
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
 from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message names the problem in one line."""
-
-
-Loaded = tuple[RecurrentLM, Tokenizer]
-ModelSource = Callable[[str, torch.device, torch.dtype | None], Loaded]
-MODEL_SOURCES: dict[str, ModelSource] = {}
-
-
-def register_model_source(prefix: str, source: ModelSource) -> None:
-    """Make ``<prefix>:<name>`` loadable by ``source(name, device, dtype)``."""
-    MODEL_SOURCES[prefix] = source
-
-
-register_model_source("lsrl", load_builtin)
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+"""The embedded byte-level minGRU served when no model is named."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -113,9 +101,9 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
 def hf_architecture(model_type: str) -> type[RecurrentLM]:
     """The registered architecture that reads Hugging Face checkpoints of ``model_type``."""
     for cls in MODEL_REGISTRY.values():
-        if model_type in getattr(cls, "hf_model_types", ()):
+        if model_type in cls.hf_model_types:
             return cls
-    known = sorted(t for cls in MODEL_REGISTRY.values() for t in getattr(cls, "hf_model_types", ()))
+    known = sorted(t for cls in MODEL_REGISTRY.values() for t in cls.hf_model_types)
     raise ModelLoadError(f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(known)}")
 
 
@@ -134,11 +122,11 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
     cls = hf_architecture(str(config["model_type"]))
     try:
-        model = cls(cls.from_hf_config(config))  # type: ignore[attr-defined]
+        model = cls(cls.from_hf_config(config))
     except (KeyError, TypeError, ValueError) as err:
         message = f"{path / 'config.json'}: cannot map {config['model_type']} config: {err!r}"
         raise ModelLoadError(message) from err
-    load_safetensors_into(model, path, rename=cls.hf_weight_name)  # type: ignore[attr-defined]
+    load_safetensors_into(model, path, rename=cls.hf_weight_name)
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
     tokenizer = HFTokenizer(path / "tokenizer.json")
@@ -223,17 +211,18 @@ def save_checkpoint(model: RecurrentLM, path: str | Path, tokenizer_json: str | 
 
 
 def load_model(
-    name: str, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+    name: str | None, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
 ) -> Loaded:
-    """Resolve ``name`` (``random:<preset>``, ``<prefix>:<name>``, a directory or an HF repo id in the local
-    cache) to a model and tokenizer."""
+    """Resolve ``name`` (``<prefix>:<name>`` of a registered model source such as ``random:<preset>``, a
+    directory or an HF repo id in the local cache; ``None`` for the embedded default model) to a model and
+    tokenizer."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
+    name = str(DEFAULT_MODEL_DIR) if name is None else name
     prefix, sep, rest = name.partition(":")
-    if sep and prefix == "random":
-        return build_random(rest, device, dtype)
-    if sep and prefix in MODEL_SOURCES:
-        return MODEL_SOURCES[prefix](rest, device, dtype)
+    source = model_source(prefix) if sep else None
+    if source is not None:
+        return source(rest, device, dtype)
     path = Path(name).expanduser()
     if path.is_dir():
         return load_checkpoint(path, device, dtype)
@@ -244,6 +233,3 @@ def load_model(
             raise ModelLoadError(str(err)) from err
     raise ModelLoadError(f"model {name!r} is not a directory, a random:<preset> or a registered name")
 
-
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
-"""The embedded byte-level minGRU that ``rnnserve serve`` uses when no ``--model`` is given."""

@@ -1,4 +1,5 @@
-"""Runs the model on the scheduler's batches: packs prompt chunks, gathers decode inputs, returns logits.
+"""Runs the model on the scheduler's batches: packs prompt chunks and decode inputs with their positions,
+returns logits.
 
 On CUDA the decode step replays CUDA graphs captured at start-up (one per batch-size bucket) unless
 ``enforce_eager`` is set; prefill always runs eagerly (its shapes vary every step).
@@ -9,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner
-from rnnserve.engine.models.base import RecurrentLM
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM
+from rnnserve.engine.scheduler import PrefillChunk
+from rnnserve.engine.sequence import Sequence
 from rnnserve.engine.state_pool import StatePool
 
 
 class ModelRunner:
-    """Owns the model and its state pool; turns token/slot lists into device tensors and logits."""
+    """Owns the model and its state pool; turns scheduled chunks and samples into batches and logits."""
 
     def __init__(self, model: RecurrentLM, pool: StatePool, enforce_eager: bool = False) -> None:
         self.model = model
@@ -25,21 +28,26 @@ class ModelRunner:
             self.graphs = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, pool.num_slots)
             self.graphs.capture()
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Advance each chunk's first slot by its prompt tokens; logits ``[len(chunks), V]`` of the last tokens."""
+        batch = PrefillBatch.build(
+            [c.token_ids for c in chunks],
+            [c.group.seqs[0].slot for c in chunks],  # type: ignore[misc]
+            [c.start for c in chunks],
+            self.device,
+        )
+        return self.model.prefill(batch, self.pool.tensors)
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Advance each slot by its chunk of prompt tokens; logits ``[len(chunks), V]`` of the last tokens."""
-        offsets = [0]
-        for chunk in chunks:
-            offsets.append(offsets[-1] + len(chunk))
-        input_ids = self._tensor([t for chunk in chunks for t in chunk])
-        return self.model.prefill(input_ids, self._tensor(offsets), self._tensor(slots), self.pool.tensors)
-
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], slots: list[int]) -> torch.Tensor:
-        """Advance each slot by one token; logits ``[B, V]`` (valid until the next decode call)."""
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Advance each sample's slot by its last token; logits ``[B, V]`` (valid until the next decode call)."""
+        batch = DecodeBatch.build(
+            [s.last_token_id for s in seqs],
+            [s.slot for s in seqs],  # type: ignore[misc]
+            [s.last_position for s in seqs],
+            self.device,
+        )
         if self.graphs is not None:
-            return self.graphs(self._tensor(token_ids), self._tensor(slots))
-        return self.model.decode(self._tensor(token_ids), self._tensor(slots), self.pool.tensors)
+            return self.graphs(batch)
+        return self.model.decode(batch, self.pool.tensors)

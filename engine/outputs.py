@@ -35,9 +35,30 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each stage (``time.monotonic()`` seconds; ``None`` until reached).
+
+    ``previous_token_time`` is ``last_token_time`` before the latest token, so a consumer can observe the
+    inter-token latency of each step without keeping state of its own.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    previous_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
+    """A request's progress: one :class:`CompletionOutput` per sample. ``error`` is set (and ``finished``
+    true) when the engine failed this request alone."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics
+    error: str | None = None

@@ -1,18 +1,22 @@
-"""Continuous batching over a fixed pool of state slots.
+"""Continuous batching over a fixed pool of state slots; the scheduler owns every slot's life.
 
 A request is admitted (FIFO) when the pool has a free slot for each of its ``n`` samples; there is no
 preemption, because a running request's memory never grows. Each step the scheduler picks, within a
 token budget, the next prompt chunks to prefill (a long prompt is split across steps with its state
-carried in its slot) and every running sample that is ready to decode.
+carried in its slot) and every running sample that is ready to decode. After the step,
+:meth:`Scheduler.postprocess` records the prefill progress, forks a completed prompt's state into its other
+samples' slots, appends the sampled tokens and frees the slots of finished samples.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rnnserve.engine.outputs import TokenLogprob
 from rnnserve.engine.sampling_params import InvalidParameterError
-from rnnserve.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 
 
@@ -33,12 +37,16 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step's work: prompt chunks to prefill and samples to decode."""
+
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+    def groups(self) -> list[SequenceGroup]:
+        """The requests this step touches, each once, decode first."""
+        seen = {id(s.group): s.group for s in self.decode}
+        seen.update((id(c.group), c.group) for c in self.prefill)
+        return list(seen.values())
 
 
 class QueueFullError(RuntimeError):
@@ -46,12 +54,15 @@ class QueueFullError(RuntimeError):
 
 
 class Scheduler:
-    """Admits waiting requests into free slots and forms each step's prefill and decode batches."""
+    """Admits waiting requests into free slots, forms each step's batches and applies their results."""
 
-    def __init__(self, pool: StatePool, max_num_batched_tokens: int, max_waiting: int | None = None) -> None:
+    def __init__(
+        self, pool: StatePool, vocab_size: int, max_num_batched_tokens: int, max_waiting: int | None = None
+    ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.pool = pool
+        self.vocab_size = vocab_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.waiting: deque[SequenceGroup] = deque()
@@ -76,17 +87,11 @@ class Scheduler:
         self.waiting.append(group)
 
     def schedule(self) -> SchedulerOutput:
+        """Admit what fits, then pick this step's decode samples and prompt chunks (within the token budget)."""
         out = SchedulerOutput()
-        out.decode = [
-            s for g in self.running.values() if g.prefill_done for s in g.seqs if not s.finished
-        ]
+        out.decode = [s for g in self.running.values() if g.prefill_done for s in g.seqs if not s.finished]
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
-            group = self.waiting.popleft()
-            slots = self.pool.allocate(group.params.n)
-            for seq, slot in zip(group.seqs, slots, strict=True):
-                seq.slot = slot
-            group.status = SequenceStatus.RUNNING
-            self.running[group.request_id] = group
+            self._admit(self.waiting.popleft())
         budget = self.max_num_batched_tokens
         for group in self.running.values():
             if budget == 0:
@@ -98,33 +103,82 @@ class Scheduler:
             budget -= end - group.num_prefilled
         return out
 
-    def finish_sequence(self, seq: Sequence) -> None:
+    def _admit(self, group: SequenceGroup) -> None:
+        slots = self.pool.allocate(group.params.n)
+        for seq, slot in zip(group.seqs, slots, strict=True):
+            seq.slot = slot
+            seq.init_sampling_state(self.vocab_size, self.pool.device)
+        group.metrics.first_scheduled_time = time.monotonic()
+        self.running[group.request_id] = group
+
+    def complete_prefill(self, chunks: list[PrefillChunk]) -> list[Sequence]:
+        """Record prefilled chunks; fork each completed prompt into its other samples' slots. Returns the
+        samples whose first token is now due (``n`` per completed prompt)."""
+        ready: list[Sequence] = []
+        for chunk in chunks:
+            group = chunk.group
+            group.num_prefilled = chunk.end
+            if chunk.completes_prompt:
+                if len(group.seqs) > 1:
+                    self.pool.copy(group.seqs[0].slot, [s.slot for s in group.seqs[1:]])  # type: ignore[arg-type]
+                ready += group.seqs
+        return ready
+
+    def postprocess(
+        self,
+        seqs: list[Sequence],
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+        eos_token_id: int | None,
+    ) -> None:
+        """Append each sample's new token and free the slots of samples that finished. Samples already
+        finished (their request failed this step) are skipped; a sample whose stop handling raises fails its
+        request alone."""
+        now = time.monotonic()
+        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            group = seq.group
+            if seq.finished:
+                continue
+            try:
+                seq.append_token(token, logprob, eos_token_id)
+            except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
+                self.fail(group, err)
+                continue
+            metrics = group.metrics
+            if metrics.last_token_time != now:
+                metrics.previous_token_time = metrics.last_token_time
+                metrics.last_token_time = now
+                metrics.first_token_time = metrics.first_token_time or now
+            if seq.finished:
+                self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""
         if seq.slot is not None:
             self.pool.free([seq.slot])
             seq.slot = None
-        if seq.group.finished:
-            seq.group.status = SequenceStatus.FINISHED
-            self.running.pop(seq.group.request_id, None)
+        group = seq.group
+        if group.finished and self.running.pop(group.request_id, None) is not None:
+            group.metrics.finished_time = time.monotonic()
+
+    def fail(self, group: SequenceGroup, err: BaseException) -> None:
+        """End a request because processing it raised: free its slots and record the error."""
+        group.error = f"{type(err).__name__}: {err}"
+        self._remove(group, "error")
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request in any phase and free its slots. Returns the group, or None if unknown."""
-        for group in self.waiting:
-            if group.request_id == request_id:
-                self.waiting.remove(group)
-                self._mark_aborted(group)
-                return group
-        group = self.running.pop(request_id, None)
-        if group is None:
-            return None
-        self.pool.free([s.slot for s in group.seqs if s.slot is not None])
-        self._mark_aborted(group)
+        group = self.running.get(request_id) or next((g for g in self.waiting if g.request_id == request_id), None)
+        if group is not None:
+            self._remove(group, "abort")
         return group
 
-    @staticmethod
-    def _mark_aborted(group: SequenceGroup) -> None:
+    def _remove(self, group: SequenceGroup, reason: str) -> None:
+        if self.running.pop(group.request_id, None) is None and group in self.waiting:
+            self.waiting.remove(group)
+        self.pool.free([s.slot for s in group.seqs if s.slot is not None])
         for seq in group.seqs:
             seq.slot = None
             if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-        group.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+        group.metrics.finished_time = time.monotonic()

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class Sequence:
@@ -49,6 +43,11 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1]
+
+    @property
+    def last_position(self) -> int:
+        """Position of :attr:`last_token_id` in the sequence (the token the next decode step feeds)."""
+        return len(self.group.prompt_token_ids) + len(self.output_token_ids) - 1
 
     def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
         """Create the seeded generator and penalty counters (constant size: one vocab-sized row)."""
@@ -132,7 +131,7 @@ class Sequence:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """A request: one prompt, ``n`` samples. The prompt is prefilled once into the first sample's slot and
     forked into the others."""
@@ -141,11 +140,10 @@ class SequenceGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     seqs: list[Sequence] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
     num_prefilled: int = 0
-    first_scheduled_time: float | None = None
+    error: str | None = None
 
     @property
     def prefill_done(self) -> bool:
@@ -156,10 +154,13 @@ class SequenceGroup:
         return all(s.finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        """What the request produced since the previous call (metrics copied: the engine keeps updating them)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.take_output() for s in self.seqs],
             finished=self.finished,
+            metrics=dataclasses.replace(self.metrics),
+            error=self.error,
         )

@@ -19,6 +19,7 @@ from rnnserve.engine.lsrl import programs
 from rnnserve.engine.lsrl.compiler import Path, compile_program
 from rnnserve.engine.lsrl.program import Node
 from rnnserve.engine.lsrl.tokens import TokenInterface, approximator_tokens
+from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.lsrl import LSRLModel
 from rnnserve.engine.tokenizer import CharTokenizer
 
@@ -44,8 +45,6 @@ def build_builtin(name: str) -> tuple[LSRLModel, CharTokenizer]:
 def load_builtin(name: str, device: torch.device, dtype: torch.dtype | None) -> tuple[LSRLModel, CharTokenizer]:
     """Model source for ``lsrl:<name>`` (fp64 unless ``dtype`` says otherwise)."""
     if name not in BUILTINS:
-        from rnnserve.engine.loader import ModelLoadError  # the loader imports this module
-
         raise ModelLoadError(f"unknown built-in LSRL model 'lsrl:{name}'; known: {', '.join(sorted(BUILTINS))}")
     model, tokenizer = build_builtin(name)
     return model.to(device=device, dtype=dtype or torch.float64).requires_grad_(False), tokenizer

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.models import MODEL_REGISTRY
 from rnnserve.engine.models.minrnn import MinRNNConfig
 from rnnserve.engine.tokenizer import ByteTokenizer

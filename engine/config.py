@@ -1,0 +1,128 @@
+"""One engine configuration, written once: ``LLM(**kwargs)``, ``LLMEngine`` and the CLI flags all come from
+:class:`EngineConfig`.
+
+Each field carries its command-line help in ``metadata``; :func:`add_config_arguments` turns a config
+dataclass into ``argparse`` flags (``max_num_seqs`` -> ``--max-num-seqs``) and :func:`config_from_args`
+reads them back, so a new option is one new field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+BYTE_UNITS = {
+    "": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+    "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+DEVICES = ["auto", "cpu", "cuda"]
+DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512M"``, ``"1GiB"``, ``"2GB"`` -> bytes (K/M/G alone are binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 1GiB)")
+    return int(float(match.group(1)) * BYTE_UNITS[match.group(2).lower()])
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A config field with its CLI help; ``cli`` holds extra argparse keywords (``type``, ``choices``,
+    ``metavar``, ``cli_default`` when the command line's default differs, ``flag`` to rename the flag)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **cli})
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineConfig:
+    """What an engine is built from: the model, where it runs, and the limits of its state pool and scheduler."""
+
+    model: str | None = option(
+        None, "checkpoint directory, Hugging Face repo id in the local cache, random:<preset> or a registered "
+        "name such as lsrl:<program> (default: the embedded model)", metavar="PATH|NAME",
+    )
+    device: str = option("auto", "where the model and state pool live; auto picks CUDA when present", choices=DEVICES)
+    dtype: str | None = option(
+        None, "weight dtype; auto keeps the checkpoint's (states always accumulate in fp32+)", choices=DTYPES
+    )
+    max_num_seqs: int | None = option(64, "state slots, i.e. sequences running at once")
+    state_memory: int | None = option(
+        None, "state-pool budget, e.g. 2GiB; the pool gets the smaller of this and --max-num-seqs",
+        type=parse_bytes, metavar="BYTES",
+    )
+    max_num_batched_tokens: int = option(
+        2048, "prompt tokens prefilled per engine step; longer prompts are chunked"
+    )
+    max_prompt_tokens: int | None = option(None, "reject longer prompts with 400 (default: the model's limit)")
+    max_waiting: int | None = option(
+        None, "requests that may wait for a slot; beyond it the server answers 429", cli_default=256
+    )
+    enforce_eager: bool = option(
+        False, "on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up"
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = None
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prompt_tokens", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def _value_type(annotation: Any) -> type:
+    """``int | None`` -> ``int`` (annotations are strings under ``from __future__ import annotations``)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"list": list}, {})  # noqa: S307 - our own field annotations
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]
+    return typing.get_origin(annotation) or annotation
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per field of the config dataclass ``cls`` that has help metadata."""
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or f.name in skip:
+            continue
+        meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        kind = _value_type(f.type)
+        default = meta.pop("cli_default", f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", help=meta.pop("help"))
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if kind is list:
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = positive_int if kind is int else kind
+        kwargs.update(meta)
+        if default not in (None, []) and "(default" not in kwargs["help"]:
+            kwargs["help"] += f" (default: {default})"
+        parser.add_argument(flag, **kwargs)
+
+
+def config_from_args(cls: Callable[..., ConfigT], args: argparse.Namespace, **extra: Any) -> ConfigT:
+    """Build ``cls`` from the parsed flags that :func:`add_config_arguments` added (plus ``extra``)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values = {k: v for k, v in vars(args).items() if k in names}
+    return cls(**values, **extra)

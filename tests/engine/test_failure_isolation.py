@@ -1,0 +1,92 @@
+"""A failure while processing one request fails that request alone; the others finish as if it never ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from rnnserve.engine import llm_engine
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sequence import Sequence
+from tests.engine.conftest import make_engine, run_to_completion
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def reference(prompts: list[str]) -> dict[str, list[int]]:
+    engine = make_engine()
+    ids = [engine.add_request(p, GREEDY, request_id=p) for p in prompts]
+    final = run_to_completion(engine)
+    return {i: final[i].outputs[0].token_ids for i in ids}
+
+
+def run_with_victim(engine: LLMEngine, prompts: list[str]) -> dict:
+    for p in prompts:
+        engine.add_request(p, GREEDY, request_id=p)
+    final = run_to_completion(engine)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    return final
+
+
+def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = ["alpha", "victim", "gamma"]
+    expected = reference(prompts)
+    real_sample = llm_engine.sample
+
+    def sample(logits, seqs: list[Sequence], eos):  # type: ignore[no-untyped-def]
+        if any(s.group.request_id == "victim" and len(s.output_token_ids) == 3 for s in seqs):
+            raise OverflowError("cannot convert float infinity to integer")
+        return real_sample(logits, seqs, eos)
+
+    monkeypatch.setattr(llm_engine, "sample", sample)
+    final = run_with_victim(make_engine(), prompts)
+    assert final["victim"].error == "OverflowError: cannot convert float infinity to integer"
+    assert final["victim"].outputs[0].finish_reason == "error"
+    assert len(final["victim"].outputs[0].token_ids) == 3
+    for p in ("alpha", "gamma"):
+        assert final[p].error is None
+        assert final[p].outputs[0].token_ids == expected[p]
+
+
+def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = ["alpha", "victim"]
+    expected = reference(prompts)
+    real_append = Sequence.append_token
+
+    def append_token(self: Sequence, token_id, logprob, eos):  # type: ignore[no-untyped-def]
+        if self.group.request_id == "victim" and len(self.output_token_ids) == 5:
+            raise ValueError("bad stop string")
+        real_append(self, token_id, logprob, eos)
+
+    monkeypatch.setattr(Sequence, "append_token", append_token)
+    final = run_with_victim(make_engine(), prompts)
+    assert final["victim"].error == "ValueError: bad stop string"
+    assert final["alpha"].outputs[0].token_ids == expected["alpha"]
+
+
+def test_prefill_error_fails_that_batch_and_spares_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine()
+    expected = reference(["early"])
+    engine.add_request("early", GREEDY, request_id="early")
+    engine.step()
+    real_prefill = engine.runner.prefill
+
+    def prefill(chunks):  # type: ignore[no-untyped-def]
+        if any(c.group.request_id == "late" for c in chunks):
+            raise RuntimeError("kernel failed")
+        return real_prefill(chunks)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    final = run_with_victim(engine, ["late"])
+    assert final["late"].error == "RuntimeError: kernel failed"
+    assert final["late"].outputs[0].token_ids == []
+    assert final["early"].outputs[0].token_ids == expected["early"]
+
+
+def test_outputs_carry_request_metrics() -> None:
+    engine = make_engine()
+    engine.add_request("abc", SamplingParams(temperature=0, max_tokens=3), request_id="r")
+    out = run_to_completion(engine)["r"]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.previous_token_time is not None and m.previous_token_time <= m.last_token_time
