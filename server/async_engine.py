@@ -1,28 +1,27 @@
 """Bridge between the asyncio server and the single-threaded engine.
 
-The engine runs in its own thread: it executes queued commands (add, abort), steps while work is pending
-and hands each step's outputs to the event loop with one ``call_soon_threadsafe``. The event loop never
-waits on model compute. A request whose consumer goes away is aborted before the next step, which frees
-its slots. If a step raises, every in-flight request is failed with the error and aborted, so no stream
-hangs and the engine keeps serving.
+The engine runs in its own thread and takes commands (add, abort, stop) from one queue, blocking on it
+while it has nothing to do. Each step's outputs cross back to the event loop in one
+``call_soon_threadsafe``, where they are routed to the :class:`Submission` that consumes each request; the
+result of an add comes back the same way, on an asyncio future. What the bridge knows about a request is
+only which submission consumes it. A request the engine fails (``RequestOutput.error``) fails its
+submission alone; if ``engine.step()`` itself raises, every in-flight request fails and is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
-from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-from rnnserve.engine.sequence import SequenceGroup
+from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("rnnserve.engine")
@@ -34,61 +33,84 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running (shutting down or stopped)."""
 
 
-@dataclass
-class _Tracked:
-    """Per-request bookkeeping kept by the engine thread (for metrics and delivery)."""
-
-    sink: asyncio.Queue
-    group: SequenceGroup
-    arrival: float
-    queue_time_seen: bool = False
-    last_token_time: float | None = None
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone while processing it."""
 
 
 @dataclass
-class Submission:
-    """Requests added together (one HTTP call); their outputs arrive, interleaved, on one queue."""
+class AddCommand:
+    """Add one engine request per prompt, all or none; the outcome settles ``accepted``."""
 
     request_ids: list[str]
-    queue: asyncio.Queue = field(repr=False)
-    engine: AsyncEngine = field(repr=False)
-    _open: set[str] = field(default_factory=set, repr=False)
+    prompts: list[Prompt]
+    params: SamplingParams
+    arrival_time: float
+    accepted: asyncio.Future[None]
 
-    def __post_init__(self) -> None:
-        self._open = set(self.request_ids)
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class StopCommand:
+    pass
+
+
+Command = AddCommand | AbortCommand | StopCommand
+
+
+class Submission:
+    """The engine requests of one HTTP call: ``request_id`` is the call's (the response's ``id``),
+    ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue."""
+
+    def __init__(self, bridge: AsyncEngine, request_id: str, request_ids: list[str]) -> None:
+        self.bridge = bridge
+        self.request_id = request_id
+        self.request_ids = request_ids
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until every request finished; raises if the engine failed them."""
-        while self._open:
+        """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
+        failed one of them, or the error that failed the whole engine."""
+        remaining = len(self.request_ids)
+        while remaining:
             item = await self.queue.get()
             if isinstance(item, BaseException):
-                self._open.clear()
                 raise item
-            if item.finished:
-                self._open.discard(item.request_id)
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            remaining -= item.finished
             yield item
+
+    def fail(self, error: BaseException) -> None:
+        """End the submission with ``error``: before it was accepted, or mid-generation."""
+        if self.accepted.done():
+            self.queue.put_nowait(error)
+        else:
+            self.accepted.set_exception(error)
 
     def abort(self) -> None:
         """Abort whatever has not finished yet (idempotent)."""
-        if self._open:
-            self.engine.abort(list(self._open))
-            self._open.clear()
+        self.bridge.abort(self)
 
 
 class AsyncEngine:
-    """Owns an :class:`LLMEngine` and the thread that drives it."""
+    """Owns an :class:`LLMEngine` and the thread that drives it. Public methods run on the event loop."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, idle_wait: float = 0.5) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.idle_wait = idle_wait
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._consumers: dict[str, Submission] = {}
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        metrics.set_pool(engine.pool.num_slots, engine.pool.bytes_per_slot)
-        self._update_load()
+        self._accepting = False
+        load = engine.load()
+        metrics.set_pool(load.num_slots, load.bytes_per_slot)
+        metrics.set_load(load)
 
     @property
     def running(self) -> bool:
@@ -96,167 +118,141 @@ class AsyncEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._stop.clear()
+        self._accepting = True
         self._thread = threading.Thread(target=self._run, name="rnnserve-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left, stop the thread and wait for it (bounded)."""
-        self._stop.set()
-        self._commands.put(lambda: None)
+        """Stop the engine thread and wait for it (bounded); pending requests fail with EngineDeadError.
+        Blocks: call it off the event loop."""
+        self._commands.put(StopCommand())
         if self._thread is not None:
             self._thread.join(timeout)
         self._thread = None
 
-    async def submit(self, prompts: list[Prompt], params: SamplingParams) -> Submission:
-        """Add one request per prompt (all or none); raises InvalidParameterError or QueueFullError."""
-        if not self.running or self._loop is None:
+    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> Submission:
+        """Add one engine request per prompt, all or none, with ids ``request_id`` (one prompt) or
+        ``request_id-<prompt index>``. Raises what the engine's ``add_request`` raises (InvalidParameterError,
+        QueueFullError, ValueError) or EngineDeadError."""
+        if not self._accepting:
             raise EngineDeadError("the engine is not running")
-        sink: asyncio.Queue = asyncio.Queue()
-        ids = [f"cmpl-{uuid.uuid4().hex}" for _ in prompts]
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        arrival = time.monotonic()
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        submission = Submission(self, request_id, ids)
+        self._consumers.update(dict.fromkeys(ids, submission))
+        self._commands.put(AddCommand(ids, prompts, params, time.monotonic(), submission.accepted))
+        try:
+            await submission.accepted
+        except BaseException:  # rejected (nothing was added) or cancelled (abort what may have been)
+            self.abort(submission)
+            raise
+        return submission
 
-        def add() -> None:
-            added: list[str] = []
-            try:
-                if params.n > self.engine.pool.num_slots:
-                    raise InvalidParameterError(
-                        "n", f"n={params.n} exceeds the server's {self.engine.pool.num_slots} state slots"
-                    )
-                for prompt, request_id in zip(prompts, ids, strict=True):
-                    self.engine.add_request(prompt, params, request_id)
-                    added.append(request_id)
-                    group = self.engine.scheduler.waiting[-1]
-                    assert group.request_id == request_id
-                    self._tracked[request_id] = _Tracked(sink, group, arrival)
-            except BaseException as err:  # roll back a partial batch, then report the first error
-                for request_id in added:
-                    self.engine.abort_request(request_id)
-                    self._tracked.pop(request_id, None)
-                done.set_exception(err)
-            else:
-                done.set_result(None)
+    def abort(self, submission: Submission) -> None:
+        """Stop routing the submission's unfinished requests and have the engine abort them (frees their
+        slots before its next step)."""
+        unfinished = [i for i in submission.request_ids if self._consumers.get(i) is submission]
+        for request_id in unfinished:
+            del self._consumers[request_id]
+        if unfinished:
+            self._commands.put(AbortCommand(unfinished))
 
-        self._commands.put(add)
-        waiter = asyncio.wrap_future(done)
-        while not waiter.done():
-            await asyncio.wait([waiter], timeout=self.idle_wait)
-            if not waiter.done() and not self.running:
-                waiter.cancel()
-                raise EngineDeadError("the engine stopped before accepting the request")
-        waiter.result()
-        return Submission(ids, sink, self)
+    # --- event loop side: what the engine thread posts ------------------------------------------------
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Ask the engine thread to abort requests; their slots are free before its next step."""
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            submission = self._consumers.get(out.request_id)
+            if submission is None:  # aborted since the step started
+                continue
+            if out.finished:
+                del self._consumers[out.request_id]
+            submission.queue.put_nowait(out)
 
-        def abort() -> None:
-            now = time.monotonic()
-            for request_id in request_ids:
-                tracked = self._tracked.pop(request_id, None)
-                if tracked is not None and self.engine.abort_request(request_id):
-                    self.metrics.request_success.labels(finished_reason="abort").inc()
-                    self.metrics.e2e_request_latency.observe(now - tracked.arrival)
+    @staticmethod
+    def _settle(accepted: asyncio.Future[None], error: Exception | None) -> None:
+        if accepted.done():  # the submission was cancelled or failed meanwhile
+            return
+        if error is None:
+            accepted.set_result(None)
+        else:
+            accepted.set_exception(error)
 
-        self._commands.put(abort)
+    def _fail_all(self, error: BaseException, closing: bool) -> None:
+        """Fail every in-flight submission and have the engine abort their requests (after a failed step,
+        this command is what the engine thread waits for; after a stop, it runs first if the thread restarts)."""
+        failed, self._consumers = self._consumers, {}
+        self._commands.put(AbortCommand(list(failed)))
+        if closing:
+            self._accepting = False
+        for submission in set(failed.values()):
+            submission.fail(error)
 
-    # --- engine thread -------------------------------------------------------------------------------
+    # --- engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        error = EngineDeadError("the server is shutting down")
         try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self._stop.is_set():
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as err:  # the loop itself failed: fail everything so nothing hangs
+            wait = True
+            while self._run_commands(wait):
+                # Wait for the next command when idle, and after a failed step (the loop answers with aborts).
+                wait = not (self.engine.has_unfinished_requests() and self._step())
+        except Exception:
             logger.exception("engine thread crashed")
-            self._fail_all(err)
-            raise
+            error = EngineDeadError("the engine stopped after an internal error")
         finally:
-            self._drain_commands(block=False)
-            self._fail_all(EngineDeadError("the server is shutting down"))
+            self._post(self._fail_all, error, True)
 
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=self.idle_wait) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
+    def _run_commands(self, wait: bool) -> bool:
+        """Execute the queued commands, first waiting for one if ``wait``; False once told to stop."""
         while True:
-            command()
             try:
-                command = self._commands.get_nowait()
+                command = self._commands.get(block=wait)
             except queue.Empty:
-                break
-        self._update_load()
+                return True
+            wait = False
+            if isinstance(command, StopCommand):
+                return False
+            if isinstance(command, AddCommand):
+                self._add(command)
+            else:
+                self._abort(command)
 
-    def _step(self) -> None:
+    def _add(self, command: AddCommand) -> None:
+        error: Exception | None = None
+        added: list[str] = []
+        try:
+            for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+                self.engine.add_request(prompt, command.params, request_id, command.arrival_time)
+                added.append(request_id)
+        except Exception as err:  # all or none: roll back the prompts already added, report the error
+            error = err
+            for request_id in added:
+                self.engine.abort_request(request_id)
+        self.metrics.set_load(self.engine.load())
+        self._post(self._settle, command.accepted, error)
+
+    def _abort(self, command: AbortCommand) -> None:
+        finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
+        self.metrics.observe_outputs(finals)
+        self.metrics.set_load(self.engine.load())
+
+    def _step(self) -> bool:
+        """One engine step, its outputs delivered in one batch; False if the step itself raised."""
         try:
             outputs = self.engine.step()
         except Exception as err:
-            logger.exception("engine step failed; failing the in-flight requests")
-            self._fail_all(err)
+            logger.exception("engine step failed; failing every in-flight request")
+            self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
+            return False
+        self.metrics.observe_step(self.engine.last_step, outputs)
+        self.metrics.set_load(self.engine.load())
+        if outputs:
+            self._post(self._route, outputs)
+        return True
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        if self._loop is None:
             return
-        now = time.monotonic()
-        stats = self.engine.last_step
-        m = self.metrics
-        m.engine_step.observe(stats.seconds)
-        if stats.decode_batch_size:
-            m.decode_batch_size.observe(stats.decode_batch_size)
-        m.prompt_tokens.inc(stats.prefill_tokens)
-        m.generation_tokens.inc(stats.generated_tokens)
-        deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
-        for tracked in self._tracked.values():
-            if not tracked.queue_time_seen and tracked.group.first_scheduled_time is not None:
-                tracked.queue_time_seen = True
-                m.request_queue_time.observe(tracked.group.first_scheduled_time - tracked.arrival)
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            if any(o.new_token_ids for o in out.outputs):
-                if tracked.last_token_time is None:
-                    m.time_to_first_token.observe(now - tracked.arrival)
-                else:
-                    m.inter_token_latency.observe(now - tracked.last_token_time)
-                tracked.last_token_time = now
-            if out.finished:
-                del self._tracked[out.request_id]
-                m.e2e_request_latency.observe(now - tracked.arrival)
-                m.request_success.labels(finished_reason=out.outputs[0].finish_reason or "stop").inc()
-            deliveries.append((tracked.sink, out))
-        self._update_load()
-        self._deliver(deliveries)
-
-    def _fail_all(self, err: BaseException) -> None:
-        deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
-        now = time.monotonic()
-        for request_id, tracked in list(self._tracked.items()):
-            self.engine.abort_request(request_id)
-            self.metrics.request_success.labels(finished_reason="abort").inc()
-            self.metrics.e2e_request_latency.observe(now - tracked.arrival)
-            deliveries.append((tracked.sink, err))
-        self._tracked.clear()
-        self._update_load()
-        self._deliver(deliveries)
-
-    def _deliver(self, deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-        if not deliveries or self._loop is None:
-            return
-
-        def put_all() -> None:
-            for sink, item in deliveries:
-                sink.put_nowait(item)
-
         try:
-            self._loop.call_soon_threadsafe(put_all)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-    def _update_load(self) -> None:
-        e = self.engine
-        self.metrics.set_load(
-            e.scheduler.num_running, e.scheduler.num_waiting, e.pool.num_used, e.pool.bytes_per_slot
-        )

@@ -1,6 +1,6 @@
 """Run an app on a real socket in a background thread (tests, notebooks, embedding)::
 
-with serve_in_thread(create_app(ServerConfig(model="random:mingru-tiny"))) as url:
+with serve_in_thread(create_app(ServerConfig.build(model="random:mingru-tiny"))) as url:
     httpx.get(f"{url}/health")
 """
 

@@ -5,69 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import re
 import signal
 import sys
 import time
 
+from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
+from rnnserve.server.config import ServerConfig
 
 logger = logging.getLogger("rnnserve")
 
-BYTE_UNITS = {
-    "": 1,
-    "k": 2**10,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 2**20,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 2**30,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 2**40,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
-
-
-def parse_bytes(text: str) -> int:
-    """``"1073741824"``, ``"512M"``, ``"1GiB"``, ``"2GB"`` -> bytes (K/M/G alone are binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 1GiB)")
-    return int(float(match.group(1)) * BYTE_UNITS[match.group(2).lower()])
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH|NAME",
-        help="checkpoint directory, random:<preset> or a registered name such as lsrl:<program> "
-        f"(default: the embedded model in {DEFAULT_MODEL_DIR})",
-    )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="where the model and state pool live; auto picks CUDA when present (default: auto)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="weight dtype; auto keeps the checkpoint's (states always accumulate in fp32+)",
-    )
+GENERATE_ENGINE_FLAGS_SKIPPED = ("max_num_seqs", "max_waiting", "state_memory")  # one request, one slot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,89 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI-compatible HTTP API with Prometheus metrics at /metrics.",
     )
-    add_model_arguments(serve)
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, local only)"
-    )
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    serve.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=64,
-        help="state slots, i.e. sequences running at once (default: 64)",
-    )
-    serve.add_argument(
-        "--state-memory",
-        type=parse_bytes,
-        default=None,
-        metavar="BYTES",
-        help="state-pool budget, e.g. 2GiB; the pool gets the smaller of this and --max-num-seqs",
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=2048,
-        help="prompt tokens prefilled per engine step; longer prompts are chunked (default: 2048)",
-    )
-    serve.add_argument(
-        "--max-prompt-tokens",
-        type=positive_int,
-        default=None,
-        help="reject longer prompts with 400 (default: no limit besides the body size)",
-    )
-    serve.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up",
-    )
-    serve.add_argument(
-        "--max-waiting",
-        type=positive_int,
-        default=256,
-        help="requests that may wait for a slot; beyond it the server answers 429 (default: 256)",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("RNNSERVE_API_KEY"),
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-        "(default: $RNNSERVE_API_KEY, else no auth)",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="model name(s) clients use in 'model' (default: the --model value, or rnnserve-default)",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=parse_bytes,
-        default=1 << 20,
-        metavar="BYTES",
-        help="larger request bodies get 413 (default: 1MiB)",
-    )
-    serve.add_argument(
-        "--chat-max-tokens",
-        type=positive_int,
-        default=256,
-        help="max_tokens of chat requests that give none (default: 256)",
-    )
-    serve.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM/SIGINT, let in-flight requests finish for this long, then exit (default: 30)",
-    )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ServerConfig.add_arguments(serve)
 
     generate = commands.add_parser(
         "generate",
         help="generate offline from a prompt, streaming to the terminal",
         description="Load a model and stream a completion of PROMPT to stdout.",
     )
-    add_model_arguments(generate)
+    add_config_arguments(generate, EngineConfig, skip=GENERATE_ENGINE_FLAGS_SKIPPED)
     generate.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     generate.add_argument(
         "--max-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)"
@@ -200,31 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rnnserve.server.app import ServerConfig, build_engine, create_app
+    from rnnserve.engine.llm_engine import LLMEngine
+    from rnnserve.server.app import create_app
 
-    config = ServerConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=None if args.dtype == "auto" else args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        state_memory=args.state_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_waiting=args.max_waiting,
-        enforce_eager=args.enforce_eager,
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_body_bytes,
-        chat_default_max_tokens=args.chat_max_tokens,
-    )
-    if args.model is None and not (DEFAULT_MODEL_DIR / "config.json").exists():
+    config = ServerConfig.from_args(args)
+    if config.engine.model is None and not (DEFAULT_MODEL_DIR / "config.json").exists():
         logger.error(
             "the embedded default model is missing (%s); pass --model, e.g. --model random:mingru-tiny",
             DEFAULT_MODEL_DIR,
         )
         return 1
     try:
-        engine = build_engine(config)
+        engine = LLMEngine.from_config(config.engine)
     except (ModelLoadError, ValueError) as err:
         logger.error("cannot load model: %s", err)
         return 1
@@ -242,16 +102,16 @@ def serve(args: argparse.Namespace) -> int:
         pool.num_slots,
         pool.total_bytes,
         "on" if config.api_key else "off",
-        args.host,
-        args.port,
+        config.host,
+        config.port,
     )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.drain_timeout,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=config.drain_timeout,
             access_log=False,
         )
     )
@@ -266,7 +126,6 @@ def generate(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 
-    model = args.model if args.model is not None else str(DEFAULT_MODEL_DIR)
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -277,9 +136,7 @@ def generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             max_tokens=args.max_tokens,
         )
-        engine = LLMEngine.from_name(
-            model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype, max_num_seqs=1
-        )
+        engine = LLMEngine.from_config(config_from_args(EngineConfig, args, max_num_seqs=1))
         request_id = engine.add_request(args.prompt, params)
     except (ModelLoadError, InvalidParameterError, ValueError) as err:
         print(f"rnnserve generate: {err}", file=sys.stderr)

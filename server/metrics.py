@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from rnnserve.engine.llm_engine import EngineLoad, StepStats
+from rnnserve.engine.outputs import RequestOutput
+
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -86,7 +89,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("rnnserve_generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(
             "rnnserve_request_success",
-            "Finished requests by finish reason (stop, length, abort).",
+            "Finished requests by finish reason (stop, length, abort, error).",
             ["finished_reason"],
             registry=r,
         )
@@ -126,7 +129,7 @@ class ServerMetrics:
             buckets=BATCH_SIZE_BUCKETS,
             registry=r,
         )
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(finished_reason=reason)
 
     def set_pool(self, num_slots: int, bytes_per_slot: int) -> None:
@@ -134,11 +137,38 @@ class ServerMetrics:
         self.state_bytes_per_slot.set(bytes_per_slot)
         self.state_memory_total_bytes.set(num_slots * bytes_per_slot)
 
-    def set_load(self, running: int, waiting: int, slots_used: int, bytes_per_slot: int) -> None:
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
-        self.state_slots_used.set(slots_used)
-        self.state_memory_used_bytes.set(slots_used * bytes_per_slot)
+    def set_load(self, load: EngineLoad) -> None:
+        self.num_requests_running.set(load.num_running)
+        self.num_requests_waiting.set(load.num_waiting)
+        self.state_slots_used.set(load.slots_used)
+        self.state_memory_used_bytes.set(load.slots_used * load.bytes_per_slot)
+
+    def observe_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        """One engine step: its duration, batch and token counts, and its outputs' latencies."""
+        self.engine_step.observe(stats.seconds)
+        if stats.decode_batch_size:
+            self.decode_batch_size.observe(stats.decode_batch_size)
+        self.prompt_tokens.inc(stats.prefill_tokens)
+        self.generation_tokens.inc(stats.generated_tokens)
+        self.observe_outputs(outputs)
+
+    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Latencies from the outputs' timestamps: queue time and TTFT at a request's first token, the
+        inter-token latency at each later one, end-to-end latency and finish reason when it finishes."""
+        for out in outputs:
+            times = out.metrics
+            if times.first_token_time is not None and any(s.new_token_ids for s in out.outputs):
+                if times.previous_token_time is None:
+                    self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
+                    if times.first_scheduled_time is not None:
+                        self.request_queue_time.observe(times.first_scheduled_time - times.arrival_time)
+                elif times.last_token_time is not None:
+                    self.inter_token_latency.observe(times.last_token_time - times.previous_token_time)
+            if out.finished:
+                if times.finished_time is not None:
+                    self.e2e_request_latency.observe(times.finished_time - times.arrival_time)
+                reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
+                self.request_success.labels(finished_reason=reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,8 +20,9 @@ def tiny_config(**overrides: object) -> ServerConfig:
         "max_num_seqs": 4,
         "max_prompt_tokens": 64,
         "max_body_bytes": 8192,
+        "api_key": None,  # not $RNNSERVE_API_KEY from the developer's shell
     }
-    return ServerConfig(**{**base, **overrides})  # type: ignore[arg-type]
+    return ServerConfig.build(**{**base, **overrides})
 
 
 @pytest.fixture(scope="module")

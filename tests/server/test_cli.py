@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rnnserve.engine.config import parse_bytes
 from rnnserve.engine.llm import LLM
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server import cli
+from rnnserve.server.config import ServerConfig
 from tests.server.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,11 +61,28 @@ def test_bad_flag_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> Non
     assert run_main(["bench", "--concurrency", "2", "--request-rate", "1"], capsys)[0] == 2
 
 
+def test_serve_flags_and_code_build_the_same_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RNNSERVE_API_KEY", "from-env")
+    parse = cli.build_parser().parse_args
+    defaults = ServerConfig.from_args(parse(["serve"]))
+    assert defaults == ServerConfig.build()
+    assert (defaults.host, defaults.port, defaults.api_key) == ("127.0.0.1", 8000, "from-env")
+    assert defaults.engine.max_waiting == 256
+    flags = ["serve", "--model", TINY, "--max-num-seqs", "3", "--chat-max-tokens", "7", "--port", "0", "--api-key", "",
+             "--max-body-bytes", "2KiB", "--served-model-name", "a", "b", "--dtype", "auto"]  # fmt: skip
+    config = ServerConfig.from_args(parse(flags))
+    assert config == ServerConfig.build(
+        model=TINY, max_num_seqs=3, chat_default_max_tokens=7, port=0, api_key=None, max_body_bytes=2048,
+        served_model_name=["a", "b"],
+    )  # fmt: skip
+    assert config.engine.dtype is None and config.model_names == ["a", "b"]
+
+
 def test_parse_bytes() -> None:
-    assert cli.parse_bytes("1024") == 1024
-    assert cli.parse_bytes("512M") == 512 * 2**20
-    assert cli.parse_bytes("1GiB") == 2**30
-    assert cli.parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("1024") == 1024
+    assert parse_bytes("512M") == 512 * 2**20
+    assert parse_bytes("1GiB") == 2**30
+    assert parse_bytes("2GB") == 2 * 10**9
 
 
 def test_generate_streams_the_greedy_completion(capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,7 +154,18 @@ def test_serve_logs_startup_and_drains_on_sigterm() -> None:
         assert texts[-1]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
         reader.join(timeout=5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a server that is still running, with SIGINT first: a process killed while it builds the CPU kernels
+    would leave torch's build lock behind and hang every later build on the machine."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -167,7 +167,8 @@ def test_abort_frees_slots_before_the_next_engine_step() -> None:
 
         bridge.start(asyncio.get_running_loop())
         try:
-            submission = await bridge.submit(["Hello"], SamplingParams(max_tokens=100_000, ignore_eos=True, n=3))
+            params = SamplingParams(max_tokens=100_000, ignore_eos=True, n=3)
+            submission = await bridge.submit("cmpl-abort", ["Hello"], params)
             outputs = submission.outputs()
             await anext(outputs)
             assert engine.pool.num_used == 3

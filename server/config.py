@@ -1,0 +1,93 @@
+"""What ``rnnserve serve`` is configured with: the server's own options plus the engine's
+:class:`EngineConfig`. Each field carries its command-line help, so the CLI flags are generated from here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, option, parse_bytes
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR
+
+DEFAULT_SERVED_NAME = "rnnserve-default"
+API_KEY_ENV = "RNNSERVE_API_KEY"
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def serving_engine_config(**overrides: Any) -> EngineConfig:
+    """An :class:`EngineConfig` with the command line's defaults (e.g. a bounded waiting queue) under
+    ``overrides``, so a server built in code behaves like ``rnnserve serve``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_config_arguments(parser, EngineConfig)
+    return dataclasses.replace(config_from_args(EngineConfig, parser.parse_args([])), **overrides)
+
+
+@dataclass
+class ServerConfig:
+    """Everything ``rnnserve serve`` configures. ``engine.model=None`` serves the embedded default model.
+
+    Build it from flat keywords with :meth:`build`: ``ServerConfig.build(model="random:mingru-tiny",
+    max_num_seqs=4, api_key="k")``.
+    """
+
+    engine: EngineConfig = field(default_factory=serving_engine_config)
+    served_model_name: list[str] = option(
+        [], "model name(s) clients use in 'model' (default: the --model value, or rnnserve-default)", metavar="NAME"
+    )
+    host: str = option("127.0.0.1", "address to listen on (default: 127.0.0.1, local only)")
+    port: int = option(8000, "TCP port", type=int)
+    api_key: str | None = field(
+        default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
+        metadata={
+            "help": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+            f"(default: ${API_KEY_ENV}, else no auth)",
+            "metavar": "KEY",
+        },
+    )
+    max_body_bytes: int = option(
+        1 << 20, "larger request bodies get 413 (default: 1MiB)", type=parse_bytes, metavar="BYTES"
+    )
+    chat_default_max_tokens: int = option(
+        256, "max_tokens of chat requests that give none", flag="--chat-max-tokens", metavar="N"
+    )
+    retry_after_seconds: int = option(1, "Retry-After header of 429 (queue full) answers", metavar="SECONDS")
+    drain_timeout: float = option(
+        30.0, "on SIGTERM/SIGINT, let in-flight requests finish for this long, then exit", metavar="SECONDS"
+    )
+    log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        self.api_key = self.api_key or None
+
+    @classmethod
+    def build(cls, **options: Any) -> ServerConfig:
+        """Server and engine options as one set of keywords; engine fields go to :attr:`engine`."""
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = {name: options.pop(name) for name in list(options) if name in engine_fields}
+        return cls(engine=serving_engine_config(**engine), **options)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The ``rnnserve serve`` flags: one per engine field and one per server field."""
+        add_config_arguments(parser, EngineConfig)
+        add_config_arguments(parser, ServerConfig)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        """The config the flags of :meth:`add_arguments` describe."""
+        return config_from_args(cls, args, engine=config_from_args(EngineConfig, args))
+
+    @property
+    def model_path(self) -> str:
+        """The model as given, or the embedded default model's directory."""
+        return self.engine.model if self.engine.model is not None else str(DEFAULT_MODEL_DIR)
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names clients may use in ``model``; the first is the default."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        return [self.engine.model if self.engine.model is not None else DEFAULT_SERVED_NAME]

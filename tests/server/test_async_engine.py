@@ -1,0 +1,164 @@
+"""The async bridge: failure isolation between requests, an engine thread that blocks when idle, one request id
+end to end, and a shutdown that fails pending requests instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sequence import Sequence
+from rnnserve.server.app import create_app
+from rnnserve.server.async_engine import EngineDeadError
+from rnnserve.server.background import serve_in_thread
+from tests.server.conftest import tiny_config
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def sse_payloads(lines: list[str]) -> list[str]:
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def test_a_failing_request_ends_its_own_stream_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_append = Sequence.append_token
+    running_when_failed: list[int] = []
+
+    def append_token(self: Sequence, token_id, logprob, eos):  # type: ignore[no-untyped-def]
+        if self.group.prompt == "victim" and len(self.output_token_ids) == 3:
+            running_when_failed.append(engine.load().num_running)
+            raise ValueError("stop handling blew up")
+        real_append(self, token_id, logprob, eos)
+
+    monkeypatch.setattr(Sequence, "append_token", append_token)
+    app = create_app(tiny_config())
+    engine = app.state.engine.engine
+    survivor = {"prompt": "Hello", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+    async def scenario(url: str) -> tuple[list[str], list[str], int, dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json={**survivor, "stream": True}) as running:
+                lines = running.aiter_lines()
+                survivor_events = [await anext(lines)]
+                victim = await http.post("/v1/completions", json={"prompt": "victim", "max_tokens": 50, "stream": True})
+                seen_when_victim_failed = len(survivor_events)
+                survivor_events += [line async for line in lines]
+            alone = (await http.post("/v1/completions", json=survivor)).json()
+        return survivor_events, victim.text.splitlines(), seen_when_victim_failed, alone
+
+    with serve_in_thread(app) as url:
+        survivor_events, victim_lines, seen, alone = asyncio.run(scenario(url))
+        metrics = httpx.get(f"{url}/metrics").text
+    victim = sse_payloads(victim_lines)
+    assert victim[-1] == "[DONE]"
+    error = json.loads(victim[-2])["error"]
+    assert error["type"] == "internal_error" and "stop handling blew up" in error["message"]
+    assert running_when_failed == [2]  # the survivor was running in the same batch when the victim failed
+    assert sse_payloads(survivor_events[seen:])
+    events = sse_payloads(survivor_events)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert "".join(c["text"] for c in chunks) == alone["choices"][0]["text"]
+    assert 'rnnserve_request_success_total{finished_reason="error"} 1.0' in metrics
+    assert engine.pool.num_used == 0
+
+
+class RecordingQueue(queue.SimpleQueue):
+    """A command queue that shows whether its consumer is parked in a blocking ``get`` without a timeout."""
+
+    def __init__(self) -> None:
+        self.parked = threading.Event()
+        self.timeouts: list[float | None] = []
+
+    def get(self, block: bool = True, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        self.timeouts.append(timeout)
+        if block:
+            self.parked.set()
+        try:
+            return super().get(block, timeout)
+        finally:
+            self.parked.clear()
+
+
+def test_idle_engine_thread_blocks_on_the_command_queue() -> None:
+    app = create_app(tiny_config())
+    bridge = app.state.engine
+    engine = bridge.engine
+    commands = RecordingQueue()
+    bridge._commands = commands
+    steps: list[int] = []
+    real_step = engine.step
+    engine.step = lambda: steps.append(1) or real_step()
+
+    async def generate(request_id: str) -> None:
+        submission = await bridge.submit(request_id, ["Hello"], SamplingParams(max_tokens=4))
+        async for _ in submission.outputs():
+            pass
+
+    async def scenario() -> None:
+        bridge.start(asyncio.get_running_loop())
+        try:
+            await generate("cmpl-first")
+            assert await asyncio.to_thread(commands.parked.wait, 10)
+            steps_when_idle = len(steps)
+            assert commands.parked.is_set() and len(steps) == steps_when_idle
+            assert set(commands.timeouts) == {None}  # never a timed wait: nothing polls
+            await generate("cmpl-second")  # a command wakes it up
+            assert len(steps) > steps_when_idle
+        finally:
+            await asyncio.to_thread(bridge.stop)
+
+    asyncio.run(scenario())
+
+
+def test_engine_request_ids_derive_from_the_response_id() -> None:
+    app = create_app(tiny_config())
+    engine = app.state.engine.engine
+    added: list[str] = []
+    real_add = engine.add_request
+
+    def add_request(prompt, params, request_id=None, arrival_time=None):  # type: ignore[no-untyped-def]
+        added.append(request_id)
+        return real_add(prompt, params, request_id, arrival_time)
+
+    engine.add_request = add_request
+    with TestClient(app) as client:
+        one = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+        assert one["id"].startswith("cmpl-") and added == [one["id"]]
+        added.clear()
+        two = client.post("/v1/completions", json={"prompt": ["Hi", "Yo"], "max_tokens": 2}).json()
+        assert added == [f"{two['id']}-0", f"{two['id']}-1"]
+        added.clear()
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert chat["id"].startswith("chatcmpl-") and added == [chat["id"]]
+
+
+def test_stopping_fails_pending_requests_with_engine_dead() -> None:
+    app = create_app(tiny_config(max_num_seqs=1))
+    bridge = app.state.engine
+    forever = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+    async def scenario() -> None:
+        bridge.start(asyncio.get_running_loop())
+        running = await bridge.submit("cmpl-running", ["Hello"], forever)
+        waiting = await bridge.submit("cmpl-waiting", ["Hello"], forever)
+        outputs = running.outputs()
+        await anext(outputs)
+        await asyncio.to_thread(bridge.stop)
+        with pytest.raises(EngineDeadError):
+            async for _ in outputs:
+                pass
+        with pytest.raises(EngineDeadError):
+            await anext(waiting.outputs())
+        with pytest.raises(EngineDeadError):
+            await bridge.submit("cmpl-late", ["Hello"], forever)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert not bridge.running
