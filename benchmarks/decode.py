@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
-from rnnserve.engine.models.base import RecurrentLM  # noqa: E402
+from rnnserve.engine.models.base import DecodeBatch, RecurrentLM  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,8 +82,8 @@ def main() -> None:
         model, _ = build_random(preset, device, dtype)
         max_batch = max(batches)
         pool = StatePool(model.state_spec(), num_slots=max_batch, device=device)
-        modes: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-            "eager": lambda ids, slots, m=model, p=pool: m.decode(ids, slots, p.tensors)
+        modes: dict[str, Callable[[DecodeBatch], torch.Tensor]] = {
+            "eager": lambda batch, m=model, p=pool: m.decode(batch, p.tensors)
         }
         if device.type == "cuda":
             runner = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, max_batch)
@@ -91,12 +91,12 @@ def main() -> None:
             modes["graphs"] = runner
         weights = weight_bytes(model)
         for batch in batches:
-            ids = torch.randint(0, model.vocab_size, (batch,), device=device)
-            slots = torch.arange(batch, device=device)
+            ids = torch.randint(0, model.vocab_size, (batch,)).tolist()
+            step = DecodeBatch.build(ids, range(batch), [0] * batch, device=device)
             step_bytes = weights + 2 * batch * pool.bytes_per_slot
             eager_seconds = None
             for mode, decode in modes.items():
-                seconds = seconds_per_step(lambda d=decode, i=ids, s=slots: d(i, s), device, steps)
+                seconds = seconds_per_step(lambda d=decode, b=step: d(b), device, steps)
                 eager_seconds = eager_seconds or seconds
                 print(f"{preset:14} {batch:5d} {mode:7} {seconds * 1e3:9.3f} {batch / seconds:10.0f} "
                       f"{step_bytes / seconds / peak:9.1%} {eager_seconds / seconds:8.2f}x")

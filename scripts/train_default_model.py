@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, load_model, save_checkpoint  # noqa: E402
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch  # noqa: E402
 from rnnserve.engine.models.minrnn import MinGRULM, MinRNNBlock, MinRNNConfig  # noqa: E402
 
 PACKAGE = "fortunes"
@@ -192,10 +193,10 @@ def check_serving_path(model: MinGRULM, sample: torch.Tensor) -> float:
         "conv": torch.zeros(1, config.n_layers, config.d_model, config.conv_kernel - 1),
         "h": torch.zeros(1, config.n_layers, config.d_hidden),
     }
-    slots = torch.tensor([0])
-    split = sample.numel() // 2
-    served = [model.prefill(sample[:split], torch.tensor([0, split]), slots, state)]
-    served += [model.decode(sample[t : t + 1], slots, state) for t in range(split, sample.numel() - 1)]
+    tokens = sample.tolist()
+    split = len(tokens) // 2
+    served = [model.prefill(PrefillBatch.build([tokens[:split]], [0]), state)]
+    served += [model.decode(DecodeBatch.build([tokens[t]], [0], [t]), state) for t in range(split, len(tokens) - 1)]
     served_logits = torch.cat(served)
     return (served_logits - ref[0, split - 1 : -1]).abs().max().item()
 

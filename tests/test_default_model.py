@@ -10,6 +10,7 @@ import torch
 
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, load_model
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.models.minrnn import MinGRULM
 from rnnserve.engine.tokenizer import ByteTokenizer
 
@@ -46,12 +47,11 @@ def _bits_per_byte(model: MinGRULM, text: str) -> float:
         "conv": torch.zeros(1, config.n_layers, config.d_model, config.conv_kernel - 1),
         "h": torch.zeros(1, config.n_layers, config.d_hidden),
     }
-    slots = torch.tensor([0])
     total = 0.0
-    logits = model.prefill(ids[:1], torch.tensor([0, 1]), slots, state)
+    logits = model.prefill(PrefillBatch.build([ids[:1]], [0]), state)
     for t in range(1, ids.numel()):
         total -= torch.log_softmax(logits[0], -1)[ids[t]].item()
-        logits = model.decode(ids[t : t + 1], slots, state)
+        logits = model.decode(DecodeBatch.build([int(ids[t])], [0], [t]), state)
     return total / (ids.numel() - 1) / math.log(2)
 
 
@@ -72,12 +72,11 @@ def test_prefill_and_decode_agree_on_trained_weights() -> None:
             "h": torch.zeros(1, config.n_layers, config.d_hidden),
         }
 
-    slots = torch.tensor([0])
-    whole = model.prefill(ids, torch.tensor([0, ids.numel()]), slots, fresh())
+    whole = model.prefill(PrefillBatch.build([ids], [0]), fresh())
     state = fresh()
-    model.prefill(ids[:50], torch.tensor([0, 50]), slots, state)
+    model.prefill(PrefillBatch.build([ids[:50]], [0]), state)
     for t in range(50, ids.numel()):
-        stepped = model.decode(ids[t : t + 1], slots, state)
+        stepped = model.decode(DecodeBatch.build([int(ids[t])], [0], [t]), state)
     torch.testing.assert_close(stepped, whole, atol=1e-4, rtol=1e-4)
 
 

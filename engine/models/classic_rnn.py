@@ -2,9 +2,9 @@
 
 ``embed -> torch.nn.RNN | LSTM | GRU (n_layers, batch_first) -> lm_head``. The recurrent stack *is* the
 ``torch.nn`` module, so weight names (``rnn.weight_ih_l0``, ``rnn.bias_hh_l1``, ...) and numerics are
-PyTorch's. Prefill hands the packed batch to the module as a ``PackedSequence`` (time-major, no padding),
-so the whole time loop runs inside PyTorch's fused kernel (oneDNN on CPU, cuDNN on GPU); decode is one
-cell step. State per layer: ``h`` (and ``c`` for LSTM), stored in fp32.
+PyTorch's. Prefill hands the packed batch to the module as a ``PackedSequence`` (time-major, no padding,
+built from the batch's host lengths), so the whole time loop runs inside PyTorch's fused kernel (oneDNN on
+CPU, cuDNN on GPU); decode is one cell step. State per layer: ``h`` (and ``c`` for LSTM), stored in fp32.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnnserve.engine.models.base import (
+    DecodeBatch,
     ModelConfig,
+    PrefillBatch,
     RecurrentLM,
     StateSpec,
     StateTensors,
     register_model,
     register_preset,
 )
-from rnnserve.kernels.selective_scan import time_major_order
+from rnnserve.engine.models.layers import gather_slots, scatter_slots, time_major_packed
 
 
 @dataclass
@@ -75,43 +77,22 @@ class ClassicRNNLM(RecurrentLM):
         c = self.config
         return [StateSpec(name, (c.n_layers, c.hidden_size), torch.float32, 0.0) for name in self.state_names]
 
-    def _gather(
-        self, state: StateTensors, slot_ids: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor | tuple:
-        """Pool rows -> ``torch.nn`` hidden state ``[n_layers, B, H]`` (a tuple ``(h, c)`` for LSTM)."""
-        parts = tuple(state[n][slot_ids].transpose(0, 1).to(dtype).contiguous() for n in self.state_names)
-        return parts if len(parts) == 2 else parts[0]
-
-    def _scatter(
-        self, state: StateTensors, slot_ids: torch.Tensor, hidden: torch.Tensor | tuple
-    ) -> torch.Tensor:
-        """Write the new hidden state back; returns the top layer's ``h [B, H]``."""
+    def _step(self, x: torch.Tensor | PackedSequence, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        """Run the stack over ``x`` from the states of ``slot_ids``, write the final states back and return
+        the logits of the top layer's final ``h``. ``torch.nn`` holds states as ``[n_layers, B, H]``."""
+        pools = [state[name] for name in self.state_names]
+        dtype = self.embed.weight.dtype
+        parts = tuple(p.transpose(0, 1).to(dtype).contiguous() for p in gather_slots(pools, slot_ids))
+        _, hidden = self.rnn(x, parts if len(parts) == 2 else parts[0])
         parts = hidden if isinstance(hidden, tuple) else (hidden,)
-        for name, part in zip(self.state_names, parts, strict=True):
-            state[name][slot_ids] = part.transpose(0, 1).float()
-        return parts[0][-1]
+        scatter_slots(pools, slot_ids, [p.transpose(0, 1) for p in parts])
+        return self.lm_head(parts[0][-1]).float()
 
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        active, rows, order = time_major_order(cu_seqlens)
-        sorted_indices = torch.tensor(order, dtype=torch.long, device=input_ids.device)
-        unsorted_indices = torch.empty_like(sorted_indices)
-        unsorted_indices[sorted_indices] = torch.arange(len(order), device=input_ids.device)
-        packed = PackedSequence(
-            self.embed(input_ids[rows]),
-            torch.tensor(active, dtype=torch.long),
-            sorted_indices,
-            unsorted_indices,
-        )
-        x_dtype = packed.data.dtype
-        _, hidden = self.rnn(packed, self._gather(state, slot_ids, x_dtype))
-        return self.lm_head(self._scatter(state, slot_ids, hidden)).float()
+    def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        return self._step(time_major_packed(self.embed(batch.input_ids), batch.lengths), batch.slot_ids, state)
 
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        x = self.embed(input_ids)[:, None, :]
-        _, hidden = self.rnn(x, self._gather(state, slot_ids, x.dtype))
-        return self.lm_head(self._scatter(state, slot_ids, hidden)).float()
+    def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
+        return self._step(self.embed(batch.input_ids)[:, None, :], batch.slot_ids, state)
 
 
 @register_model

@@ -30,7 +30,16 @@ from torch import nn
 
 from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
 from rnnserve.engine.lsrl.tokens import TokenInterface
-from rnnserve.engine.models.base import ModelConfig, RecurrentLM, StateSpec, StateTensors, register_model
+from rnnserve.engine.models.base import (
+    DecodeBatch,
+    ModelConfig,
+    PrefillBatch,
+    RecurrentLM,
+    StateSpec,
+    StateTensors,
+    register_model,
+)
+from rnnserve.engine.models.layers import gather_slots, scatter_slots
 
 FLOAT = torch.float64
 logger = logging.getLogger(__name__)
@@ -260,14 +269,18 @@ class LSRLModel(RecurrentLM):
         scores = 2.0 * v * y.reshape(-1, 1) - v * v
         return scores.masked_fill(torch.isnan(v), float("-inf"))
 
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    def _run(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
-        y, final = self.run_vectors(self.embedding[input_ids], cu_seqlens, state["state"][slot_ids])
-        state["state"][slot_ids] = final
-        return self.logits(y[cu_seqlens[1:] - 1])
+        """Program outputs for packed tokens, continuing from and writing back the states of ``slot_ids``."""
+        pools = (state["state"],)
+        y, final = self.run_vectors(self.embedding[input_ids], cu_seqlens, *gather_slots(pools, slot_ids))
+        scatter_slots(pools, slot_ids, (final,))
+        return y
 
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        y, final = self.run_vectors(self.embedding[input_ids], None, state["state"][slot_ids])
-        state["state"][slot_ids] = final
-        return self.logits(y)
+    def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        y = self._run(batch.input_ids, batch.cu_seqlens, batch.slot_ids, state)
+        return self.logits(y[batch.last_token_rows])
+
+    def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
+        return self.logits(self._run(batch.input_ids, None, batch.slot_ids, state))

@@ -9,7 +9,8 @@ Block (pre-norm, residual)::
     y     = selective_scan(x, dt, A=-exp(A_log), B, C, D) * silu(z)    # state: [d_inner, N]
     h     = h + out_proj(y)                            # the stream h is fp32 when residual_in_fp32 (default)
 
-Parameter names equal the Hugging Face ones, so checkpoints load without renaming (except the legacy
+The stack around the mixer is :class:`~rnnserve.engine.models.layers.mixer_stack.MixerStackLM`. Parameter
+names equal the Hugging Face ones, so checkpoints load without renaming (except the legacy
 ``backbone.embedding.`` prefix). Both states are kept in fp32.
 """
 
@@ -23,18 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnnserve.engine.models.base import (
-    ModelConfig,
-    RecurrentLM,
-    StateSpec,
-    StateTensors,
-    register_model,
-    register_preset,
-)
-from rnnserve.engine.models.layers import linear, matmul_t
-from rnnserve.kernels.add_norm import residual_rms_norm
+from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
+from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weightless_rms_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.mamba_decode import fused_mixer_decode_applies
+from rnnserve.kernels.mamba_decode import mamba_mixer_decode, mamba_mixer_decode_applies
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 
 
@@ -57,20 +50,6 @@ class MambaConfig(ModelConfig):
     residual_in_fp32: bool = True
 
 
-def slot_index(slot_ids: torch.Tensor) -> torch.Tensor | slice:
-    """``slot_ids`` as a ``slice`` when they are consecutive (pool rows are then views, updated in place).
-
-    Checked on CPU only: on an accelerator the comparison would synchronise the device.
-    """
-    n = slot_ids.numel()
-    if slot_ids.device.type != "cpu" or n == 0:
-        return slot_ids
-    first = int(slot_ids[0])
-    if torch.equal(slot_ids, torch.arange(first, first + n, dtype=slot_ids.dtype)):
-        return slice(first, first + n)
-    return slot_ids
-
-
 def _version_key(t: torch.Tensor | None) -> tuple | None:
     """Identifies a tensor's current contents: storage, version counter (-1 for inference tensors), device."""
     if t is None:
@@ -80,25 +59,6 @@ def _version_key(t: torch.Tensor | None) -> tuple | None:
     except RuntimeError:
         version = -1
     return t.data_ptr(), version, t.device
-
-
-def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight, statistics in fp32 (FalconMamba's norm on dt, B and C)."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """A block's (or the final) RMSNorm; the stacks apply it fused with the residual add
-    (:func:`rnnserve.kernels.add_norm.residual_rms_norm`), and ``forward`` is the same norm without the add."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return residual_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 class MambaMixer(nn.Module):
@@ -170,19 +130,20 @@ class MambaMixer(nn.Module):
     ) -> torch.Tensor:
         """One token per sequence; ``conv_pool``, ``ssm_pool``: this layer's pool views, updated in place.
 
-        ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see :func:`slot_index`). On
-        CPU the whole step is one fused op (:mod:`rnnserve.kernels.mamba_decode`).
+        ``slots`` is ``slot_ids`` or, for consecutive ids, the equivalent slice (see
+        :func:`~rnnserve.engine.models.layers.slots.slot_index`). On CPU the whole step is one fused op
+        (:mod:`rnnserve.kernels.mamba_decode`).
         """
-        if not self.config.bcdt_rms_norm and fused_mixer_decode_applies(h, conv_pool, ssm_pool):
+        if not self.config.bcdt_rms_norm and mamba_mixer_decode_applies(h, conv_pool, ssm_pool):
             A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
-            return torch.ops.rnnserve.mamba_mixer_decode(
+            return mamba_mixer_decode(
                 h,
                 self.in_proj.weight,
                 self.in_proj.bias,
                 conv_pool,
                 conv_weight,
                 conv_bias,
-                slot_ids.long().contiguous(),
+                slot_ids,
                 self.x_proj.weight,
                 self.dt_proj.weight,
                 dt_bias,
@@ -209,78 +170,6 @@ class MambaMixer(nn.Module):
         dt, B, C = self._ssm_inputs(x)
         y = selective_state_update(ssm_pool, slots, x, dt, A, B, C, D, z, dt_bias, True, slot_ids)
         return linear(self.out_proj, y.to(h.dtype))
-
-
-class MixerBlock(nn.Module):
-    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
-        super().__init__()
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mixer = mixer(config)
-
-
-class MixerBackbone(nn.Module):
-    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(MixerBlock(config, mixer) for _ in range(config.n_layers))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
-
-
-class MixerStackLM(RecurrentLM):
-    """Embedding -> pre-norm residual mixer blocks -> norm -> LM head, with ``conv`` and ``ssm`` states.
-
-    Shared by Mamba-1 and Mamba-2 (module names follow the Hugging Face layout): subclasses set ``mixer``,
-    whose ``prefill`` and ``decode`` run one layer.
-    """
-
-    mixer: type[nn.Module]
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.backbone = MixerBackbone(config, self.mixer)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    def _stream(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings as the residual stream: fp32 for ``residual_in_fp32`` models, as in the reference."""
-        h = self.backbone.embeddings(input_ids)
-        return h.float() if self.config.residual_in_fp32 else h
-
-    def _add_norm(
-        self, stream: torch.Tensor, delta: torch.Tensor | None, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``stream + delta`` and the norm feeding block ``layer`` (the final norm past the last block)."""
-        layers = self.backbone.layers
-        norm = layers[layer].norm if layer < len(layers) else self.backbone.norm_f
-        return residual_rms_norm(stream, delta, norm.weight, norm.eps, layer < len(layers))
-
-    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return linear(self.lm_head, normed).float()
-
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        layers = self.backbone.layers
-        last = cu_seqlens[1:] - 1
-        normed, stream = self._add_norm(self._stream(input_ids), None, 0)
-        for i, block in enumerate(layers):
-            conv_pool, ssm_pool = state["conv"][:, i], state["ssm"][:, i]
-            out, conv, ssm = block.mixer.prefill(normed, cu_seqlens, conv_pool[slot_ids], ssm_pool[slot_ids])
-            conv_pool[slot_ids] = conv.to(conv_pool.dtype)
-            ssm_pool[slot_ids] = ssm
-            if i + 1 < len(layers):
-                normed, stream = self._add_norm(stream, out, i + 1)
-        normed, _ = self._add_norm(stream[last], out[last], len(layers))  # only the last rows need logits
-        return self._logits(normed)
-
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        slots = slot_index(slot_ids)
-        normed, stream = self._add_norm(self._stream(input_ids), None, 0)
-        for i, block in enumerate(self.backbone.layers):
-            out = block.mixer.decode(normed, slot_ids, slots, state["conv"][:, i], state["ssm"][:, i])
-            normed, stream = self._add_norm(stream, out, i + 1)
-        return self._logits(normed)
 
 
 @register_model
@@ -315,11 +204,6 @@ class MambaLM(MixerStackLM):
             mixer_rms_eps=hf.get("mixer_rms_eps", 1e-6),
             residual_in_fp32=hf.get("residual_in_fp32", True),
         )
-
-    @staticmethod
-    def hf_weight_name(name: str) -> str:
-        """Checkpoint key -> parameter name (older exports call the embedding ``backbone.embedding``)."""
-        return name.replace("backbone.embedding.", "backbone.embeddings.")
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Mamba's initialisation: S4D-real ``A``, ``D = 1``, ``dt`` log-uniform in [1e-3, 0.1]."""

@@ -8,7 +8,8 @@ Block (pre-norm, residual)::
     y          = SSD(x as [H, P], dt, A = -exp(A_log), B, C as [G, N]) + D x   # state: [H, P, N] per layer
     h          = h + out_proj(GroupRMSNorm(y * silu(z)))     # statistics per group of d_inner / G channels
 
-Parameter names equal the Hugging Face ones. Conv tail and SSD state are kept in fp32.
+The stack around the mixer is :class:`~rnnserve.engine.models.layers.mixer_stack.MixerStackLM`. Parameter
+names equal the Hugging Face ones. Conv tail and SSD state are kept in fp32.
 """
 
 from __future__ import annotations
@@ -22,14 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnserve.engine.models.base import (
-    ModelConfig,
-    StateSpec,
-    register_model,
-    register_preset,
-)
-from rnnserve.engine.models.layers import linear
-from rnnserve.engine.models.mamba import MixerStackLM
+from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
+from rnnserve.engine.models.layers import MixerStackLM, linear, rms_normalize
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
 
@@ -77,9 +72,8 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        g = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
-        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return self.weight * g.to(z.dtype)
+        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        return self.weight * rms_normalize(gated, self.eps).flatten(-2).to(z.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -136,7 +130,8 @@ class Mamba2Mixer(nn.Module):
         conv_pool: torch.Tensor,
         ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per sequence; the pool views are updated in place (``slots``: see ``slot_index``)."""
+        """One token per sequence; the pool views are updated in place (``slots``: see
+        :func:`~rnnserve.engine.models.layers.slots.slot_index`)."""
         z, xbc, dt = self._split(h)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
@@ -184,10 +179,6 @@ class Mamba2LM(MixerStackLM):
             tie_embeddings=hf.get("tie_word_embeddings", False),
             residual_in_fp32=hf.get("residual_in_fp32", True),
         )
-
-    @staticmethod
-    def hf_weight_name(name: str) -> str:
-        return name.replace("backbone.embedding.", "backbone.embeddings.")
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Mamba-2's initialisation: ``A`` in 1..H, ``D = 1``, ``dt`` log-uniform in [1e-3, 0.1]."""

@@ -24,14 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.base import (
+    DecodeBatch,
     ModelConfig,
+    PrefillBatch,
     RecurrentLM,
     StateSpec,
     StateTensors,
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import linear
+from rnnserve.engine.models.layers import gather_slots, linear, scatter_slots
 from rnnserve.kernels.add_norm import add_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.diag_linear_scan import diag_log_scan
@@ -190,24 +192,22 @@ class MinRNNLM(RecurrentLM):
         normed, _ = _add_norm(self.norm_f, delta, stream)
         return linear(self.lm_head, normed).float()
 
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        conv, h = state["conv"][slot_ids], state["h"][slot_ids]
-        delta, stream = self.embed(input_ids), None
+    def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        pools = state["conv"], state["h"]
+        conv, h = gather_slots(pools, batch.slot_ids)
+        delta, stream = self.embed(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            delta, stream, conv[:, i], h[:, i] = layer.prefill(delta, stream, cu_seqlens, conv[:, i], h[:, i])
-        state["conv"][slot_ids] = conv
-        state["h"][slot_ids] = h
-        last = cu_seqlens[1:] - 1
+            delta, stream, conv[:, i], h[:, i] = layer.prefill(delta, stream, batch.cu_seqlens, conv[:, i], h[:, i])
+        scatter_slots(pools, batch.slot_ids, (conv, h))
+        last = batch.last_token_rows
         return self._logits(delta[last], stream[last])
 
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         """Reads and writes each layer's state slots in place (fused kernels on CUDA); graph-capturable."""
         conv_pool, h_pool = state["conv"], state["h"]
-        delta, stream = self.embed(input_ids), None
+        delta, stream = self.embed(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            delta, stream = layer.decode(delta, stream, slot_ids, conv_pool[:, i], h_pool[:, i])
+            delta, stream = layer.decode(delta, stream, batch.slot_ids, conv_pool[:, i], h_pool[:, i])
         return self._logits(delta, stream)
 
 

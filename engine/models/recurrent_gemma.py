@@ -12,9 +12,10 @@ Attention block: multi-query/GQA attention over the last ``window`` positions, R
 ``rotary_dim`` channels of each head. Embeddings are scaled by ``sqrt(hidden)`` rounded to bf16; logits
 are soft-capped with ``cap * tanh(logits / cap)``.
 
-State per slot (constant size): the token count ``pos``, per recurrent layer the conv tail and the RG-LRU
-state (fp32), per attention layer a ring buffer of the last ``window`` keys and values (position ``p`` at
-row ``p % window``, RoPE already applied).
+State per slot (constant size): per recurrent layer the conv tail and the RG-LRU state (fp32), per attention
+layer a ring buffer of the last ``window`` keys and values (position ``p`` at row ``p % window``, RoPE already
+applied; :mod:`rnnserve.engine.models.layers.sliding_window`). Positions come from the batch: RoPE and the
+attention window use them, and the RG-LRU starts afresh at position 0.
 """
 
 from __future__ import annotations
@@ -28,12 +29,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.base import (
+    DecodeBatch,
     ModelConfig,
+    PrefillBatch,
     RecurrentLM,
     StateSpec,
     StateTensors,
     register_model,
     register_preset,
+)
+from rnnserve.engine.models.layers import (
+    GatedMLP,
+    GemmaRMSNorm,
+    SlidingWindowAttention,
+    apply_rope,
+    gather_slots,
+    gelu_tanh,
+    linear,
+    rope_cos_sin,
+    scatter_slots,
 )
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
@@ -62,24 +76,6 @@ class RecurrentGemmaConfig(ModelConfig):
     def layer_kinds(self) -> list[str]:
         """``block_types`` repeated over the depth."""
         return [self.block_types[i % len(self.block_types)] for i in range(self.n_layers)]
-
-
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm in fp32 with a ``(1 + weight)`` scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-        return out.to(x.dtype)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 class RGLRU(nn.Module):
@@ -128,13 +124,13 @@ class RecurrentBlock(nn.Module):
         conv_state: torch.Tensor,
         lru_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y = gelu_tanh(self.linear_y(x))
+        y = gelu_tanh(linear(self.linear_y, x))
         u, conv_state = causal_conv1d_varlen(
-            self.linear_x(x), self.conv_1d.weight[:, 0], self.conv_1d.bias, cu_seqlens, conv_state
+            linear(self.linear_x, x), self.conv_1d.weight[:, 0], self.conv_1d.bias, cu_seqlens, conv_state
         )
         a, b = self.rg_lru.coefficients(u, first)
         h, lru_state = diag_linear_scan(a, b, cu_seqlens, lru_state)
-        return self.linear_out(h.to(x.dtype) * y), conv_state, lru_state
+        return linear(self.linear_out, h.to(x.dtype) * y), conv_state, lru_state
 
     def decode(
         self,
@@ -144,126 +140,60 @@ class RecurrentBlock(nn.Module):
         conv_pool: torch.Tensor,
         lru_pool: torch.Tensor,
     ) -> torch.Tensor:
-        y = gelu_tanh(self.linear_y(x))
+        y = gelu_tanh(linear(self.linear_y, x))
         u = causal_conv1d_update(
-            self.linear_x(x), conv_pool, self.conv_1d.weight[:, 0], self.conv_1d.bias, slot_ids
+            linear(self.linear_x, x), conv_pool, self.conv_1d.weight[:, 0], self.conv_1d.bias, slot_ids
         )
         a, b = self.rg_lru.coefficients(u, first)
         h = diag_scan_step(a, b, lru_pool, slot_ids)
-        return self.linear_out(h.to(x.dtype) * y)
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """RoPE on the first ``rotary_dim`` channels of ``x [N, heads, head_dim]`` at ``positions [N]``."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+        return linear(self.linear_out, h.to(x.dtype) * y)
 
 
 class LocalAttention(nn.Module):
+    """Q/K/V projections and RoPE around :class:`~rnnserve.engine.models.layers.SlidingWindowAttention`."""
+
     def __init__(self, config: RecurrentGemmaConfig) -> None:
         super().__init__()
         c = config
-        self.config = c
         self.q_proj = nn.Linear(c.hidden_size, c.n_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.hidden_size, bias=True)
+        self.attention = SlidingWindowAttention(c.n_heads, c.n_kv_heads, c.head_dim, c.window)
 
     def _qkv(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
-        q = self.q_proj(x).view(-1, c.n_heads, c.head_dim)
-        k = self.k_proj(x).view(-1, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(-1, c.n_kv_heads, c.head_dim)
-        return (
-            rotate(q, positions, c.rotary_dim, c.rope_theta),
-            rotate(k, positions, c.rotary_dim, c.rope_theta),
-            v,
-        )
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``q [B, Lq, H, d]``, ``k, v [B, Lk, Hkv, d]``, ``mask [B, Lq, Lk]`` -> ``[B, Lq, H * d]``."""
-        c = self.config
-        group = c.n_heads // c.n_kv_heads
-        q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k.transpose(2, 3)) * c.head_dim**-0.5
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v
-        return out.transpose(1, 2).reshape(q.shape[0], -1, c.n_heads * c.head_dim)
+        """Projections of ``x [N, hidden]`` into heads, RoPE (``cos, sin`` at the tokens' positions) on q and k."""
+        a = self.attention
+        q = linear(self.q_proj, x).reshape(-1, a.n_heads, a.head_dim)
+        k = linear(self.k_proj, x).reshape(-1, a.n_kv_heads, a.head_dim)
+        v = linear(self.v_proj, x).reshape(-1, a.n_kv_heads, a.head_dim)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def prefill(
         self,
         x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        start_pos: list[int],
+        batch: PrefillBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         """``k_cache, v_cache [B, W, Hkv, d]`` hold each sequence's ring buffer; updated in place."""
-        window = self.config.window
-        bounds = cu_seqlens.tolist()
-        lengths = [bounds[i + 1] - bounds[i] for i in range(len(start_pos))]
-        positions = torch.cat(
-            [torch.arange(p, p + n, device=x.device) for p, n in zip(start_pos, lengths, strict=True)]
-        )
-        q, k, v = self._qkv(x, positions)
-        out = torch.empty(
-            x.shape[0], self.config.n_heads * self.config.head_dim, dtype=torch.float32, device=x.device
-        )
-        rows = torch.arange(window, device=x.device)
-        for i, (p0, n) in enumerate(zip(start_pos, lengths, strict=True)):
-            lo, hi = bounds[i], bounds[i + 1]
-            # Ring row r holds the latest position < p0 congruent to r (mod W), if any.
-            cached_pos = p0 - 1 - (p0 - 1 - rows) % window
-            keys_pos = torch.cat([cached_pos, positions[lo:hi]])
-            keys = torch.cat([k_cache[i].to(k.dtype), k[lo:hi]])
-            values = torch.cat([v_cache[i].to(v.dtype), v[lo:hi]])
-            q_pos = positions[lo:hi, None]
-            mask = (keys_pos[None] >= 0) & (keys_pos[None] <= q_pos) & (keys_pos[None] > q_pos - window)
-            out[lo:hi] = self._attend(q[None, lo:hi], keys[None], values[None], mask[None])[0]
-            keep = min(n, window)
-            ring_rows = positions[hi - keep : hi] % window
-            k_cache[i, ring_rows] = k[hi - keep : hi].to(k_cache.dtype)
-            v_cache[i, ring_rows] = v[hi - keep : hi].to(v_cache.dtype)
-        return self.o_proj(out.to(x.dtype))
+        out = self.attention.prefill(*self._qkv(x, rope), batch, k_cache, v_cache)
+        return linear(self.o_proj, out.to(x.dtype))
 
     def decode(
         self,
         x: torch.Tensor,
-        slot_ids: torch.Tensor,
-        pos: torch.Tensor,
+        batch: DecodeBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        window = self.config.window
-        q, k, v = self._qkv(x, pos)
-        ring_rows = pos % window
-        k_pool[slot_ids, ring_rows] = k.to(k_pool.dtype)
-        v_pool[slot_ids, ring_rows] = v.to(v_pool.dtype)
-        mask = (torch.arange(window, device=x.device)[None, :] <= pos[:, None])[:, None, :]
-        out = self._attend(q[:, None], k_pool[slot_ids], v_pool[slot_ids], mask)[:, 0]
-        return self.o_proj(out.to(x.dtype))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: RecurrentGemmaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.mlp_width)
-        self.up_proj = nn.Linear(config.hidden_size, config.mlp_width)
-        self.down_proj = nn.Linear(config.mlp_width, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        """One token per sequence; this layer's pool views ``k_pool, v_pool`` are updated in place."""
+        out = self.attention.decode(*self._qkv(x, rope), batch.positions, batch.slot_ids, k_pool, v_pool)
+        return linear(self.o_proj, out.to(x.dtype))
 
 
 class ResidualBlock(nn.Module):
@@ -273,7 +203,7 @@ class ResidualBlock(nn.Module):
         self.temporal_pre_norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
         self.temporal_block = RecurrentBlock(config) if kind == "recurrent" else LocalAttention(config)
         self.channel_pre_norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp_block = MLP(config)
+        self.mlp_block = GatedMLP(config.hidden_size, config.mlp_width, gelu_tanh, bias=True)
 
     def channel_mix(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp_block(self.channel_pre_norm(h))
@@ -300,6 +230,8 @@ class RecurrentGemmaLM(RecurrentLM):
         unknown = sorted(set(config.block_types) - {"recurrent", "attention"})
         if unknown:
             raise ValueError(f"unknown block types {unknown}")
+        if config.lru_width % config.n_heads:
+            raise ValueError(f"lru_width {config.lru_width} is not a multiple of n_heads {config.n_heads}")
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -341,10 +273,6 @@ class RecurrentGemmaLM(RecurrentLM):
             tie_embeddings=hf.get("tie_word_embeddings", True),
         )
 
-    @staticmethod
-    def hf_weight_name(name: str) -> str:
-        return name
-
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Griffin's initialisation: squared decay uniform in [0.9^2, 0.999^2], unit-variance gates."""
         super().init_weights(generator)
@@ -365,7 +293,7 @@ class RecurrentGemmaLM(RecurrentLM):
 
     def state_spec(self) -> list[StateSpec]:
         c = self.config
-        specs = [StateSpec("pos", (1,), torch.int64, 0)]
+        specs: list[StateSpec] = []
         if self._num["recurrent"]:
             n = self._num["recurrent"]
             specs += [
@@ -373,57 +301,50 @@ class RecurrentGemmaLM(RecurrentLM):
                 StateSpec("rglru", (n, c.lru_width), torch.float32, 0.0),
             ]
         if self._num["attention"]:
-            shape = (self._num["attention"], c.window, c.n_kv_heads, c.head_dim)
-            specs += [StateSpec("k", shape, torch.float32, 0.0), StateSpec("v", shape, torch.float32, 0.0)]
+            attention = SlidingWindowAttention(c.n_heads, c.n_kv_heads, c.head_dim, c.window)
+            specs += attention.state_specs(self._num["attention"])
         return specs
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         cap = self.config.logits_soft_cap
-        logits = self.lm_head(self.model.final_norm(h)).float()
+        logits = linear(self.lm_head, self.model.final_norm(h)).float()
         return torch.tanh(logits / cap) * cap
 
-    def prefill(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
-    ) -> torch.Tensor:
-        start = state["pos"][slot_ids, 0]
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=input_ids.device), lengths)
-        positions = (
-            start[seq] + torch.arange(input_ids.numel(), device=input_ids.device) - cu_seqlens[:-1][seq]
-        )
-        first = positions == 0
-        start_pos = start.tolist()
-        h = self.model.embed_tokens(input_ids) * self.embed_scale
-        for layer, index in zip(self.model.layers, self._state_index, strict=True):
-            x = layer.temporal_pre_norm(h)
-            block = layer.temporal_block
-            if layer.kind == "recurrent":
-                conv_pool, lru_pool = state["conv"][:, index], state["rglru"][:, index]
-                out, conv, lru = block.prefill(x, cu_seqlens, first, conv_pool[slot_ids], lru_pool[slot_ids])
-                conv_pool[slot_ids] = conv.to(conv_pool.dtype)
-                lru_pool[slot_ids] = lru
-            else:
-                k_pool, v_pool = state["k"][:, index], state["v"][:, index]
-                k_cache, v_cache = k_pool[slot_ids], v_pool[slot_ids]
-                out = block.prefill(x, cu_seqlens, start_pos, k_cache, v_cache)
-                k_pool[slot_ids], v_pool[slot_ids] = k_cache, v_cache
-            h = layer.channel_mix(h + out)
-        state["pos"][slot_ids, 0] = start + lengths
-        return self._logits(h[cu_seqlens[1:] - 1])
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE ``cos, sin`` at ``positions``, shared by every attention layer (None without attention)."""
+        c = self.config
+        return rope_cos_sin(positions, c.rotary_dim, c.rope_theta, dtype) if self._num["attention"] else None
 
-    def decode(self, input_ids: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        pos = state["pos"][slot_ids, 0]
-        first = pos == 0
-        h = self.model.embed_tokens(input_ids) * self.embed_scale
+    def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        slot_ids = batch.slot_ids
+        h = self.model.embed_tokens(batch.input_ids) * self.embed_scale
+        first = batch.positions == 0
+        rope = self._rope(batch.positions, h.dtype)
+        for layer, index in zip(self.model.layers, self._state_index, strict=True):
+            x = layer.temporal_pre_norm(h)
+            if layer.kind == "recurrent":
+                pools = state["conv"][:, index], state["rglru"][:, index]
+                out, *rows = layer.temporal_block.prefill(x, batch.cu_seqlens, first, *gather_slots(pools, slot_ids))
+            else:
+                pools = state["k"][:, index], state["v"][:, index]
+                rows = gather_slots(pools, slot_ids)  # the ring buffers, updated in place
+                out = layer.temporal_block.prefill(x, batch, rope, *rows)
+            scatter_slots(pools, slot_ids, rows)
+            h = layer.channel_mix(h + out)
+        return self._logits(h[batch.last_token_rows])
+
+    def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
+        h = self.model.embed_tokens(batch.input_ids) * self.embed_scale
+        first = batch.positions == 0
+        rope = self._rope(batch.positions, h.dtype)
         for layer, index in zip(self.model.layers, self._state_index, strict=True):
             x = layer.temporal_pre_norm(h)
             block = layer.temporal_block
             if layer.kind == "recurrent":
-                out = block.decode(x, slot_ids, first, state["conv"][:, index], state["rglru"][:, index])
+                out = block.decode(x, batch.slot_ids, first, state["conv"][:, index], state["rglru"][:, index])
             else:
-                out = block.decode(x, slot_ids, pos, state["k"][:, index], state["v"][:, index])
+                out = block.decode(x, batch, rope, state["k"][:, index], state["v"][:, index])
             h = layer.channel_mix(h + out)
-        state["pos"][slot_ids, 0] = pos + 1
         return self._logits(h)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
-from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked, time_major_order
+from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked
 from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,4 +102,4 @@ def selective_state_update(
     )
 
 
-__all__ = ["selective_scan_varlen", "selective_state_update", "time_major_order"]
+__all__ = ["selective_scan_varlen", "selective_state_update"]

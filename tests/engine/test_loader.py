@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import save_file
 
 from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
+from rnnserve.engine.models.base import PrefillBatch
 from rnnserve.engine.state_pool import StatePool
 from tests.engine.conftest import tiny_model
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
     pool = StatePool(model.state_spec(), 1)
-    return model.prefill(torch.tensor(ids), torch.tensor([0, len(ids)]), torch.tensor([0]), pool.tensors)
+    return model.prefill(PrefillBatch.build([ids], [0]), pool.tensors)
 
 
 def test_save_and_load_round_trip(tmp_path: Path, architecture: str) -> None:

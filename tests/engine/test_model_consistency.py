@@ -1,10 +1,12 @@
-"""Whole prefill == chunked prefill == token-by-token decode, for every architecture in this module."""
+"""Whole prefill == chunked prefill == token-by-token decode, for minGRU/minLSTM and a windowed Griffin."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from rnnserve.engine.models import MODEL_REGISTRY, PRESETS
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.state_pool import StatePool
 from tests.engine.conftest import tiny_model
 
@@ -16,9 +18,12 @@ def _prompts(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 300, (n,), generator=g) for n in LENGTHS]
 
 
-def _prefill_whole(model, prompts, slots, pool) -> torch.Tensor:
-    cu = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()])
-    return model.prefill(torch.cat(prompts), cu, torch.tensor(slots), pool.tensors)
+def _prefill_whole(model, prompts, slots, pool, starts=None) -> torch.Tensor:
+    return model.prefill(PrefillBatch.build(prompts, slots, starts), pool.tensors)
+
+
+def _decode(model, tokens, slots, positions, pool) -> torch.Tensor:
+    return model.decode(DecodeBatch.build(tokens, slots, positions), pool.tensors)
 
 
 def _prefill_chunked(model, prompts, slots, pool, chunk: int) -> torch.Tensor:
@@ -27,7 +32,7 @@ def _prefill_chunked(model, prompts, slots, pool, chunk: int) -> torch.Tensor:
     for start in range(0, max(len(p) for p in prompts), chunk):
         active = [i for i, p in enumerate(prompts) if start < len(p)]
         pieces = [prompts[i][start : start + chunk] for i in active]
-        logits = _prefill_whole(model, pieces, [slots[i] for i in active], pool)
+        logits = _prefill_whole(model, pieces, [slots[i] for i in active], pool, [start] * len(active))
         for row, i in enumerate(active):
             last[i] = logits[row]
     return torch.stack(last)
@@ -37,8 +42,8 @@ def _decode_stepwise(model, prompts, slots, pool) -> torch.Tensor:
     last = [None] * len(prompts)
     for t in range(max(len(p) for p in prompts)):
         active = [i for i, p in enumerate(prompts) if t < len(p)]
-        ids = torch.stack([prompts[i][t] for i in active])
-        logits = model.decode(ids, torch.tensor([slots[i] for i in active]), pool.tensors)
+        ids = [int(prompts[i][t]) for i in active]
+        logits = _decode(model, ids, [slots[i] for i in active], [t] * len(active), pool)
         for row, i in enumerate(active):
             last[i] = logits[row]
     return torch.stack(last)
@@ -81,7 +86,7 @@ def test_decode_after_prefill_continues_the_same_sequence(architecture: str) -> 
     pool_a, pool_b = StatePool(model.state_spec(), 2), StatePool(model.state_spec(), 2)
     _prefill_whole(model, [seq[:100]], [1], pool_a)
     for t in range(100, len(seq)):
-        logits_a = model.decode(seq[t : t + 1], torch.tensor([1]), pool_a.tensors)
+        logits_a = _decode(model, [int(seq[t])], [1], [t], pool_a)
     logits_b = _prefill_whole(model, [seq], [1], pool_b)
     torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=0)
 
@@ -94,7 +99,7 @@ def test_other_slots_are_untouched(architecture: str) -> None:
         tensor.normal_()
     before = {k: v.clone() for k, v in pool.tensors.items()}
     _prefill_whole(model, _prompts()[:2], [4, 1], pool)
-    model.decode(torch.tensor([3]), torch.tensor([2]), pool.tensors)
+    _decode(model, [3], [2], [0], pool)
     untouched = torch.tensor([0, 3, 5, 6])
     for name, tensor in pool.tensors.items():
         assert torch.equal(tensor[untouched], before[name][untouched])
@@ -108,5 +113,34 @@ def test_bf16_weights_keep_fp32_state(architecture: str) -> None:
     assert all(t.dtype == torch.float32 for t in pool.tensors.values())
     logits = _prefill_whole(model, _prompts()[1:3], [0, 1], pool)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
-    stepped = model.decode(torch.tensor([1, 2]), torch.tensor([0, 1]), pool.tensors)
+    stepped = _decode(model, [1, 2], [0, 1], [1, 2], pool)
     assert torch.isfinite(stepped).all()
+
+
+def _griffin(window: int) -> torch.nn.Module:
+    architecture, preset = PRESETS["griffin-tiny"]
+    cls = MODEL_REGISTRY[architecture]
+    model = cls(cls.config_class(**{**preset, "window": window}))
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("chunk", [3, 8, 13])
+def test_griffin_window_crossing_chunks_and_decode_equal_whole_prefill(chunk: int) -> None:
+    """Positions come from the batch: chunks that straddle the 8-token attention window, and decoding token by
+    token, continue each slot's ring buffer exactly as one whole prefill does (logits and every state)."""
+    model = _griffin(window=8)
+    assert "pos" not in {spec.name for spec in model.state_spec()}
+    prompts = [p[:40] for p in _prompts(2)]  # lengths 1, 2, 7, 8 and 40 (5 windows)
+    slots = SLOTS[: len(prompts)]
+    pools = {name: StatePool(model.state_spec(), 16) for name in ("whole", "chunked", "stepwise")}
+    whole = _prefill_whole(model, prompts, slots, pools["whole"])
+    chunked = _prefill_chunked(model, prompts, slots, pools["chunked"], chunk)
+    stepwise = _decode_stepwise(model, prompts, slots, pools["stepwise"])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stepwise, whole, atol=1e-5, rtol=0)
+    for name, tensor in pools["whole"].tensors.items():
+        torch.testing.assert_close(pools["chunked"].tensors[name], tensor, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pools["stepwise"].tensors[name], tensor, atol=1e-5, rtol=1e-5)
+

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner, bucket_sizes
+from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.minrnn import MinGRULM, MinRNNConfig
 from rnnserve.engine.state_pool import StatePool
 
@@ -55,12 +56,13 @@ def test_graph_decode_matches_eager(setup, batch):
         graph.tensors[name][graph.scratch_slot] = float("nan")
     cpu_gen = torch.Generator().manual_seed(batch)
     # Slots out of order with gaps; the untouched slots must keep their states.
-    slots = torch.randperm(MAX_NUM_SEQS + 8, generator=cpu_gen)[:batch].cuda()
+    slots = torch.randperm(MAX_NUM_SEQS + 8, generator=cpu_gen)[:batch].tolist()
     with torch.inference_mode():
-        for _ in range(NUM_STEPS):
-            ids = torch.randint(0, 320, (batch,), generator=cpu_gen).cuda()
-            expected = model.decode(ids, slots, eager.tensors)
-            got = runner(ids, slots)
+        for step in range(NUM_STEPS):
+            ids = torch.randint(0, 320, (batch,), generator=cpu_gen).tolist()
+            decode = DecodeBatch.build(ids, slots, [step] * batch, device="cuda")
+            expected = model.decode(decode, eager.tensors)
+            got = runner(decode)
             assert got.shape == expected.shape
             assert torch.isfinite(got).all(), "the scratch slot leaked into a real row"
             torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
@@ -74,6 +76,6 @@ def test_graph_decode_matches_eager(setup, batch):
 @requires_cuda
 def test_oversized_batch_is_rejected(setup):
     runner = setup[3]
-    ids = torch.zeros(MAX_NUM_SEQS + 1, dtype=torch.long, device="cuda")
+    zeros = [0] * (MAX_NUM_SEQS + 1)
     with pytest.raises(ValueError, match="outside"):
-        runner(ids, ids)
+        runner(DecodeBatch.build(zeros, zeros, zeros, device="cuda"))

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import load_model, save_checkpoint
 from rnnserve.engine.lsrl.cli import main as lsrl_main
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import ServerConfig, create_app
@@ -31,14 +32,15 @@ def test_state_holds_only_persistent_dimensions(builtin) -> None:
 
 def test_prefill_chunked_prefill_and_decode_agree(builtin) -> None:
     model, tokenizer = builtin["dictionary"]
-    ids = torch.tensor(tokenizer.encode("CAN" + PAIRS))
+    ids = tokenizer.encode("CAN" + PAIRS)
     pool = StatePool(model.state_spec(), 3)
-    whole, chunked, stepped = (torch.tensor([s]) for s in pool.allocate(3))
-    logits_whole = model.prefill(ids, torch.tensor([0, len(ids)]), whole, pool.tensors)
-    for chunk in ids.split(5):
-        logits_chunked = model.prefill(chunk, torch.tensor([0, len(chunk)]), chunked, pool.tensors)
-    for token in ids:
-        logits_stepped = model.decode(token.reshape(1), stepped, pool.tensors)
+    whole, chunked, stepped = pool.allocate(3)
+    logits_whole = model.prefill(PrefillBatch.build([ids], [whole]), pool.tensors)
+    for start in range(0, len(ids), 5):
+        batch = PrefillBatch.build([ids[start : start + 5]], [chunked], [start])
+        logits_chunked = model.prefill(batch, pool.tensors)
+    for position, token in enumerate(ids):
+        logits_stepped = model.decode(DecodeBatch.build([token], [stepped], [position]), pool.tensors)
     state = pool.tensors["state"]
     assert torch.allclose(state[chunked], state[whole], rtol=0, atol=1e-9)
     assert torch.allclose(state[stepped], state[whole], rtol=0, atol=1e-9)
@@ -120,7 +122,7 @@ def test_served_builtins_greedy_known_answers() -> None:
 
 
 def test_http_completion_returns_the_dictionary_answer() -> None:
-    app = create_app(ServerConfig(model="lsrl:dictionary", max_num_seqs=4))
+    app = create_app(ServerConfig.build(model="lsrl:dictionary", max_num_seqs=4))
     with TestClient(app) as client:
         body = {"model": "lsrl:dictionary", "prompt": "CAN" + PAIRS, "temperature": 0, "max_tokens": 7}
         response = client.post("/v1/completions", json=body)

@@ -12,8 +12,10 @@ import torch
 from tokenizers import Tokenizer, models
 
 from rnnserve.engine import LLM, SamplingParams
-from rnnserve.engine.llm_engine import EngineConfig, LLMEngine
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.state_pool import StatePool
 
 PROMPT_LENGTHS = [1, 2, 9, 33, 64, 100, 157, 200, 5, 71]
@@ -33,11 +35,6 @@ def prompts(vocab_size: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
-    return torch.tensor([t for s in seqs for t in s]), cu
-
-
 @torch.inference_mode()
 def check_prefill_logits(
     reference: torch.nn.Module, path: Path, atol: float = 1e-4, use_cache: bool = True
@@ -46,9 +43,8 @@ def check_prefill_logits(
     model, _ = load_model(str(path), device="cpu", dtype="float32")
     seqs = prompts(reference.config.vocab_size)
     pool = StatePool(model.state_spec(), len(seqs) + 3)
-    ids, cu = pack(seqs)
-    slots = torch.tensor([(3 * i + 2) % (len(seqs) + 3) for i in range(len(seqs))])
-    ours = model.prefill(ids, cu, slots, pool.tensors)
+    slots = [(3 * i + 2) % (len(seqs) + 3) for i in range(len(seqs))]
+    ours = model.prefill(PrefillBatch.build(seqs, slots), pool.tensors)
     expected = torch.stack(
         [reference(torch.tensor([s]), use_cache=use_cache).logits[0, -1].float() for s in seqs]
     )
@@ -60,20 +56,20 @@ def check_chunked_and_stepwise(path: Path, vocab_size: int, chunk: int = 13) -> 
     """(c) Whole prefill == chunked prefill == token-by-token decode (logits and final state)."""
     model, _ = load_model(str(path), device="cpu", dtype="float32")
     seqs = prompts(vocab_size, [1, 12, 13, 40, 77])
-    slots = torch.tensor([4, 0, 6, 2, 1])
+    slots = [4, 0, 6, 2, 1]
     pools = [StatePool(model.state_spec(), 8) for _ in range(3)]
-    ids, cu = pack(seqs)
-    whole = model.prefill(ids, cu, slots, pools[0].tensors)
+    whole = model.prefill(PrefillBatch.build(seqs, slots), pools[0].tensors)
     chunked = torch.empty_like(whole)
     stepwise = torch.empty_like(whole)
     for start in range(0, max(map(len, seqs)), chunk):
         active = [i for i, s in enumerate(seqs) if start < len(s)]
-        ids, cu = pack([seqs[i][start : start + chunk] for i in active])
-        chunked[active] = model.prefill(ids, cu, slots[active], pools[1].tensors)
+        pieces = [seqs[i][start : start + chunk] for i in active]
+        batch = PrefillBatch.build(pieces, [slots[i] for i in active], [start] * len(active))
+        chunked[active] = model.prefill(batch, pools[1].tensors)
     for t in range(max(map(len, seqs))):
         active = [i for i, s in enumerate(seqs) if t < len(s)]
-        ids = torch.tensor([seqs[i][t] for i in active])
-        stepwise[active] = model.decode(ids, slots[active], pools[2].tensors)
+        batch = DecodeBatch.build([seqs[i][t] for i in active], [slots[i] for i in active], [t] * len(active))
+        stepwise[active] = model.decode(batch, pools[2].tensors)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stepwise, whole, atol=1e-5, rtol=1e-5)
     for name, tensor in pools[0].tensors.items():

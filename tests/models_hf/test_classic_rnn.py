@@ -11,9 +11,10 @@ from torch import nn
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.loader import load_model, save_checkpoint
 from rnnserve.engine.models import MODEL_REGISTRY
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.models.classic_rnn import ClassicRNNConfig
 from rnnserve.engine.state_pool import StatePool
-from tests.models_hf.hf_harness import check_chunked_and_stepwise, pack, prompts
+from tests.models_hf.hf_harness import check_chunked_and_stepwise, prompts
 
 CASES = {
     "rnn-tanh": ("rnn", {"nonlinearity": "tanh"}),
@@ -53,11 +54,10 @@ def test_matches_torch_nn(case: str) -> None:
     model = build(case)
     seqs = prompts(VOCAB, [1, 4, 30, 9])
     pool = StatePool(model.state_spec(), 6)
-    ids, cu = pack(seqs)
-    slots = torch.tensor([5, 0, 3, 1])
+    slots = [5, 0, 3, 1]
     expected = [reference_logits(model, s) for s in seqs]
     torch.testing.assert_close(
-        model.prefill(ids, cu, slots, pool.tensors),
+        model.prefill(PrefillBatch.build(seqs, slots), pool.tensors),
         torch.stack([e[-1] for e in expected]),
         atol=1e-5,
         rtol=1e-5,
@@ -65,7 +65,8 @@ def test_matches_torch_nn(case: str) -> None:
     pool = StatePool(model.state_spec(), 6)
     for t in range(max(map(len, seqs))):
         active = [i for i, s in enumerate(seqs) if t < len(s)]
-        logits = model.decode(torch.tensor([seqs[i][t] for i in active]), slots[active], pool.tensors)
+        batch = DecodeBatch.build([seqs[i][t] for i in active], [slots[i] for i in active], [t] * len(active))
+        logits = model.decode(batch, pool.tensors)
         torch.testing.assert_close(
             logits, torch.stack([expected[i][t] for i in active]), atol=1e-5, rtol=1e-5
         )

@@ -70,6 +70,7 @@ def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_pat
     """As in ``transformers``' blocks, ``residual_in_fp32`` (default True) keeps the residual stream of a bf16
     model in fp32; prefill and decode agree either way."""
     from rnnserve.engine.loader import load_model
+    from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
     from rnnserve.engine.state_pool import StatePool
 
     reference = build("mamba", {"residual_in_fp32": residual_in_fp32})
@@ -79,9 +80,9 @@ def test_bf16_residual_stream_follows_the_config(residual_in_fp32: bool, tmp_pat
     assert model._stream(ids).dtype == (torch.float32 if residual_in_fp32 else torch.bfloat16)
     with torch.inference_mode():
         pools = [StatePool(model.state_spec(), 2) for _ in range(2)]
-        whole = model.prefill(ids, torch.tensor([0, 6]), torch.tensor([1]), pools[0].tensors)
-        for token in ids:
-            stepwise = model.decode(token[None], torch.tensor([1]), pools[1].tensors)
+        whole = model.prefill(PrefillBatch.build([ids], [1]), pools[0].tensors)
+        for position, token in enumerate(ids.tolist()):
+            stepwise = model.decode(DecodeBatch.build([token], [1], [position]), pools[1].tensors)
     torch.testing.assert_close(stepwise, whole, atol=0.05, rtol=0.02)
 
 
@@ -90,6 +91,7 @@ def test_cached_fp32_parameters_follow_weight_updates(dtype: str) -> None:
     """The mixer converts A_log, D, dt_bias and the conv parameters to fp32 once; an in-place update or a
     ``load_state_dict`` must reach the kernels."""
     from rnnserve.engine.loader import load_model
+    from rnnserve.engine.models.base import DecodeBatch
     from rnnserve.engine.state_pool import StatePool
 
     model, _ = load_model("random:mamba-tiny", device="cpu", dtype=dtype)
@@ -98,8 +100,8 @@ def test_cached_fp32_parameters_follow_weight_updates(dtype: str) -> None:
     def logits() -> torch.Tensor:  # two steps: A only acts on a non-zero state
         pool = StatePool(model.state_spec(), 2)
         with torch.inference_mode():
-            model.decode(torch.tensor([7]), torch.tensor([1]), pool.tensors)
-            return model.decode(torch.tensor([9]), torch.tensor([1]), pool.tensors)
+            model.decode(DecodeBatch.build([7], [1], [0]), pool.tensors)
+            return model.decode(DecodeBatch.build([9], [1], [1]), pool.tensors)
 
     before = logits()
     mixer = model.backbone.layers[0].mixer

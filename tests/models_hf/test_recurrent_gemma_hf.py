@@ -58,7 +58,6 @@ def test_state_is_constant_size(tmp_path: Path) -> None:
     model, _ = load_model(str(hf_harness.save_hf(reference, tmp_path)), device="cpu")
     shapes = {s.name: s.shape for s in model.state_spec()}
     assert shapes == {
-        "pos": (1,),
         "conv": (2, 32, 3),
         "rglru": (2, 32),
         "k": (1, 16, 1, 8),

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the model modules."""
+"""Linear layers with CPU fast paths for decode batches and small prefill chunks."""
 
 from __future__ import annotations
 
