@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint gpu-test bench clean default-model
+.PHONY: install serve test lint gpu-test gpu-bench clean default-model
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ lint: install
 # the gpu-marked tests, then the kernel and decode benchmarks.
 gpu-test:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests/gpu
+	$(MAKE) gpu-bench
+
+gpu-bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/kernels.py
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/decode.py
 
