@@ -22,12 +22,22 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
-def _column(seqs: list[Sequence], attr: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A per-row parameter as a device tensor, copied without waiting for the device."""
-    values = torch.tensor([float(getattr(s.params, attr)) for s in seqs], dtype=dtype)
+def _to_device(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Host values as a device tensor, copied without waiting for the device."""
+    tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
-        values = values.pin_memory()
-    return values.to(device, non_blocking=True)
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _column(seqs: list[Sequence], attr: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A per-row parameter as a device tensor."""
+    return _to_device([float(getattr(s.params, attr)) for s in seqs], device, dtype)
+
+
+def _top_k_column(seqs: list[Sequence], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``top_k`` clamped to the vocabulary (disabled = the whole vocabulary), so no value overflows."""
+    return _to_device([float(k if 0 < k < vocab else vocab) for k in (s.params.top_k for s in seqs)], device, dtype)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -71,8 +81,7 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device, dtype = logits.device, logits.dtype
     temperature = _column(seqs, "temperature", device, dtype).clamp_min(1e-5)[:, None]
     logits = logits / temperature
-    top_k = _column(seqs, "top_k", device, dtype)
-    top_k = torch.where(top_k > 0, top_k, logits.shape[1])
+    top_k = _top_k_column(seqs, logits.shape[1], device, dtype)
     top_p = _column(seqs, "top_p", device, dtype)
     min_p = _column(seqs, "min_p", device, dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)

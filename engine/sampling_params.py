@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class InvalidParameterError(ValueError):
@@ -13,6 +19,23 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
+def as_number(param: str, value: object, integer: bool) -> int | float:
+    """``value`` as an ``int`` (``integer``) or a finite ``float``; :class:`InvalidParameterError` for anything
+    else: bools, strings, floats where an integer is expected, NaN, infinities, ints beyond the float range."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InvalidParameterError(param, f"{param} must be {'an integer' if integer else 'a number'}")
+    if integer:
+        return int(value)  # type: ignore[call-overload]
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidParameterError(param, f"{param} must be a finite number")
+    return number
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request.
@@ -21,6 +44,8 @@ class SamplingParams:
     follow OpenAI (presence/frequency, over generated tokens) and vLLM (repetition, over prompt and
     generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
     ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives.
+    Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
+    value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     """
 
     n: int = 1
@@ -39,7 +64,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
 
+    MAX_N = 128
     MAX_LOGPROBS = 20
+    MIN_REPETITION_PENALTY = 0.01  # logits are divided by it in fp32: a tiny penalty would overflow them
+    SEED_RANGE = (INT64_MIN, INT64_MAX - MAX_N)  # the samples draw from seed + index: int64 throughout
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,23 +76,37 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`InvalidParameterError` for any out-of-range value."""
+        """Normalise numeric fields to ``int``/``float`` and raise :class:`InvalidParameterError` for a wrong
+        type or an out-of-range value."""
+        for name in INT_FIELDS + FLOAT_FIELDS:
+            setattr(self, name, as_number(name, getattr(self, name), integer=name in INT_FIELDS))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_number(name, getattr(self, name), integer=True))
+        self.stop_token_ids = [as_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidParameterError("stop", "stop must be a string or a list of strings")
+        seed_min, seed_max = self.SEED_RANGE
         checks = [
-            ("n", 1 <= self.n <= 128, "n must be between 1 and 128"),
+            ("n", 1 <= self.n <= self.MAX_N, f"n must be between 1 and {self.MAX_N}"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100"),
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or a positive integer"),
+            ("top_k", -1 <= self.top_k <= INT64_MAX,
+             f"top_k must be -1 or 0 (disabled) or a positive integer up to {INT64_MAX}"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            ("repetition_penalty", self.MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+             f"repetition_penalty must be in [{self.MIN_REPETITION_PENALTY}, 10]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            ("max_tokens", self.max_tokens >= 1, "max_tokens must be at least 1"),
+            ("max_tokens", 1 <= self.max_tokens <= INT64_MAX, f"max_tokens must be between 1 and {INT64_MAX}"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}"),
-            ("stop", len(self.stop) <= 16, "at most 16 stop strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
-        ]
+            ("seed", self.seed is None or seed_min <= self.seed <= seed_max,
+             f"seed must be between {seed_min} and {seed_max}"),
+            ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+             f"stop_token_ids must be between 0 and {INT64_MAX}"),
+        ]  # fmt: skip
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParameterError(param, message)

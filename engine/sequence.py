@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -28,6 +30,7 @@ class Sequence:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._emitted_text = 0
         self._emitted_tokens = 0
+        self._stop_matched = [0] * len(group.params.stop)
         self.generator: torch.Generator | None = None
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
@@ -87,28 +90,38 @@ class Sequence:
             self.finish_reason = "length"
 
     def _truncate_at_stop_string(self, old_len: int) -> bool:
-        """Cut ``text`` before the first stop string that the new text completes (stop strings are not emitted)."""
+        """Cut ``text`` before the earliest stop string that the new text ``text[old_len:]`` completes (stop
+        strings are not emitted).
+
+        Each stop string is matched incrementally (Knuth-Morris-Pratt): ``_stop_matched[i]`` is the length of
+        the longest prefix of stop string ``i`` that ends the text, so only the new characters are read, at an
+        amortised O(number of stop strings) per character, whatever the length of the output so far.
+        """
         if not self.params.stop:
             return False
-        longest = max(len(s) for s in self.params.stop)
-        search_from = max(0, old_len - longest + 1)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
-        if not hits:
+        new_text = self.text[old_len:]
+        first: int | None = None
+        for i, (stop, fallback) in enumerate(zip(self.params.stop, self.group.stop_fallbacks, strict=True)):
+            matched = self._stop_matched[i]
+            for pos, char in enumerate(new_text, old_len + 1):
+                while matched and stop[matched] != char:
+                    matched = fallback[matched - 1]
+                if stop[matched] == char:
+                    matched += 1
+                    if matched == len(stop):
+                        first = min(first, pos - matched) if first is not None else pos - matched
+                        break
+            self._stop_matched[i] = matched
+        if first is None:
             return False
-        self.text = self.text[: min(hits)]
+        self.text = self.text[:first]
         return True
 
     def _stream_safe_len(self) -> int:
         """Length of text that can be streamed: hold back a suffix that may be the start of a stop string."""
         if self.finished or not self.params.stop:
             return len(self.text)
-        hold = 0
-        for stop in self.params.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
-        return len(self.text) - hold
+        return len(self.text) - max(self._stop_matched)
 
     def take_output(self) -> CompletionOutput:
         """Snapshot with the delta since the previous snapshot."""
@@ -145,6 +158,12 @@ class SequenceGroup:
     num_prefilled: int = 0
     error: str | None = None
 
+    @cached_property
+    def stop_fallbacks(self) -> list[array]:
+        """The KMP failure function of each stop string (built once, shared by the ``n`` samples): entry
+        ``k`` is the length of the longest proper prefix of ``stop[: k + 1]`` that is also its suffix."""
+        return [_failure_function(stop) for stop in self.params.stop]
+
     @property
     def prefill_done(self) -> bool:
         return self.num_prefilled >= len(self.prompt_token_ids)
@@ -164,3 +183,16 @@ class SequenceGroup:
             metrics=dataclasses.replace(self.metrics),
             error=self.error,
         )
+
+
+def _failure_function(pattern: str) -> array:
+    """KMP failure function of ``pattern`` in O(len(pattern))."""
+    fallback = array("q", bytes(8 * len(pattern)))
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fallback[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fallback[i] = k
+    return fallback

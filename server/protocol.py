@@ -2,18 +2,18 @@
 
 Field names follow OpenAI; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``) are accepted too. Unknown fields are rejected (as OpenAI does), except
-for a few OpenAI fields that do not change generation here (``user``, ``metadata``, ...).
+for a few OpenAI fields that do not change generation here (``user``, ``metadata``, ...). Parsing is strict
+(no bools or floats where integers are expected, no NaN or infinities); the numeric ranges are
+:class:`SamplingParams`' own, so the server and the offline API accept the same values.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StrictModel(BaseModel):
@@ -34,7 +34,7 @@ class SamplingFields(StrictModel):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX - 128)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -348,11 +348,15 @@ class RecurrentGemmaLM(RecurrentLM):
         return self._logits(h)
 
 
+# The ~100M scale of De et al. 2024 (appendix C): width 768, depth 12, RG-LRU width 1024, MLP expansion 3,
+# MQA with head_dim 128 and a 1024-token window. The paper's 6 attention heads do not divide the RG-LRU
+# width, whose block-diagonal gates have one block per head here; 8 heads of 128 keep the paper's head_dim and
+# per-token K/V (one KV head) and give gate blocks of 128. State per slot: Hawk 192 KiB, Griffin 4.1 MiB.
 _GRIFFIN_100M = {
     "hidden_size": 768,
     "n_layers": 12,
     "mlp_width": 3 * 768,
-    "n_heads": 6,
+    "n_heads": 8,
     "n_kv_heads": 1,
     "head_dim": 128,
     "lru_width": 1024,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
+import sys
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import pytest
 import torch
@@ -10,10 +14,11 @@ import torch
 from rnnserve.engine.sampler import sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
-from rnnserve.engine.tokenizer import ByteTokenizer
+from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
 from tests.engine.conftest import make_engine, run_to_completion
 
 VOCAB = 8
+INT64_MAX = 2**63 - 1
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
 LOGITS = torch.log(PROBS.clamp_min(1e-30))
 
@@ -107,12 +112,42 @@ def test_logprobs_report_the_sampled_token_and_top_n() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("logprobs", 50), ("min_p", 2.0),
-     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("top_k", -2)],
+     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("top_k", -2), ("temperature", math.nan),
+     ("top_p", math.inf), ("frequency_penalty", -math.inf), ("n", 10**30), ("temperature", 10**400)],
 )
 def test_invalid_values_name_the_parameter(field: str, value: float) -> None:
     with pytest.raises(InvalidParameterError) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 10**400), ("top_k", INT64_MAX + 1), ("max_tokens", 2**63), ("max_tokens", 1e300),
+     ("max_tokens", True), ("n", True), ("n", 2.0), ("min_tokens", 1.5), ("logprobs", True), ("seed", 2**64),
+     ("seed", INT64_MAX), ("seed", -(2**63) - 1), ("seed", 1.5), ("stop_token_ids", [2**64]),
+     ("stop_token_ids", [True]), ("temperature", "1"), ("temperature", True), ("top_p", None),
+     ("repetition_penalty", 1e-320), ("stop", ["ok", 3])],
+    ids=lambda value: str(value)[:24],
+)  # fmt: skip
+def test_hostile_values_are_rejected_up_front(field: str, value: object) -> None:
+    """Wrong types, bools, floats for integers, ints beyond int64 or a seed + index beyond it: an
+    InvalidParameterError (a 400) naming the field, never a value that reaches the sampler."""
+    with pytest.raises(InvalidParameterError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+def test_extreme_valid_values_sample_and_numbers_are_normalised() -> None:
+    params = SamplingParams(temperature=1, top_k=INT64_MAX)
+    assert isinstance(params.temperature, float) and params.temperature == 1.0
+    assert _draws(params) == {0, 1, 2, 3}  # top_k beyond the vocabulary keeps every token
+    last = SamplingParams(n=SamplingParams.MAX_N, seed=SamplingParams.SEED_RANGE[1])
+    group = SequenceGroup("r", None, [7], last)
+    Sequence(group, last.n - 1, ByteTokenizer()).init_sampling_state(VOCAB, torch.device("cpu"))  # seed + 127
+    seq = _seq(SamplingParams(temperature=1.0, top_k=2))
+    seq.params.top_k = 10**400  # past validation (e.g. set after construction): the sampler still copes
+    assert sample(LOGITS[None].clone(), [seq], None).token_ids[0] in {0, 1, 2, 3}
 
 
 # Engine-level behaviour of the stopping parameters.
@@ -181,3 +216,100 @@ def test_n_samples_prefill_the_prompt_once() -> None:
     outs = run_to_completion(greedy)[rid].outputs
     single, _, _ = _greedy(make_engine(), prompt, max_tokens=12)
     assert all(o.token_ids == single for o in outs)
+
+
+# Stop strings: exact semantics against a brute-force reference, and a per-token cost that is bounded.
+
+
+class WordTokenizer(Tokenizer):
+    """Token ``i`` is ``words[i]``: tokens of several characters, so one token can complete a stop string and
+    start another."""
+
+    def __init__(self, words: Seq[str]) -> None:
+        self.words = list(words)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.words)
+
+    def decode(self, ids: Seq[int]) -> str:
+        return "".join(self.words[i] for i in ids)
+
+
+def _reference_stream(pieces: list[str], stops: list[str]) -> tuple[list[str], str, bool]:
+    """Brute force: the streamable text after each piece, the final text (cut at the earliest stop string)
+    and whether a stop string ended it."""
+    text, streamed = "", []
+    for piece in pieces:
+        text += piece
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        if hits:
+            text = text[: min(hits)]
+            streamed.append(text)
+            return streamed, text, True
+        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        streamed.append(text[: len(text) - hold])
+    return streamed, text, False
+
+
+def test_stop_strings_match_a_brute_force_reference() -> None:
+    rng = random.Random(0)
+    words = ["a", "b", "ab", "ba", "aab", "bba", "abab", "c"]
+    for _ in range(400):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        ids = [rng.randrange(len(words)) for _ in range(30)]
+        group = SequenceGroup("r", None, [0], SamplingParams(max_tokens=100, stop=stops))
+        seq = Sequence(group, 0, WordTokenizer(words))
+        group.seqs = [seq]
+        streamed: list[str] = []
+        for token in ids:
+            seq.append_token(token, None, None)
+            out = seq.take_output()
+            streamed.append(out.text)
+            if seq.finished:
+                break
+        expected = _reference_stream([words[i] for i in ids], stops)
+        assert (streamed, seq.text, seq.finish_reason == "stop") == expected, (stops, ids)
+
+
+def _line_events(call: Callable[[], object]) -> int:
+    """Python lines executed by ``call`` (a deterministic measure of interpreted work)."""
+    count = 0
+
+    def tracer(frame: object, event: str, arg: object) -> Callable:
+        nonlocal count
+        count += event == "line"
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _per_token_work(stops: list[str], num_tokens: int) -> list[int]:
+    """Lines executed per streamed token of a sample that emits "abab..." and never completes a stop."""
+    group = SequenceGroup("r", None, [0], SamplingParams(max_tokens=num_tokens + 1, stop=stops))
+    seq = Sequence(group, 0, ByteTokenizer())
+    group.seqs = [seq]
+    work = []
+    for i in range(num_tokens):
+        work.append(_line_events(lambda i=i: (seq.append_token(ord("ab"[i % 2]), None, None), seq.take_output())))
+    assert not seq.finished
+    return work
+
+
+def test_stop_string_cost_per_token_does_not_grow_with_the_output_or_the_stop_length() -> None:
+    """A stop string that never completes ("Q" + ...), one whose prefix keeps matching the text and one
+    that keeps failing: each token costs the same whether it is the 50th or the 1500th, and whether the stop
+    strings are 20 or 2000 characters long."""
+    def stops(length: int) -> list[str]:
+        return ["Q" + "ab" * (length // 2), "ba" * (length // 2) + "Q", "abc" * (length // 3)]
+
+    long_work = _per_token_work(stops(2000), 1500)
+    short_work = _per_token_work(stops(20), 1500)
+    early, late = max(long_work[40:100]), max(long_work[-100:])
+    assert late <= early
+    assert max(long_work[40:]) <= max(short_work[40:])

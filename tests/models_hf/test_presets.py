@@ -1,11 +1,16 @@
-"""Every architecture's tiny ``random:`` preset serves in fp32 and bf16; the paper-size presets exist."""
+"""Every architecture's tiny ``random:`` preset serves in fp32 and bf16; every registered preset builds and
+decodes (the small ones for real on CPU, all of them on the meta device); the paper-size presets exist."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rnnserve.engine import LLM, SamplingParams
-from rnnserve.engine.models import PRESETS
+from rnnserve.engine.models import MODEL_REGISTRY, PRESETS
+from rnnserve.engine.models.base import DecodeBatch
+
+SMALL_PARAMS = 25_000_000  # presets up to this size also build with real weights and generate on CPU
 
 TINY = [
     "mamba-tiny",
@@ -45,3 +50,20 @@ def test_paper_size_presets_are_registered() -> None:
         "gru-large",
     ]:
         assert name in PRESETS
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_builds_and_decodes(preset: str) -> None:
+    """Shapes of every preset on the meta device (no memory, no init); small presets generate for real."""
+    architecture, overrides = PRESETS[preset]
+    cls = MODEL_REGISTRY[architecture]
+    with torch.device("meta"):
+        model = cls(cls.config_class(**overrides)).to(torch.bfloat16).eval()
+    state = {s.name: torch.empty((3, *s.shape), dtype=s.dtype, device="meta") for s in model.state_spec()}
+    with torch.inference_mode():
+        logits = model.decode(DecodeBatch.build([1, 2], [0, 1], [3, 0], device="meta"), state)
+    assert logits.shape == (2, model.vocab_size) and logits.dtype.is_floating_point
+    if sum(p.numel() for p in model.parameters()) <= SMALL_PARAMS:
+        llm = LLM(f"random:{preset}", device="cpu", dtype="float32", max_num_seqs=1)
+        [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 2
