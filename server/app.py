@@ -47,7 +47,7 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
     ``ModelLoadError`` or ``ValueError``); the engine thread runs with the app's lifespan."""
     engine = engine if engine is not None else LLMEngine.from_config(config.engine)
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,7 +61,13 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
     app.state.config = config
     app.state.engine = async_engine
     app.state.metrics = metrics
-    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        read_timeout=config.request_read_timeout,
+        trusted_hosts=config.trusted_hosts,
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:

@@ -6,6 +6,9 @@ while it has nothing to do. Each step's outputs cross back to the event loop in 
 result of an add comes back the same way, on an asyncio future. What the bridge knows about a request is
 only which submission consumes it. A request the engine fails (``RequestOutput.error``) fails its
 submission alone; if ``engine.step()`` itself raises, every in-flight request fails and is aborted.
+
+The bridge also bounds the memory that queued requests hold: the prompts of submissions that have not yet
+produced an output count against ``max_queued_bytes``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ from typing import Any
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("rnnserve.engine")
 
 Prompt = str | list[int]
+TOKEN_ID_BYTES = 8  # what the engine holds per prompt token id, roughly
+
+
+def prompt_bytes(prompts: list[Prompt]) -> int:
+    """The size of prompts as they wait in the queue: UTF-8 bytes of text, 8 bytes per token id."""
+    return sum(len(p.encode()) if isinstance(p, str) else TOKEN_ID_BYTES * len(p) for p in prompts)
 
 
 class EngineDeadError(RuntimeError):
@@ -65,10 +75,11 @@ class Submission:
     """The engine requests of one HTTP call: ``request_id`` is the call's (the response's ``id``),
     ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue."""
 
-    def __init__(self, bridge: AsyncEngine, request_id: str, request_ids: list[str]) -> None:
+    def __init__(self, bridge: AsyncEngine, request_id: str, request_ids: list[str], queued_bytes: int) -> None:
         self.bridge = bridge
         self.request_id = request_id
         self.request_ids = request_ids
+        self.queued_bytes = queued_bytes
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -100,9 +111,11 @@ class Submission:
 class AsyncEngine:
     """Owns an :class:`LLMEngine` and the thread that drives it. Public methods run on the event loop."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queued_bytes: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._consumers: dict[str, Submission] = {}
         self._thread: threading.Thread | None = None
@@ -133,11 +146,18 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> Submission:
         """Add one engine request per prompt, all or none, with ids ``request_id`` (one prompt) or
         ``request_id-<prompt index>``. Raises what the engine's ``add_request`` raises (InvalidParameterError,
-        QueueFullError, ValueError) or EngineDeadError."""
+        QueueFullError, ValueError), QueueFullError when the queued prompts would pass ``max_queued_bytes``
+        (unless nothing is queued), or EngineDeadError."""
         if not self._accepting:
             raise EngineDeadError("the engine is not running")
+        size = prompt_bytes(prompts)
+        if self.max_queued_bytes is not None and self.queued_bytes and self.queued_bytes + size > self.max_queued_bytes:
+            raise QueueFullError(
+                f"queued prompts hold {self.queued_bytes} bytes, this one {size} (limit {self.max_queued_bytes})"
+            )
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        submission = Submission(self, request_id, ids)
+        submission = Submission(self, request_id, ids, size)
+        self.queued_bytes += size
         self._consumers.update(dict.fromkeys(ids, submission))
         self._commands.put(AddCommand(ids, prompts, params, time.monotonic(), submission.accepted))
         try:
@@ -150,11 +170,22 @@ class AsyncEngine:
     def abort(self, submission: Submission) -> None:
         """Stop routing the submission's unfinished requests and have the engine abort them (frees their
         slots before its next step)."""
+        self._dequeue(submission)
         unfinished = [i for i in submission.request_ids if self._consumers.get(i) is submission]
         for request_id in unfinished:
             del self._consumers[request_id]
         if unfinished:
             self._commands.put(AbortCommand(unfinished))
+
+    def fail_in_flight(self, message: str) -> None:
+        """Fail every in-flight submission with EngineDeadError(``message``), abort their requests and accept
+        no more (the end of a shutdown's drain)."""
+        self._fail_all(EngineDeadError(message), True)
+
+    def _dequeue(self, submission: Submission) -> None:
+        """The submission's prompts no longer count as queued (idempotent)."""
+        self.queued_bytes -= submission.queued_bytes
+        submission.queued_bytes = 0
 
     # --- event loop side: what the engine thread posts ------------------------------------------------
 
@@ -163,6 +194,7 @@ class AsyncEngine:
             submission = self._consumers.get(out.request_id)
             if submission is None:  # aborted since the step started
                 continue
+            self._dequeue(submission)
             if out.finished:
                 del self._consumers[out.request_id]
             submission.queue.put_nowait(out)
@@ -184,6 +216,7 @@ class AsyncEngine:
         if closing:
             self._accepting = False
         for submission in set(failed.values()):
+            self._dequeue(submission)
             submission.fail(error)
 
     # --- engine thread ---------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
-from rnnserve.server.config import ServerConfig
+from rnnserve.server.config import API_KEY_ENV, ServerConfig
 
 logger = logging.getLogger("rnnserve")
 
@@ -71,12 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.server.app import create_app
+    from rnnserve.server.http_server import build_server
 
-    config = ServerConfig.from_args(args)
+    try:
+        config = ServerConfig.from_args(args)
+    except ValueError as err:
+        logger.error("%s", err)
+        return 1
+    if args.api_key and args.api_key != os.environ.get(API_KEY_ENV) and args.api_key_file is None:
+        logger.warning("--api-key is visible to every local user in ps; prefer --api-key-file or $%s", API_KEY_ENV)
     if config.engine.model is None and not (DEFAULT_MODEL_DIR / "config.json").exists():
         logger.error(
             "the embedded default model is missing (%s); pass --model, e.g. --model random:mingru-tiny",
@@ -105,16 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         config.host,
         config.port,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            timeout_graceful_shutdown=config.drain_timeout,
-            access_log=False,
-        )
-    )
+    server = build_server(app, config)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal: make that a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))

@@ -15,6 +15,8 @@ from rnnserve.engine.loader import DEFAULT_MODEL_DIR
 DEFAULT_SERVED_NAME = "rnnserve-default"
 API_KEY_ENV = "RNNSERVE_API_KEY"
 LOG_LEVELS = ["debug", "info", "warning", "error"]
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "testserver")  # testserver: Starlette's TestClient
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
 
 
 def serving_engine_config(**overrides: Any) -> EngineConfig:
@@ -35,7 +37,8 @@ class ServerConfig:
 
     engine: EngineConfig = field(default_factory=serving_engine_config)
     served_model_name: list[str] = option(
-        [], "model name(s) clients use in 'model' (default: the --model value, or rnnserve-default)", metavar="NAME"
+        [], "model name(s) clients use in 'model' (default: the --model value, a local directory's name, or "
+        "rnnserve-default)", metavar="NAME"
     )
     host: str = option("127.0.0.1", "address to listen on (default: 127.0.0.1, local only)")
     port: int = option(8000, "TCP port", type=int)
@@ -47,8 +50,28 @@ class ServerConfig:
             "metavar": "KEY",
         },
     )
+    api_key_file: str | None = option(
+        None, "read the API key from this file (overrides --api-key and $RNNSERVE_API_KEY; unlike --api-key, "
+        "not visible in ps)", metavar="PATH",
+    )
+    allowed_hosts: list[str] = option(
+        [], "Host header values accepted, others get 400; '*' accepts any (default: localhost, 127.0.0.1, ::1 "
+        "and --host; any IP address when --host is 0.0.0.0 or ::)", metavar="HOST",
+    )
     max_body_bytes: int = option(
         1 << 20, "larger request bodies get 413 (default: 1MiB)", type=parse_bytes, metavar="BYTES"
+    )
+    request_read_timeout: float = option(
+        30.0, "a request's head, and then its body, must arrive within this time; else 408 and the connection "
+        "is closed", metavar="SECONDS",
+    )
+    keep_alive_timeout: float = option(5.0, "close keep-alive connections idle for this long", metavar="SECONDS")
+    limit_concurrency: int | None = option(
+        None, "open connections + in-flight requests; beyond it uvicorn answers 503 (default: no limit)", metavar="N"
+    )
+    max_queued_bytes: int = option(
+        64 << 20, "total size of the prompts waiting for their first token; beyond it 429 (default: 64MiB)",
+        type=parse_bytes, metavar="BYTES",
     )
     chat_default_max_tokens: int = option(
         256, "max_tokens of chat requests that give none", flag="--chat-max-tokens", metavar="N"
@@ -60,6 +83,8 @@ class ServerConfig:
     log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        if self.api_key_file is not None:
+            self.api_key = read_api_key(self.api_key_file)
         self.api_key = self.api_key or None
 
     @classmethod
@@ -86,8 +111,41 @@ class ServerConfig:
         return self.engine.model if self.engine.model is not None else str(DEFAULT_MODEL_DIR)
 
     @property
+    def trusted_hosts(self) -> tuple[frozenset[str], bool]:
+        """The accepted ``Host`` names (``*`` for any) and whether any IP address is accepted too."""
+        if self.allowed_hosts:
+            return frozenset(h.lower() for h in self.allowed_hosts), False
+        return frozenset((*LOOPBACK_HOSTS, self.host.lower())), self.host in WILDCARD_BINDS
+
+    @property
+    def model_is_local_path(self) -> bool:
+        model = self.engine.model
+        return model is None or os.path.isabs(model) or os.path.exists(model)
+
+    @property
+    def model_root(self) -> str:
+        """What ``/v1/models`` reports as ``root``: the model id as given, but never a local path."""
+        return self.model_names[0] if self.model_is_local_path else str(self.engine.model)
+
+    @property
     def model_names(self) -> list[str]:
-        """Names clients may use in ``model``; the first is the default."""
+        """Names clients may use in ``model``; the first is the default. Without ``--served-model-name``: the
+        model id as given, or a local directory's name (its path stays private)."""
         if self.served_model_name:
             return list(self.served_model_name)
-        return [self.engine.model if self.engine.model is not None else DEFAULT_SERVED_NAME]
+        model = self.engine.model
+        if model is None:
+            return [DEFAULT_SERVED_NAME]
+        return [os.path.basename(os.path.normpath(model)) if self.model_is_local_path else model]
+
+
+def read_api_key(path: str) -> str:
+    """The API key stored in ``path`` (surrounding whitespace removed); ValueError if unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            key = file.read().strip()
+    except OSError as err:
+        raise ValueError(f"cannot read --api-key-file {path}: {err.strerror}") from err
+    if not key:
+        raise ValueError(f"--api-key-file {path} is empty")
+    return key

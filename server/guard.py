@@ -1,67 +1,131 @@
-"""ASGI middleware that guards every HTTP request before any parsing: the API key and the body size."""
+"""ASGI middleware that guards every HTTP request before any parsing: the Host header, the API key, the
+content type, the body size and how long the body may take to arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rnnserve.server.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+JSON_MEDIA_TYPE = b"application/json"
+
+
+def host_name(host: bytes) -> str:
+    """``example.com:8000`` -> ``example.com``, ``[::1]:8000`` -> ``::1`` (lowercase)."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class RequestGuard:
-    """API-key check (constant-time) on the protected routes and a request-body size limit."""
+    """Host check (against DNS rebinding), API-key check (constant-time) on the protected routes, JSON-only
+    POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        read_timeout: float,
+        trusted_hosts: tuple[frozenset[str], bool],
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
+        self.allowed_hosts, self.allow_ip_hosts = trusted_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        if not self._authorized(scope["path"], headers):
-            error = APIError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await error.response()(scope, receive, send)
-            return
-        declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._too_large()(scope, receive, send)
-            return
-        if scope["method"] in ("GET", "HEAD"):
+        error = self._check_headers(scope, headers)
+        if error is None and scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await self._too_large()(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        body = None
+        if error is None:
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), self.read_timeout)
+            except asyncio.TimeoutError:
+                error = APIError(
+                    408,
+                    f"the request body did not arrive within {self.read_timeout:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                )
+            except APIError as err:
+                error = err
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        if body is None:  # the client disconnected
+            return
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _check_headers(self, scope: Scope, headers: dict[str, bytes]) -> APIError | None:
+        """The first error the request line and headers alone show, or None."""
+        host = headers.get("host")
+        if host is not None and not self._host_allowed(host_name(host)):
+            return APIError(
+                400, f"Host {host.decode('latin-1')!r} is not allowed (see --allowed-hosts)", code="invalid_host"
+            )
+        if not self._authorized(scope["path"], headers):
+            return APIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        media_type = headers.get("content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and media_type != JSON_MEDIA_TYPE:
+            return APIError(
+                415, "request bodies must be sent as 'Content-Type: application/json'", code="unsupported_media_type"
+            )
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return self._too_large()
+        return None
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client disconnected; a 413 APIError past the size limit."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                raise self._too_large()
+            if not message.get("more_body", False):
+                return bytes(body)
+
+    def _host_allowed(self, name: str) -> bool:
+        return "*" in self.allowed_hosts or name in self.allowed_hosts or (self.allow_ip_hosts and is_ip_address(name))
 
     def _authorized(self, path: str, headers: dict[str, bytes]) -> bool:
         if self.api_key is None or not path.startswith(PROTECTED_PREFIXES):
@@ -70,7 +134,5 @@ class RequestGuard:
         token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         return hmac.compare_digest(token, self.api_key)
 
-    def _too_large(self) -> JSONResponse:
-        return APIError(
-            413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large"
-        ).response()
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")

@@ -81,7 +81,7 @@ class OpenAIServing:
             "object": "model",
             "created": self.created,
             "owned_by": "rnnserve",
-            "root": self.config.model_path,
+            "root": self.config.model_root,
         }
 
     async def submit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams) -> Submission:
@@ -148,7 +148,7 @@ class OpenAIServing:
             tokens = self.tokenizer.encode(text)
         except (InvalidParameterError, ValueError) as err:
             raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err
-        limit = self.config.engine.max_prompt_tokens
+        limit = self.engine.engine.max_model_len
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 
     def detokenize(self, req: DetokenizeRequest) -> JSONResponse:

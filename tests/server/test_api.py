@@ -214,6 +214,7 @@ def test_models_tokenize_detokenize_health(client: TestClient) -> None:
     assert client.get(f"/v1/models/{TINY}").json()["id"] == TINY
     tokens = client.post("/tokenize", json={"prompt": "héllo"}).json()
     assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6
+    assert tokens["max_model_len"] == client.app.state.engine.engine.max_model_len > 0
     assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["tokens"] == list(b"User: Hi\nAssistant:")

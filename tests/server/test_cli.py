@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,15 +21,16 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server import cli
 from rnnserve.server.config import ServerConfig
 from tests.server.conftest import TINY
+from tests.server.server_process import REPO, free_port, stop
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[2]
 SERVE_FLAGS = [
     "--model", "--host", "--port", "--device", "--dtype", "--max-num-seqs", "--state-memory",
     "--max-prompt-tokens", "--api-key", "--served-model-name", "--max-num-batched-tokens", "--max-waiting",
     "--enforce-eager",
-    "--max-body-bytes", "--drain-timeout",
+    "--max-body-bytes", "--drain-timeout", "--api-key-file", "--allowed-hosts", "--request-read-timeout",
+    "--keep-alive-timeout", "--limit-concurrency", "--max-queued-bytes",
 ]  # fmt: skip
 
 
@@ -117,12 +117,6 @@ def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch)
     assert seen == [["compile", "--help"]]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_logs_startup_and_drains_on_sigterm() -> None:
     port = free_port()
     command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(port),
@@ -158,14 +152,10 @@ def test_serve_logs_startup_and_drains_on_sigterm() -> None:
         reader.join(timeout=5)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """End a server that is still running, with SIGINT first: a process killed while it builds the CPU kernels
-    would leave torch's build lock behind and hang every later build on the machine."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+def test_api_key_file(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("s3cret\n")
+    assert ServerConfig.build(api_key="flag", api_key_file=str(tmp_path / "key")).api_key == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(ValueError, match="api-key-file"):
+            ServerConfig.build(api_key_file=str(path))

@@ -15,6 +15,7 @@ from rnnserve.server.app import create_app
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
+JSON = {"Content-Type": "application/json"}
 
 
 def assert_error(response, status: int, param: str | None = None) -> dict:  # type: ignore[no-untyped-def]
@@ -98,9 +99,10 @@ def test_invalid_chat_parameters_are_400(client: TestClient, body: dict, param: 
 
 
 def test_malformed_bodies_are_400(client: TestClient) -> None:
-    assert_error(client.post("/v1/completions", content=b"{not json"), 400)
-    assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)
-    assert_error(client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400, "temperature")
+    assert_error(client.post("/v1/completions", content=b"{not json", headers=JSON), 400)
+    assert_error(client.post("/v1/completions", content=b"[1, 2]", headers=JSON), 400)
+    nan = b'{"prompt": "x", "temperature": NaN}'
+    assert_error(client.post("/v1/completions", content=nan, headers=JSON), 400, "temperature")
     assert_error(client.post("/tokenize", json={}), 400, "prompt")
     assert_error(client.post("/detokenize", json={"tokens": [999]}), 400, "tokens")
     assert_error(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
@@ -120,13 +122,13 @@ def test_unknown_model_is_404(client: TestClient) -> None:
 
 def test_oversized_body_is_413(client: TestClient) -> None:
     big = json.dumps({"prompt": "x" * 10_000}).encode()  # fixture limit: 8192 bytes
-    assert_error(client.post("/v1/completions", content=big), 413)
+    assert_error(client.post("/v1/completions", content=big, headers=JSON), 413)
 
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(10):
             yield b" " * 1000
 
-    assert_error(client.post("/v1/completions", content=chunked()), 413)
+    assert_error(client.post("/v1/completions", content=chunked(), headers=JSON), 413)
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
@@ -138,11 +140,53 @@ def test_api_key_is_required_when_set() -> None:
         assert_error(client.post("/v1/completions", json=body, headers={"Authorization": "s3cret"}), 401)
         assert_error(client.get("/v1/models"), 401)
         assert_error(client.post("/tokenize", json={"prompt": "x"}), 401)
-        assert_error(client.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer no"}), 401)
+        bad_key = {**JSON, "Authorization": "Bearer no"}
+        assert_error(client.post("/v1/completions", content=b"{bad", headers=bad_key), 401)
         ok = {"Authorization": "Bearer s3cret"}
         assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == TINY
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_post_bodies_must_be_json(client: TestClient) -> None:
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    for content_type in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        headers = {"Content-Type": content_type} if content_type else {}
+        error = assert_error(client.post("/v1/completions", content=body, headers=headers), 415)
+        assert error["code"] == "unsupported_media_type"
+    ok = client.post("/v1/completions", content=body, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_host_header_is_checked(client: TestClient) -> None:
+    for host in ("evil.example", "evil.example:8000", "10.1.2.3"):
+        assert assert_error(client.get("/health", headers={"Host": host}), 400)["code"] == "invalid_host"
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST"):
+        assert client.get("/health", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("options", "accepted", "rejected"),
+    [
+        ({"host": "0.0.0.0"}, ["10.1.2.3:80", "[fe80::1]", "localhost"], ["evil.example"]),
+        ({"allowed_hosts": ["api.example"]}, ["api.example:443"], ["localhost", "127.0.0.1"]),
+        ({"allowed_hosts": ["*"]}, ["evil.example", "localhost"], []),
+    ],
+)
+def test_allowed_hosts(options: dict, accepted: list[str], rejected: list[str]) -> None:
+    with TestClient(create_app(tiny_config(**options)), base_url="http://localhost") as client:
+        assert [h for h in accepted if client.get("/health", headers={"Host": h}).status_code != 200] == []
+        assert [h for h in rejected if client.get("/health", headers={"Host": h}).status_code != 400] == []
+
+
+def test_models_do_not_expose_local_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tiny_config()
+    assert config.model_root == TINY  # a model id is not a path: reported as given
+    (tmp_path / "my-model").mkdir()
+    config.engine.model = str(tmp_path / "my-model")
+    assert config.model_root == config.model_names[0] == "my-model"
+    config.engine.model = None
+    assert config.model_root == "rnnserve-default"
 
 
 def test_engine_failure_ends_the_stream_with_an_error_and_frees_slots() -> None:

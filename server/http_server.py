@@ -1,0 +1,106 @@
+"""The uvicorn server ``rnnserve serve`` runs: uvicorn's h11 protocol with a deadline for request heads, and a
+shutdown that ends the generations still running at the drain timeout with a 503 instead of cutting them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+
+from rnnserve.server.async_engine import AsyncEngine
+from rnnserve.server.config import ServerConfig
+from rnnserve.server.errors import APIError
+
+DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
+
+
+def raw_error_response(error: APIError, reason: str) -> bytes:
+    """``error`` as a whole HTTP/1.1 response that closes the connection, for use outside any request."""
+    body = json.dumps(error.body()).encode()
+    head = (
+        f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: a connection that has not sent a whole request head within
+    ``read_timeout`` seconds of opening (or of its last response) is closed, with a 408 if it sent part of one.
+    (uvicorn alone keeps such connections forever; the request body's deadline is the app's ``RequestGuard``.)"""
+
+    read_timeout = 30.0
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(self.read_timeout, self._head_timed_out, self.cycle)
+
+    def _head_timed_out(self, cycle: RequestResponseCycle | None) -> None:
+        """Close the connection if no request has started since ``cycle`` (the one current when armed) ended."""
+        started = self.cycle is not cycle or (cycle is not None and not cycle.response_complete)
+        if started or self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # part of a request head arrived
+            message = f"the request head did not arrive within {self.read_timeout:g} s"
+            self.transport.write(raw_error_response(APIError(408, message, code="request_timeout"), "Request Timeout"))
+        self.transport.close()
+
+
+def head_timeout_protocol(read_timeout: float) -> type[HeadTimeoutProtocol]:
+    """A :class:`HeadTimeoutProtocol` class with this deadline (uvicorn instantiates the class itself)."""
+    return type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"read_timeout": read_timeout})
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones; when
+    ``drain_timeout`` ends, this fails the generations still running, so streams end with an error event and
+    ``[DONE]`` and other requests get a JSON 503, rather than uvicorn cancelling their tasks mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.get_running_loop().call_later(
+            self.drain_timeout, self.engine.fail_in_flight, "the server is shutting down"
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
+def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
+    """The uvicorn server for ``app`` (made by ``create_app(config)``) with the config's connection limits."""
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=head_timeout_protocol(config.request_read_timeout),
+        log_level=config.log_level,
+        timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
+        limit_concurrency=config.limit_concurrency,
+        timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE_SECONDS,  # type: ignore[arg-type]
+        access_log=False,
+    )
+    return DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout)

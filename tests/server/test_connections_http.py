@@ -1,0 +1,110 @@
+"""Against a real ``rnnserve serve``: slow and stalled clients are cut off by the read timeout while others are
+served, queued prompts are bounded in bytes, and the guard's Host / Content-Type / API-key-file checks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY
+from tests.server.server_process import ServerProcess, running_server
+
+pytestmark = pytest.mark.timeout(90)
+READ_TIMEOUT = 3.0
+KEY = "key-from-a-file"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HEAD = (
+    "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    f"Authorization: Bearer {KEY}\r\n"
+)
+STALLED = {
+    "body": (HEAD + "Content-Length: 100\r\n\r\n{").encode(),  # declares a body, sends one byte of it
+    "head": HEAD.encode(),  # never finishes its headers
+    "idle": b"",  # connects and says nothing
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    key_file = tmp_path_factory.mktemp("secret") / "key"
+    key_file.write_text(KEY + "\n")
+    flags = ["--model", TINY, "--max-num-seqs", "1", "--request-read-timeout", str(READ_TIMEOUT),
+             "--keep-alive-timeout", "1", "--max-queued-bytes", "1000", "--api-key-file", str(key_file)]  # fmt: skip
+    with running_server(*flags, env={"RNNSERVE_API_KEY": ""}) as process:
+        yield process
+
+
+def read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    """Everything the server sends until it closes the connection; socket.timeout past ``deadline``."""
+    data = b""
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_stalled_clients_are_cut_off_while_others_are_served(server: ServerProcess) -> None:
+    kinds = ["body"] * 120 + ["head"] * 40 + ["idle"] * 40
+    sockets = []
+    for kind in kinds:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(STALLED[kind])
+        sockets.append(sock)
+    opened = time.monotonic()
+    try:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        ok = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert ok.status_code == 200 and time.monotonic() - opened < READ_TIMEOUT  # served while the others stall
+        deadline = opened + READ_TIMEOUT + 15
+        answers = [read_until_closed(sock, deadline) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+    for kind, answer in zip(kinds, answers, strict=True):
+        if kind == "idle":
+            assert answer == b""
+            continue
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), (kind, answer)
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # an idle keep-alive connection
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert read_until_closed(sock, time.monotonic() + 15).startswith(b"HTTP/1.1 200")
+
+
+def test_queued_prompt_bytes_are_bounded(server: ServerProcess) -> None:
+    url = f"{server.url}/v1/completions"
+    long = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=long, headers=AUTH, timeout=30) as running:  # holds the only slot
+        lines = running.iter_lines()  # kept: closing this iterator would close the response
+        assert next(lines).startswith("data: ")
+        waiting = {"prompt": "a" * 600, "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", url, json=waiting, headers=AUTH, timeout=30) as queued:
+            assert queued.status_code == 200  # accepted: 600 bytes now wait for the slot
+            refused = httpx.post(url, json={"prompt": "b" * 600, "max_tokens": 1}, headers=AUTH, timeout=30)
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    again = httpx.post(url, json={"prompt": "b" * 600, "max_tokens": 1}, headers=AUTH, timeout=30)
+    assert again.status_code == 200  # the aborted requests gave their bytes back
+
+
+def test_guard_on_a_real_socket(server: ServerProcess) -> None:
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1})
+    form = httpx.post(f"{server.url}/v1/completions", content=body, headers={**AUTH, "Content-Type": "text/plain"})
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    rebound = httpx.get(f"{server.url}/health", headers={"Host": "attacker.example"})
+    assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    [card] = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
+    assert card["id"] == card["root"] == TINY
+    assert KEY.encode() not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+    assert "--api-key is visible" not in server.output

@@ -1,0 +1,49 @@
+"""A real ``rnnserve serve`` shut down with requests still running past --drain-timeout: streams end with an
+error event and ``[DONE]``, other requests get a JSON 503, and nothing lands in the log as a traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY
+from tests.server.server_process import running_server
+
+pytestmark = pytest.mark.timeout(90)
+LONG = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True}
+AUTH = {"Authorization": "Bearer k"}
+
+
+def test_requests_past_the_drain_timeout_end_with_503() -> None:
+    flags = ["--model", TINY, "--max-num-seqs", "4", "--drain-timeout", "1", "--api-key", "k"]
+    with running_server(*flags) as server:
+        answers: dict[str, httpx.Response] = {}
+
+        def post() -> None:
+            answers["r"] = httpx.post(f"{server.url}/v1/completions", json=LONG, headers=AUTH, timeout=60)
+
+        non_streaming = threading.Thread(target=post)
+        non_streaming.start()
+        events: list[str] = []
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, headers=AUTH, timeout=60
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 2:
+                        server.proc.send_signal(signal.SIGTERM)
+        non_streaming.join(timeout=30)
+        assert server.proc.wait(timeout=30) == 0
+        time.sleep(0.2)  # the log reader catches up
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert answers["r"].status_code == 503 and answers["r"].json()["error"]["type"] == "service_unavailable"
+    assert "Traceback" not in server.output and "KeyError" not in server.output, server.output
+    assert "--api-key is visible" in server.output  # the key was given on the command line
