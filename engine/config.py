@@ -23,6 +23,7 @@ BYTE_UNITS = {
 }
 DEVICES = ["auto", "cpu", "cuda"]
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+DEFAULT_MAX_MODEL_LEN = 131072  # for models without a length limit of their own
 
 
 def parse_bytes(text: str) -> int:
@@ -68,7 +69,30 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         2048, "prompt tokens prefilled per engine step; longer prompts are chunked"
     )
-    max_prompt_tokens: int | None = option(None, "reject longer prompts with 400 (default: the model's limit)")
+    max_num_partial_prefills: int = option(
+        2, "prompts that may advance in one engine step without finishing (prompts that finish don't count)"
+    )
+    long_prefill_token_threshold: int = option(
+        256, "while requests decode, a prompt gets at most this many tokens per step; a prompt with more left is "
+        "long and waits for its share of time (--prefill-time-share)", metavar="TOKENS",
+    )
+    prefill_time_share: float = option(
+        0.3, "while requests decode, the share of engine time prefill may take before long prompts wait (a "
+        "prompt within --long-prefill-token-threshold is prefilled at once); 1: no limit",
+        type=float, metavar="FRACTION",
+    )
+    max_model_len: int | None = option(
+        None, "most tokens per sequence, prompt + max_tokens; beyond it a request gets 400 (default: the "
+        f"model's limit, else {DEFAULT_MAX_MODEL_LEN})", metavar="TOKENS",
+    )
+    max_prompt_tokens: int | None = option(
+        None, "most prompt tokens, at most --max-model-len; beyond it a request gets 400 (default: --max-model-len)",
+        metavar="TOKENS",
+    )
+    max_stop_sequences: int = option(16, "most stop strings per request; beyond it a request gets 400", metavar="N")
+    max_stop_length: int = option(
+        512, "most characters per stop string; beyond it a request gets 400", metavar="CHARS"
+    )
     max_waiting: int | None = option(
         None, "requests that may wait for a slot; beyond it the server answers 429", cli_default=256
     )
@@ -79,10 +103,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prompt_tokens", "max_waiting"):
+        positive = (
+            "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills", "long_prefill_token_threshold",
+            "max_model_len", "max_prompt_tokens", "max_waiting", "max_stop_sequences", "max_stop_length",
+        )
+        for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < self.prefill_time_share <= 1.0:
+            raise ValueError(f"prefill_time_share must be in (0, 1], got {self.prefill_time_share}")
+        if None not in (self.max_model_len, self.max_prompt_tokens) and self.max_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_prompt_tokens ({self.max_prompt_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
 
 
 ConfigT = TypeVar("ConfigT")

@@ -28,8 +28,8 @@ class LLM:
 
     ``model`` is a checkpoint directory, a Hugging Face repo id in the local cache, ``random:<preset>`` or a
     registered name (e.g. ``lsrl:majority``); ``None`` is the embedded default model. Every other
-    :class:`~rnnserve.engine.config.EngineConfig` field is a keyword: ``device``, ``dtype``, ``max_num_seqs``,
-    ``state_memory``, ``max_num_batched_tokens``, ``max_prompt_tokens``, ``max_waiting``, ``enforce_eager``.
+    :class:`~rnnserve.engine.config.EngineConfig` field is a keyword (``device``, ``dtype``, ``max_num_seqs``,
+    ``state_memory``, ``max_model_len``, ...), the same options as ``rnnserve serve``'s flags.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:

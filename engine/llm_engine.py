@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM
@@ -64,9 +64,8 @@ class LLMEngine:
             device=device,
         )
         self.runner = ModelRunner(model, self.pool, enforce_eager=self.config.enforce_eager)
-        self.scheduler = Scheduler(
-            self.pool, model.vocab_size, self.config.max_num_batched_tokens, self.config.max_waiting
-        )
+        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config)
+        self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.eos_token_id = tokenizer.eos_token_id
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
@@ -77,6 +76,18 @@ class LLMEngine:
         """Load ``config.model`` (the embedded default model when ``None``) and build the engine."""
         model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
         return cls(model, tokenizer, config)
+
+    def _length_limits(self) -> tuple[int, int]:
+        """``(max_model_len, max_prompt_tokens)``: the configured values, else the model's limit (or
+        ``DEFAULT_MAX_MODEL_LEN``) and ``max_model_len``."""
+        model_limit = self.model.max_model_len
+        limit = self.config.max_model_len or model_limit or DEFAULT_MAX_MODEL_LEN
+        if model_limit is not None and limit > model_limit:
+            raise ValueError(f"max_model_len {limit} exceeds the model's limit of {model_limit} tokens")
+        prompt_limit = self.config.max_prompt_tokens or limit
+        if prompt_limit > limit:
+            raise ValueError(f"max_prompt_tokens {prompt_limit} exceeds max_model_len {limit}")
+        return limit, prompt_limit
 
     @property
     def device(self) -> torch.device:
@@ -92,21 +103,41 @@ class LLMEngine:
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt (text or token ids)."""
+        """Tokenize and validate a prompt (text, or token ids that the model and the tokenizer both know)."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
+            vocab = self.model.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidParameterError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            bad = self.tokenizer.first_undecodable(ids)
+            if bad is not None:
+                raise InvalidParameterError("prompt", f"token id {bad} is not in the tokenizer's vocabulary")
         if not ids:
             raise InvalidParameterError("prompt", "prompt is empty")
-        vocab = self.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(ids) > limit:
-            raise InvalidParameterError("prompt", f"prompt has {len(ids)} tokens, the limit is {limit}")
+        if len(ids) > self.max_prompt_tokens:
+            raise InvalidParameterError(
+                "prompt", f"prompt has {len(ids)} tokens, the limit is {self.max_prompt_tokens}"
+            )
         return text, ids
+
+    def check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise InvalidParameterError (a 400) for a request beyond the engine's length or stop-string limits."""
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"{self.max_model_len}-token limit (max_model_len)",
+            )
+        if len(params.stop) > self.config.max_stop_sequences:
+            raise InvalidParameterError("stop", f"at most {self.config.max_stop_sequences} stop strings")
+        longest = max(map(len, params.stop), default=0)
+        if longest > self.config.max_stop_length:
+            raise InvalidParameterError(
+                "stop", f"a stop string has {longest} characters, the limit is {self.config.max_stop_length}"
+            )
 
     def add_request(
         self,
@@ -120,6 +151,7 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.model.vocab_size]
         if bad_stop:
             raise InvalidParameterError("stop_token_ids", f"stop token id {bad_stop[0]} is outside the vocabulary")
+        self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
@@ -154,6 +186,7 @@ class LLMEngine:
             stats.generated_tokens = sum(1 for s in seqs if s.group.error is None)
         self.total_prefill_tokens += stats.prefill_tokens
         stats.seconds = time.perf_counter() - start
+        self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
         progressed = {g.request_id: g for g in batch.groups() if g.error is not None or g.prefill_done}
         return [g.output() for g in progressed.values()]

@@ -1,9 +1,10 @@
 """Continuous batching over a fixed pool of state slots; the scheduler owns every slot's life.
 
-A request is admitted (FIFO) when the pool has a free slot for each of its ``n`` samples; there is no
-preemption, because a running request's memory never grows. Each step the scheduler picks, within a
-token budget, the next prompt chunks to prefill (a long prompt is split across steps with its state
-carried in its slot) and every running sample that is ready to decode. After the step,
+A request is admitted (strict FIFO) when the pool has a free slot for each of its ``n`` samples; there is
+no preemption, because a running request's memory never grows. Each step decodes every running sample whose
+prompt is done and prefills prompt chunks within a token budget (a long prompt is split across steps with
+its state carried in its slot). The budget is shared fairly (see :meth:`Scheduler.schedule`), so one long
+prompt can neither hold back a short one's first token nor slow running streams much. After the step,
 :meth:`Scheduler.postprocess` records the prefill progress, forks a completed prompt's state into its other
 samples' slots, appends the sampled tokens and frees the slots of finished samples.
 """
@@ -14,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.outputs import TokenLogprob
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.sequence import Sequence, SequenceGroup
@@ -56,17 +58,20 @@ class QueueFullError(RuntimeError):
 class Scheduler:
     """Admits waiting requests into free slots, forms each step's batches and applies their results."""
 
-    def __init__(
-        self, pool: StatePool, vocab_size: int, max_num_batched_tokens: int, max_waiting: int | None = None
-    ) -> None:
-        if max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+    DECODE_TIME_SMOOTHING = 0.25  # weight of the newest decode-only step in the decode-time estimate
+
+    def __init__(self, pool: StatePool, vocab_size: int, config: EngineConfig) -> None:
         self.pool = pool
         self.vocab_size = vocab_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_waiting = max_waiting
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.prefill_time_share = config.prefill_time_share
+        self.max_waiting = config.max_waiting
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}
+        self._decode_seconds = 0.0  # estimated time of a decode-only step
+        self._prefill_balance = 0.0  # <= 0: prefill seconds still owed to the decoding requests
 
     @property
     def num_waiting(self) -> int:
@@ -87,21 +92,58 @@ class Scheduler:
         self.waiting.append(group)
 
     def schedule(self) -> SchedulerOutput:
-        """Admit what fits, then pick this step's decode samples and prompt chunks (within the token budget)."""
+        """Admit what fits, then pick this step's decode samples and prompt chunks.
+
+        Every running sample whose prompt is done decodes, every step. Prompt chunks share
+        ``max_num_batched_tokens``: prompts that finish within one chunk go first (shortest first, so a short
+        prompt's first token never waits for a long prompt), then the oldest prompt, then the others by
+        remaining length; at most ``max_num_partial_prefills`` prompts end the step unfinished. While samples
+        decode, a prompt gets at most ``long_prefill_token_threshold`` tokens per step, and a longer prompt
+        only advances while prefill has taken less than ``prefill_time_share`` of the engine's time (see
+        :meth:`record_step`), so running streams keep most of their rate.
+        """
         out = SchedulerOutput()
         out.decode = [s for g in self.running.values() if g.prefill_done for s in g.seqs if not s.finished]
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             self._admit(self.waiting.popleft())
-        budget = self.max_num_batched_tokens
-        for group in self.running.values():
-            if budget == 0:
-                break
-            if group.prefill_done:
-                continue
-            end = min(len(group.prompt_token_ids), group.num_prefilled + budget)
-            out.prefill.append(PrefillChunk(group, group.num_prefilled, end))
-            budget -= end - group.num_prefilled
+        prompts = [g for g in self.running.values() if not g.prefill_done]
+        if prompts:
+            out.prefill = self._prefill_chunks(prompts, decoding=bool(out.decode))
         return out
+
+    def _prefill_chunks(self, prompts: list[SequenceGroup], decoding: bool) -> list[PrefillChunk]:
+        budget = self.max_num_batched_tokens
+        cap = min(self.long_prefill_token_threshold, budget) if decoding else budget
+        long_allowed = not decoding or self._prefill_balance >= 0.0
+        oldest = prompts[0]
+
+        def remaining(group: SequenceGroup) -> int:
+            return len(group.prompt_token_ids) - group.num_prefilled
+
+        chunks: list[PrefillChunk] = []
+        partial = 0
+        for group in sorted(prompts, key=lambda g: (remaining(g) > cap, g is not oldest, remaining(g))):
+            left = remaining(group)
+            if budget == 0 or (left > cap and not long_allowed) or partial == self.max_num_partial_prefills:
+                break
+            take = min(left, cap, budget)
+            partial += take < left
+            chunks.append(PrefillChunk(group, group.num_prefilled, group.num_prefilled + take))
+            budget -= take
+        return chunks
+
+    def record_step(self, batch: SchedulerOutput, seconds: float) -> None:
+        """Account a finished step's wall time to the prefill time share. A decode-only step earns prefill
+        ``prefill_time_share / (1 - prefill_time_share)`` of its time (banked up to nothing: prefill never
+        runs in a burst); a step with prefill spends what it took beyond a decode-only step."""
+        if not batch.decode or self.prefill_time_share >= 1.0:
+            self._prefill_balance = 0.0
+        elif not batch.prefill:
+            self._decode_seconds += (seconds - self._decode_seconds) * self.DECODE_TIME_SMOOTHING
+            earned = seconds * self.prefill_time_share / (1.0 - self.prefill_time_share)
+            self._prefill_balance = min(0.0, self._prefill_balance + earned)
+        else:
+            self._prefill_balance -= max(0.0, seconds - self._decode_seconds)
 
     def _admit(self, group: SequenceGroup) -> None:
         slots = self.pool.allocate(group.params.n)

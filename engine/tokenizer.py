@@ -24,6 +24,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def first_undecodable(self, ids: Sequence[int]) -> int | None:
+        """The first id that is not one of this tokenizer's tokens (text or special), or ``None``; ids are
+        ``0 .. vocab_size - 1`` unless a tokenizer says otherwise. A model's vocabulary may be padded beyond
+        its tokenizer's: such ids decode to nothing and are no valid input."""
+        size = self.vocab_size
+        return next((t for t in ids if not 0 <= t < size), None)
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus special tokens from 256 on (``<|endoftext|>`` = 256 is EOS)."""
@@ -108,6 +115,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def first_undecodable(self, ids: Sequence[int]) -> int | None:
+        """The first id with no token (a ``tokenizer.json`` may leave gaps between its ids), or ``None``."""
+        return next((t for t in dict.fromkeys(ids) if not 0 <= t < 2**32 or self._tok.id_to_token(t) is None), None)
 
 
 class IncrementalDetokenizer:

@@ -74,3 +74,16 @@ def test_hf_tokenizer_reads_eos(hf_tokenizer_dir: Path) -> None:
     tokenizer = HFTokenizer(hf_tokenizer_dir / "tokenizer.json")
     assert tokenizer.eos_token_id == 0
     assert tokenizer.decode([tokenizer.eos_token_id, *tokenizer.encode("cat")]) == "cat"
+
+
+def test_first_undecodable_id(hf_tokenizer_dir: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    assert ByteTokenizer().first_undecodable([0, 255, 256, 257, 300]) == 257
+    assert CharTokenizer("ab").first_undecodable([1, 0, -1]) == -1
+    tokenizer = HFTokenizer(hf_tokenizer_dir / "tokenizer.json")
+    assert tokenizer.first_undecodable([*tokenizer.encode("the cat"), tokenizer.vocab_size, -3]) == tokenizer.vocab_size
+    assert tokenizer.first_undecodable([0, 2**40]) == 2**40
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 5}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    gaps = HFTokenizer(tmp_path / "tokenizer.json")
+    assert gaps.first_undecodable([0, 1, 5]) is None and gaps.first_undecodable([5, 3]) == 3

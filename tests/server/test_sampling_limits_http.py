@@ -1,0 +1,94 @@
+"""Against a real server process: hostile sampling parameters get a 400 in OpenAI's format before they reach
+the engine, while a stream that is already running finishes normally."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY
+from tests.server.test_cli import REPO, free_port, stop
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = str(10**400)  # overflows float(); as plain JSON digits it parses as an int
+COMPLETION = '{"prompt": "x", "temperature": 1.0, '
+CHAT = '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+HOSTILE = [  # (body prefix, field = its parameter, raw JSON value)
+    (COMPLETION, "top_k", BIG),
+    (COMPLETION, "top_k", str(2**63)),
+    (COMPLETION, "max_tokens", "1e300"),
+    (COMPLETION, "max_tokens", str(2**64)),
+    (COMPLETION, "max_tokens", "NaN"),
+    (COMPLETION, "max_tokens", "true"),
+    (COMPLETION, "n", "2.0"),
+    (COMPLETION, "temperature", "Infinity"),
+    (COMPLETION, "top_p", "NaN"),
+    (COMPLETION, "frequency_penalty", BIG),
+    (COMPLETION, "repetition_penalty", "1e-320"),
+    (COMPLETION, "seed", str(2**64)),
+    (COMPLETION, "stop_token_ids", f"[{2**64}]"),
+    (COMPLETION, "logprobs", BIG),
+    (COMPLETION, "min_tokens", "-1"),
+    (CHAT, "max_completion_tokens", BIG),
+    (CHAT, "top_logprobs", str(2**63)),
+]
+
+
+@contextmanager
+def served(*flags: str) -> Iterator[str]:
+    """``rnnserve serve`` in a subprocess on a free port; yields its base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(port), *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RNNSERVE_API_KEY", None)
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not any("Uvicorn running" in line for line in log):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+        reader.join(timeout=5)
+
+
+def test_hostile_sampling_parameters_get_a_400_while_a_stream_finishes() -> None:
+    with served("--max-num-seqs", "4") as url:
+        body = {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "temperature": 1.0, "top_k": 50,
+                "stream": True}  # fmt: skip
+        chunks: list[dict] = []
+        with httpx.Client(base_url=url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as stream:
+                lines = (line[len("data: ") :] for line in stream.iter_lines() if line.startswith("data: "))
+                chunks.append(json.loads(next(lines)))
+                for prefix, param, value in HOSTILE:
+                    path = "/v1/completions" if prefix == COMPLETION else "/v1/chat/completions"
+                    hostile = f'{prefix}"{param}": {value}}}'
+                    response = client.post(path, content=hostile, headers={"content-type": "application/json"})
+                    assert response.status_code == 400, (hostile[:80], response.text)
+                    error = response.json()["error"]
+                    assert error["param"] == param and error["type"] == "invalid_request_error", error
+                    assert error["message"]
+                metrics = client.get("/metrics").text
+                assert "rnnserve_state_slots_used 1.0" in metrics  # the stream was still generating
+                rest = list(lines)
+            assert rest[-1] == "[DONE]"
+            chunks += [json.loads(line) for line in rest[:-1]]
+            assert all("error" not in chunk for chunk in chunks)
+            finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+            assert finishes[-1] == "length"
+            assert client.get("/health").status_code == 200
