@@ -12,9 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# ``benchmarks/kernels.py`` would shadow the ``kernels`` package: import from the repository root.
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402

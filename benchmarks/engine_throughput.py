@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
 ROOT = Path(__file__).resolve().parents[1]
-# benchmarks/kernels.py would shadow the kernels package: import from the repo root instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
 from rnnserve.engine.config import EngineConfig
