@@ -123,9 +123,7 @@ ConfigT = TypeVar("ConfigT")
 
 
 def _value_type(annotation: Any) -> type:
-    """``int | None`` -> ``int`` (annotations are strings under ``from __future__ import annotations``)."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"list": list}, {})  # noqa: S307 - our own field annotations
+    """``int | None`` -> ``int``."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return args[0]
@@ -134,12 +132,13 @@ def _value_type(annotation: Any) -> type:
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per field of the config dataclass ``cls`` that has help metadata."""
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata or f.name in skip:
             continue
         meta = dict(f.metadata)
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
-        kind = _value_type(f.type)
+        kind = _value_type(hints[f.name])
         default = meta.pop("cli_default", f.default if f.default is not dataclasses.MISSING else f.default_factory())
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action="store_true", help=meta.pop("help"))

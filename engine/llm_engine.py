@@ -188,8 +188,7 @@ class LLMEngine:
         stats.seconds = time.perf_counter() - start
         self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
-        progressed = {g.request_id: g for g in batch.groups() if g.error is not None or g.prefill_done}
-        return [g.output() for g in progressed.values()]
+        return [g.output() for g in batch.groups() if g.error is not None or g.prefill_done]
 
     def _run(self, batch: SchedulerOutput, stats: StepStats) -> tuple[list[Sequence], torch.Tensor]:
         """Decode, then prefill; returns the samples to sample now and their logits rows."""

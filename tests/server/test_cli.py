@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 import types
 from pathlib import Path
 
@@ -21,7 +17,7 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server import cli
 from rnnserve.server.config import ServerConfig
 from tests.server.conftest import TINY
-from tests.server.server_process import REPO, free_port, stop
+from tests.server.server_process import running_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,38 +114,23 @@ def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_serve_logs_startup_and_drains_on_sigterm() -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(port),
-               "--max-num-seqs", "3", "--drain-timeout", "20"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not any("Uvicorn running" in line for line in log):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
-            time.sleep(0.1)
-        [startup] = [line for line in log if "serving model=" in line]
+    with running_server("--model", TINY, "--max-num-seqs", "3", "--drain-timeout", "20") as server:
+        [startup] = [line for line in server.log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
         assert "state_bytes_per_slot=" in startup
         body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
         events = []
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 events.append(line[len("data: ") :])
                 if len(events) == 2:
-                    proc.send_signal(signal.SIGTERM)
+                    server.proc.send_signal(signal.SIGTERM)
         assert events[-1] == "[DONE]"
         texts = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert texts[-1]["finish_reason"] == "length"
-        assert proc.wait(timeout=30) == 0
-    finally:
-        stop(proc)
-        reader.join(timeout=5)
+        assert server.proc.wait(timeout=30) == 0
 
 
 def test_api_key_file(tmp_path: Path) -> None:

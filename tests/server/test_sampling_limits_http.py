@@ -4,19 +4,12 @@ the engine, while a stream that is already running finishes normally."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from tests.server.conftest import TINY
-from tests.server.test_cli import REPO, free_port, stop
+from tests.server.server_process import running_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,34 +37,12 @@ HOSTILE = [  # (body prefix, field = its parameter, raw JSON value)
 ]
 
 
-@contextmanager
-def served(*flags: str) -> Iterator[str]:
-    """``rnnserve serve`` in a subprocess on a free port; yields its base URL."""
-    port = free_port()
-    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("RNNSERVE_API_KEY", None)
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
-        deadline = time.monotonic() + 90
-        while not any("Uvicorn running" in line for line in log):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-        reader.join(timeout=5)
-
-
 def test_hostile_sampling_parameters_get_a_400_while_a_stream_finishes() -> None:
-    with served("--max-num-seqs", "4") as url:
+    with running_server("--model", TINY, "--max-num-seqs", "4") as server:
         body = {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "temperature": 1.0, "top_k": 50,
                 "stream": True}  # fmt: skip
         chunks: list[dict] = []
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
             with client.stream("POST", "/v1/completions", json=body) as stream:
                 lines = (line[len("data: ") :] for line in stream.iter_lines() if line.startswith("data: "))
                 chunks.append(json.loads(next(lines)))
