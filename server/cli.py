@@ -1,5 +1,6 @@
 """The ``rnnserve`` command: ``serve`` (HTTP API), ``generate`` (offline, streams to the terminal),
-``bench`` (load generator for any OpenAI-compatible server) and ``lsrl`` (LSRL program tools)."""
+``bench`` (load generator for any OpenAI-compatible server), ``convert`` (released checkpoints to
+safetensors) and ``lsrl`` (LSRL program tools)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
         "latency (TTFT, inter-token latency).",
     )
     add_bench_arguments(bench)
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert an authors' released checkpoint (pickled) into a native safetensors directory",
+        description="Read SRC (a released training checkpoint; pickles are loaded with weights_only=True) "
+        "and write DEST: config.json + model.safetensors [+ tokenizer.json], loadable with --model DEST.",
+    )
+    convert.add_argument("src", metavar="SRC", help="checkpoint file or directory")
+    convert.add_argument("dest", metavar="DEST", help="output directory (created)")
+    convert.add_argument("--format", default=None, help="source format (default: detected)")
+    convert.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json to copy alongside")
+    convert.add_argument("--force", action="store_true", help="replace DEST if it exists")
 
     commands.add_parser(
         "lsrl", help="LSRL tools: compile and run LSRL programs (rnnserve lsrl --help)", add_help=False
@@ -161,6 +174,24 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert(args: argparse.Namespace) -> int:
+    from rnnserve.engine.convert import ConvertError, convert_checkpoint, describe
+
+    try:
+        checkpoint = convert_checkpoint(args.src, args.dest, args.format, args.tokenizer, args.force)
+    except ConvertError as err:
+        logger.error("cannot convert: %s", err)
+        return 1
+    summary = describe(checkpoint)
+    print(
+        f"wrote {args.dest}: architecture={summary['architecture']} tensors={summary['tensors']} "
+        f"parameters={summary['parameters']:,}"
+    )
+    for note in checkpoint.notes:
+        print(f"note: {note}")
+    return 0
+
+
 def lsrl(argv: list[str]) -> int:
     try:
         from rnnserve.engine.lsrl.cli import main as lsrl_main
@@ -184,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "generate":
         return generate(args)
+    if args.command == "convert":
+        return convert(args)
     from rnnserve.clients.bench import run_bench
 
     return run_bench(args)

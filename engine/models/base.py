@@ -81,6 +81,8 @@ class PrefillBatch:
     ``slot_ids [B]`` the state slots and ``positions [T]`` each token's index in its whole sequence: a chunk
     that continues a prompt starts at the number of tokens its slot has already consumed. ``starts`` and
     ``lengths`` are the same facts on the host (per sequence), so a model never syncs to read them.
+    ``logit_rows [R]`` are the packed rows whose logits ``prefill`` returns, in order: each sequence's last
+    token, or every token of the sequences built with ``all_logits`` (for prompt logprobs).
     """
 
     input_ids: torch.Tensor
@@ -89,6 +91,7 @@ class PrefillBatch:
     positions: torch.Tensor
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
+    logit_rows: torch.Tensor
 
     @classmethod
     def build(
@@ -97,14 +100,20 @@ class PrefillBatch:
         slots: Sequence[int],
         starts: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
+        all_logits: Sequence[bool] | None = None,
     ) -> PrefillBatch:
-        """Pack token chunks for ``slots``; ``starts`` (default 0) are the tokens each slot consumed before."""
+        """Pack token chunks for ``slots``; ``starts`` (default 0) are the tokens each slot consumed before.
+
+        ``all_logits[i]`` asks for the logits of every token of chunk ``i`` instead of only its last."""
         starts = tuple(int(s) for s in starts) if starts is not None else (0,) * len(chunks)
         token_lists = [c.tolist() if isinstance(c, torch.Tensor) else list(c) for c in chunks]
         lengths = tuple(len(c) for c in token_lists)
+        flags = tuple(all_logits) if all_logits is not None else (False,) * len(chunks)
         offsets = [0]
         positions: list[int] = []
-        for start, length in zip(starts, lengths, strict=True):
+        logit_rows: list[int] = []
+        for start, length, every in zip(starts, lengths, flags, strict=True):
+            logit_rows.extend(range(offsets[-1], offsets[-1] + length) if every else (offsets[-1] + length - 1,))
             offsets.append(offsets[-1] + length)
             positions.extend(range(start, start + length))
         return cls(
@@ -114,16 +123,12 @@ class PrefillBatch:
             positions=long_tensor(positions, device),
             starts=starts,
             lengths=lengths,
+            logit_rows=long_tensor(logit_rows, device),
         )
 
     @property
     def num_seqs(self) -> int:
         return len(self.lengths)
-
-    @property
-    def last_token_rows(self) -> torch.Tensor:
-        """Row of each sequence's last token in the packed batch (where its logits come from)."""
-        return self.cu_seqlens[1:] - 1
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,7 @@ class LSRLModel(RecurrentLM):
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         y = self._run(batch.input_ids, batch.cu_seqlens, batch.slot_ids, state)
-        return self.logits(y[batch.last_token_rows])
+        return self.logits(y[batch.logit_rows])
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         return self.logits(self._run(batch.input_ids, None, batch.slot_ids, state))

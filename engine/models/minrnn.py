@@ -199,7 +199,7 @@ class MinRNNLM(RecurrentLM):
         for i, layer in enumerate(self.layers):
             delta, stream, conv[:, i], h[:, i] = layer.prefill(delta, stream, batch.cu_seqlens, conv[:, i], h[:, i])
         scatter_slots(pools, batch.slot_ids, (conv, h))
-        last = batch.last_token_rows
+        last = batch.logit_rows
         return self._logits(delta[last], stream[last])
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:

@@ -331,7 +331,7 @@ class RecurrentGemmaLM(RecurrentLM):
                 out = layer.temporal_block.prefill(x, batch, rope, *rows)
             scatter_slots(pools, slot_ids, rows)
             h = layer.channel_mix(h + out)
-        return self._logits(h[batch.last_token_rows])
+        return self._logits(h[batch.logit_rows])
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids) * self.embed_scale

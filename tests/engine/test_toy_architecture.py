@@ -65,7 +65,7 @@ class RunningSumLM(RecurrentLM):
             0, torch.repeat_interleave(torch.arange(batch.num_seqs), torch.tensor(batch.lengths)), per_token
         )
         pool[batch.slot_ids] += sums
-        return self._logits(pool[batch.slot_ids], batch.positions[batch.last_token_rows])
+        return self._logits(pool[batch.slot_ids], batch.positions[batch.logit_rows])
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         pool = state["sum"]

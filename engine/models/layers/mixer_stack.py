@@ -85,8 +85,8 @@ class MixerStackLM(RecurrentLM):
             scatter_slots(pools, batch.slot_ids, final)
             if i + 1 < len(layers):
                 normed, stream = self._add_norm(stream, out, i + 1)
-        last = batch.last_token_rows  # only the last rows need the final norm and logits
-        normed, _ = self._add_norm(stream[last], out[last], len(layers))
+        rows = batch.logit_rows  # only these rows need the final norm and logits
+        normed, _ = self._add_norm(stream[rows], out[rows], len(layers))
         return self._logits(normed)
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""``rnnserve convert SRC DEST``: turn a checkpoint an architecture's authors released in a pickled training
+format into a native rnnserve directory (``config.json`` + ``model.safetensors`` [+ ``tokenizer.json``]).
+
+Each format is a :class:`Converter` naming a module (imported only when used) with two functions:
+``detect(src: Path) -> bool`` and ``convert(src: Path) -> ConvertedCheckpoint``. Pickles are read only
+through :func:`load_pickled_tensors` (``torch.load(weights_only=True)``), which never runs pickled code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+class ConvertError(ValueError):
+    """A source that cannot be converted, with the reason in words."""
+
+
+@dataclass(frozen=True)
+class Converter:
+    """A checkpoint format: its name (``--format``), one line of description and its module."""
+
+    name: str
+    description: str
+    module: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+@dataclass
+class ConvertedCheckpoint:
+    """What a converter produces: the native ``config.json`` values (with ``architecture``), the tensors
+    under the model's parameter names, the source's own ``tokenizer.json`` if it has one, and notes for
+    the user (e.g. dropped training-only entries)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer_json: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+CONVERTERS: dict[str, Converter] = {}
+
+
+def register_converter(name: str, description: str, module: str) -> None:
+    """Make ``--format name`` (and auto-detection) use ``module``'s ``detect`` and ``convert``."""
+    if name in CONVERTERS:
+        raise ValueError(f"converter {name!r} registered twice")
+    CONVERTERS[name] = Converter(name, description, module)
+
+
+def load_pickled_tensors(path: Path) -> Any:
+    """Read a pickled checkpoint with ``torch.load(weights_only=True)``: tensors, containers and plain
+    values only; anything else (code, custom classes) is refused with a :class:`ConvertError`."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise ConvertError(f"{path}: no such file") from err
+    except Exception as err:  # torch raises UnpicklingError, RuntimeError or others for unsafe or bad files
+        raise ConvertError(f"{path}: not a plain tensor checkpoint (refused by weights_only=True): {err}") from err
+
+
+def find_converter(src: Path, name: str | None = None) -> Converter:
+    """The converter named ``name``, or the one whose ``detect`` accepts ``src``."""
+    if name is not None:
+        if name not in CONVERTERS:
+            raise ConvertError(f"unknown format {name!r}; known: {', '.join(sorted(CONVERTERS))}")
+        return CONVERTERS[name]
+    for converter in CONVERTERS.values():
+        if converter.load().detect(src):
+            return converter
+    raise ConvertError(
+        f"{src}: no converter recognises it; known formats: "
+        + "; ".join(f"{c.name} ({c.description})" for c in CONVERTERS.values())
+    )
+
+
+def write_native_checkpoint(
+    dest: Path, checkpoint: ConvertedCheckpoint, tokenizer_json: Path | None = None, overwrite: bool = False
+) -> None:
+    """Write ``checkpoint`` to the directory ``dest`` atomically: it appears whole or not at all."""
+    if dest.exists() and any(dest.iterdir()) and not overwrite:
+        raise ConvertError(f"{dest} exists and is not empty (pass --force to replace it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2) + "\n")
+        tensors = {name: t.detach().contiguous().cpu() for name, t in checkpoint.tensors.items()}
+        save_file(tensors, str(staging / "model.safetensors"))
+        if tokenizer_json is not None:
+            shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dest: str | Path,
+    format_name: str | None = None,
+    tokenizer_json: str | Path | None = None,
+    overwrite: bool = False,
+) -> ConvertedCheckpoint:
+    """Convert ``src`` (format detected unless named) into a native checkpoint directory ``dest``."""
+    src, dest = Path(src).expanduser(), Path(dest).expanduser()
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory")
+    tokenizer = Path(tokenizer_json).expanduser() if tokenizer_json is not None else None
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ConvertError(f"{tokenizer}: no such tokenizer file")
+    checkpoint = find_converter(src, format_name).load().convert(src)
+    if "architecture" not in checkpoint.config:
+        raise ConvertError("converter produced a config without 'architecture'")
+    write_native_checkpoint(dest, checkpoint, tokenizer or checkpoint.tokenizer_json, overwrite)
+    return checkpoint
+
+
+def describe(checkpoint: ConvertedCheckpoint) -> Mapping[str, Any]:
+    """A short summary for the command line: architecture, tensor count and parameter count."""
+    return {
+        "architecture": checkpoint.config["architecture"],
+        "tensors": len(checkpoint.tensors),
+        "parameters": sum(t.numel() for t in checkpoint.tensors.values()),
+    }

@@ -1,0 +1,109 @@
+"""The format-independent parts of ``rnnserve convert``: safe pickle reading, detection, atomic output."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rnnserve.engine import convert as convert_module
+from rnnserve.engine.convert import (
+    ConvertedCheckpoint,
+    Converter,
+    ConvertError,
+    convert_checkpoint,
+    find_converter,
+    load_pickled_tensors,
+)
+from rnnserve.server.cli import main
+
+EXECUTED: list[str] = []
+
+
+class Payload:
+    """Unpickling this would run code: ``weights_only=True`` must refuse it."""
+
+    def __reduce__(self):
+        return (EXECUTED.append, ("pickled code ran",))
+
+
+# This module doubles as a converter for files named *.toyckpt holding {"w": tensor}.
+def detect(src: Path) -> bool:
+    return src.suffix == ".toyckpt"
+
+
+def convert(src: Path) -> ConvertedCheckpoint:
+    state = load_pickled_tensors(src)
+    return ConvertedCheckpoint({"architecture": "toy", "width": int(state["w"].shape[0])}, {"w": state["w"]},
+                               notes=["toy"])
+
+
+@pytest.fixture
+def toy_format(monkeypatch):
+    monkeypatch.setitem(convert_module.CONVERTERS, "toy", Converter("toy", "test format", __name__))
+
+
+def test_weights_only_refuses_pickled_code(tmp_path):
+    path = tmp_path / "evil.bin"
+    with path.open("wb") as f:
+        pickle.dump({"w": Payload()}, f)
+    with pytest.raises(ConvertError, match="weights_only"):
+        load_pickled_tensors(path)
+    assert EXECUTED == []
+
+
+def test_plain_tensors_load(tmp_path):
+    path = tmp_path / "ok.bin"
+    torch.save({"model": {"w": torch.arange(3.0)}, "iter_num": 7}, path)
+    loaded = load_pickled_tensors(path)
+    assert loaded["iter_num"] == 7 and torch.equal(loaded["model"]["w"], torch.arange(3.0))
+
+
+def test_convert_writes_native_directory(tmp_path, toy_format):
+    src = tmp_path / "a.toyckpt"
+    torch.save({"w": torch.ones(4)}, src)
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text("{}")
+    dest = tmp_path / "out"
+    convert_checkpoint(src, dest, tokenizer_json=tokenizer)
+    assert json.loads((dest / "config.json").read_text()) == {"architecture": "toy", "width": 4}
+    assert torch.equal(load_file(str(dest / "model.safetensors"))["w"], torch.ones(4))
+    assert (dest / "tokenizer.json").read_text() == "{}"
+    with pytest.raises(ConvertError, match="not empty"):
+        convert_checkpoint(src, dest)
+    torch.save({"w": torch.ones(2)}, src)
+    convert_checkpoint(src, dest, overwrite=True)
+    assert json.loads((dest / "config.json").read_text())["width"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toyckpt", "out", "tok.json"]  # no staging left
+
+
+def test_failed_convert_leaves_nothing(tmp_path, toy_format):
+    src = tmp_path / "bad.toyckpt"
+    src.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConvertError):
+        convert_checkpoint(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toyckpt"]
+
+
+def test_unknown_sources_are_named(tmp_path):
+    with pytest.raises(ConvertError, match="no such file"):
+        convert_checkpoint(tmp_path / "missing", tmp_path / "out")
+    other = tmp_path / "x.txt"
+    other.write_text("x")
+    with pytest.raises(ConvertError, match="no converter recognises"):
+        find_converter(other)
+    with pytest.raises(ConvertError, match="unknown format"):
+        find_converter(other, "nope")
+
+
+def test_cli_convert(tmp_path, toy_format, capsys):
+    src = tmp_path / "a.toyckpt"
+    torch.save({"w": torch.ones(3)}, src)
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "architecture=toy" in out and "parameters=3" in out and "note: toy" in out
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
