@@ -26,7 +26,7 @@ from torch import nn
 from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear, rms_normalize
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
+from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 
 
 def _json_float(value: float | str | dict) -> float:
@@ -119,7 +119,7 @@ class Mamba2Mixer(nn.Module):
             xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state
         )
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
-        y, ssm_state = ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
+        y, ssm_state = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
         return linear(self.out_proj, self.norm(y.flatten(1), z)), conv_state, ssm_state
 
     def decode(
@@ -135,7 +135,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self._split(h)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
-        y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D)
+        y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, slot_ids)
         return linear(self.out_proj, self.norm(y.flatten(1), z))
 
 

@@ -1,16 +1,18 @@
 """Mamba-1 selective scan: varlen prefill and the decode state update on state-pool slots.
 
-``naive.py`` is the token-by-token reference; ``selective_scan_cpu.cpp`` fused C++ kernels for the varlen
-prefill and the decode update (see :mod:`rnnserve.kernels.cpu_extension`), used on CPU whenever they compile;
-``torch_chunked.py`` (time-major chunks, one fused op per step) and ``torch_recurrent.py`` (in-place update)
-the PyTorch paths for every other case. There is no Triton kernel yet. The two public functions pick the
-fastest available path.
+``naive.py`` is the token-by-token reference; ``chunk.py`` (varlen prefill, chunked parallel scan with the
+state on chip) and ``fused_recurrent.py`` (slot-addressed decode update) the Triton kernels used on CUDA;
+``selective_scan_cpu.cpp`` fused C++ kernels for both (see :mod:`rnnserve.kernels.cpu_extension`), used on
+CPU whenever they compile; ``torch_chunked.py`` (time-major chunks, one fused op per step) and
+``torch_recurrent.py`` (in-place update) the PyTorch paths for every other case. The two public functions
+pick the fastest available path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked
 from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
@@ -50,6 +52,12 @@ def selective_scan_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen selective scan; same contract as
     :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`."""
+    if use_triton(x):
+        from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
+
+        return selective_scan_varlen_triton(
+            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size=16
+        )
     if not _fused(x, A):
         return selective_scan_chunked(
             x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size
@@ -84,6 +92,12 @@ def selective_state_update(
 
     ``slot_ids``, when given, are ``slots`` as an int64 tensor (the fused kernel takes ids; a caller that holds
     them saves building them from a slice every layer)."""
+    if use_triton(x):
+        from rnnserve.kernels.selective_scan.fused_recurrent import selective_state_update_triton
+
+        if slot_ids is None:
+            slot_ids = torch.arange(slots.start, slots.stop, device=x.device) if isinstance(slots, slice) else slots
+        return selective_state_update_triton(state, slot_ids, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     d_state = A.shape[1]
     fused = (
         _fused(x, A)

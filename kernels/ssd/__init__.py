@@ -1,11 +1,62 @@
 """Mamba-2 SSD: chunked varlen prefill and the in-place decode state update.
 
-``naive.py`` is the token-by-token reference; ``torch_chunked.py`` the chunked varlen prefill (the SSD
-algorithm, a handful of batched matmuls) and ``torch_recurrent.py`` the in-place decode update, both in
-PyTorch. There is no Triton or C++ kernel yet: these are the public functions on every device.
+``naive.py`` is the token-by-token reference; ``chunk.py`` (chunked varlen prefill: chunk states, state
+passing and chunk outputs as three kernels) and ``fused_recurrent.py`` (slot-addressed decode update) the
+Triton kernels used on CUDA; ``torch_chunked.py`` (the SSD algorithm as a handful of batched matmuls) and
+``torch_recurrent.py`` (in-place update) the PyTorch paths on every other device.
 """
 
-from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
-from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update
+from __future__ import annotations
 
-__all__ = ["ssd_scan_chunked", "ssd_state_update"]
+import torch
+
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
+from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
+
+
+def ssd_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen SSD prefill; same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`.
+
+    ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 32-token tiles (any chunk
+    size gives the same result up to rounding)."""
+    if use_triton(x):
+        from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
+
+        return ssd_scan_varlen_triton(x, dt, A, B, C, cu_seqlens, D, initial_state)
+    return ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, D, initial_state, chunk_size)
+
+
+def ssd_state_update(
+    state: torch.Tensor,
+    slots: torch.Tensor | slice,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    slot_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step on pool rows ``state[slots]`` in place (see :func:`ssd_state_update_torch`);
+    ``slot_ids`` are ``slots`` as an int64 tensor when the caller holds them."""
+    if use_triton(x):
+        from rnnserve.kernels.ssd.fused_recurrent import ssd_state_update_triton
+
+        if slot_ids is None:
+            slot_ids = torch.arange(slots.start, slots.stop, device=x.device) if isinstance(slots, slice) else slots
+        return ssd_state_update_triton(state, slot_ids, x, dt, A, B, C, D)
+    return ssd_state_update_torch(state, slots, x, dt, A, B, C, D)
+
+
+__all__ = ["ssd_scan_varlen", "ssd_state_update"]

@@ -1,4 +1,4 @@
-"""Mamba-2 decode step applied in place to a state pool (``ssd_state_update``), in PyTorch ops."""
+"""Mamba-2 decode step applied in place to a state pool (``ssd_state_update_torch``), in PyTorch ops."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from rnnserve.kernels.ssd.naive import expand_groups
 
 
-def ssd_state_update(
+def ssd_state_update_torch(
     state: torch.Tensor,
     slots: torch.Tensor | slice,
     x: torch.Tensor,

@@ -23,6 +23,10 @@ from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
+from rnnserve.kernels.selective_scan.chunk import _selective_scan_varlen_kernel
+from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
+from rnnserve.kernels.ssd.chunk import _ssd_chunk_scan_kernel, _ssd_chunk_state_kernel, _ssd_state_passing_kernel
+from rnnserve.kernels.ssd.fused_recurrent import _ssd_state_update_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -54,7 +58,32 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     for rms in (False, True):
         configs.append((_add_norm_kernel, norm_ptrs,
                         {"HAS_RESIDUAL": True, "HAS_BIAS": not rms, "RMS": rms, "BN": 8192}, 16))
+    configs += _mamba_configs(act)
     return configs
+
+
+def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """Mamba-1 selective scan and Mamba-2 SSD at mamba-370m / mamba2-370m sizes (d_state 16 / 128)."""
+    f32, i64 = "*fp32", "*i64"
+    flags = {"HAS_DT_BIAS": True, "DT_SOFTPLUS": True, "HAS_D": True, "HAS_Z": True}
+    ss = {"x_ptr": act, "dt_ptr": act, "dt_bias_ptr": f32, "A_ptr": f32, "B_ptr": act, "C_ptr": act, "D_ptr": f32,
+          "z_ptr": act, "y_ptr": f32, "cu_seqlens_ptr": i64, "h0_ptr": f32, "ht_ptr": f32, "slot_ids_ptr": i64,
+          "state_ptr": f32}
+    low = act != "*fp32"
+    dots = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32,
+            "PRECISION": "tf32" if low else "ieee", "L": 32, "BP": 64, "BN": 32}
+    ssd = {"x_ptr": act, "dt_ptr": f32, "A_ptr": f32, "B_ptr": act, "C_ptr": act, "D_ptr": f32, "y_ptr": f32,
+           "chunk_start_ptr": i64, "chunk_end_ptr": i64, "cum_ptr": f32, "states_ptr": f32, "incoming_ptr": f32,
+           "seq_first_chunk_ptr": i64, "h0_ptr": f32, "ht_ptr": f32, "slot_ids_ptr": i64, "state_ptr": f32}
+    return [
+        (_selective_scan_varlen_kernel, ss, {"HAS_H0": True, "HAS_SLOTS": True, **flags, "BT": 16, "BD": 16,
+                                             "BN": 16}, 4),
+        (_selective_state_update_kernel, ss, {**flags, "BD": 128, "BN": 16}, 4),
+        (_ssd_chunk_state_kernel, ssd, dots, 8),
+        (_ssd_state_passing_kernel, ssd, {"HAS_H0": True, "HAS_SLOTS": True, "L": 32, "BLOCK": 1024}, 4),
+        (_ssd_chunk_scan_kernel, ssd, {"HAS_D": True, **dots}, 8),
+        (_ssd_state_update_kernel, ssd, {"HAS_D": True, "BP": 16, "BN": 128}, 4),
+    ]
 
 
 def main() -> None:
@@ -71,9 +100,9 @@ def main() -> None:
                 usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
                                        check=True).stdout
             resources = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
-            print(json.dumps({"kernel": kernel.__name__, "config": {"act": act, **constexprs},
-                              "registers": resources["REG"], "stack": resources["STACK"],
-                              "local": resources["LOCAL"]}))
+            config = {"act": act, **{k: str(v) for k, v in constexprs.items()}}
+            print(json.dumps({"kernel": kernel.__name__, "config": config, "registers": resources["REG"],
+                              "stack": resources["STACK"], "local": resources["LOCAL"]}))
 
 
 if __name__ == "__main__":

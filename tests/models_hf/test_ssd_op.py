@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.ssd import ssd_scan_chunked, ssd_state_update
+from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 from rnnserve.kernels.ssd.naive import ssd_scan_ref
 
 
@@ -30,7 +30,7 @@ def _inputs(lengths: list[int], heads: int = 4, groups: int = 2, head_dim: int =
 def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
     args = _inputs(lengths)
     y_ref, h_ref = ssd_scan_ref(**args)
-    y, h = ssd_scan_chunked(**args, chunk_size=chunk_size)
+    y, h = ssd_scan_varlen(**args, chunk_size=chunk_size)
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
 

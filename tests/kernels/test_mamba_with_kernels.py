@@ -1,0 +1,71 @@
+"""Mamba-1 and Mamba-2 with every Triton kernel forced (interpreter) == the PyTorch/C++ path."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM
+from rnnserve.engine.models.mamba import MambaConfig, MambaLM
+from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels.backend import force_triton
+
+VOCAB = 64
+MODELS = {
+    "mamba": lambda: MambaLM(MambaConfig(vocab_size=VOCAB, d_model=16, n_layers=2, d_inner=32, dt_rank=2)),
+    "mamba2": lambda: Mamba2LM(
+        Mamba2Config(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, head_dim=16, d_state=16)
+    ),
+}
+WRAPPERS = {
+    "mamba": [
+        ("rnnserve.kernels.selective_scan.chunk", "selective_scan_varlen_triton"),
+        ("rnnserve.kernels.selective_scan.fused_recurrent", "selective_state_update_triton"),
+    ],
+    "mamba2": [
+        ("rnnserve.kernels.ssd.chunk", "ssd_scan_varlen_triton"),
+        ("rnnserve.kernels.ssd.fused_recurrent", "ssd_state_update_triton"),
+    ],
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(MODELS))
+def test_logits_and_states_match_reference(triton_on_cpu, monkeypatch, architecture):
+    calls = {name: 0 for _, name in WRAPPERS[architecture]}
+    for module_name, name in WRAPPERS[architecture]:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    model: RecurrentLM = MODELS[architecture]().eval()
+    model.init_weights(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    pools = {backend: StatePool(model.state_spec(), num_slots=6) for backend in ("reference", "triton")}
+    slots, consumed = [4, 0, 2], [0, 0, 0]
+    prefills = []
+    for lengths in ([1, 21, 5], [17, 1, 3]):  # the second chunk continues from non-zero states
+        chunks = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+        prefills.append(PrefillBatch.build(chunks, slots, consumed))
+        consumed = [c + n for c, n in zip(consumed, lengths, strict=True)]
+    steps = []
+    for _ in range(2):
+        steps.append(DecodeBatch.build(torch.randint(0, VOCAB, (3,), generator=gen).tolist(), slots, consumed))
+        consumed = [c + 1 for c in consumed]
+    logits = {}
+    with torch.inference_mode():
+        for backend, pool in pools.items():
+            with force_triton(backend == "triton"):
+                outs = [model.prefill(batch, pool.tensors) for batch in prefills]
+                outs += [model.decode(batch, pool.tensors) for batch in steps]
+            logits[backend] = torch.stack(outs)
+    assert all(count > 0 for count in calls.values()), calls
+    torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-4)
+    for name, expected in pools["reference"].tensors.items():
+        torch.testing.assert_close(pools["triton"].tensors[name], expected, rtol=1e-4, atol=1e-4)
