@@ -27,14 +27,15 @@ lint: install
 	$(PY) -m ruff check rnnserve engine kernels server clients tests benchmarks scripts examples
 
 # On a CUDA machine whose Python already has torch and triton (no install: GPU machines may be offline):
-# the gpu-marked tests, then the kernel and decode benchmarks.
+# the gpu-marked tests, then gpu-bench.
 gpu-test:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests/gpu
 	$(MAKE) gpu-bench
 
+# One table per model: decode and prefill tok/ms, HBM roofline, engine and HTTP vs offline, the Based paper's
+# Table 1 beside them. The HTTP rows need fastapi/uvicorn/pydantic importable (carry wheels on GPU machines).
 gpu-bench:
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/kernels.py
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/decode.py
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
 
 # Retrain the embedded model in engine/default_model/ (fetches Debian's `fortunes`; <= 30 min on 2 cores).
 default-model: install

@@ -10,7 +10,10 @@ from rnnserve.engine import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("preset", ["random:mingru-tiny", "random:minlstm-tiny"])
+PRESETS = ["mingru-tiny", "minlstm-tiny", "mamba-tiny", "mamba2-tiny", "hawk-tiny"]
+
+
+@pytest.mark.parametrize("preset", [f"random:{name}" for name in PRESETS])
 def test_engine_with_graphs_matches_eager(preset: str) -> None:
     prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(37)]  # 37 rows: a padded bucket
     params = [SamplingParams(temperature=0, max_tokens=48), SamplingParams(temperature=0.9, seed=3, max_tokens=48)]

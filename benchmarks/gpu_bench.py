@@ -1,0 +1,231 @@
+"""``make gpu-bench``: one table of rnnserve's throughput per model on a CUDA device.
+
+Per model (``random:`` presets, bf16 weights, fp32 states):
+
+- decode tok/ms at each batch size, one CUDA-graph replay per step (the model step), and the fraction of the
+  HBM roofline: the bytes a step must move (every weight once, each sequence's state read and written) over
+  the device-to-device copy bandwidth measured in the same run;
+- prefill tok/ms for ``1 x 16384`` and ``8 x 2048`` prompt tokens;
+- offline engine throughput (``LLMEngine.step`` with sampling and outputs, prompt 16, 256 new tokens) at
+  each concurrency, its ratio to the model step, and the same load over HTTP through a real ``rnnserve
+  serve`` process (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
+- the Based paper's Table 1 figures (H100) where the paper has a row for the model.
+
+``--smoke`` runs tiny presets on CPU with small sizes: the CI check that this script keeps working.
+
+    python benchmarks/gpu_bench.py [--models mamba-370m ...] [--batches 1 32 128 256] [--no-http] [--smoke]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.decode import copy_bandwidth, seconds_per_step, weight_bytes  # noqa: E402
+from benchmarks.engine_throughput import generated_tokens_per_second  # noqa: E402
+from rnnserve.engine.config import EngineConfig  # noqa: E402
+from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E402
+from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
+from rnnserve.engine.loader import build_random  # noqa: E402
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch  # noqa: E402
+from rnnserve.engine.state_pool import StatePool  # noqa: E402
+from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
+
+DEFAULT_MODELS = ["mamba-370m", "mamba2-370m", "hawk-100m", "mingru-100m", "based-360m", "lattice-110m"]
+# Based paper (arXiv 2402.18668) Table 1, H100: prefill tok/ms at 16,384 tokens, generated tok/ms.
+PAPER_TABLE_1 = {"mamba-370m": ("Mamba-358M", 267.09, 39.95), "based-360m": ("Based-363M", 514.57, 47.23)}
+PROMPT_LEN, NEW_TOKENS = 16, 256
+
+
+@dataclass
+class Sizes:
+    batches: list[int]
+    prefills: list[tuple[int, int]]  # (sequences, tokens each)
+    concurrency: list[int]
+    new_tokens: int = NEW_TOKENS
+    steps: int = 30
+
+
+@dataclass
+class Row:
+    model: str
+    cells: dict[str, str] = field(default_factory=dict)
+
+
+def prefill_tokens_per_ms(model, pool: StatePool, seqs: int, length: int, device: torch.device) -> float:
+    """Whole-prompt prefill of ``seqs`` random prompts of ``length`` tokens into fresh slots."""
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(0, model.vocab_size, (length,), generator=gen) for _ in range(seqs)]
+    batch = PrefillBatch.build(chunks, list(range(seqs)), device=device)
+
+    def step() -> None:
+        pool.reset(torch.arange(seqs, device=device))
+        model.prefill(batch, pool.tensors)
+
+    return seqs * length / (seconds_per_step(step, device, 3) * 1e3)
+
+
+def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: int) -> float | str:
+    """Generated tok/ms of ``2 x concurrency`` streamed requests against a fresh ``rnnserve serve`` process."""
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        return "no fastapi"
+    from rnnserve.clients.bench import BenchConfig, benchmark
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
+               "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
+               "--max-num-seqs", str(max(concurrency, 1)), "--log-level", "warning"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                return f"server exited: {server.stderr.read()[-200:] if server.stderr else ''}"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                return "server did not start"
+            time.sleep(0.5)
+        config = BenchConfig(url=url, num_prompts=2 * concurrency, concurrency=concurrency, input_len=PROMPT_LEN,
+                             output_len=new_tokens, progress=False)
+        figures = asyncio.run(benchmark(config))
+        if figures["failed"]:
+            return f"{figures['failed']} failed"
+        return figures["output_throughput"] / 1e3
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak: float
+                    ) -> tuple[list[Row], dict[int, float]]:
+    """Decode (graph replays on CUDA) and prefill rows of the bare model; also the ms per decode step."""
+    max_batch = max(sizes.batches + [s for s, _ in sizes.prefills])
+    pool = StatePool(model.state_spec(), num_slots=max_batch, device=device)
+    if device.type == "cuda":
+        decode = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, max_batch)
+        decode.capture()
+    else:
+        def decode(batch: DecodeBatch) -> torch.Tensor:
+            return model.decode(batch, pool.tensors)
+    weights = weight_bytes(model)
+    rows, step_ms = [], {}
+    for batch in sizes.batches:
+        ids = torch.randint(0, model.vocab_size, (batch,)).tolist()
+        step = DecodeBatch.build(ids, range(batch), [PROMPT_LEN] * batch, device=device)
+        seconds = seconds_per_step(lambda s=step: decode(s), device, sizes.steps)
+        step_ms[batch] = seconds * 1e3
+        roof = (weights + 2 * batch * pool.bytes_per_slot) / peak
+        rows.append(Row(preset, {"what": f"decode b={batch}", "tok/ms": f"{batch / step_ms[batch]:.2f}",
+                                 "ms/step": f"{step_ms[batch]:.3f}", "HBM roofline": f"{roof / seconds:.0%}"}))
+    for seqs, length in sizes.prefills:
+        rate = prefill_tokens_per_ms(model, pool, seqs, length, device)
+        rows.append(Row(preset, {"what": f"prefill {seqs}x{length}", "tok/ms": f"{rate:.1f}"}))
+    return rows, step_ms
+
+
+def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
+                http: bool) -> list[Row]:
+    model, tokenizer = build_random(preset, device, dtype)
+    with torch.inference_mode():
+        rows, step_ms = model_step_rows(model, preset, device, sizes, peak)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max(sizes.concurrency),
+                                                      max_num_batched_tokens=max(PROMPT_LEN * max(sizes.concurrency),
+                                                                                 2048)))
+    offline: dict[int, float] = {}
+    generated_tokens_per_second(engine, 2, PROMPT_LEN, 4)  # warm-up
+    for c in sizes.concurrency:
+        offline[c] = generated_tokens_per_second(engine, c, PROMPT_LEN, sizes.new_tokens) / 1e3
+        cells = {"what": f"engine c={c}", "tok/ms": f"{offline[c]:.2f}"}
+        if c in step_ms:
+            cells["vs model step"] = f"{offline[c] / (c / step_ms[c]):.0%}"
+        rows.append(Row(preset, cells))
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if http:
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        for c in sizes.concurrency:
+            rate = http_tokens_per_ms(preset, dtype_name, c, sizes.new_tokens)
+            cells = {"what": f"HTTP c={c}"}
+            cells["tok/ms"] = f"{rate:.2f}" if isinstance(rate, float) else rate
+            if isinstance(rate, float):
+                cells["vs offline"] = f"{rate / offline[c]:.0%}"
+            rows.append(Row(preset, cells))
+    if preset in PAPER_TABLE_1:
+        name, prefill, generate = PAPER_TABLE_1[preset]
+        rows.append(Row(preset, {"what": f"paper: {name}", "tok/ms": f"prefill {prefill} / decode {generate}"}))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    columns = ["model", "what", "tok/ms", "ms/step", "HBM roofline", "vs model step", "vs offline"]
+    cells = [[row.model, *(row.cells.get(c, "") for c in columns[1:])] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="random: presets")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128, 256])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 64, 256])
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--no-http", action="store_true", help="skip the HTTP rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU, small sizes")
+    args = parser.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        models = [m for m in args.models if m.endswith("-tiny")] or ["mamba-tiny", "mamba2-tiny"]
+        sizes = Sizes(batches=[1, 4], prefills=[(1, 64), (2, 16)], concurrency=[2], new_tokens=4, steps=2)
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device (use --smoke for the CPU check)")
+    else:
+        device, models = torch.device("cuda"), args.models
+        sizes = Sizes(batches=args.batches, prefills=[(1, 16384), (8, 2048)], concurrency=args.concurrency)
+    build_cpu_extension()
+    peak = copy_bandwidth(device, (16 if args.smoke else 1024) * 2**20)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}: copy bandwidth {peak / 1e9:.0f} GB/s; weights {dtype}, states fp32; "
+          f"torch {torch.__version__}; prompt {PROMPT_LEN}, {sizes.new_tokens} new tokens")
+    rows: list[Row] = []
+    for preset in models:
+        start = time.perf_counter()
+        rows += bench_model(preset, device, dtype, sizes, peak, http=not args.no_http)
+        print(f"[{preset}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
