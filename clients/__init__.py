@@ -1,21 +1,6 @@
-"""Python clients for rnnserve or any OpenAI-compatible server, and the `rnnserve bench` load generator."""
+"""Python clients for rnnserve or any OpenAI-compatible server (built on the ``openai`` package), and the
+`rnnserve bench` load generator."""
 
-from rnnserve.clients.client import (
-    APIError,
-    AsyncClient,
-    ChatCompletion,
-    ChatCompletionChunk,
-    Client,
-    Completion,
-    Usage,
-)
+from rnnserve.clients.client import AsyncClient, Client
 
-__all__ = [
-    "APIError",
-    "AsyncClient",
-    "ChatCompletion",
-    "ChatCompletionChunk",
-    "Client",
-    "Completion",
-    "Usage",
-]
+__all__ = ["AsyncClient", "Client"]

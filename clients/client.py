@@ -1,172 +1,72 @@
-"""Python clients (sync and async, over ``httpx``) for rnnserve or any OpenAI-compatible server.
+"""rnnserve's Python client: the official ``openai`` client for the OpenAI routes, plus the routes it lacks.
 
 ::
 
     from rnnserve.clients import Client
 
     with Client("http://127.0.0.1:8000", api_key="secret") as client:
-        print(client.completions("Once upon a time", max_tokens=32).choices[0].text)
-        for chunk in client.stream_chat([{"role": "user", "content": "Hi"}], max_tokens=32):
-            print(chunk.choices[0].delta.content or "", end="", flush=True)
+        completion = client.openai.completions.create(
+            model=client.model, prompt="Once upon a time", max_tokens=32, extra_body={"top_k": 20}
+        )
+        print(completion.choices[0].text, client.tokenize("Once"), client.ready())
 
-Extra keyword arguments are sent as request fields (``temperature``, ``seed``, ``stop``, ``top_k``, ...).
-Errors come back as :class:`APIError` carrying the server's OpenAI error fields.
+What stays here, and why: ``openai`` covers ``/v1`` (completions, chat, models, streaming, error classes, and
+retries that honour ``Retry-After``); request fields beyond OpenAI's (``top_k``, ``ignore_eos``, ...) go in its
+``extra_body``. It has no calls for the routes vLLM and rnnserve add (``/tokenize``, ``/detokenize``,
+``/health``, ``/ready``, ``/version``, ``/metrics``) and no default model name, so those are here. They go
+through the same ``openai`` client (its ``get``/``post`` with absolute URLs), so they share its connection pool,
+auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses). Needs the ``openai``
+package: ``pip install 'rnnserve[client]'``.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import httpx
-from pydantic import BaseModel, ConfigDict
+if TYPE_CHECKING:
+    import openai
 
-Prompt = str | list[str] | list[int] | list[list[int]]
-Messages = Iterable[dict[str, Any]]
+NO_KEY = "none"  # openai insists on an API key; a server without auth ignores it
 
 
-class _Result(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _openai() -> Any:
+    try:
+        import openai
+    except ImportError as err:
+        raise ImportError("rnnserve.clients needs the openai package: pip install 'rnnserve[client]'") from err
+    return openai
 
 
-class Usage(_Result):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+class _Routes:
+    """What both clients share: the server root and the JSON bodies of the extra routes."""
+
+    def __init__(self, base_url: str) -> None:
+        self.root = base_url.rstrip("/").removesuffix("/v1")
+        self._model: str | None = None
+
+    def url(self, path: str) -> str:
+        return f"{self.root}{path}"
+
+    @staticmethod
+    def body(model: str | None, **fields: Any) -> dict[str, Any]:
+        return {**fields, "model": model} if model is not None else fields
 
 
-class CompletionChoice(_Result):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class Completion(_Result):
-    """A completion or one streamed chunk of it (``usage`` is set on the final result/chunk)."""
-
-    id: str
-    model: str
-    created: int
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessage(_Result):
-    role: str
-    content: str | None = None
-
-
-class ChatChoice(_Result):
-    index: int
-    message: ChatMessage
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletion(_Result):
-    id: str
-    model: str
-    created: int
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(_Result):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Result):
-    index: int
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletionChunk(_Result):
-    id: str
-    model: str
-    created: int
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class APIError(Exception):
-    """An error response (or an error event inside a stream)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    @classmethod
-    def from_body(cls, status: int, body: Any) -> APIError:
-        error = body.get("error") if isinstance(body, dict) else None
-        if not isinstance(error, dict):
-            return cls(status, str(body))
-        return cls(
-            status, str(error.get("message")), error.get("type"), error.get("param"), error.get("code")
-        )
-
-
-ResultT = TypeVar("ResultT", bound=_Result)
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _check(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        try:
-            body = response.json()
-        except ValueError:
-            body = response.text
-        raise APIError.from_body(response.status_code, body)
-
-
-def _parse_event(line: str, result: type[ResultT]) -> ResultT | None:
-    """One SSE line -> a chunk; None for blank/comment lines and ``[DONE]``; raises on error events."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return None
-    body = json.loads(data)
-    if "error" in body:
-        raise APIError.from_body(200, body)
-    return result.model_validate(body)
-
-
-def _body(model: str | None, extra: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    body = {k: v for k, v in fields.items() if v is not None}
-    if model is not None:
-        body["model"] = model
-    return {**body, **extra}
-
-
-class Client:
-    """Synchronous client. ``base_url`` is the server root (``http://host:port``), without ``/v1``."""
+class Client(_Routes):
+    """Synchronous client for ``base_url`` (the server root, ``http://host:port``; a trailing ``/v1`` is fine).
+    ``client.openai`` is the ``openai.OpenAI`` client bound to the server."""
 
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8000",
         api_key: str | None = None,
         timeout: float | None = 600.0,
+        max_retries: int = 2,
     ) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(api_key), timeout=timeout)
+        super().__init__(base_url)
+        self.openai: openai.OpenAI = _openai().OpenAI(
+            base_url=self.url("/v1"), api_key=api_key or NO_KEY, timeout=timeout, max_retries=max_retries
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -175,68 +75,58 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        self.openai.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        response = self._http.post(path, json=body)
-        _check(response)
-        return response.json()
+    @property
+    def model(self) -> str:
+        """The server's default model name (the first of ``/v1/models``), fetched once."""
+        if self._model is None:
+            self._model = self.openai.models.list().data[0].id
+        return self._model
 
-    def _stream(self, path: str, body: dict[str, Any], result: type[ResultT]) -> Iterator[ResultT]:
-        with self._http.stream("POST", path, json={**body, "stream": True}) as response:
-            if response.status_code >= 400:
-                response.read()
-                _check(response)
-            for line in response.iter_lines():
-                chunk = _parse_event(line, result)
-                if chunk is not None:
-                    yield chunk
-
-    def models(self) -> list[str]:
-        response = self._http.get("/v1/models")
-        _check(response)
-        return [m["id"] for m in response.json()["data"]]
+    def _probe(self, path: str) -> bool:
+        try:
+            self.openai.get(self.url(path), cast_to=object, options={"max_retries": 0})
+        except (_openai().APIStatusError, _openai().APIConnectionError):
+            return False
+        return True
 
     def health(self) -> bool:
-        return self._http.get("/health").status_code == 200
+        """The server process and its engine thread are alive."""
+        return self._probe("/health")
 
-    def completions(self, prompt: Prompt, model: str | None = None, **params: Any) -> Completion:
-        return Completion.model_validate(self._post("/v1/completions", _body(model, params, prompt=prompt)))
+    def ready(self) -> bool:
+        """The server takes requests now (model loaded, kernels built, not shutting down)."""
+        return self._probe("/ready")
 
-    def stream_completions(
-        self, prompt: Prompt, model: str | None = None, include_usage: bool = True, **params: Any
-    ) -> Iterator[Completion]:
-        body = _body(model, params, prompt=prompt, stream_options={"include_usage": include_usage})
-        return self._stream("/v1/completions", body, Completion)
+    def version(self) -> str:
+        return self.openai.get(self.url("/version"), cast_to=object)["version"]
 
-    def chat(self, messages: Messages, model: str | None = None, **params: Any) -> ChatCompletion:
-        body = _body(model, params, messages=list(messages))
-        return ChatCompletion.model_validate(self._post("/v1/chat/completions", body))
-
-    def stream_chat(
-        self, messages: Messages, model: str | None = None, include_usage: bool = True, **params: Any
-    ) -> Iterator[ChatCompletionChunk]:
-        body = _body(model, params, messages=list(messages), stream_options={"include_usage": include_usage})
-        return self._stream("/v1/chat/completions", body, ChatCompletionChunk)
+    def metrics(self) -> str:
+        """The Prometheus text page of ``/metrics``."""
+        return self.openai.get(self.url("/metrics"), cast_to=str)
 
     def tokenize(self, text: str, model: str | None = None) -> list[int]:
-        return self._post("/tokenize", _body(model, {}, prompt=text))["tokens"]
+        return self.openai.post(self.url("/tokenize"), body=self.body(model, prompt=text), cast_to=object)["tokens"]
 
     def detokenize(self, tokens: list[int], model: str | None = None) -> str:
-        return self._post("/detokenize", _body(model, {}, tokens=tokens))["prompt"]
+        body = self.body(model, tokens=tokens)
+        return self.openai.post(self.url("/detokenize"), body=body, cast_to=object)["prompt"]
 
 
-class AsyncClient:
-    """Asynchronous client with the same methods as :class:`Client` (streams are async iterators)."""
+class AsyncClient(_Routes):
+    """Asynchronous twin of :class:`Client`; ``client.openai`` is an ``openai.AsyncOpenAI``."""
 
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8000",
         api_key: str | None = None,
         timeout: float | None = 600.0,
+        max_retries: int = 2,
     ) -> None:
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), headers=_headers(api_key), timeout=timeout
+        super().__init__(base_url)
+        self.openai: openai.AsyncOpenAI = _openai().AsyncOpenAI(
+            base_url=self.url("/v1"), api_key=api_key or NO_KEY, timeout=timeout, max_retries=max_retries
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -246,54 +136,37 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self.openai.close()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        response = await self._http.post(path, json=body)
-        _check(response)
-        return response.json()
+    async def model(self) -> str:
+        """The server's default model name (the first of ``/v1/models``), fetched once."""
+        if self._model is None:
+            self._model = (await self.openai.models.list()).data[0].id
+        return self._model
 
-    async def _stream(self, path: str, body: dict[str, Any], result: type[ResultT]) -> AsyncIterator[ResultT]:
-        async with self._http.stream("POST", path, json={**body, "stream": True}) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                _check(response)
-            async for line in response.aiter_lines():
-                chunk = _parse_event(line, result)
-                if chunk is not None:
-                    yield chunk
-
-    async def models(self) -> list[str]:
-        response = await self._http.get("/v1/models")
-        _check(response)
-        return [m["id"] for m in response.json()["data"]]
+    async def _probe(self, path: str) -> bool:
+        try:
+            await self.openai.get(self.url(path), cast_to=object, options={"max_retries": 0})
+        except (_openai().APIStatusError, _openai().APIConnectionError):
+            return False
+        return True
 
     async def health(self) -> bool:
-        return (await self._http.get("/health")).status_code == 200
+        return await self._probe("/health")
 
-    async def completions(self, prompt: Prompt, model: str | None = None, **params: Any) -> Completion:
-        return Completion.model_validate(
-            await self._post("/v1/completions", _body(model, params, prompt=prompt))
-        )
+    async def ready(self) -> bool:
+        return await self._probe("/ready")
 
-    def stream_completions(
-        self, prompt: Prompt, model: str | None = None, include_usage: bool = True, **params: Any
-    ) -> AsyncIterator[Completion]:
-        body = _body(model, params, prompt=prompt, stream_options={"include_usage": include_usage})
-        return self._stream("/v1/completions", body, Completion)
+    async def version(self) -> str:
+        return (await self.openai.get(self.url("/version"), cast_to=object))["version"]
 
-    async def chat(self, messages: Messages, model: str | None = None, **params: Any) -> ChatCompletion:
-        body = _body(model, params, messages=list(messages))
-        return ChatCompletion.model_validate(await self._post("/v1/chat/completions", body))
-
-    def stream_chat(
-        self, messages: Messages, model: str | None = None, include_usage: bool = True, **params: Any
-    ) -> AsyncIterator[ChatCompletionChunk]:
-        body = _body(model, params, messages=list(messages), stream_options={"include_usage": include_usage})
-        return self._stream("/v1/chat/completions", body, ChatCompletionChunk)
+    async def metrics(self) -> str:
+        return await self.openai.get(self.url("/metrics"), cast_to=str)
 
     async def tokenize(self, text: str, model: str | None = None) -> list[int]:
-        return (await self._post("/tokenize", _body(model, {}, prompt=text)))["tokens"]
+        body = self.body(model, prompt=text)
+        return (await self.openai.post(self.url("/tokenize"), body=body, cast_to=object))["tokens"]
 
     async def detokenize(self, tokens: list[int], model: str | None = None) -> str:
-        return (await self._post("/detokenize", _body(model, {}, tokens=tokens)))["prompt"]
+        body = self.body(model, tokens=tokens)
+        return (await self.openai.post(self.url("/detokenize"), body=body, cast_to=object))["prompt"]

@@ -17,7 +17,7 @@ from rnnserve.engine.models.base import RecurrentLM
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput
 from rnnserve.engine.sampler import SampleResult, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-from rnnserve.engine.scheduler import Scheduler, SchedulerOutput
+from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import Tokenizer
@@ -207,14 +207,30 @@ class LLMEngine:
                 self._fail_groups([c.group for c in batch.prefill], err)
             else:
                 stats.prefill_tokens = sum(c.end - c.start for c in batch.prefill)
-                ready = self.scheduler.complete_prefill(batch.prefill)
-                for row, chunk in enumerate(batch.prefill):
+                chunks = self._record_prompt_logprobs(batch.prefill, prefill_logits)
+                ready = self.scheduler.complete_prefill([c for c, _ in chunks])
+                for chunk, logits in chunks:
                     if chunk.completes_prompt:
-                        rows.append(prefill_logits[row : row + 1].expand(len(chunk.group.seqs), -1))
+                        rows.append(logits[-1:].expand(len(chunk.group.seqs), -1))
                 seqs += ready
         if not rows:
             return [], torch.empty(0)
         return seqs, rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _record_prompt_logprobs(
+        self, chunks: list[PrefillChunk], logits: list[torch.Tensor]
+    ) -> list[tuple[PrefillChunk, torch.Tensor]]:
+        """Accumulate the prompt logprobs of the chunks that want them; a request whose logprobs fail fails
+        alone. Returns the chunks (with their logits) whose requests go on."""
+        kept = []
+        for chunk, rows in zip(chunks, logits, strict=True):
+            try:
+                chunk.group.record_prompt_logprobs(chunk.start, rows)
+            except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
+                self._fail_groups([chunk.group], err)
+                continue
+            kept.append((chunk, rows))
+        return kept
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """Sample the whole batch; if that raises, sample row by row and fail only the rows that raise."""

@@ -3,8 +3,10 @@
 cache.
 
 A checkpoint directory holds ``config.json`` (with ``architecture``), one or more ``*.safetensors`` files
-and, unless the model is byte-level, ``tokenizer.json``. A Hugging Face checkpoint instead has ``model_type``
-in its config.json; the architecture whose ``hf_model_types`` lists it maps the config and weight names.
+and, unless the model is byte-level or its config says ``"tokenizer": "token_ids"`` (prompts are token ids;
+see :class:`~rnnserve.engine.tokenizer.TokenIdTokenizer`), ``tokenizer.json``. A Hugging Face checkpoint
+instead has ``model_type`` in its config.json; the architecture whose ``hf_model_types`` lists it maps the
+config and weight names.
 Weights are read with safetensors only: pickle files (``*.bin``, ``*.pt``, ...) are never opened.
 """
 
@@ -20,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from rnnserve.engine.model_sources import Loaded, ModelLoadError, model_source
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
-from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
+from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenIdTokenizer, Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -91,6 +93,8 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
         tokenizer = CharTokenizer(config["alphabet"])
     elif (path / "tokenizer.json").exists():
         tokenizer = HFTokenizer(path / "tokenizer.json")
+    elif config.get("tokenizer") == "token_ids":  # converted without a tokenizer: prompts are token ids
+        tokenizer = TokenIdTokenizer(model.vocab_size)
     else:
         tokenizer = ByteTokenizer()
     if dtype is None:

@@ -29,15 +29,19 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
-        """Advance each chunk's first slot by its prompt tokens; logits ``[len(chunks), V]`` of the last tokens."""
+    def prefill(self, chunks: list[PrefillChunk]) -> list[torch.Tensor]:
+        """Advance each chunk's first slot by its prompt tokens. Returns each chunk's logits: ``[1, V]`` for its
+        last token, or ``[end - start, V]`` for every token of a chunk that wants prompt logprobs."""
+        flags = [c.all_logits for c in chunks]
         batch = PrefillBatch.build(
             [c.token_ids for c in chunks],
             [c.group.seqs[0].slot for c in chunks],  # type: ignore[misc]
             [c.start for c in chunks],
             self.device,
+            all_logits=flags,
         )
-        return self.model.prefill(batch, self.pool.tensors)
+        logits = self.model.prefill(batch, self.pool.tensors)
+        return list(logits.split([c.end - c.start if every else 1 for c, every in zip(chunks, flags, strict=True)]))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of a generated token and the top alternatives at that position."""
+    """Log-probability of a token and the top alternatives at that position; ``rank`` (1 = most likely) is
+    set for prompt tokens."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -53,7 +55,8 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's progress: one :class:`CompletionOutput` per sample. ``error`` is set (and ``finished``
-    true) when the engine failed this request alone."""
+    true) when the engine failed this request alone. ``prompt_logprobs`` (when asked for) has one entry per
+    prompt token, ``None`` for the first (nothing predicts it)."""
 
     request_id: str
     prompt: str | None
@@ -62,3 +65,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

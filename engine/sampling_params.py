@@ -43,7 +43,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters. Penalties
     follow OpenAI (presence/frequency, over generated tokens) and vLLM (repetition, over prompt and
     generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
-    ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives.
+    ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
+    ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     """
@@ -63,6 +64,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
@@ -80,7 +82,7 @@ class SamplingParams:
         type or an out-of-range value."""
         for name in INT_FIELDS + FLOAT_FIELDS:
             setattr(self, name, as_number(name, getattr(self, name), integer=name in INT_FIELDS))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, as_number(name, getattr(self, name), integer=True))
         self.stop_token_ids = [as_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
@@ -102,6 +104,8 @@ class SamplingParams:
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}"),
             ("seed", self.seed is None or seed_min <= self.seed <= seed_max,
              f"seed must be between {seed_min} and {seed_max}"),
             ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),

@@ -36,6 +36,11 @@ class PrefillChunk:
     def completes_prompt(self) -> bool:
         return self.end == len(self.group.prompt_token_ids)
 
+    @property
+    def all_logits(self) -> bool:
+        """Whether prefill returns the logits of every token of this chunk (for prompt logprobs)."""
+        return self.group.prompt_logprobs is not None
+
 
 @dataclass
 class SchedulerOutput:

@@ -157,12 +157,36 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_prefilled: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @cached_property
     def stop_fallbacks(self) -> list[array]:
         """The KMP failure function of each stop string (built once, shared by the ``n`` samples): entry
         ``k`` is the length of the longest proper prefix of ``stop[: k + 1]`` that is also its suffix."""
         return [_failure_function(stop) for stop in self.params.stop]
+
+    def record_prompt_logprobs(self, start: int, logits: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens that ``logits`` (the rows of prompt positions ``start``,
+        ``start + 1``, ...) predict: each row's next prompt token, with its rank and the top
+        ``params.prompt_logprobs`` alternatives. Log-softmax runs in fp32 (fp64 for fp64 logits)."""
+        if self.prompt_logprobs is None:
+            return
+        targets = self.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        if not targets:
+            return
+        logp = torch.log_softmax(logits[: len(targets)].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        target = torch.tensor(targets, device=logp.device)[:, None]
+        chosen = logp.gather(1, target)
+        ranks = (logp > chosen).sum(1).add_(1).tolist()
+        top_vals, top_ids = logp.topk(min(self.params.prompt_logprobs, logp.shape[-1]), dim=-1)
+        for token, lp, rank, ids, vals in zip(
+            targets, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_vals.tolist(), strict=True
+        ):
+            self.prompt_logprobs.append(TokenLogprob(token, lp, list(zip(ids, vals, strict=True)), rank))
 
     @property
     def prefill_done(self) -> bool:
@@ -182,6 +206,7 @@ class SequenceGroup:
             finished=self.finished,
             metrics=dataclasses.replace(self.metrics),
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

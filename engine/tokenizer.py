@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,11 @@ class Tokenizer:
         size = self.vocab_size
         return next((t for t in ids if not 0 <= t < size), None)
 
+    def stream_decoder(self) -> StreamDecoder:
+        """A decoder for one generated sequence. This default decodes each token alone, right for tokenizers
+        whose tokens are whole strings; tokenizers whose tokens merge or split characters override it."""
+        return StreamDecoder(self)
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus special tokens from 256 on (``<|endoftext|>`` = 256 is EOS)."""
@@ -51,6 +57,31 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         # Special and out-of-vocabulary ids carry no text.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> StreamDecoder:
+        return Utf8StreamDecoder(self)
+
+
+class TokenIdTokenizer(Tokenizer):
+    """For models shipped without a tokenizer: the text of a token is its id in decimal after a space, so
+    ``"12 7 345"`` encodes to ``[12, 7, 345]`` and generated ids come back as ``" 51 9"``. No EOS."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        words = text.split()
+        if not all(w.isdigit() for w in words):
+            raise ValueError("this model has no tokenizer: send token ids (a list of ints, or decimal ids separated "
+                             "by spaces)")
+        return [int(w) for w in words]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f" {i}" for i in ids if 0 <= i < self._vocab_size)
 
 
 class CharTokenizer(Tokenizer):
@@ -116,43 +147,87 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def stream_decoder(self) -> StreamDecoder:
+        return HFStreamDecoder(self)
+
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id with no token (a ``tokenizer.json`` may leave gaps between its ids), or ``None``."""
         return next((t for t in dict.fromkeys(ids) if not 0 <= t < 2**32 or self._tok.id_to_token(t) is None), None)
 
 
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas that never end inside a UTF-8 sequence.
+class StreamDecoder:
+    """Text of a token stream, one token at a time, for tokenizers whose tokens are whole strings (alphabets,
+    token ids): each token's text is its own decode."""
 
-    Keeps a short window of tokens: ``[prefix, read)`` was emitted already and gives context (tokenizers
-    that merge across tokens, such as leading spaces), ``[read, end)`` is pending. A delta is emitted once
-    the pending tokens no longer decode to an incomplete character (U+FFFD); after ``max_pending`` held
-    tokens it stops waiting (the model really produced invalid bytes) and emits the replacement character.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, max_pending: int = 6) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.max_pending = max_pending
-        self._window: list[int] = []
-        self._read = 0
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly empty)."""
-        self._window.append(token_id)
-        return self._emit(force=False)
+        return self.tokenizer.decode([token_id])
+
+    def flush(self) -> str:
+        """Whatever is still held, at the end of a sequence."""
+        return ""
+
+
+class Utf8StreamDecoder(StreamDecoder):
+    """Byte tokens through Python's incremental UTF-8 decoder: a character split across tokens comes out whole,
+    an invalid byte at once as U+FFFD; ids beyond the bytes carry no text."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class HFStreamDecoder(StreamDecoder):
+    """``tokenizers``' ``DecodeStream``: it holds tokens while their text ends inside a character and decodes
+    with the preceding tokens as context (merged leading spaces, byte fallback). It has no end-of-stream call,
+    so :meth:`flush` decodes what it still holds, after the tokens of the last delta as context."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__(tokenizer)
+        self._tok = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._context: list[int] = []
+        self._held: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        self._held.append(token_id)
+        delta = self._stream.step(self._tok, token_id)
+        if delta is None:
+            return ""
+        self._context, self._held = self._held, []
+        return delta
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        context = self._tok.decode(self._context, skip_special_tokens=True)
+        text = self._tok.decode(self._context + self._held, skip_special_tokens=True)
+        self._context, self._held = self._held, []
+        return text[len(context) :]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never end inside a character, with the decoder the
+    tokenizer provides (:meth:`Tokenizer.stream_decoder`)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decoder = tokenizer.stream_decoder()
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (possibly empty)."""
+        return self._decoder.push(token_id)
 
     def flush(self) -> str:
         """Emit whatever is still held (at the end of a sequence)."""
-        return self._emit(force=True)
-
-    def _emit(self, force: bool) -> str:
-        if self._read == len(self._window):
-            return ""
-        text = self.tokenizer.decode(self._window)
-        pending = len(self._window) - self._read
-        if not force and text.endswith("\ufffd") and pending < self.max_pending:
-            return ""
-        delta = text[len(self.tokenizer.decode(self._window[: self._read])) :]
-        self._window = self._window[self._read :]
-        self._read = len(self._window)
-        return delta
+        return self._decoder.flush()

@@ -8,7 +8,8 @@ only which submission consumes it. A request the engine fails (``RequestOutput.e
 submission alone; if ``engine.step()`` itself raises, every in-flight request fails and is aborted.
 
 The bridge also bounds the memory that queued requests hold: the prompts of submissions that have not yet
-produced an output count against ``max_queued_bytes``.
+produced an output count against ``max_queued_bytes``. It keeps the Prometheus metrics up to date, logs a
+throughput line every 10 s while busy, and says whether the server is ready for requests (``/ready``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
-from rnnserve.server.metrics import ServerMetrics
+from rnnserve.server.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger("rnnserve.engine")
 
@@ -116,6 +117,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0
+        self.draining = False
+        self.stat_logger = StatLogger()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._consumers: dict[str, Submission] = {}
         self._thread: threading.Thread | None = None
@@ -128,6 +131,16 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server cannot take requests now, or ``None`` when it can. An AsyncEngine exists only once
+        the model is loaded and, on CPU, the fused kernels are built (``LLMEngine`` does both before it returns),
+        so what remains is the engine thread running and the server not shutting down."""
+        if self.draining:
+            return "the server is shutting down"
+        if not self.running or not self._accepting:
+            return "the engine is not running"
+        return None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -152,6 +165,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         size = prompt_bytes(prompts)
         if self.max_queued_bytes is not None and self.queued_bytes and self.queued_bytes + size > self.max_queued_bytes:
+            self.metrics.request_rejected.inc()
             raise QueueFullError(
                 f"queued prompts hold {self.queued_bytes} bytes, this one {size} (limit {self.max_queued_bytes})"
             )
@@ -162,8 +176,10 @@ class AsyncEngine:
         self._commands.put(AddCommand(ids, prompts, params, time.monotonic(), submission.accepted))
         try:
             await submission.accepted
-        except BaseException:  # rejected (nothing was added) or cancelled (abort what may have been)
+        except BaseException as err:  # rejected (nothing was added) or cancelled (abort what may have been)
             self.abort(submission)
+            if isinstance(err, QueueFullError):
+                self.metrics.request_rejected.inc()
             raise
         return submission
 
@@ -260,6 +276,9 @@ class AsyncEngine:
             error = err
             for request_id in added:
                 self.engine.abort_request(request_id)
+        else:
+            for _ in added:
+                self.metrics.observe_admitted(command.params)
         self.metrics.set_load(self.engine.load())
         self._post(self._settle, command.accepted, error)
 
@@ -276,8 +295,10 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every in-flight request")
             self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
             return False
+        load = self.engine.load()
         self.metrics.observe_step(self.engine.last_step, outputs)
-        self.metrics.set_load(self.engine.load())
+        self.metrics.set_load(load)
+        self.stat_logger.record(self.engine.last_step, load)
         if outputs:
             self._post(self._route, outputs)
         return True

@@ -1,20 +1,27 @@
-"""Render chat messages into a prompt with the tokenizer's Jinja chat template (sandboxed).
+"""Render chat messages into a prompt with a Jinja chat template (sandboxed).
 
-Models without a template (byte-level models such as the embedded default) use ``DEFAULT_CHAT_TEMPLATE``:
-one ``Role: content`` line per message, then ``Assistant:`` when a generation prompt is requested. Pass a
-stop string such as ``"\\nUser:"`` to end the reply at the next turn.
+The template is, first found: the ``--chat-template FILE`` given to the server, ``chat_template.jinja`` in the
+model's directory (next to its tokenizer, where ``transformers`` saves it), the tokenizer's own
+(``chat_template`` in ``tokenizer_config.json``). Models with none (byte-level models such as the embedded
+default) use ``DEFAULT_CHAT_TEMPLATE``: one ``Role: content`` line per message, then ``Assistant:`` when a
+generation prompt is requested. Pass a stop string such as ``"\\nUser:"`` to end the reply at the next turn.
+A request's ``chat_template_kwargs`` (vLLM) become extra template variables.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.tokenizer import Tokenizer
+
+TEMPLATE_FILE = "chat_template.jinja"
 
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -35,21 +42,60 @@ def _compile(source: str) -> Any:
     return env.from_string(source)
 
 
+def model_directory(model: str) -> Path | None:
+    """The folder a model name loads from (a checkpoint directory or a cached Hugging Face snapshot), if any."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if looks_like_repo_id(model):
+        try:
+            return resolve_repo_id(model)
+        except HFCacheMiss:
+            return None
+    return None
+
+
+def find_chat_template(tokenizer: Tokenizer, template_file: str | None, model_dir: Path | None) -> str | None:
+    """The template source the server renders with (``None``: the tokenizer's or the default, see the module
+    docstring). Raises ``ValueError`` for a template file that cannot be read or compiled, so a bad
+    ``--chat-template`` stops the server at start-up rather than failing every chat request."""
+    if template_file is not None:
+        path = Path(template_file).expanduser()
+    elif model_dir is not None and (model_dir / TEMPLATE_FILE).is_file():
+        path = model_dir / TEMPLATE_FILE
+    else:
+        return tokenizer.chat_template
+    try:
+        source = path.read_text(encoding="utf-8")
+        _compile(source)
+    except OSError as err:
+        raise ValueError(f"cannot read chat template {path}: {err.strerror}") from err
+    except TemplateError as err:
+        raise ValueError(f"chat template {path} does not compile: {err}") from err
+    return source
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Apply the chat template; a template error becomes an InvalidParameterError on ``messages``."""
-    source = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    """Apply ``template`` (default: the tokenizer's, else ``DEFAULT_CHAT_TEMPLATE``) with ``template_kwargs`` as
+    extra variables; a template error becomes an InvalidParameterError on ``messages``."""
+    source = template or tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    if template_kwargs and "messages" in template_kwargs:
+        raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs cannot replace 'messages'")
+    variables = {
+        "add_generation_prompt": add_generation_prompt and not continue_final_message,
+        "bos_token": special_token_text(tokenizer, tokenizer.bos_token_id),
+        "eos_token": special_token_text(tokenizer, tokenizer.eos_token_id),
+        **(template_kwargs or {}),
+    }
     try:
-        text = _compile(source).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            bos_token=_special_text(tokenizer, tokenizer.bos_token_id),
-            eos_token=_special_text(tokenizer, tokenizer.eos_token_id),
-        )
+        text = _compile(source).render(messages=messages, **variables)
     except TemplateError as err:
         raise InvalidParameterError("messages", f"chat template error: {err}") from err
     if continue_final_message and messages:
@@ -60,7 +106,7 @@ def render_chat(
     return text
 
 
-def _special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
+def special_token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     """Text of a special token for templates that insert it (byte-level specials carry no text)."""
     if token_id is None:
         return ""

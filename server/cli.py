@@ -13,7 +13,7 @@ import time
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
-from rnnserve.server.config import API_KEY_ENV, ServerConfig
+from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
 
 logger = logging.getLogger("rnnserve")
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rnnserve", description="Inference server for recurrent language models."
     )
+    parser.add_argument("--version", action="version", version=f"rnnserve {rnnserve_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.server.app import create_app
-    from rnnserve.server.http_server import build_server
+    from rnnserve.server.http_server import build_server, listen_socket
 
     try:
         config = ServerConfig.from_args(args)
@@ -103,10 +104,26 @@ def serve(args: argparse.Namespace) -> int:
         )
         return 1
     try:
+        sock = listen_socket(config.host, config.port)
+    except OSError as err:
+        logger.error("cannot listen on %s:%d: %s", config.host, config.port, err.strerror or err)
+        return 1
+    logger.info(
+        "rnnserve %s: loading model %s (on CPU a machine's first start also compiles the fused kernels, about a "
+        "minute); the port opens when it is ready", rnnserve_version(), config.model_path,
+    )
+    # A signal while loading exits through Python (so a kernel build releases torch's build lock); uvicorn drains
+    # on SIGTERM/SIGINT, then re-raises the signal: both make a clean exit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    start = time.perf_counter()
+    try:
         engine = LLMEngine.from_config(config.engine)
     except (ModelLoadError, ValueError) as err:
+        sock.close()
         logger.error("cannot load model: %s", err)
         return 1
+    logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     app = create_app(config, engine)
     pool = engine.pool
     weight = next(iter(engine.model.parameters()), None)
@@ -125,10 +142,7 @@ def serve(args: argparse.Namespace) -> int:
         config.port,
     )
     server = build_server(app, config)
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal: make that a clean exit.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(0))
-    server.run()
+    server.run(sockets=[sock])
     return 0
 
 

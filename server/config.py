@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,11 +77,16 @@ class ServerConfig:
     chat_default_max_tokens: int = option(
         256, "max_tokens of chat requests that give none", flag="--chat-max-tokens", metavar="N"
     )
+    chat_template: str | None = option(
+        None, "Jinja chat template file for chat requests (default: chat_template.jinja in the model's directory, "
+        "else the tokenizer's template, else 'Role: content' lines)", metavar="FILE",
+    )
     retry_after_seconds: int = option(1, "Retry-After header of 429 (queue full) answers", metavar="SECONDS")
     drain_timeout: float = option(
         30.0, "on SIGTERM/SIGINT, let in-flight requests finish for this long, then exit", metavar="SECONDS"
     )
     log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
+    access_log: bool = option(False, "log one line per HTTP request (uvicorn's access log)")
 
     def __post_init__(self) -> None:
         if self.api_key_file is not None:
@@ -137,6 +143,14 @@ class ServerConfig:
         if model is None:
             return [DEFAULT_SERVED_NAME]
         return [os.path.basename(os.path.normpath(model)) if self.model_is_local_path else model]
+
+
+def rnnserve_version() -> str:
+    """The installed package's version (``0+unknown`` when run from a checkout that was never installed)."""
+    try:
+        return importlib.metadata.version("rnnserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def read_api_key(path: str) -> str:

@@ -80,7 +80,13 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.drain_timeout = drain_timeout
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn says "Uvicorn running on ..." only for its own sockets
+            self._log_started_message(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.engine.draining = True  # /ready answers 503 from now on
         deadline = asyncio.get_running_loop().call_later(
             self.drain_timeout, self.engine.fail_in_flight, "the server is shutting down"
         )
@@ -88,6 +94,21 @@ class DrainingServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             deadline.cancel()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, to hand to :meth:`DrainingServer.run` (which starts listening on it).
+    Binding before the model loads finds a busy port at once; until the server runs, connections are refused.
+    Raises OSError (e.g. the address is in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
@@ -101,6 +122,6 @@ def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
         timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
         limit_concurrency=config.limit_concurrency,
         timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE_SECONDS,  # type: ignore[arg-type]
-        access_log=False,
+        access_log=config.access_log,
     )
     return DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout)

@@ -1,136 +1,145 @@
-"""Prometheus metrics of one server (names are a stable contract: dashboards depend on them).
+"""Prometheus metrics of one server (names are a stable contract: dashboards depend on them), and the periodic
+throughput log line.
 
-Each server owns its own ``CollectorRegistry`` so several apps can live in one process (tests). See
-``docs/metrics.md`` for meanings and units.
+Each server owns its own ``CollectorRegistry`` so several apps can live in one process (tests). Every rnnserve
+series carries a ``model_name`` label (the first served name), as vLLM's do; the registry also holds the
+standard ``process_*`` series (CPU seconds, resident memory, open files). See ``docs/metrics.md`` for meanings
+and units.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("rnnserve.metrics")
 
 LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    320.0,
-)
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 320.0,
+)  # fmt: skip
 TOKEN_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+N_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+STATS_LOG_INTERVAL = 10.0
+
+
+def token_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_len`` (the bucket scale vLLM uses for token counts)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_len:
+                return (*buckets, max_len) if not buckets or buckets[-1] < max_len else tuple(buckets)
+            buckets.append(value)
+        scale *= 10
 
 
 class ServerMetrics:
     """All metrics the server exports; updated from the engine thread (prometheus-client is thread-safe)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.num_requests_running = Gauge(
-            "rnnserve_num_requests_running",
-            "Sequences holding a state slot (prefilling or decoding).",
-            registry=r,
+        ProcessCollector(registry=self.registry)
+        tokens = token_buckets(max_model_len)
+        self.num_requests_running = self._gauge(
+            "rnnserve_num_requests_running", "Sequences holding a state slot (prefilling or decoding)."
         )
-        self.num_requests_waiting = Gauge(
-            "rnnserve_num_requests_waiting", "Requests queued for a free state slot.", registry=r
+        self.num_requests_waiting = self._gauge("rnnserve_num_requests_waiting", "Requests queued for a free slot.")
+        self.state_slots_used = self._gauge("rnnserve_state_slots_used", "State slots in use.")
+        self.state_slots_total = self._gauge("rnnserve_state_slots_total", "State slots in the pool.")
+        self.state_usage_perc = self._gauge(
+            "rnnserve_state_usage_perc", "Fraction of the state pool in use, 0 to 1 (vLLM's kv_cache_usage_perc)."
         )
-        self.state_slots_used = Gauge("rnnserve_state_slots_used", "State slots in use.", registry=r)
-        self.state_slots_total = Gauge("rnnserve_state_slots_total", "State slots in the pool.", registry=r)
-        self.state_bytes_per_slot = Gauge(
-            "rnnserve_state_bytes_per_slot", "Bytes of recurrent state per sequence.", registry=r
+        self.state_bytes_per_slot = self._gauge("rnnserve_state_bytes_per_slot", "Bytes of recurrent state per slot.")
+        self.state_memory_used_bytes = self._gauge(
+            "rnnserve_state_memory_used_bytes", "Bytes of state held by running sequences."
         )
-        self.state_memory_used_bytes = Gauge(
-            "rnnserve_state_memory_used_bytes", "Bytes of state held by running sequences.", registry=r
+        self.state_memory_total_bytes = self._gauge(
+            "rnnserve_state_memory_total_bytes", "Bytes of the preallocated state pool."
         )
-        self.state_memory_total_bytes = Gauge(
-            "rnnserve_state_memory_total_bytes", "Bytes of the preallocated state pool.", registry=r
-        )
-        self.prompt_tokens = Counter("rnnserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
-        self.generation_tokens = Counter("rnnserve_generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter(
+        self.prompt_tokens = self._counter("rnnserve_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = self._counter("rnnserve_generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
             "rnnserve_request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
-            ["finished_reason"],
-            registry=r,
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
-            "rnnserve_time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.request_rejected = self._counter(
+            "rnnserve_request_rejected", "Requests answered 429 because the waiting queue was full."
         )
-        self.inter_token_latency = Histogram(
-            "rnnserve_inter_token_latency_seconds",
-            "Time between successive tokens of a request.",
-            buckets=TOKEN_LATENCY_BUCKETS,
-            registry=r,
+        self.time_to_first_token = self._histogram(
+            "rnnserve_time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS
         )
-        self.e2e_request_latency = Histogram(
-            "rnnserve_e2e_request_latency_seconds",
-            "Arrival to finish of a request.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.inter_token_latency = self._histogram(
+            "rnnserve_inter_token_latency_seconds", "Time between successive tokens of a request.",
+            TOKEN_LATENCY_BUCKETS,
         )
-        self.request_queue_time = Histogram(
-            "rnnserve_request_queue_time_seconds",
-            "Arrival to admission into a state slot.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e_request_latency = self._histogram(
+            "rnnserve_e2e_request_latency_seconds", "Arrival to finish of a request.", LATENCY_BUCKETS
         )
-        self.engine_step = Histogram(
-            "rnnserve_engine_step_seconds",
-            "Duration of one engine step (prefill + decode + sampling).",
-            buckets=TOKEN_LATENCY_BUCKETS,
-            registry=r,
+        self.request_queue_time = self._histogram(
+            "rnnserve_request_queue_time_seconds", "Arrival to admission into a state slot.", LATENCY_BUCKETS
         )
-        self.decode_batch_size = Histogram(
-            "rnnserve_decode_batch_size",
-            "Sequences decoded together in one engine step.",
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=r,
+        self.request_prefill_time = self._histogram(
+            "rnnserve_request_prefill_time_seconds", "Admission to first token (the prompt's prefill).",
+            LATENCY_BUCKETS,
         )
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(finished_reason=reason)
+        self.request_decode_time = self._histogram(
+            "rnnserve_request_decode_time_seconds", "First token to last token of a finished request.",
+            LATENCY_BUCKETS,
+        )
+        self.request_inference_time = self._histogram(
+            "rnnserve_request_inference_time_seconds", "Admission to finish (prefill + decode).", LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = self._histogram(
+            "rnnserve_request_prompt_tokens", "Prompt tokens of a finished request.", tokens
+        )
+        self.request_generation_tokens = self._histogram(
+            "rnnserve_request_generation_tokens", "Generated tokens of a finished request (all samples).", tokens
+        )
+        self.request_params_n = self._histogram("rnnserve_request_params_n", "The n of admitted requests.", N_BUCKETS)
+        self.request_params_max_tokens = self._histogram(
+            "rnnserve_request_params_max_tokens", "The max_tokens of admitted requests.", tokens
+        )
+        self.engine_step = self._histogram(
+            "rnnserve_engine_step_seconds", "Duration of one engine step (prefill + decode + sampling).",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.decode_batch_size = self._histogram(
+            "rnnserve_decode_batch_size", "Sequences decoded together in one engine step.", BATCH_SIZE_BUCKETS
+        )
+        for reason in FINISH_REASONS:
+            self.request_success(reason)
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry)
+        return metric.labels(model_name=self.model_name)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        """The finished-requests counter of one finish reason."""
+        return self._request_success.labels(model_name=self.model_name, finished_reason=finished_reason)
 
     def set_pool(self, num_slots: int, bytes_per_slot: int) -> None:
         self.state_slots_total.set(num_slots)
@@ -141,7 +150,13 @@ class ServerMetrics:
         self.num_requests_running.set(load.num_running)
         self.num_requests_waiting.set(load.num_waiting)
         self.state_slots_used.set(load.slots_used)
+        self.state_usage_perc.set(load.slots_used / load.num_slots if load.num_slots else 0.0)
         self.state_memory_used_bytes.set(load.slots_used * load.bytes_per_slot)
+
+    def observe_admitted(self, params: SamplingParams) -> None:
+        """One engine request was queued with ``params``."""
+        self.request_params_n.observe(params.n)
+        self.request_params_max_tokens.observe(params.max_tokens)
 
     def observe_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         """One engine step: its duration, batch and token counts, and its outputs' latencies."""
@@ -154,7 +169,8 @@ class ServerMetrics:
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
         """Latencies from the outputs' timestamps: queue time and TTFT at a request's first token, the
-        inter-token latency at each later one, end-to-end latency and finish reason when it finishes."""
+        inter-token latency at each later one; when it finishes, its end-to-end, prefill, decode and inference
+        times, its token counts and its finish reason."""
         for out in outputs:
             times = out.metrics
             if times.first_token_time is not None and any(s.new_token_ids for s in out.outputs):
@@ -165,10 +181,60 @@ class ServerMetrics:
                 elif times.last_token_time is not None:
                     self.inter_token_latency.observe(times.last_token_time - times.previous_token_time)
             if out.finished:
-                if times.finished_time is not None:
-                    self.e2e_request_latency.observe(times.finished_time - times.arrival_time)
-                reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
-                self.request_success.labels(finished_reason=reason).inc()
+                self.observe_finished(out)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        times = out.metrics
+        if times.finished_time is not None:
+            self.e2e_request_latency.observe(times.finished_time - times.arrival_time)
+            if times.first_scheduled_time is not None:
+                self.request_inference_time.observe(times.finished_time - times.first_scheduled_time)
+        if times.first_token_time is not None:
+            if times.first_scheduled_time is not None:
+                self.request_prefill_time.observe(times.first_token_time - times.first_scheduled_time)
+            if times.last_token_time is not None:
+                self.request_decode_time.observe(times.last_token_time - times.first_token_time)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(s.token_ids) for s in out.outputs))
+        reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
+        self.request_success(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass
+class StatLogger:
+    """Logs one line every ``interval`` seconds while the engine works, as vLLM does: prompt and generation
+    throughput over the interval, running and waiting requests, and the state pool's usage. Called from the
+    engine thread after each step. An idle engine blocks on its queue and logs nothing; the first step after
+    an idle spell starts a new interval, so idle time never dilutes the throughput."""
+
+    interval: float = STATS_LOG_INTERVAL
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    window_start: float = float("-inf")
+    last_step: float = float("-inf")
+
+    def record(self, stats: StepStats, load: EngineLoad, now: float | None = None) -> str | None:
+        """Count one step's tokens; at the end of an interval, log (and return) the line."""
+        now = time.monotonic() if now is None else now
+        if now - self.last_step > self.interval:
+            self.prompt_tokens = self.generation_tokens = 0
+            self.window_start = now - stats.seconds
+        self.last_step = now
+        self.prompt_tokens += stats.prefill_tokens
+        self.generation_tokens += stats.generated_tokens
+        elapsed = now - self.window_start
+        if elapsed < self.interval:
+            return None
+        usage = 100.0 * load.slots_used / load.num_slots if load.num_slots else 0.0
+        line = (
+            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {load.num_running} reqs, Waiting: {load.num_waiting} reqs, State usage: {usage:.1f}%"
+        )
+        logger.info("%s", line)
+        self.prompt_tokens = self.generation_tokens = 0
+        self.window_start = now
+        return line

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible API and their mapping onto :class:`SamplingParams`.
 
 Field names follow OpenAI; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``) are accepted too. Unknown fields are rejected (as OpenAI does), except
-for a few OpenAI fields that do not change generation here (``user``, ``metadata``, ...). Parsing is strict
-(no bools or floats where integers are expected, no NaN or infinities); the numeric ranges are
-:class:`SamplingParams`' own, so the server and the offline API accept the same values.
+``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``chat_template_kwargs``) are accepted too. Fields
+this server does not know are ignored and named in a warning in the log, as vLLM does
+(:meth:`APIModel.unknown_fields`), so clients that send newer OpenAI fields keep working; known features it
+cannot serve (``logit_bias``, ``suffix``, tools, image parts, ...) are a 400. Parsing is strict (no bools or
+floats where integers are expected, no NaN or infinities); the numeric ranges are :class:`SamplingParams`'
+own, so the server and the offline API accept the same values.
 """
 
 from __future__ import annotations
@@ -16,16 +18,27 @@ from pydantic import BaseModel, ConfigDict
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+class APIModel(BaseModel):
+    """A request body: known fields strictly typed, unknown fields kept aside (ignored, then logged)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of the fields this server ignored, nested request objects included."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, APIModel):
+                names += value.unknown_fields(f"{prefix}{name}.")
+        return names
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(APIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(APIModel):
     """Fields shared by both endpoints."""
 
     model: str | None = None
@@ -50,6 +63,7 @@ class SamplingFields(StrictModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -59,7 +73,9 @@ class SamplingFields(StrictModel):
                 "stream_options", "stream_options is only allowed when stream is true"
             )
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, max_tokens_param: str) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, max_tokens_param: str, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Build and validate the engine's parameters (raises InvalidParameterError naming the field)."""
         self.check_supported()
         try:
@@ -79,6 +95,7 @@ class SamplingFields(StrictModel):
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
         except InvalidParameterError as err:
             if err.param == "max_tokens":
@@ -111,35 +128,62 @@ class CompletionRequest(SamplingFields):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (with its logprobs, if asked)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``echo`` with ``logprobs = N`` asks the engine for the prompt's logprobs with top ``N`` too. With
+        ``echo_only`` the engine still samples one token (the prompt's logits are computed anyway), which the
+        response leaves out, as vLLM does."""
         if self.suffix:
             raise InvalidParameterError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameterError("best_of", "best_of other than n is not supported")
-        if self.echo and self.logprobs is not None:
-            raise InvalidParameterError("echo", "echo together with logprobs is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameterError("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, "max_tokens")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self.sampling_params(1 if self.echo_only else max_tokens, self.logprobs, "max_tokens", prompt_logprobs)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts can be served (the models read text only)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+    def checked_text(self) -> str:
+        if self.type != "text":
+            raise InvalidParameterError(
+                "messages",
+                f"content parts of type {self.type!r} are not supported: this server's models read text only, "
+                "so send the content as a string or as parts of type 'text'",
+            )
+        if self.text is None:
+            raise InvalidParameterError("messages", "a content part of type 'text' needs a 'text' string")
+        return self.text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text; :class:`InvalidParameterError` for a part that is not text (an image, ...)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.checked_text() for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -155,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if not self.messages:
@@ -183,14 +228,15 @@ class ChatCompletionRequest(SamplingFields):
             raise
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(APIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(APIModel):
     model: str | None = None
     tokens: list[int]

@@ -4,7 +4,8 @@
 ``torch.nn`` module, so weight names (``rnn.weight_ih_l0``, ``rnn.bias_hh_l1``, ...) and numerics are
 PyTorch's. Prefill hands the packed batch to the module as a ``PackedSequence`` (time-major, no padding,
 built from the batch's host lengths), so the whole time loop runs inside PyTorch's fused kernel (oneDNN on
-CPU, cuDNN on GPU); decode is one cell step. State per layer: ``h`` (and ``c`` for LSTM), stored in fp32.
+CPU, cuDNN on GPU), and the head reads the batch's ``logit_rows`` of the top layer's outputs; decode is one
+cell step. State per layer: ``h`` (and ``c`` for LSTM), stored in fp32.
 """
 
 from __future__ import annotations
@@ -77,22 +78,28 @@ class ClassicRNNLM(RecurrentLM):
         c = self.config
         return [StateSpec(name, (c.n_layers, c.hidden_size), torch.float32, 0.0) for name in self.state_names]
 
-    def _step(self, x: torch.Tensor | PackedSequence, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
-        """Run the stack over ``x`` from the states of ``slot_ids``, write the final states back and return
-        the logits of the top layer's final ``h``. ``torch.nn`` holds states as ``[n_layers, B, H]``."""
+    def _run(self, x: torch.Tensor | PackedSequence, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        """Run the stack over ``x`` from the states of ``slot_ids``, write the final states back and return the
+        top layer's outputs (``torch.nn`` holds states as ``[n_layers, B, H]``)."""
         pools = [state[name] for name in self.state_names]
         dtype = self.embed.weight.dtype
         parts = tuple(p.transpose(0, 1).to(dtype).contiguous() for p in gather_slots(pools, slot_ids))
-        _, hidden = self.rnn(x, parts if len(parts) == 2 else parts[0])
+        output, hidden = self.rnn(x, parts if len(parts) == 2 else parts[0])
         parts = hidden if isinstance(hidden, tuple) else (hidden,)
         scatter_slots(pools, slot_ids, [p.transpose(0, 1) for p in parts])
-        return self.lm_head(parts[0][-1]).float()
+        return output.data if isinstance(output, PackedSequence) else output[:, -1]
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
-        return self._step(time_major_packed(self.embed(batch.input_ids), batch.lengths), batch.slot_ids, state)
+        """The packed outputs come back time-major; packing the row numbers the same way maps them back to
+        the batch's rows, of which only ``logit_rows`` reach the head."""
+        rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+        packed_rows = time_major_packed(rows, batch.lengths).data
+        out = self._run(time_major_packed(self.embed(batch.input_ids), batch.lengths), batch.slot_ids, state)
+        hidden = out.new_empty(out.shape).index_copy_(0, packed_rows, out)
+        return self.lm_head(hidden[batch.logit_rows]).float()
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
-        return self._step(self.embed(batch.input_ids)[:, None, :], batch.slot_ids, state)
+        return self.lm_head(self._run(self.embed(batch.input_ids)[:, None, :], batch.slot_ids, state)).float()
 
 
 @register_model

@@ -1,13 +1,19 @@
-"""The sync and async Python clients against a live server."""
+"""The Python clients against a live server: the official openai client underneath, the extra routes, and
+retries that honour Retry-After."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import openai
 import pytest
 
-from rnnserve.clients import APIError, AsyncClient, ChatCompletion, Client, Completion
-from tests.server.conftest import API_KEY, TINY
+from rnnserve.clients import AsyncClient, Client
+from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.server.app import create_app
+from rnnserve.server.background import serve_in_thread
+from tests.server.conftest import API_KEY, TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -15,51 +21,61 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-def test_sync_client_endpoints(live_url: str) -> None:
-    with Client(live_url, api_key=API_KEY) as client:
-        assert client.health() and client.models() == [TINY]
-        completion = client.completions("Hello", **GREEDY)
-        assert isinstance(completion, Completion) and completion.usage is not None
-        assert completion.usage.completion_tokens == 6 and completion.choices[0].finish_reason == "length"
-        chunks = list(client.stream_completions("Hello", **GREEDY))
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
-        assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 11
-        chat = client.chat(MESSAGES, model=TINY, **GREEDY)
-        assert isinstance(chat, ChatCompletion) and chat.choices[0].message.role == "assistant"
-        streamed = list(client.stream_chat(MESSAGES, **GREEDY))
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        assert text == chat.choices[0].message.content
+def test_sync_client_routes(live_url: str) -> None:
+    with Client(live_url + "/v1", api_key=API_KEY) as client:
+        assert client.health() and client.ready() and client.model == TINY
+        assert client.version() and "rnnserve_generation_tokens_total" in client.metrics()
+        completion = client.openai.completions.create(
+            model=client.model, prompt="Hello", extra_body={"top_k": 1, "ignore_eos": True}, **GREEDY
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens == 6
+        chat = client.openai.chat.completions.create(model=client.model, messages=MESSAGES, **GREEDY)
+        assert chat.choices[0].message.role == "assistant"
         assert client.detokenize(client.tokenize("héllo")) == "héllo"
+        assert client.tokenize("ab", model=TINY) == [97, 98]
 
 
 def test_sync_client_errors(live_url: str) -> None:
     with Client(live_url, api_key=API_KEY) as client:
-        with pytest.raises(APIError) as err:
-            client.completions("Hello", temperature=-1)
-        assert err.value.status == 400 and err.value.param == "temperature"
-        with pytest.raises(APIError) as err:
-            list(client.stream_completions("Hello", model="gpt-17"))
-        assert err.value.status == 404 and err.value.code == "model_not_found"
-    with Client(live_url, api_key="wrong") as client, pytest.raises(APIError) as err:
-        client.completions("Hello")
-    assert err.value.status == 401
+        with pytest.raises(openai.BadRequestError) as err:
+            client.detokenize([10**9])
+        assert err.value.body["param"] == "tokens"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            client.tokenize("a", model="gpt-17")
+    with Client(live_url, api_key="wrong") as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.tokenize("a")
+        assert client.health()  # open without the key
+    assert not Client("http://127.0.0.1:9", max_retries=0).health()  # nothing listens there
 
 
-def test_async_client_endpoints(live_url: str) -> None:
+def test_async_client_routes(live_url: str) -> None:
     async def scenario() -> None:
         async with AsyncClient(live_url, api_key=API_KEY) as client:
-            assert await client.health() and await client.models() == [TINY]
-            completion, chat = await asyncio.gather(
-                client.completions("Hello", **GREEDY), client.chat(MESSAGES, **GREEDY)
-            )
-            chunks = [c async for c in client.stream_completions("Hello", **GREEDY)]
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
-            streamed = [c async for c in client.stream_chat(MESSAGES, **GREEDY)]
-            text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-            assert text == chat.choices[0].message.content
+            assert await client.health() and await client.ready() and await client.model() == TINY
+            stream = await client.openai.completions.create(model=TINY, prompt="Hello", stream=True, **GREEDY)
+            text = "".join([c.choices[0].text async for c in stream if c.choices])
             assert await client.tokenize("ab") == [97, 98] and await client.detokenize([97, 98]) == "ab"
-            with pytest.raises(APIError) as err:
-                await client.chat([], **GREEDY)
-            assert err.value.status == 400 and err.value.param == "messages"
+            assert len(text) > 0 and await client.version() == Client(live_url).version()
+            assert "process_resident_memory_bytes" in await client.metrics()
 
     asyncio.run(scenario())
+
+
+def test_a_busy_server_is_retried_after_its_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    app = create_app(tiny_config(retry_after_seconds=1))
+    engine = app.state.engine.engine
+    real_add = engine.add_request
+    attempts: list[float] = []
+
+    def add_request(*args, **kwargs):  # type: ignore[no-untyped-def]
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise QueueFullError("256 requests are waiting")
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    with serve_in_thread(app) as url, Client(url, max_retries=1) as client:
+        completion = client.openai.completions.create(model=TINY, prompt="Hello", **GREEDY)
+    assert completion.choices[0].finish_reason == "length" and len(attempts) == 2
+    assert attempts[1] - attempts[0] >= 0.95  # Retry-After: 1, not openai's own 0.5 s first backoff

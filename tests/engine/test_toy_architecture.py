@@ -59,13 +59,16 @@ class RunningSumLM(RecurrentLM):
         return (self.head(torch.tanh(total)) + self.position_bias(positions)).float()
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        """The running sum after every token (the slot's sum plus the chunk's cumulative sum); the sum after
+        the last token goes back into the slot, the rows named by ``logit_rows`` get logits."""
         pool = state["sum"]
         per_token = self.embed(batch.input_ids).float()
-        sums = torch.zeros(batch.num_seqs, per_token.shape[1]).index_add_(
-            0, torch.repeat_interleave(torch.arange(batch.num_seqs), torch.tensor(batch.lengths)), per_token
-        )
-        pool[batch.slot_ids] += sums
-        return self._logits(pool[batch.slot_ids], batch.positions[batch.logit_rows])
+        totals = torch.cat([
+            pool[slot] + part.cumsum(0)
+            for slot, part in zip(batch.slot_ids.tolist(), per_token.split(list(batch.lengths)), strict=True)
+        ])
+        pool[batch.slot_ids] = totals[batch.cu_seqlens[1:] - 1]
+        return self._logits(totals[batch.logit_rows], batch.positions[batch.logit_rows])
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         pool = state["sum"]
@@ -74,6 +77,14 @@ class RunningSumLM(RecurrentLM):
 
 
 register_preset("test-running-sum-tiny", "test-running-sum", d_model=8)
+
+
+def reference_prompt_logprobs(model: RunningSumLM, prompt: list[int]) -> list[float]:
+    """Each prompt token's logprob given the tokens before it, from the whole-sequence sums."""
+    with torch.no_grad():
+        totals = model.embed(torch.tensor(prompt)).float().cumsum(0)
+        logp = torch.log_softmax(model._logits(totals, torch.arange(len(prompt))), -1)
+    return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
 
 
 def reference_greedy(model: RunningSumLM, prompt: list[int], max_tokens: int) -> list[int]:
@@ -113,6 +124,18 @@ def test_engine_matches_the_reference_with_and_without_chunked_prefill(checkpoin
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, prompt, 12)
     assert llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("budget", [2048, 3])
+def test_prompt_logprobs_match_the_reference(checkpoint: Path, budget: int) -> None:
+    llm = LLM(str(checkpoint), device="cpu", max_num_seqs=2, max_num_batched_tokens=budget)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 3, 3, 200, 7]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        assert [e.token_id for e in out.prompt_logprobs[1:]] == prompt[1:]  # type: ignore[union-attr]
+        got = [e.logprob for e in out.prompt_logprobs[1:]]  # type: ignore[union-attr]
+        assert got == pytest.approx(reference_prompt_logprobs(llm.engine.model, prompt), abs=1e-5)
 
 
 def test_length_limit_is_checked_before_admission(checkpoint: Path) -> None:

@@ -230,4 +230,6 @@ def test_state_memory_budget_sizes_the_pool() -> None:
     config = tiny_config(max_num_seqs=None, state_memory=3 * 2560 + 100)  # mingru-tiny: 2560 bytes per slot
     with TestClient(create_app(config)) as client:
         text = client.get("/metrics").text
-    assert "rnnserve_state_slots_total 3.0" in text and "rnnserve_state_memory_total_bytes 7680.0" in text
+    label = f'{{model_name="{TINY}"}}'
+    assert f"rnnserve_state_slots_total{label} 3.0" in text
+    assert f"rnnserve_state_memory_total_bytes{label} 7680.0" in text

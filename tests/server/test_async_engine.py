@@ -66,7 +66,7 @@ def test_a_failing_request_ends_its_own_stream_only(monkeypatch: pytest.MonkeyPa
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert chunks[-1]["finish_reason"] == "length"
     assert "".join(c["text"] for c in chunks) == alone["choices"][0]["text"]
-    assert 'rnnserve_request_success_total{finished_reason="error"} 1.0' in metrics
+    assert 'rnnserve_request_success_total{finished_reason="error",model_name="random:mingru-tiny"} 1.0' in metrics
     assert engine.pool.num_used == 0
 
 

@@ -60,7 +60,6 @@ BAD_COMPLETIONS = [
     ({"prompt": [400]}, "prompt"),
     ({"prompt": "y" * 65}, "prompt"),  # the fixture's max_prompt_tokens is 64
     ({}, "prompt"),
-    ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),

@@ -33,7 +33,7 @@ METRIC_NAMES = [
 
 
 def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = re.sub(r',?model_name="[^"]*"', "", httpx.get(f"{url}/metrics", timeout=10).text).replace("{}", "")
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(rnnserve_\S+) (\S+)$", text, re.M)}
 
 

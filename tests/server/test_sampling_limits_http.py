@@ -39,7 +39,7 @@ HOSTILE = [  # (body prefix, field = its parameter, raw JSON value)
 
 def test_hostile_sampling_parameters_get_a_400_while_a_stream_finishes() -> None:
     with running_server("--model", TINY, "--max-num-seqs", "4") as server:
-        body = {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "temperature": 1.0, "top_k": 50,
+        body = {"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "temperature": 1.0, "top_k": 50,
                 "stream": True}  # fmt: skip
         chunks: list[dict] = []
         with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -55,7 +55,7 @@ def test_hostile_sampling_parameters_get_a_400_while_a_stream_finishes() -> None
                     assert error["param"] == param and error["type"] == "invalid_request_error", error
                     assert error["message"]
                 metrics = client.get("/metrics").text
-                assert "rnnserve_state_slots_used 1.0" in metrics  # the stream was still generating
+                assert f'rnnserve_state_slots_used{{model_name="{TINY}"}} 1.0' in metrics  # still generating
                 rest = list(lines)
             assert rest[-1] == "[DONE]"
             chunks += [json.loads(line) for line in rest[:-1]]

@@ -1,0 +1,99 @@
+"""Streaming detokenization per tokenizer kind: ``tokenizers``' DecodeStream for Hugging Face tokenizers (byte-level
+BPE, Metaspace, byte fallback), Python's incremental UTF-8 decoder for bytes, whole tokens for alphabets and ids.
+Whatever the split, the deltas add up to the full decode and never end inside a character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from rnnserve.engine.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    HFStreamDecoder,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    TokenIdTokenizer,
+)
+
+CORPUS = ["the cat sat on the mat", "héllo wörld", "emoji 😀🎉 family 👨‍👩‍👧", "中文字符和日本語のテキスト"] * 20
+
+
+def stream(tokenizer, ids: list[int]) -> list[str]:  # type: ignore[no-untyped-def]
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+def save(tok: Tokenizer, path: Path) -> HFTokenizer:
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return HFTokenizer(path / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFTokenizer]:
+    root = tmp_path_factory.mktemp("toks")
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    metaspace = Tokenizer(models.BPE())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    metaspace.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
+    # Llama-style: characters outside the vocabulary become <0xNN> byte tokens.
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({c: 256 + i for i, c in enumerate("▁abcdefghijklmnopqrstuvwxyzé")})
+    fallback = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    fallback.normalizer = normalizers.Replace(" ", "▁")
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return {
+        "byte_level": save(byte_level, root / "byte_level"),
+        "metaspace": save(metaspace, root / "metaspace"),
+        "byte_fallback": save(fallback, root / "byte_fallback"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback"])
+@pytest.mark.parametrize("text", ["the cat sat", "a héllo 😀 wörld", "中文 and 日本語", "x 👨‍👩‍👧 y"])
+def test_hf_stream_adds_up_to_the_full_decode(tokenizers_by_kind: dict[str, HFTokenizer], kind: str, text: str) -> None:
+    tokenizer = tokenizers_by_kind[kind]
+    assert isinstance(tokenizer.stream_decoder(), HFStreamDecoder)
+    ids = tokenizer.encode(text)
+    deltas = stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_byte_fallback_holds_a_split_character(tokenizers_by_kind: dict[str, HFTokenizer]) -> None:
+    tokenizer = tokenizers_by_kind["byte_fallback"]
+    ids = tokenizer.encode("a😀")
+    assert len(ids) == 5  # "a" and the emoji's four <0xNN> bytes
+    assert stream(tokenizer, ids) == ["a", "", "", "", "😀", ""]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_character_cut_off_at_the_end_is_flushed(tokenizers_by_kind: dict[str, HFTokenizer], kind: str) -> None:
+    tokenizer = tokenizers_by_kind[kind]
+    ids = tokenizer.encode("ab😀")
+    cut = ids[:-1]  # the emoji's last byte is missing
+    deltas = stream(tokenizer, cut)
+    assert "".join(deltas) == tokenizer.decode(cut) and deltas[-1].endswith("\ufffd")
+
+
+def test_byte_tokenizer_streams_characters_whole_and_invalid_bytes_at_once() -> None:
+    tokenizer = ByteTokenizer()
+    assert stream(tokenizer, list("é😀".encode())) == ["", "é", "", "", "", "😀", ""]
+    assert stream(tokenizer, [0xFF, *b"ab", tokenizer.eos_token_id]) == ["\ufffd", "a", "b", "", ""]
+    assert stream(tokenizer, [*b"a", 0xE4, 0xB8]) == ["a", "", "", "\ufffd"]  # cut off: flushed
+
+
+def test_whole_token_tokenizers_stream_token_by_token() -> None:
+    lsrl = CharTokenizer([".", *"ABC"])
+    assert stream(lsrl, [1, 2, 0, 7]) == ["A", "B", ".", "", ""]
+    ids = TokenIdTokenizer(vocab_size=100)
+    assert stream(ids, [12, 7]) == [" 12", " 7", ""]

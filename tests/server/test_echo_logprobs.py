@@ -1,0 +1,122 @@
+"""Prompt logprobs over HTTP: OpenAI's ``echo`` with ``logprobs`` (``max_tokens: 0`` included) and vLLM's
+``prompt_logprobs``, equal to the offline engine's, streamed or not; ``/tokenizer_info``."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rnnserve import LLM, SamplingParams
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.server.chat_template import DEFAULT_CHAT_TEMPLATE
+from tests.server.conftest import TINY
+from tests.server.test_api import complete, events
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = "Hello, world"
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def offline() -> RequestOutput:
+    llm = LLM(TINY, device="cpu", max_num_seqs=2)
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))[0]
+
+
+def offline_logprobs(offline: RequestOutput) -> list[float | None]:
+    return [None if e is None else e.logprob for e in offline.prompt_logprobs]  # type: ignore[union-attr]
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs_then_the_generated_ones(
+    client: TestClient, offline: RequestOutput
+) -> None:
+    body = complete(client, prompt=PROMPT, echo=True, logprobs=2, max_tokens=3, **GREEDY)
+    [choice] = body["choices"]
+    generated = offline.outputs[0]
+    assert choice["text"] == PROMPT + generated.text
+    lp = choice["logprobs"]
+    assert lp["tokens"][: len(PROMPT)] == list(PROMPT) and len(lp["tokens"]) == len(PROMPT) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][: len(PROMPT)] == pytest.approx(offline_logprobs(offline), abs=1e-5)
+    for top, expected in zip(lp["top_logprobs"][1 : len(PROMPT)], offline.prompt_logprobs[1:], strict=True):
+        assert 1 <= len(top) <= 2  # keyed by token text: ids without text share the key ""
+        assert max(top.values()) == pytest.approx(expected.top[0][1], abs=1e-5)  # type: ignore[union-attr]
+    assert lp["text_offset"] == list(accumulate((len(t) for t in lp["tokens"][:-1]), initial=0))
+    plain = complete(client, prompt=PROMPT, logprobs=2, max_tokens=3, **GREEDY)["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][len(PROMPT) :] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 3, "total_tokens": len(PROMPT) + 3}
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client: TestClient, offline: RequestOutput) -> None:
+    body = complete(client, prompt=[PROMPT, "Hi"], echo=True, logprobs=1, max_tokens=0, **GREEDY)
+    first, second = body["choices"]
+    assert (first["text"], second["text"]) == (PROMPT, "Hi")
+    assert first["finish_reason"] == second["finish_reason"] == "length"
+    assert first["logprobs"]["token_logprobs"] == pytest.approx(offline_logprobs(offline), abs=1e-5)
+    assert len(second["logprobs"]["tokens"]) == 2
+    assert body["usage"]["completion_tokens"] == 0
+    assert complete(client, prompt=PROMPT, echo=True, max_tokens=0)["choices"][0]["logprobs"] is None
+
+
+def test_streamed_echo_logprobs_equal_the_non_streamed_ones(client: TestClient) -> None:
+    request = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4, **GREEDY}
+    whole = complete(client, **request)["choices"][0]
+    chunks = events(client.post("/v1/completions", json={**request, "stream": True}).text)
+    choices = [c["choices"][0] for c in chunks[:-1]]  # type: ignore[index]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    streamed = [lp for c in choices if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-6)
+    offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
+    only_prompt = events(client.post("/v1/completions", json={**request, "max_tokens": 0, "stream": True}).text)
+    assert "".join(c["choices"][0]["text"] for c in only_prompt[:-1]) == PROMPT  # type: ignore[index]
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(client: TestClient, offline: RequestOutput) -> None:
+    [choice] = complete(client, prompt=PROMPT, prompt_logprobs=2, max_tokens=2, **GREEDY)["choices"]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(PROMPT)
+    for token, entry, expected in zip(PROMPT[1:], entries[1:], offline.prompt_logprobs[1:], strict=True):
+        mine = entry[str(ord(token))]
+        assert mine["logprob"] == pytest.approx(expected.logprob, abs=1e-5)  # type: ignore[union-attr]
+        assert mine["decoded_token"] == token and mine["rank"] == expected.rank  # type: ignore[union-attr]
+        assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2] and len(entry) in (2, 3)
+    request = {"prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 2, "stream": True, **GREEDY}
+    streamed = events(client.post("/v1/completions", json=request).text)
+    assert streamed[0]["choices"][0]["prompt_logprobs"] == entries  # type: ignore[index]
+    assert all("prompt_logprobs" not in c["choices"][0] for c in streamed[1:-1])  # type: ignore[index]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 0, "max_tokens": 2}
+    body = client.post("/v1/chat/completions", json=chat).json()
+    prompt_ids = client.post("/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    assert len(body["prompt_logprobs"]) == len(prompt_ids) and body["prompt_logprobs"][0] is None
+    for entry, token in zip(body["prompt_logprobs"][1:], prompt_ids[1:], strict=True):
+        assert list(entry) == [str(token)] and entry[str(token)]["rank"] >= 1
+    assert "prompt_logprobs" not in complete(client, prompt=PROMPT, max_tokens=1)["choices"][0]
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_out_of_range_prompt_logprob_requests_are_400(client: TestClient, body: dict, param: str) -> None:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_and_tokenize_as_lm_eval_calls_them(client: TestClient) -> None:
+    info = client.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == "ByteTokenizer" and info["eos_token_id"] == 256
+    assert "eos_token" in info and info["model_max_length"] > 0
+    assert info["chat_template"] == DEFAULT_CHAT_TEMPLATE  # what chat requests are rendered with
+    tokens = client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
+    assert tokens == list(b"test")
+    assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "test"

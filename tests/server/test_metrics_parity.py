@@ -1,0 +1,106 @@
+"""vLLM-parity metrics: a model_name label on every series, per-request token, time and parameter histograms,
+the 429 counter, process metrics, the state-usage ratio, and the periodic throughput log line."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rnnserve.engine.llm_engine import EngineLoad, StepStats
+from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.server.app import create_app
+from rnnserve.server.http_server import build_server
+from rnnserve.server.metrics import StatLogger, token_buckets
+from tests.server.conftest import TINY, tiny_config
+
+LABEL = f'model_name="{TINY}"'
+
+
+def series(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample in a Prometheus text page."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def value(samples: dict[str, float], name: str) -> float:
+    return samples[f"{name}{{{LABEL}}}"]
+
+
+def test_every_series_is_labelled_and_requests_are_measured() -> None:
+    with TestClient(create_app(tiny_config(max_num_seqs=4))) as client:
+        body = {"prompt": "Hello", "max_tokens": 5, "n": 2, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        text = client.get("/metrics").text
+    samples = series(text)
+    rnnserve = [name for name in samples if name.startswith("rnnserve_")]
+    assert rnnserve and all(LABEL in name for name in rnnserve)
+    assert value(samples, "rnnserve_request_prompt_tokens_sum") == 5  # b"Hello"
+    assert value(samples, "rnnserve_request_prompt_tokens_count") == 1
+    assert value(samples, "rnnserve_request_generation_tokens_sum") == 10  # both samples
+    assert value(samples, "rnnserve_request_params_n_sum") == 2
+    assert value(samples, "rnnserve_request_params_max_tokens_sum") == 5
+    for name in ("prefill", "decode", "inference"):
+        assert value(samples, f"rnnserve_request_{name}_time_seconds_count") == 1
+    inference = value(samples, "rnnserve_request_inference_time_seconds_sum")
+    parts = value(samples, "rnnserve_request_prefill_time_seconds_sum") + value(
+        samples, "rnnserve_request_decode_time_seconds_sum"
+    )
+    assert 0 < parts <= inference
+    assert value(samples, "rnnserve_state_usage_perc") == 0.0  # the request finished
+    assert value(samples, "rnnserve_state_slots_total") == 4
+    assert value(samples, "rnnserve_request_rejected_total") == 0
+    assert samples["process_resident_memory_bytes"] > 0 and "process_cpu_seconds_total" in samples
+
+
+def test_state_usage_follows_the_slots_in_use() -> None:
+    app = create_app(tiny_config(max_num_seqs=4))
+    bridge = app.state.engine
+    with TestClient(app):
+        bridge.metrics.set_load(EngineLoad(num_running=3, num_waiting=0, num_slots=4, slots_used=3, bytes_per_slot=8))
+        assert value(series(bridge.metrics.render().decode()), "rnnserve_state_usage_perc") == 0.75
+
+
+def test_queue_full_answers_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    app = create_app(tiny_config())
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise QueueFullError("256 requests are waiting")
+
+    monkeypatch.setattr(app.state.engine.engine, "add_request", full)
+    with TestClient(app) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 429
+        samples = series(client.get("/metrics").text)
+    assert value(samples, "rnnserve_request_rejected_total") == 2
+    assert value(samples, "rnnserve_request_params_n_count") == 0  # nothing was admitted
+
+
+def test_token_buckets_end_at_max_model_len() -> None:
+    assert token_buckets(300) == (1, 2, 5, 10, 20, 50, 100, 200, 300)
+    assert token_buckets(200) == (1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def test_stat_logger_logs_throughput_every_interval_while_busy(caplog: pytest.LogCaptureFixture) -> None:
+    load = EngineLoad(num_running=2, num_waiting=1, num_slots=8, slots_used=2, bytes_per_slot=1)
+    stats = StatLogger(interval=10.0)
+    caplog.set_level(logging.INFO, logger="rnnserve.metrics")
+    assert stats.record(StepStats(prefill_tokens=100, generated_tokens=2, seconds=1.0), load, now=101.0) is None
+    for t in range(102, 110):
+        assert stats.record(StepStats(generated_tokens=2, seconds=1.0), load, now=float(t)) is None
+    line = stats.record(StepStats(generated_tokens=2, seconds=1.0), load, now=110.0)
+    assert line == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
+        "Running: 2 reqs, Waiting: 1 reqs, State usage: 25.0%"
+    )
+    assert caplog.messages == [line]
+    # After an idle spell the interval restarts: the idle minutes do not dilute the next line's throughput.
+    assert stats.record(StepStats(generated_tokens=4, seconds=1.0), load, now=500.0) is None
+    line = stats.record(StepStats(generated_tokens=36, seconds=1.0), load, now=509.0)
+    assert line is not None and "Avg generation throughput: 4.0 tokens/s" in line
+
+
+def test_access_log_is_off_unless_asked() -> None:
+    assert not build_server(create_app(tiny_config()), tiny_config()).config.access_log
+    assert build_server(create_app(tiny_config()), tiny_config(access_log=True)).config.access_log
