@@ -4,8 +4,15 @@ Sends ``--num-prompts`` streaming ``/v1/completions`` requests of about ``--inpu
 each generate ``--output-len`` tokens (``ignore_eos``), either ``--concurrency`` at a time or arriving as a
 Poisson process at ``--request-rate`` per second, and reports request throughput, output tokens/s, time to
 first token (TTFT) and inter-token latency (ITL: time between streamed chunks, which carry one token each
-on rnnserve and vLLM). Prompts are random common words; when the server has ``/tokenize`` (rnnserve and
-vLLM do) the number of words is calibrated so prompts have about ``--input-len`` tokens.
+on rnnserve and vLLM). It needs nothing beyond ``/v1/models`` and streamed ``/v1/completions``, so it
+measures llama.cpp's server or vLLM as well as rnnserve.
+
+Prompts (``--prompts``): ``text`` sends random common words, their number calibrated to about
+``--input-len`` tokens with a local ``--tokenizer tokenizer.json`` or, without one, the server's
+``/tokenize`` (rnnserve and vLLM have it); ``ids`` sends ``--input-len`` random token ids below
+``--max-token-id``; ``auto`` (default) is ``text`` when a tokenizer is at hand, else ``ids``. Streams are
+read as the SSE specification says: lines end only at CR, LF or CRLF. ``--compare URL`` runs the same load
+against a second server, alternating between the two for ``--rounds`` rounds, and prints the ratios.
 """
 
 from __future__ import annotations
@@ -16,10 +23,14 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,6 +62,9 @@ class BenchConfig:
     ignore_eos: bool = True
     timeout: float = 600.0
     progress: bool = True
+    prompts: str = "auto"
+    tokenizer: str | None = None
+    max_token_id: int = 256
 
 
 @dataclass
@@ -110,22 +124,72 @@ async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def tokens_per_word(http: httpx.AsyncClient, model: str) -> float:
-    """Measure the server's tokenizer on a sample of words; 1.0 if it has no /tokenize."""
-    sample = " ".join(WORDS[:100])
+def local_token_counter(path: str) -> Callable[[str], int]:
+    """Token counts of a local ``tokenizer.json`` (the ``tokenizers`` library)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(path).expanduser()))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+async def server_tokens_per_word(http: httpx.AsyncClient, model: str, sample: str) -> float | None:
+    """Tokens per word of the server's ``/tokenize`` (rnnserve, vLLM), or ``None`` where it has none."""
     try:
         response = await http.post("/tokenize", json={"model": model, "prompt": sample})
         if response.status_code == 200:
-            return max(len(response.json()["tokens"]) / 100, 1e-3)
-    except httpx.HTTPError:
+            return max(len(response.json()["tokens"]) / len(sample.split()), 1e-3)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         pass
-    return 1.0
+    return None
 
 
-def make_prompts(config: BenchConfig, ratio: float) -> list[str]:
+async def make_prompts(http: httpx.AsyncClient, model: str, config: BenchConfig) -> list[str | list[int]]:
+    """The requests' prompts: calibrated text or token ids (see the module docstring)."""
     rng = random.Random(config.seed)
+    if config.prompts == "ids":
+        return [[rng.randrange(config.max_token_id) for _ in range(config.input_len)]
+                for _ in range(config.num_prompts)]
+    sample = " ".join(WORDS[:100])
+    if config.tokenizer:
+        ratio: float | None = max(local_token_counter(config.tokenizer)(sample) / 100, 1e-3)
+    else:
+        ratio = await server_tokens_per_word(http, model, sample)
+    if ratio is None:
+        if config.prompts == "text":
+            raise BenchError("--prompts text needs --tokenizer or a server with /tokenize")
+        return await make_prompts(http, model, replace(config, prompts="ids"))
     words = max(1, round(config.input_len / ratio))
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(config.num_prompts)]
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as configured."""
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event, as the SSE specification parses it: lines end only at CR, LF
+    or CRLF (never at U+2028 or U+0085), an empty line ends an event, multi-line data joins with LF."""
+    pending = b""
+    data: list[str] = []
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        # A CR at the very end may be the first half of a CRLF: keep it until the next chunk decides.
+        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        lines = _LINE_END.split(pending[:cut])
+        pending = lines.pop() + pending[cut:]
+        for line in lines:
+            if not line:
+                if data:
+                    yield "\n".join(data)
+                    data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append((value[1:] if value.startswith(b" ") else value).decode("utf-8"))
+    if data:
+        yield "\n".join(data)
 
 
 async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
@@ -139,10 +203,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                 await response.aread()
                 result.error = f"HTTP {response.status_code}: {response.text[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(response):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -161,7 +222,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                     else:
                         result.itl.append(now - last)
                     last = now
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}"
         return result
     result.latency = time.perf_counter() - start
@@ -180,13 +241,12 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
         base_url=base_url(config.url), headers=headers, timeout=config.timeout, limits=limits
     ) as http:
         model = await resolve_model(http, config.model)
-        ratio = await tokens_per_word(http, model)
-        prompts = make_prompts(config, ratio)
+        prompts = await make_prompts(http, model, config)
         gate = asyncio.Semaphore(config.concurrency or len(prompts) or 1)
         progress = Progress(len(prompts), config.progress)
         arrivals = random.Random(config.seed + 1)
 
-        async def run(prompt: str) -> RequestResult:
+        async def run(prompt: str | list[int]) -> RequestResult:
             body = {
                 "model": model,
                 "prompt": prompt,
@@ -226,7 +286,7 @@ def report(config: BenchConfig, model: str, results: list[RequestResult], durati
         "duration_s": duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:10],
+        "failures": dict(Counter(failure_cause(r.error) for r in results if r.error).most_common()),
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
         "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0.0,
@@ -238,6 +298,11 @@ def report(config: BenchConfig, model: str, results: list[RequestResult], durati
         "tpot_ms": summarize(tpot),
         "e2e_latency_ms": summarize([r.latency for r in ok]),
     }
+
+
+def failure_cause(error: str) -> str:
+    """An error message without its request-specific details, so equal causes count together."""
+    return re.sub(r"\d{4,}|req-[\w-]+|cmpl-[\w-]+", "N", error)[:160]
 
 
 def format_report(figures: dict[str, Any]) -> str:
@@ -260,7 +325,7 @@ def format_report(figures: dict[str, Any]) -> str:
     ):
         stats = "  ".join(f"{name} {'n/a' if v is None else f'{v:.2f}'}" for name, v in figures[key].items())
         lines.append(f"{title:<28}{stats}")
-    lines += [f"error: {e}" for e in figures["errors"]]
+    lines += [f"failed {count}x: {cause}" for cause, count in figures["failures"].items()]
     return "\n".join(lines)
 
 
@@ -324,6 +389,23 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds"
     )
+    parser.add_argument(
+        "--prompts", choices=["auto", "text", "ids"], default="auto",
+        help="text (calibrated words), ids (random token ids) or auto: text when a tokenizer is at hand",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="FILE", help="a local tokenizer.json to calibrate text prompts"
+    )
+    parser.add_argument(
+        "--max-token-id", type=positive_int, default=256, help="id prompts draw ids below this (default: 256)"
+    )
+    parser.add_argument(
+        "--compare", default=None, metavar="URL",
+        help="also run the same load against this server, alternating, and print the ratios (URL / --url)",
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=2, help="with --compare: runs per server, alternating (default: 2)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
         "--json", default=None, metavar="OUT", help="also write every figure to this JSON file"
@@ -344,14 +426,77 @@ def run_bench(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos,
         timeout=args.timeout,
         progress=not args.no_progress,
+        prompts=args.prompts,
+        tokenizer=args.tokenizer,
+        max_token_id=args.max_token_id,
     )
     try:
-        figures = asyncio.run(benchmark(config))
+        if args.compare:
+            figures = asyncio.run(compare(config, args.compare, args.rounds))
+            print(format_comparison(figures))
+            failed = sum(run["failed"] for side in ("base", "other") for run in figures[side])
+        else:
+            figures = asyncio.run(benchmark(config))
+            print(format_report(figures))
+            failed = figures["failed"]
     except httpx.HTTPError as err:
-        print(f"rnnserve bench: cannot reach {config.url}: {err}", file=sys.stderr)
+        print(f"rnnserve bench: cannot reach a server: {err}", file=sys.stderr)
         return 1
-    print(format_report(figures))
+    except BenchError as err:
+        print(f"rnnserve bench: {err}", file=sys.stderr)
+        return 1
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
-    return 0 if figures["failed"] == 0 else 1
+    return 0 if failed == 0 else 1
+
+
+COMPARED = (
+    ("output_throughput", "output throughput (tok/s)", "higher"),
+    ("request_throughput", "request throughput (req/s)", "higher"),
+    ("ttft_ms.p50", "TTFT p50 (ms)", "lower"),
+    ("ttft_ms.p99", "TTFT p99 (ms)", "lower"),
+    ("itl_ms.p50", "inter-token latency p50 (ms)", "lower"),
+    ("itl_ms.p99", "inter-token latency p99 (ms)", "lower"),
+)
+
+
+def _figure(run: dict[str, Any], key: str) -> float | None:
+    value: Any = run
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+async def compare(config: BenchConfig, other_url: str, rounds: int) -> dict[str, Any]:
+    """The same load against ``config.url`` and ``other_url``, alternating for ``rounds`` rounds (so slow
+    drift of the machine hits both); per figure the median of each side's runs and their ratio."""
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "other": []}
+    for _ in range(rounds):
+        runs["base"].append(await benchmark(config))
+        runs["other"].append(await benchmark(replace(config, url=other_url, model=None)))
+    summary = {}
+    for key, _, _ in COMPARED:
+        medians = []
+        for side in ("base", "other"):
+            values = [v for v in (_figure(run, key) for run in runs[side]) if v is not None]
+            medians.append(statistics.median(values) if values else None)
+        base, other = medians
+        summary[key] = {"base": base, "other": other, "ratio": other / base if base and other is not None else None}
+    return {"base_url": config.url, "other_url": other_url, "rounds": rounds, **runs, "summary": summary}
+
+
+def format_comparison(figures: dict[str, Any]) -> str:
+    lines = [f"base  {figures['base_url']}", f"other {figures['other_url']}",
+             f"{figures['rounds']} alternating rounds each; medians", "",
+             f"{'':<32}{'base':>12}{'other':>12}{'other/base':>12}"]
+    for key, title, better in COMPARED:
+        row = figures["summary"][key]
+        cells = [f"{v:12.2f}" if v is not None else f"{'n/a':>12}" for v in (row["base"], row["other"], row["ratio"])]
+        lines.append(f"{title:<32}{''.join(cells)}  ({better} is better)")
+    for side in ("base", "other"):
+        failures = Counter()
+        for run in figures[side]:
+            failures.update(run["failures"])
+        lines += [f"{side} failed {count}x: {cause}" for cause, count in failures.most_common()]
+    return "\n".join(lines)

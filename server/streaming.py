@@ -1,5 +1,11 @@
 """Turning a submission's engine outputs into OpenAI responses: streamed chunks (server-sent events) or one
-JSON body, for completions and chat completions."""
+JSON body, for completions and chat completions.
+
+Prompt logprobs appear in two shapes: OpenAI's ``echo`` with ``logprobs`` (the completion's ``logprobs`` lists
+start with the prompt's tokens, the first with ``null``) and vLLM's ``prompt_logprobs`` (per prompt token
+``null`` or ``{token_id: {logprob, rank, decoded_token}}``; on the choice for completions, on the response
+for chat, in the first chunk of each choice when streaming completions).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
 from rnnserve.server.async_engine import EngineDeadError, RequestFailedError, Submission
 from rnnserve.server.errors import APIError
-from rnnserve.server.protocol import SamplingFields
+from rnnserve.server.protocol import CompletionRequest, SamplingFields
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -31,6 +37,16 @@ def generation_error(err: Exception) -> APIError:
     if not isinstance(err, RequestFailedError):
         logger.error("generation failed", exc_info=err)
     return APIError(500, f"generation failed: {err}", type="internal_error")
+
+
+# Characters some line readers treat as line ends (Python's str.splitlines, JavaScript's old JSON.parse): written
+# as JSON escapes so a streamed event stays on one line for every client.
+_LINE_BREAK_ESCAPES = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_data(body: dict[str, Any]) -> str:
+    """One SSE event carrying ``body`` as JSON: UTF-8 text as is, but no character a client could split on."""
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAK_ESCAPES)}\n\n"
 
 
 def sse_response(events: AsyncIterator[str], submission: Submission) -> StreamingResponse:
@@ -109,7 +125,29 @@ class Generation(ABC):
     def record(self, out: RequestOutput) -> None:
         self.prompt_tokens[out.request_id] = len(out.prompt_token_ids)
         for sample in out.outputs:
-            self.completion_tokens[(out.request_id, sample.index)] = len(sample.token_ids)
+            self.completion_tokens[(out.request_id, sample.index)] = len(self.generated_ids(sample))
+
+    def generated_ids(self, sample: CompletionOutput) -> list[int]:
+        """The sample's tokens that the response reports."""
+        return sample.token_ids
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or the token's logprob and rank
+        followed by the top ``prompt_logprobs`` alternatives, keyed by token id."""
+        top_n = self.req.prompt_logprobs or 0
+        result: list[dict | None] = []
+        for entry in out.prompt_logprobs or []:
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = {str(entry.token_id): self.ranked(entry.token_id, entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top[:top_n], start=1):
+                ranked.setdefault(str(token_id), self.ranked(token_id, logprob, rank))
+            result.append(ranked)
+        return result
+
+    def ranked(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def usage(self) -> dict[str, int]:
         prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
@@ -129,11 +167,13 @@ class Generation(ABC):
         if self.req.include_usage:
             options = self.req.stream_options
             body["usage"] = self.usage() if usage is None and options and options.continuous_usage_stats else usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse_data(body)
 
     async def events(self) -> AsyncIterator[str]:
         """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails."""
         try:
+            for choice in self.opening_choices():
+                yield self.chunk([choice])
             async for out in self.submission.outputs():
                 self.record(out)
                 choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
@@ -153,7 +193,16 @@ class Generation(ABC):
             if out.finished:
                 final[out.request_id] = out
         choices = [self.final_choice(out, sample) for out in final.values() for sample in out.outputs]
-        return {**self.body(self.object_name, sorted(choices, key=lambda c: c["index"])), "usage": self.usage()}
+        body = self.body(self.object_name, sorted(choices, key=lambda c: c["index"]))
+        return {**body, **self.response_fields(list(final.values())), "usage": self.usage()}
+
+    def opening_choices(self) -> list[dict]:
+        """Choices streamed before any output, one chunk each."""
+        return []
+
+    def response_fields(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """Extra top-level fields of the non-streamed response."""
+        return {}
 
     @abstractmethod
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
@@ -168,19 +217,34 @@ class CompletionStream(Generation):
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    req: CompletionRequest
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.offsets: dict[int, int] = {}
-        self.echoed: set[int] = set()
+        self.started: set[int] = set()
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
-    def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
+    def generated_ids(self, sample: CompletionOutput) -> list[int]:
+        return [] if self.req.echo_only else sample.token_ids
+
+    def echoed_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
+        """The prompt's tokens and logprobs that ``echo`` with ``logprobs`` puts before the generated ones."""
+        if not self.req.echo or self.params.logprobs is None:
+            return []
+        return list(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True))
+
+    def generated_entries(self, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+        return [] if self.req.echo_only else [(e.token_id, e) for e in entries]
+
+    def logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict | None:
+        """OpenAI's completion logprobs; prompt tokens echoed with them may have no entry (the first)."""
         if self.params.logprobs is None:
             return None
-        tokens = [self.token_text(e.token_id) for e in entries]
+        top_n = self.params.logprobs
+        tokens = [self.token_text(token_id) for token_id, _ in entries]
         offsets = []
         offset = self.offsets.get(index, 0)
         for token in tokens:
@@ -189,45 +253,57 @@ class CompletionStream(Generation):
         self.offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            "token_logprobs": [e.logprob if e is not None else None for _, e in entries],
+            "top_logprobs": [self.top_by_text(e.top[:top_n]) if e is not None else None for _, e in entries],
             "text_offset": offsets,
         }
 
+    def top_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """Alternatives keyed by their text; of tokens with the same text (e.g. ids without text) the most
+        likely one is kept, so the first value is still the largest."""
+        by_text: dict[str, float] = {}
+        for token_id, logprob in top:
+            by_text.setdefault(self.token_text(token_id), logprob)
+        return by_text
+
+    def choice(
+        self, out: RequestOutput, index: int, text: str, sample: CompletionOutput, logprobs: dict | None, first: bool
+    ) -> dict:
+        """A choice; the first of each index carries ``prompt_logprobs`` when they were asked for."""
+        finish = "length" if self.req.echo_only and sample.finished else sample.finish_reason
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        if first and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        return choice
+
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         index = self.choice_index(out, sample)
-        text = sample.text_delta
-        if self.req.echo and index not in self.echoed:
-            self.echoed.add(index)
-            text = self.prompt_text(out) + text
-        wants_logprobs = self.params.logprobs is not None and sample.new_logprobs
-        if not text and not sample.finished and not wants_logprobs:
-            return None
-        return {
-            "index": index,
-            "text": text,
-            "finish_reason": sample.finish_reason,
-            "logprobs": self.logprobs(index, sample.new_logprobs),
-        }
+        text = "" if self.req.echo_only else sample.text_delta
+        entries = self.generated_entries(sample.new_logprobs)
+        first = index not in self.started
+        if first:
+            self.started.add(index)
+            if self.req.echo:
+                text = self.prompt_text(out) + text
+                entries = self.echoed_entries(out) + entries
+        wants_logprobs = self.params.logprobs is not None and entries
+        news = text or sample.finished or wants_logprobs or (first and self.req.prompt_logprobs is not None)
+        return self.choice(out, index, text, sample, self.logprobs(index, entries), first) if news else None
 
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
         index = self.choice_index(out, sample)
-        return {
-            "index": index,
-            "text": (self.prompt_text(out) if self.req.echo else "") + sample.text,
-            "finish_reason": sample.finish_reason,
-            "logprobs": self.logprobs(index, sample.logprobs or []),
-        }
+        text = "" if self.req.echo_only else sample.text
+        entries = self.generated_entries(sample.logprobs or [])
+        if self.req.echo:
+            text = self.prompt_text(out) + text
+            entries = self.echoed_entries(out) + entries
+        return self.choice(out, index, text, sample, self.logprobs(index, entries), first=True)
 
 
 class ChatStream(Generation):
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.started: set[int] = set()
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.params.logprobs is None:
@@ -239,14 +315,21 @@ class ChatStream(Generation):
         content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}
 
+    def opening_choices(self) -> list[dict]:
+        """As OpenAI does, each choice's first chunk carries the role alone."""
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            for i in range(self.params.n)
+        ]
+
+    def response_fields(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        if self.req.prompt_logprobs is None or not finals:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs(finals[0])}
+
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         index = self.choice_index(out, sample)
-        delta: dict[str, str] = {}
-        if index not in self.started:
-            self.started.add(index)
-            delta["role"] = "assistant"
-        if sample.text_delta or "role" in delta:
-            delta["content"] = sample.text_delta
+        delta = {"content": sample.text_delta} if sample.text_delta else {}
         wants_logprobs = self.params.logprobs is not None and sample.new_logprobs
         if not delta and not sample.finished and not wants_logprobs:
             return None
