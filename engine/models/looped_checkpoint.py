@@ -1,0 +1,124 @@
+"""``rnnserve convert --format looped``: the looped-transformer authors' training checkpoint (``kevin671/tmlt``,
+a nanoGPT derivative) -> a native directory for :mod:`rnnserve.engine.models.looped`.
+
+The source is ``ckpt.pt`` (or the training ``out_dir`` holding it): a dict with ``model`` (a state dict whose
+keys start with ``_orig_mod.`` when training ran under ``torch.compile``), ``model_args`` (``n_loop, n_layer,
+n_head, n_embd, block_size, bias, vocab_size, dropout``), ``config`` (the training script's settings, with
+``model_type`` ``"lt"`` or ``"tmlt"``), ``iter_num``, ``best_val_loss`` and usually ``optimizer``. Only the
+weights and the model shape are kept. The authors train on GPT-2 BPE but ship no tokenizer: without
+``--tokenizer`` the converted model serves token-id prompts (config ``"tokenizer": "token_ids"``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+
+COMPILE_PREFIX = "_orig_mod."
+MODEL_TYPES = ("lt", "tmlt")
+CHECKPOINT_NAME = "ckpt.pt"
+
+SHARED_WEIGHTS = {
+    "transformer.wte.weight": "embed.weight",
+    "transformer.wpe.weight": "pos_embed.weight",
+    "transformer.attn.q.weight": "block.q.weight",
+    "transformer.attn.k.weight": "block.k.weight",
+    "transformer.attn.v.weight": "block.v.weight",
+    "transformer.attn.c_proj.weight": "block.o.weight",
+    "transformer.mlp.c_fc.weight": "block.fc_in.weight",
+    "transformer.mlp.c_proj.weight": "block.fc_out.weight",
+    "transformer.ln_f.weight": "final_norm.weight",
+}
+BIASES = {
+    "transformer.attn.q.bias": "block.q.bias",
+    "transformer.attn.k.bias": "block.k.bias",
+    "transformer.attn.v.bias": "block.v.bias",
+    "transformer.attn.c_proj.bias": "block.o.bias",
+    "transformer.mlp.c_fc.bias": "block.fc_in.bias",
+    "transformer.mlp.c_proj.bias": "block.fc_out.bias",
+}
+TMLT_WEIGHTS = {
+    "timestep_embedder.mlp.0.weight": "timestep_in.weight",
+    "timestep_embedder.mlp.0.bias": "timestep_in.bias",
+    "timestep_embedder.mlp.2.weight": "timestep_out.weight",
+    "timestep_embedder.mlp.2.bias": "timestep_out.bias",
+    "adaLN_modulation.1.weight": "modulation.weight",
+    "adaLN_modulation.1.bias": "modulation.bias",
+}
+TIED_HEAD = "lm_head.weight"
+CONFIG_KEYS = ("vocab_size", "n_embd", "n_head", "n_loop", "block_size", "bias")
+
+
+def _checkpoint_file(src: Path) -> Path:
+    return src / CHECKPOINT_NAME if src.is_dir() else src
+
+
+def detect(src: Path) -> bool:
+    """A ``.pt`` file (or a directory with ``ckpt.pt``) holding ``model``, ``model_args`` and a ``config``
+    whose ``model_type`` is ``lt`` or ``tmlt``."""
+    path = _checkpoint_file(src)
+    if path.suffix != ".pt" or not path.is_file():
+        return False
+    try:
+        checkpoint = load_pickled_tensors(path)
+    except ConvertError:
+        return False
+    return _model_type(checkpoint) in MODEL_TYPES
+
+
+def _model_type(checkpoint: Any) -> str | None:
+    if not isinstance(checkpoint, dict) or not {"model", "model_args", "config"} <= checkpoint.keys():
+        return None
+    config = checkpoint["config"]
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def weight_names(model_type: str, bias: bool) -> dict[str, str]:
+    """The authors' parameter names -> rnnserve's, for one model type."""
+    names = dict(SHARED_WEIGHTS)
+    if bias:
+        names.update(BIASES)
+    if model_type == "tmlt":
+        names.update(TMLT_WEIGHTS)
+    return names
+
+
+def convert(src: Path) -> ConvertedCheckpoint:
+    """Read the authors' checkpoint and map it to the ``lt`` / ``tmlt`` architecture."""
+    path = _checkpoint_file(src)
+    checkpoint = load_pickled_tensors(path)
+    model_type = _model_type(checkpoint)
+    if model_type not in MODEL_TYPES:
+        raise ConvertError(
+            f"{path}: not a looped-transformer checkpoint (needs 'model', 'model_args' and config['model_type'] "
+            f"in {MODEL_TYPES}; found model_type {model_type!r})"
+        )
+    args = checkpoint["model_args"]
+    absent = [k for k in CONFIG_KEYS if k not in args]
+    if absent:
+        raise ConvertError(f"{path}: model_args lacks {absent}")
+    if args["n_embd"] % args["n_head"]:
+        raise ConvertError(f"{path}: n_embd {args['n_embd']} is not a multiple of n_head {args['n_head']}")
+    state = {k.removeprefix(COMPILE_PREFIX): v for k, v in checkpoint["model"].items()}
+    head = state.pop(TIED_HEAD, None)
+    if head is not None and not torch.equal(head, state.get("transformer.wte.weight", head)):
+        raise ConvertError(f"{path}: {TIED_HEAD} differs from transformer.wte.weight (the models tie them)")
+    names = weight_names(model_type, bool(args["bias"]))
+    missing = sorted(set(names) - state.keys())
+    unexpected = sorted(state.keys() - names.keys())
+    if missing or unexpected:
+        raise ConvertError(f"{path}: {model_type} checkpoint with missing weights {missing}, unexpected {unexpected}")
+    config = {"architecture": model_type, **{k: args[k] for k in CONFIG_KEYS}, "tokenizer": "token_ids"}
+    config["bias"] = bool(config["bias"])
+    notes = [
+        f"{model_type}: {args['n_loop']} loops of one block, width {args['n_embd']}, {args['n_head']} heads, "
+        f"block_size {args['block_size']} (the longest sequence, prompt + generated tokens)",
+        f"training step {checkpoint.get('iter_num')}, best validation loss {checkpoint.get('best_val_loss')}",
+        "dropped: the optimizer state (if any), n_layer (unused by looped models), dropout (inference)",
+        "prompts are token ids unless --tokenizer gives a tokenizer.json (the authors train on GPT-2 BPE)",
+    ]
+    return ConvertedCheckpoint(config, {names[k]: v for k, v in state.items()}, notes=notes)

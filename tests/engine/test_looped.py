@@ -1,0 +1,356 @@
+"""Looped transformers (``lt``, ``tmlt``): a checkpoint in the authors' ``ckpt.pt`` layout, converted and served,
+gives the greedy tokens of the authors' forward pass (written below from the facts of ``kevin671/tmlt``'s
+``model.py``); prefill == chunked prefill == decode, batched == alone; the ``block_size`` limit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from rnnserve import LLM, SamplingParams
+from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
+from rnnserve.engine.models import MODEL_REGISTRY, PRESETS
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
+from rnnserve.engine.models.looped import LoopedConfig, timestep_frequencies
+from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.engine.tokenizer import HFTokenizer, TokenIdTokenizer
+
+MODEL_ARGS = {"n_loop": 3, "n_layer": 12, "n_head": 4, "n_embd": 32, "block_size": 48, "bias": True,
+              "vocab_size": 97, "dropout": 0.0}
+
+
+# ---- the authors' layout and forward pass ------------------------------------------------------------------
+
+
+def authors_state_dict(model_type: str, args: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the authors' names (``transformer.wte.weight`` tied to ``lm_head.weight``)."""
+    g = torch.Generator().manual_seed(seed)
+    d, v = args["n_embd"], args["vocab_size"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    wte = normal(v, d, std=1.0)
+    sd = {"transformer.wte.weight": wte, "lm_head.weight": wte,
+          "transformer.wpe.weight": normal(args["block_size"], d, std=1.0),
+          "transformer.ln_f.weight": 1 + normal(d, std=0.1)}
+    linears = {"transformer.attn.q": (d, d), "transformer.attn.k": (d, d), "transformer.attn.v": (d, d),
+               "transformer.attn.c_proj": (d, d), "transformer.mlp.c_fc": (4 * d, d),
+               "transformer.mlp.c_proj": (d, 4 * d)}
+    if model_type == "tmlt":
+        linears |= {"timestep_embedder.mlp.0": (d, 256), "timestep_embedder.mlp.2": (d, d),
+                    "adaLN_modulation.1": (4 * d, d)}
+    for name, (out, inp) in linears.items():
+        sd[f"{name}.weight"] = normal(out, inp, std=inp**-0.5)
+        if args["bias"] or not name.startswith("transformer."):
+            sd[f"{name}.bias"] = normal(out, std=0.1)
+    return sd
+
+
+def save_authors_checkpoint(path: Path, model_type: str, args: dict = MODEL_ARGS, seed: int = 0) -> dict:
+    """``ckpt.pt`` as the authors' train.py writes it after ``torch.compile`` (keys under ``_orig_mod.``)."""
+    sd = authors_state_dict(model_type, args, seed)
+    optimizer = {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.zeros(3)}},
+                 "param_groups": [{"lr": 6e-4, "betas": (0.9, 0.95), "params": [0]}]}
+    config = {"model_type": model_type, "n_loop": args["n_loop"], "batch_size": 12, "learning_rate": 6e-4,
+              "dataset": "wikitext-103", "compile": True}
+    torch.save({"model": {f"_orig_mod.{k}": t for k, t in sd.items()}, "optimizer": optimizer, "model_args": dict(args),
+                "iter_num": 1000, "best_val_loss": torch.tensor(3.25), "config": config}, path)
+    return sd
+
+
+def authors_forward(sd: dict[str, torch.Tensor], model_type: str, args: dict, idx: list[int]) -> torch.Tensor:
+    """Logits ``[T, V]`` of the authors' ``LoopedGPT`` / ``TMLT`` forward over one whole sequence (fp32)."""
+    d, heads = args["n_embd"], args["n_head"]
+
+    def lin(name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, sd[f"{name}.weight"], sd.get(f"{name}.bias"))
+
+    def attn(q_src: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) -> torch.Tensor:
+        q, k, v = (lin(f"transformer.attn.{p}", s).view(1, -1, heads, d // heads).transpose(1, 2)
+                   for p, s in (("q", q_src), ("k", k_src), ("v", v_src)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return lin("transformer.attn.c_proj", y.transpose(1, 2).reshape(1, -1, d))
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return lin("transformer.mlp.c_proj", F.gelu(lin("transformer.mlp.c_fc", x)))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (d,))
+
+    tokens = torch.tensor([idx])
+    x = sd["transformer.wte.weight"][tokens] + sd["transformer.wpe.weight"][torch.arange(len(idx))]
+    for t in range(args["n_loop"]):
+        if model_type == "lt":
+            n = norm(x)
+            x = x + attn(n, n, x)
+            x = x + mlp(x)
+        else:
+            half = 128
+            freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+            arg = torch.tensor([float(t)])[:, None] * freqs[None]
+            t_freq = torch.cat([arg.cos(), arg.sin()], -1)
+            t_emb = lin("timestep_embedder.mlp.2", F.silu(lin("timestep_embedder.mlp.0", t_freq)))
+            gate_msa, gate_mlp, scale_msa, scale_mlp = lin("adaLN_modulation.1", F.silu(t_emb)).chunk(4, dim=-1)
+            n = norm(x) * (1 + scale_msa[:, None])
+            x = x + gate_msa[:, None] * attn(n, n, n)
+            x = x + gate_mlp[:, None] * mlp(norm(x) * (1 + scale_mlp[:, None]))
+    x = F.rms_norm(x, (d,), sd["transformer.ln_f.weight"])
+    return F.linear(x, sd["lm_head.weight"])[0]
+
+
+def authors_greedy(sd: dict, model_type: str, args: dict, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(authors_forward(sd, model_type, args, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+# ---- conversion and exactness ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["lt", "tmlt"])
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, Path]:
+    root = tmp_path_factory.mktemp(request.param)
+    sd = save_authors_checkpoint(root / "ckpt.pt", request.param)
+    convert_checkpoint(root / "ckpt.pt", root / "native")
+    return request.param, sd, root / "native"
+
+
+def test_convert_writes_native_checkpoint(converted) -> None:
+    model_type, sd, dest = converted
+    config = json.loads((dest / "config.json").read_text())
+    assert config == {"architecture": model_type, "vocab_size": 97, "n_embd": 32, "n_head": 4, "n_loop": 3,
+                      "block_size": 48, "bias": True, "tokenizer": "token_ids"}
+    tensors = load_file(str(dest / "model.safetensors"))
+    assert not any(k.startswith("_orig_mod.") or k == "lm_head.weight" for k in tensors)
+    assert torch.equal(tensors["embed.weight"], sd["transformer.wte.weight"])
+    assert torch.equal(tensors["block.o.bias"], sd["transformer.attn.c_proj.bias"])
+    assert len(tensors) == len(sd) - 1  # everything but the tied head
+    assert not (dest / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_served_greedy_tokens_equal_the_authors_forward(converted, bias: bool, tmp_path: Path) -> None:
+    """Ragged token-id prompts, several per batch, prompts split over engine steps (16 tokens per step)."""
+    model_type, sd, dest = converted
+    args = MODEL_ARGS
+    if not bias:
+        args = {**MODEL_ARGS, "bias": False}
+        sd = save_authors_checkpoint(tmp_path / "ckpt.pt", model_type, args, seed=1)
+        convert_checkpoint(tmp_path, tmp_path / "native")  # the training out_dir holding ckpt.pt
+        dest = tmp_path / "native"
+    llm = LLM(str(dest), device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
+    assert isinstance(llm.engine.tokenizer, TokenIdTokenizer)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 5, 17, 30, 9)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == authors_greedy(sd, model_type, args, prompt, 10)
+
+
+def test_prefill_logits_equal_the_authors_forward(converted) -> None:
+    model_type, sd, dest = converted
+    llm = LLM(str(dest), device="cpu", max_num_seqs=2)
+    model = llm.engine.model
+    prompt = list(range(3, 43))
+    pool = StatePool(model.state_spec(), 2)
+    with torch.inference_mode():
+        logits = model.prefill(PrefillBatch.build([prompt], [1], all_logits=[True]), pool.tensors)
+    torch.testing.assert_close(logits, authors_forward(sd, model_type, MODEL_ARGS, prompt), atol=2e-4, rtol=1e-5)
+
+
+def test_modulation_table_equals_the_per_step_computation(tmp_path: Path) -> None:
+    sd = save_authors_checkpoint(tmp_path / "ckpt.pt", "tmlt")
+    convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native")
+    model = LLM(str(tmp_path / "native"), device="cpu", max_num_seqs=1).engine.model
+    assert model.modulation_table.shape == (3, 4, 32)
+    for t in range(3):
+        torch.testing.assert_close(model.modulation_table[t], model.modulation_at(torch.tensor([t]))[0],
+                                   atol=1e-6, rtol=1e-6)
+        hidden = F.linear(timestep_frequencies(torch.tensor([t])), sd["timestep_embedder.mlp.0.weight"],
+                          sd["timestep_embedder.mlp.0.bias"])
+        t_emb = F.linear(F.silu(hidden), sd["timestep_embedder.mlp.2.weight"], sd["timestep_embedder.mlp.2.bias"])
+        per_step = F.linear(F.silu(t_emb), sd["adaLN_modulation.1.weight"], sd["adaLN_modulation.1.bias"])
+        torch.testing.assert_close(model.modulation_table[t].flatten(), per_step[0], atol=1e-6, rtol=1e-6)
+
+
+def test_token_id_text_prompts_round_trip(converted) -> None:
+    _, _, dest = converted
+    llm = LLM(str(dest), device="cpu", max_num_seqs=2)
+    [by_ids] = llm.generate([[5, 60, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    [by_text] = llm.generate("5 60 7", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == "".join(f" {t}" for t in by_ids.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", SamplingParams(max_tokens=1))
+
+
+def test_convert_with_a_tokenizer_serves_text(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {w: i for i, w in enumerate(["the", "cat", "sat", "on", "mat"])}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="the"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    sd = save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native", tokenizer_json=tmp_path / "tokenizer.json")
+    llm = LLM(str(tmp_path / "native"), device="cpu", max_num_seqs=1)
+    assert isinstance(llm.engine.tokenizer, HFTokenizer)
+    [out] = llm.generate("the cat sat", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert out.outputs[0].token_ids == authors_greedy(sd, "lt", MODEL_ARGS, [0, 1, 2], 3)
+
+
+def test_converter_refuses_other_checkpoints(tmp_path: Path) -> None:
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    data["config"]["model_type"] = "gpt"
+    torch.save(data, tmp_path / "gpt.pt")
+    assert find_converter(tmp_path / "ckpt.pt").name == "looped"
+    with pytest.raises(ConvertError, match="not a looped-transformer checkpoint"):
+        convert_checkpoint(tmp_path / "gpt.pt", tmp_path / "out", format_name="looped")
+    data["config"]["model_type"] = "tmlt"  # an lt state dict under the tmlt label
+    torch.save(data, tmp_path / "mislabelled.pt")
+    with pytest.raises(ConvertError, match="missing weights"):
+        convert_checkpoint(tmp_path / "mislabelled.pt", tmp_path / "out")
+
+
+# ---- consistency ---------------------------------------------------------------------------------------------
+
+
+def tiny(architecture: str) -> torch.nn.Module:
+    """The ``*-tiny`` preset (width 32, 4 heads, 3 loops, block size 64), random weights."""
+    preset = "looped-tiny" if architecture == "lt" else "tmlt-tiny"
+    model = MODEL_REGISTRY[architecture](LoopedConfig(**PRESETS[preset][1]))
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model.eval().requires_grad_(False)
+
+
+LENGTHS = [1, 2, 7, 8, 30, 63]
+SLOTS = [5, 0, 4, 3, 2, 1]  # out of order
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _run_chunks(model, prompts: list[list[int]], pool: StatePool, chunk: int) -> torch.Tensor:
+    """Every prompt in chunks of ``chunk`` tokens, all sequences batched each round (chunk 1 = decode steps)."""
+    last: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for start in range(0, max(map(len, prompts)), chunk):
+        active = [i for i, p in enumerate(prompts) if start < len(p)]
+        if chunk == 1:
+            batch = DecodeBatch.build([prompts[i][start] for i in active], [SLOTS[i] for i in active],
+                                      [start] * len(active))
+            logits = model.decode(batch, pool.tensors)
+        else:
+            pieces = [prompts[i][start : start + chunk] for i in active]
+            logits = model.prefill(PrefillBatch.build(pieces, [SLOTS[i] for i in active], [start] * len(active)),
+                                   pool.tensors)
+        for row, i in enumerate(active):
+            last[i] = logits[row]
+    return torch.stack(last)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("architecture", ["lt", "tmlt"])
+def test_prefill_chunked_prefill_decode_and_alone_agree(architecture: str) -> None:
+    model = tiny(architecture)
+    prompts = _prompts()
+    pools = {name: StatePool(model.state_spec(), 6) for name in ("whole", "chunk5", "chunk16", "decode")}
+    whole = model.prefill(PrefillBatch.build(prompts, SLOTS), pools["whole"].tensors)
+    assert whole.shape == (len(prompts), 320) and whole.dtype == torch.float32
+    results = {"chunk5": _run_chunks(model, prompts, pools["chunk5"], 5),
+               "chunk16": _run_chunks(model, prompts, pools["chunk16"], 16),
+               "decode": _run_chunks(model, prompts, pools["decode"], 1)}
+    for name, logits in results.items():
+        torch.testing.assert_close(logits, whole, atol=2e-5, rtol=0, msg=name)
+        for key, tensor in pools["whole"].tensors.items():
+            torch.testing.assert_close(pools[name].tensors[key], tensor, atol=2e-5, rtol=1e-5, msg=f"{name} {key}")
+    for i, prompt in enumerate(prompts):
+        alone = model.prefill(PrefillBatch.build([prompt], [0]), StatePool(model.state_spec(), 1).tensors)
+        torch.testing.assert_close(alone[0], whole[i], atol=2e-5, rtol=0)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("architecture", ["lt", "tmlt"])
+def test_decode_continues_prefill_and_leaves_other_slots_alone(architecture: str) -> None:
+    model = tiny(architecture)
+    seq = _prompts()[-1]
+    pool, reference = StatePool(model.state_spec(), 4), StatePool(model.state_spec(), 4)
+    for tensor in pool.tensors.values():
+        tensor.normal_()
+    before = {k: v.clone() for k, v in pool.tensors.items()}
+    pool.reset(torch.tensor([2]))
+    model.prefill(PrefillBatch.build([seq[:40]], [2]), pool.tensors)
+    for t in range(40, len(seq)):
+        stepped = model.decode(DecodeBatch.build([seq[t]], [2], [t]), pool.tensors)
+    whole = model.prefill(PrefillBatch.build([seq], [2]), reference.tensors)
+    torch.testing.assert_close(stepped, whole, atol=2e-5, rtol=0)
+    others = torch.tensor([0, 1, 3, 4])
+    for name, tensor in pool.tensors.items():
+        assert torch.equal(tensor[others], before[name][others])
+
+
+def test_state_bytes_per_slot() -> None:
+    """One K and one V row per loop and position: 2 x n_loop x block_size x n_embd values."""
+    model = tiny("tmlt")
+    assert StatePool(model.state_spec(), 1).bytes_per_slot == 2 * 3 * 64 * 32 * 4
+    assert StatePool(model.to(torch.bfloat16).state_spec(), 1).bytes_per_slot == 2 * 3 * 64 * 32 * 2
+    architecture, config = PRESETS["tmlt-wt103"]
+    assert (architecture, config["n_loop"], config["n_embd"], config["block_size"]) == ("tmlt", 24, 768, 1024)
+
+
+# ---- the length limit ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["looped-tiny", "tmlt-tiny"])
+def test_generation_fills_block_size_and_longer_requests_are_refused(preset: str) -> None:
+    llm = LLM(f"random:{preset}", device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 64
+    [out] = llm.generate([list(range(50))], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(InvalidParameterError, match="max_tokens"):
+        llm.generate([list(range(50))], SamplingParams(max_tokens=15))
+    with pytest.raises(InvalidParameterError):
+        llm.generate([list(range(64))], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidParameterError, match="prompt"):
+        llm.generate([list(range(65))], SamplingParams(max_tokens=1))
+
+
+# ---- CUDA (make gpu-test) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("architecture", ["lt", "tmlt"])
+def test_cuda_graph_decode_equals_eager_and_the_reference_path(architecture: str) -> None:
+    """All loops in one captured graph: graph == eager (Triton attention) == reference attention, over 60 decode
+    steps of 5 out-of-order slots, with the scratch slot poisoned."""
+    from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner
+    from rnnserve.kernels.backend import force_triton
+
+    model = tiny(architecture).cuda()
+    pools = {name: StatePool(model.state_spec(), 8, "cuda") for name in ("graph", "eager", "reference")}
+    pools["graph"].tensors["k"][pools["graph"].scratch_slot] = float("nan")
+    runner = CUDAGraphDecodeRunner(model, pools["graph"].tensors, pools["graph"].scratch_slot, 8)
+    runner.capture()
+    slots = [6, 1, 3, 0, 7]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for step in range(60):
+            decode = DecodeBatch.build(torch.randint(0, 320, (5,), generator=g).tolist(), slots, [step] * 5, "cuda")
+            got = runner(decode)
+            eager = model.decode(decode, pools["eager"].tensors)
+            with force_triton(False):
+                reference = model.decode(decode, pools["reference"].tensors)
+            torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(eager, reference, atol=1e-4, rtol=1e-4)
