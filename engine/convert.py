@@ -61,6 +61,15 @@ def register_converter(name: str, description: str, module: str) -> None:
     CONVERTERS[name] = Converter(name, description, module)
 
 
+register_converter(
+    "looped", "looped transformers' ckpt.pt (kevin671/tmlt: lt, tmlt)", "rnnserve.engine.models.looped_checkpoint"
+)
+register_converter(
+    "based", "Based authors' pytorch_model.bin directory (HazyResearch/based)",
+    "rnnserve.engine.models.based_checkpoint",
+)
+
+
 def load_pickled_tensors(path: Path) -> Any:
     """Read a pickled checkpoint with ``torch.load(weights_only=True)``: tensors, containers and plain
     values only; anything else (code, custom classes) is refused with a :class:`ConvertError`."""

@@ -18,13 +18,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from rnnserve.kernels.add_norm.fused import _add_norm_kernel
+from rnnserve.kernels.based.chunk import _based_chunk_kernel
+from rnnserve.kernels.based.fused_recurrent import _based_step_kernel
+from rnnserve.kernels.cached_attention.fused_recurrent import _cached_decode_attention_kernel
 from rnnserve.kernels.causal_conv1d.chunk import _conv_final_state_kernel, _conv_varlen_kernel
 from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
+from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.selective_scan.chunk import _selective_scan_varlen_kernel
 from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
+from rnnserve.kernels.sliding_window.chunk import _prefill_warps, _ring_write_kernel, _sw_prefill_kernel
+from rnnserve.kernels.sliding_window.fused_recurrent import _sw_decode_kernel
 from rnnserve.kernels.ssd.chunk import _ssd_chunk_scan_kernel, _ssd_chunk_state_kernel, _ssd_state_passing_kernel
 from rnnserve.kernels.ssd.fused_recurrent import _ssd_state_update_kernel
 
@@ -59,6 +65,10 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
         configs.append((_add_norm_kernel, norm_ptrs,
                         {"HAS_RESIDUAL": True, "HAS_BIAS": not rms, "RMS": rms, "BN": 8192}, 16))
     configs += _mamba_configs(act)
+    configs += _based_configs(act)
+    configs += _lattice_configs(act)
+    configs.append((_cached_decode_attention_kernel, {"q_ptr": act, "k_ptr": act, "v_ptr": act, "slot_ids_ptr": i64,
+                    "positions_ptr": i64, "out_ptr": f32, "scale": "fp32"}, {"D": 64, "BN": 32, "BD": 64}, 4))
     return configs
 
 
@@ -85,6 +95,44 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
         (_ssd_state_update_kernel, ssd, {"HAS_D": True, "BP": 16, "BN": 128}, 4),
     ]
 
+
+def _based_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """Based-360m's Taylor linear attention (feature dim 16, head_dim 64) and sliding window (head_dim 64; 112
+    for based-1b), as the wrappers launch them."""
+    f32, i64 = "*fp32", "*i64"
+    based = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "o_ptr": f32, "s0_ptr": f32, "z0_ptr": f32, "st_ptr": f32,
+             "zt_ptr": f32, "s_ptr": f32, "z_ptr": f32, "cu_seqlens_ptr": i64, "slot_ids_ptr": i64,
+             "sqrt_scale": "fp32", "quad_scale": "fp32", "scale": "fp32", "eps": "fp32"}
+    window = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "o_ptr": f32, "kc_ptr": f32, "vc_ptr": f32, "kp_ptr": f32,
+              "vp_ptr": f32, "cu_seqlens_ptr": i64, "starts_ptr": i64, "positions_ptr": i64, "slot_ids_ptr": i64,
+              "scale": "fp32"}
+    low = act != "*fp32"
+    dots = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32,
+            "PRECISION": "tf32" if low else "ieee"}
+    configs = [
+        (_based_chunk_kernel, based, {"FP": 16, "BT": 16, "BV": 16}, 8),
+        (_based_step_kernel, based, {"FP": 16, "BV": 64}, 4),
+        (_ring_write_kernel, window, {"BW": 16, "BD": 64}, 4),
+        (_sw_decode_kernel, window, {"GROUP": 1, "BW": 32, "BD": 128}, 4),
+    ]
+    for block_d in (64, 128):
+        warps = _prefill_warps(block_d, dots["DOT_DTYPE"])
+        configs.append((_sw_prefill_kernel, window, {"GROUP": 1, "BQ": 16, "BK": 16, "BD": block_d, **dots}, warps))
+    return configs
+
+
+def _lattice_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """Lattice's fused prefill and decode with the state on chip, as the wrappers launch them: lattice-110m/340m
+    heads (d = m = 64, 16 warps) in every variant, and a d = 128, m = 32 head (the wrappers pass fp32 inputs)."""
+    f32, i64 = "*fp32", "*i64"
+    types = {"q_ptr": f32, "k_ptr": f32, "v_ptr": f32, "gamma_ptr": f32, "mu_ptr": f32, "y_ptr": f32,
+             "state_ptr": f32, "slot_ids_ptr": i64, "cu_seqlens_ptr": i64}
+    shapes = [(variant, True, 64, 64) for variant in range(3)] + [(0, False, 64, 64), (0, True, 128, 32)]
+    return [
+        (kernel, types, {"VARIANT": variant, "NORMALIZE": norm, "HAS_MU": True, "BD": block_d, "BM": block_m}, 16)
+        for kernel in (_lattice_prefill_kernel, _lattice_decode_kernel)
+        for variant, norm, block_d, block_m in shapes
+    ]
 
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)

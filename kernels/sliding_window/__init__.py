@@ -1,0 +1,56 @@
+"""Causal sliding-window softmax attention whose per-slot state is a ring of the last ``W`` keys and values.
+
+A query at position ``p`` sees positions ``p - W .. p``. ``naive.py`` is the PyTorch reference (also the CPU
+path: queries in blocks, memory linear in the length); ``chunk.py`` the Triton varlen prefill (online softmax
+over the ring and the chunk's keys, then the ring rewritten with the last ``W`` keys) and ``fused_recurrent.py``
+the Triton decode step over the ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive, sliding_window_prefill_naive
+
+
+def sliding_window_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed ``q [T, H, d]``, ``k, v [T, Hkv, d]``; ``starts [B]`` each chunk's first position; the rings
+    ``k_cache, v_cache [B, W, Hkv, d]`` are continued and updated in place. Returns fp32 ``[T, H, d]``."""
+    if use_triton(q):
+        from rnnserve.kernels.sliding_window.chunk import sliding_window_prefill_triton
+
+        return sliding_window_prefill_triton(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale)
+    return sliding_window_prefill_naive(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale)
+
+
+def sliding_window_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One token per sequence (``q [B, H, d]``, ``k, v [B, Hkv, d]`` at ``positions [B]``) over the rings of rows
+    ``slot_ids`` of ``k_pool, v_pool [N, W, Hkv, d]``, which take the token's key/value in place. Returns fp32
+    ``[B, H, d]``."""
+    if use_triton(q):
+        from rnnserve.kernels.sliding_window.fused_recurrent import sliding_window_decode_triton
+
+        return sliding_window_decode_triton(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+    return sliding_window_decode_naive(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+
+
+__all__ = ["sliding_window_decode", "sliding_window_prefill"]
