@@ -47,7 +47,9 @@ from rnnserve.engine.models.base import DecodeBatch, PrefillBatch  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
 from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
 
-DEFAULT_MODELS = ["mamba-370m", "mamba2-370m", "hawk-100m", "mingru-100m", "based-360m", "lattice-110m"]
+DEFAULT_MODELS = [
+    "mamba-370m", "mamba2-370m", "hawk-100m", "mingru-100m", "based-360m", "lattice-110m", "tmlt-wt103",
+]
 # Based paper (arXiv 2402.18668) Table 1, H100: prefill tok/ms at 16,384 tokens, generated tok/ms.
 PAPER_TABLE_1 = {"mamba-370m": ("Mamba-358M", 267.09, 39.95), "based-360m": ("Based-363M", 514.57, 47.23)}
 PROMPT_LEN, NEW_TOKENS = 16, 256
@@ -145,6 +147,10 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
         rows.append(Row(preset, {"what": f"decode b={batch}", "tok/ms": f"{batch / step_ms[batch]:.2f}",
                                  "ms/step": f"{step_ms[batch]:.3f}", "HBM roofline": f"{roof / seconds:.0%}"}))
     for seqs, length in sizes.prefills:
+        limit = model.max_model_len
+        if limit is not None and length > limit:
+            rows.append(Row(preset, {"what": f"prefill {seqs}x{length}", "tok/ms": f"over the {limit}-token limit"}))
+            continue
         rate = prefill_tokens_per_ms(model, pool, seqs, length, device)
         rows.append(Row(preset, {"what": f"prefill {seqs}x{length}", "tok/ms": f"{rate:.1f}"}))
     return rows, step_ms

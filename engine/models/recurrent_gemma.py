@@ -13,9 +13,9 @@ Attention block: multi-query/GQA attention over the last ``window`` positions, R
 are soft-capped with ``cap * tanh(logits / cap)``.
 
 State per slot (constant size): per recurrent layer the conv tail and the RG-LRU state (fp32), per attention
-layer a ring buffer of the last ``window`` keys and values (position ``p`` at row ``p % window``, RoPE already
-applied; :mod:`rnnserve.engine.models.layers.sliding_window`). Positions come from the batch: RoPE and the
-attention window use them, and the RG-LRU starts afresh at position 0.
+layer a ring buffer of the ``window - 1`` keys and values before the next token (position ``p`` at row
+``p % (window - 1)``, RoPE already applied; :mod:`rnnserve.engine.models.layers.sliding_window`). Positions come
+from the batch: RoPE and the attention window use them, and the RG-LRU starts afresh at position 0.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mamba-1 and Mamba-2 with every Triton kernel forced (interpreter) == the PyTorch/C++ path."""
+"""Mamba-1, Mamba-2 and Griffin with every Triton kernel forced (interpreter) == the PyTorch/C++ path."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
+from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaConfig, RecurrentGemmaLM
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.backend import force_triton
 
@@ -18,6 +19,11 @@ MODELS = {
     "mamba": lambda: MambaLM(MambaConfig(vocab_size=VOCAB, d_model=16, n_layers=2, d_inner=32, dt_rank=2)),
     "mamba2": lambda: Mamba2LM(
         Mamba2Config(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, head_dim=16, d_state=16)
+    ),
+    # A 6-token window: prompts and decode steps run past it, so the ring wraps in both kernels.
+    "griffin": lambda: RecurrentGemmaLM(
+        RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=16, n_layers=3, mlp_width=32, n_heads=2, n_kv_heads=1,
+                             head_dim=16, lru_width=16, rotary_dim=8, window=6)
     ),
 }
 WRAPPERS = {
@@ -28,6 +34,11 @@ WRAPPERS = {
     "mamba2": [
         ("rnnserve.kernels.ssd.chunk", "ssd_scan_varlen_triton"),
         ("rnnserve.kernels.ssd.fused_recurrent", "ssd_state_update_triton"),
+    ],
+    "griffin": [
+        ("rnnserve.kernels.sliding_window.chunk", "sliding_window_prefill_triton"),
+        ("rnnserve.kernels.sliding_window.fused_recurrent", "sliding_window_decode_triton"),
+        ("rnnserve.kernels.diag_linear_scan.chunk", "diag_scan_varlen_triton"),
     ],
 }
 

@@ -8,9 +8,10 @@ import torch
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 from rnnserve.kernels.selective_scan.naive import selective_scan_ref, selective_state_update_ref
-from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
+from tests.kernels.kernel_cases import cu_seqlens_of, slot_ids_for
 
 D_INNER, D_STATE, NUM_SLOTS = 20, 16, 12  # channels not a power of two: exercises the mask
+LENGTHS = [5, 1, 35, 16]  # under, at and over the 16-token chunk, several chunks with a remainder
 
 
 def _inputs(total: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:

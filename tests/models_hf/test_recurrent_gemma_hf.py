@@ -60,6 +60,6 @@ def test_state_is_constant_size(tmp_path: Path) -> None:
     assert shapes == {
         "conv": (2, 32, 3),
         "rglru": (2, 32),
-        "k": (1, 16, 1, 8),
-        "v": (1, 16, 1, 8),
+        "k": (1, 15, 1, 8),  # the 15 keys before the current token: with it, the 16-token window
+        "v": (1, 15, 1, 8),
     }
