@@ -14,8 +14,11 @@ app's lifespan, so use ``TestClient`` as a context manager)::
 
 ``create_app(config, engine=an_LLMEngine)`` serves an engine built elsewhere. Routes: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``, ``POST
-/detokenize``, ``GET /health``, ``GET /metrics``. With ``api_key`` set, ``/v1/*``, ``/tokenize`` and
-``/detokenize`` need ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+/detokenize``, ``GET /tokenizer_info``, ``GET /health`` (the engine thread is alive), ``GET /ready`` (requests are
+taken now: 503 before the lifespan starts the engine thread and while shutting down), ``GET /version``, ``GET
+/metrics``, ``GET /dashboard`` (+ ``/dashboard/stats``). With ``api_key`` set, ``/v1/*``, ``/tokenize`` and
+``/detokenize`` need ``Authorization: Bearer <key>``; the others
+stay open.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
-from rnnserve.server.config import ServerConfig
+from rnnserve.server.config import ServerConfig, rnnserve_version
+from rnnserve.server.dashboard import dashboard_router
 from rnnserve.server.errors import APIError
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
@@ -46,7 +50,7 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
     """Build the FastAPI app (loads ``config.engine.model`` unless ``engine`` is given; raises
     ``ModelLoadError`` or ``ValueError``); the engine thread runs with the app's lifespan."""
     engine = engine if engine is not None else LLMEngine.from_config(config.engine)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(config.model_names[0], engine.max_model_len)
     async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
@@ -57,7 +61,7 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
         finally:
             await asyncio.to_thread(async_engine.stop)
 
-    app = FastAPI(title="rnnserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)
     app.state.config = config
     app.state.engine = async_engine
     app.state.metrics = metrics
@@ -84,4 +88,5 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
         return APIError(500, "internal server error", type="internal_error").response()
 
     app.include_router(api_router(OpenAIServing(config, async_engine, metrics)))
+    app.include_router(dashboard_router(metrics))
     return app

