@@ -12,9 +12,18 @@ value after each query key, ``-100`` (no loss) everywhere else.
 
 from __future__ import annotations
 
-import torch
+import time
+from collections.abc import Callable
+from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from rnnserve.engine.llm import LLM
+from rnnserve.engine.loader import save_checkpoint
+from rnnserve.engine.models.base import PrefillBatch
 from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.state_pool import StatePool
 
 
 def make_mqar(num_examples: int, num_pairs: int, vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,3 +57,45 @@ def served_recall_accuracy(llm, input_ids: torch.Tensor, targets: torch.Tensor) 
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     hits = sum(out.outputs[0].token_ids[0] == value for out, value in zip(outputs, expected, strict=True))
     return hits / len(expected)
+
+
+@torch.inference_mode()
+def served_logit_gap(model, dense_logits: Callable, ids: torch.Tensor) -> float:
+    """Largest |difference| between a training forward ``dense_logits(model, ids) -> [N, T, V]`` and rnnserve's
+    prefill of the same sequences (every position's logits)."""
+    batch = PrefillBatch.build(list(ids), list(range(len(ids))), all_logits=[True] * len(ids))
+    served = model.prefill(batch, StatePool(model.state_spec(), len(ids)).tensors)
+    return float((served - dense_logits(model, ids).reshape(served.shape)).abs().max())
+
+
+def train_and_serve(
+    model, dense_logits: Callable, *, pairs: int, vocab_size: int, batch: int, lr: float, minutes: float,
+    seed: int, out: Path, log_every: int = 50,
+) -> float:
+    """Train ``model`` on fresh MQAR batches for ``minutes`` (AdamW, clipped gradients, loss on the answers
+    only), save it to ``out`` as a native checkpoint, serve it with rnnserve and return its recall accuracy
+    on 256 held-out sequences; prints progress and the training-vs-served logit gap."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    start, step = time.perf_counter(), 0
+    while time.perf_counter() - start < 60 * minutes:
+        ids, targets = make_mqar(batch, pairs, vocab_size, seed=seed * 1_000_003 + step)
+        logits = dense_logits(model, ids)
+        loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % log_every == 0:
+            hits = (logits.argmax(-1) == targets)[targets != -100].float().mean()
+            elapsed = time.perf_counter() - start
+            print(f"step {step:5d}  {elapsed:5.0f} s  loss {loss.item():.3f}  train acc {hits:.3f}", flush=True)
+        step += 1
+    model.eval().requires_grad_(False)
+    test_ids, test_targets = make_mqar(256, pairs, vocab_size, seed=10**6 + seed)
+    gap = served_logit_gap(model, dense_logits, test_ids[:4])
+    print(f"dense forward vs served prefill, max |logit difference|: {gap:.2e}")
+    save_checkpoint(model, out)
+    accuracy = served_recall_accuracy(LLM(str(out), device="cpu"), test_ids, test_targets)
+    print(f"{step} steps in {minutes:g} min; served MQAR recall accuracy ({pairs} pairs, 256 sequences): "
+          f"{accuracy:.3f}")
+    return accuracy

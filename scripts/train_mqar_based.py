@@ -19,18 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rnnserve.engine.llm import LLM  # noqa: E402
-from rnnserve.engine.loader import save_checkpoint  # noqa: E402
-from rnnserve.engine.models.base import PrefillBatch  # noqa: E402
 from rnnserve.engine.models.based import BasedConfig, BasedLM  # noqa: E402
 from rnnserve.engine.models.layers import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
-from rnnserve.engine.state_pool import StatePool  # noqa: E402
-from scripts.mqar import make_mqar, served_recall_accuracy  # noqa: E402
+from scripts.mqar import train_and_serve  # noqa: E402
 
 VOCAB = 64
 NUM_PAIRS = 8
@@ -86,14 +81,6 @@ def dense_logits(model: BasedLM, ids: torch.Tensor) -> torch.Tensor:
     return model.lm_head(_rms(x, model.transformer.ln_f))
 
 
-@torch.inference_mode()
-def served_logit_gap(model: BasedLM, ids: torch.Tensor) -> float:
-    """Largest |difference| between the dense forward and rnnserve's prefill over every position of ``ids``."""
-    batch = PrefillBatch.build(list(ids), list(range(len(ids))), all_logits=[True] * len(ids))
-    served = model.prefill(batch, StatePool(model.state_spec(), len(ids)).tensors)
-    return float((served - dense_logits(model, ids).reshape(served.shape)).abs().max())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=31.0)
@@ -106,30 +93,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = BasedLM(mqar_config(args.width))
     model.init_weights(torch.Generator().manual_seed(args.seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < 60 * args.minutes:
-        ids, targets = make_mqar(args.batch, NUM_PAIRS, VOCAB, seed=args.seed * 1_000_003 + step)
-        logits = dense_logits(model, ids)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 50 == 0:
-            hits = (logits.argmax(-1) == targets)[targets != -100].float().mean()
-            elapsed = time.perf_counter() - start
-            print(f"step {step:5d}  {elapsed:5.0f} s  loss {loss.item():.3f}  train acc {hits:.3f}", flush=True)
-        step += 1
-    model.eval().requires_grad_(False)
-    test_ids, test_targets = make_mqar(256, NUM_PAIRS, VOCAB, seed=10**6 + args.seed)
-    print(f"dense forward vs served prefill, max |logit difference|: {served_logit_gap(model, test_ids[:4]):.2e}")
-    save_checkpoint(model, args.out)
-    llm = LLM(str(args.out), device="cpu")
-    accuracy = served_recall_accuracy(llm, test_ids, test_targets)
-    print(f"{step} steps in {args.minutes:g} min; served MQAR recall accuracy ({NUM_PAIRS} pairs, 256 sequences): "
-          f"{accuracy:.3f}")
-
+    train_and_serve(model, dense_logits, pairs=NUM_PAIRS, vocab_size=VOCAB, batch=args.batch, lr=args.lr,
+                    minutes=args.minutes, seed=args.seed, out=args.out)
 
 if __name__ == "__main__":
     main()

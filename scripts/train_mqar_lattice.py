@@ -21,19 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rnnserve.engine.llm import LLM  # noqa: E402
-from rnnserve.engine.loader import save_checkpoint  # noqa: E402
-from rnnserve.engine.models.base import PrefillBatch  # noqa: E402
 from rnnserve.engine.models.lattice import LatticeConfig, LatticeLM, LatticeMixer  # noqa: E402
 from rnnserve.engine.models.layers import rms_normalize  # noqa: E402
-from rnnserve.engine.state_pool import StatePool  # noqa: E402
 from rnnserve.kernels.lattice.naive import lattice_step_ref  # noqa: E402
-from scripts.mqar import make_mqar, served_recall_accuracy  # noqa: E402
+from scripts.mqar import train_and_serve  # noqa: E402
 
 VOCAB = 64
 
@@ -76,15 +71,6 @@ def dense_logits(model: LatticeLM, ids: torch.Tensor) -> torch.Tensor:
     return model.lm_head(_norm(x, model.norm_f))
 
 
-@torch.inference_mode()
-def check_served_logits(model: LatticeLM, ids: torch.Tensor) -> float:
-    """Largest difference between the dense training forward and the serving prefill (all rows) on ``ids``."""
-    pool = StatePool(model.state_spec(), len(ids))
-    batch = PrefillBatch.build(list(ids), list(range(len(ids))), all_logits=[True] * len(ids))
-    served = model.prefill(batch, pool.tensors)
-    return float((served - dense_logits(model, ids).reshape(served.shape)).abs().max())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
@@ -99,29 +85,8 @@ def main() -> None:
     )
     model = LatticeLM(config)
     model.init_weights(torch.Generator().manual_seed(args.seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < 60 * args.minutes:
-        ids, targets = make_mqar(args.batch, args.pairs, VOCAB, seed=args.seed * 1_000_003 + step)
-        logits = dense_logits(model, ids)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 25 == 0:
-            hits = (logits.argmax(-1) == targets)[targets != -100].float().mean()
-            print(f"step {step:5d}  {time.perf_counter() - start:6.0f} s  loss {loss.item():.3f}  train acc {hits:.3f}")
-        step += 1
-    model.eval()
-    test_ids, test_targets = make_mqar(256, args.pairs, VOCAB, seed=10**6 + args.seed)
-    print(f"dense forward vs served prefill, max |logit difference|: {check_served_logits(model, test_ids[:4]):.2e}")
-    save_checkpoint(model, args.out)
-    llm = LLM(str(args.out), device="cpu")
-    accuracy = served_recall_accuracy(llm, test_ids, test_targets)
-    print(f"{step} steps in {args.minutes:g} min; served MQAR recall accuracy ({args.pairs} pairs, 256 sequences): "
-          f"{accuracy:.3f}")
-
+    train_and_serve(model, dense_logits, pairs=args.pairs, vocab_size=VOCAB, batch=args.batch, lr=3e-3,
+                    minutes=args.minutes, seed=args.seed, out=args.out, log_every=25)
 
 if __name__ == "__main__":
     main()

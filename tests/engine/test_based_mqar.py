@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import torch
 
 from rnnserve.engine.models.based import BasedLM
-from scripts.mqar import make_mqar, served_recall_accuracy
-from scripts.train_mqar_based import mqar_config, served_logit_gap
+from scripts.mqar import make_mqar, served_logit_gap, served_recall_accuracy
+from scripts.train_mqar_based import dense_logits, mqar_config
 
 
 def test_mqar_layout() -> None:
@@ -52,4 +52,4 @@ def test_training_forward_equals_served_prefill() -> None:
     model.init_weights(torch.Generator().manual_seed(0))
     model.eval().requires_grad_(False)
     ids, _ = make_mqar(3, 8, 64, seed=1)
-    assert served_logit_gap(model, ids) < 1e-4
+    assert served_logit_gap(model, dense_logits, ids) < 1e-4
