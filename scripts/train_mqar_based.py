@@ -60,13 +60,14 @@ def _mixer(block: torch.nn.Module, h: torch.Tensor, config: BasedConfig) -> torc
         a = torch.tril(1 + s + 0.5 * s * s)
         y = torch.einsum("nhij,njhd->nihd", a, v) / (a.sum(-1).transpose(1, 2)[..., None] + mixer.eps)
         return mixer.out_proj(y.reshape(n, length, -1))
-    qkv = mixer.Wqkv(h).view(n * length, 3, mixer.heads, mixer.head_dim)
+    heads, head_dim = mixer.attention.n_heads, mixer.attention.head_dim
+    qkv = mixer.Wqkv(h).view(n * length, 3, heads, head_dim)
     cos, sin = rope_cos_sin(torch.arange(length).repeat(n), config.rotary_dim, config.rope_theta, h.dtype)
-    q, k = (apply_rope(t, cos, sin).view(n, length, mixer.heads, -1) for t in (qkv[:, 0], qkv[:, 1]))
-    v = qkv[:, 2].view(n, length, mixer.heads, -1)
+    q, k = (apply_rope(t, cos, sin).view(n, length, heads, -1) for t in (qkv[:, 0], qkv[:, 1]))
+    v = qkv[:, 2].view(n, length, heads, -1)
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
     visible = (j <= i) & (j >= i - config.ring_size)
-    scores = torch.einsum("nihd,njhd->nhij", q, k) * mixer.scale
+    scores = torch.einsum("nihd,njhd->nhij", q, k) * head_dim**-0.5
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return mixer.out_proj(torch.einsum("nhij,njhd->nihd", weights, v).reshape(n, length, -1))
 

@@ -45,12 +45,19 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import RMSNorm, apply_rope, gather_slots, linear, rope_cos_sin, scatter_slots
+from rnnserve.engine.models.layers import (
+    RMSNorm,
+    SlidingWindowAttention,
+    apply_rope,
+    gather_slots,
+    linear,
+    rope_cos_sin,
+    scatter_slots,
+)
 from rnnserve.engine.models.layers.slots import slot_index
 from rnnserve.kernels.based import based_linear_attention_step, based_linear_attention_varlen
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
-from rnnserve.kernels.sliding_window import sliding_window_decode, sliding_window_prefill
 
 MIXER_KINDS = ("conv", "linear_attention", "sliding_window")
 _MIXER_CLASSES = {"BaseConv": "conv", "LinearAttention": "linear_attention", "SlidingAttention": "sliding_window"}
@@ -169,17 +176,20 @@ class LinearAttention(nn.Module):
 
 
 class SlidingAttention(nn.Module):
+    """The authors' sliding-window attention: the shared ring-buffer layer with a window of the current token
+    and the ``window_size // 2`` before it."""
+
     def __init__(self, c: BasedConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim = c.sw_heads, c.sw_head_dim
-        self.scale = self.head_dim**-0.5
+        self.attention = SlidingWindowAttention(c.sw_heads, c.sw_heads, c.sw_head_dim, c.ring_size + 1)
         self.Wqkv = nn.Linear(c.d_model, 3 * c.d_model, bias=c.sw_qkv_bias)
         self.out_proj = nn.Linear(c.d_model, c.d_model, bias=c.sw_out_bias)
 
     def _qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = linear(self.Wqkv, x).reshape(-1, 3, self.heads, self.head_dim).unbind(1)
+        a = self.attention
+        q, k, v = linear(self.Wqkv, x).reshape(-1, 3, a.n_heads, a.head_dim).unbind(1)
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def prefill(
@@ -191,9 +201,8 @@ class SlidingAttention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         """``k_cache, v_cache [B, W, heads, head_dim]``: the sequences' rings, updated in place."""
-        starts = batch.positions[batch.cu_seqlens[:-1]]
-        out = sliding_window_prefill(*self._qkv(x, rope), batch.cu_seqlens, starts, k_cache, v_cache, self.scale)
-        return linear(self.out_proj, out.flatten(1).to(x.dtype))
+        out = self.attention.prefill(*self._qkv(x, rope), batch, k_cache, v_cache)
+        return linear(self.out_proj, out.to(x.dtype))
 
     def decode(
         self,
@@ -203,9 +212,8 @@ class SlidingAttention(nn.Module):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        q, k, v = self._qkv(x, rope)
-        out = sliding_window_decode(q, k, v, batch.positions, k_pool, v_pool, batch.slot_ids, self.scale)
-        return linear(self.out_proj, out.flatten(1).to(x.dtype))
+        out = self.attention.decode(*self._qkv(x, rope), batch.positions, batch.slot_ids, k_pool, v_pool)
+        return linear(self.out_proj, out.to(x.dtype))
 
 
 class SwiGLU(nn.Module):
@@ -402,8 +410,7 @@ class BasedLM(RecurrentLM):
             specs.append(StateSpec("kv", (n, c.la_heads, features, c.la_head_dim), torch.float32))
             specs.append(StateSpec("k_sum", (n, c.la_heads, features), torch.float32))
         if n := self._num["sliding_window"]:
-            ring = (n, c.ring_size, c.sw_heads, c.sw_head_dim)
-            specs += [StateSpec("k", ring, torch.float32), StateSpec("v", ring, torch.float32)]
+            specs += SlidingWindowAttention(c.sw_heads, c.sw_heads, c.sw_head_dim, c.ring_size + 1).state_specs(n)
         return specs
 
     def _pools(self, state: StateTensors, kind: str, index: int) -> tuple[torch.Tensor, ...]:
