@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS
-from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
+from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.state_pool import StatePool
+from tests.engine.test_model_consistency import _decode_stepwise, _prefill_chunked
+from tests.engine.test_model_consistency import _prefill_whole as _prefill
 
 LENGTHS = [1, 2, 7, 8, 9, 30, 64, 65, 100]
 SLOTS = [5, 0, 11, 3, 9, 1, 14, 7, 2]  # out of order, with gaps
@@ -24,32 +26,6 @@ def _model(**overrides: object) -> torch.nn.Module:
 def _prompts(lengths: list[int] = LENGTHS, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 320, (n,), generator=g) for n in lengths]
-
-
-def _prefill(model, prompts, slots, pool, starts=None) -> torch.Tensor:
-    return model.prefill(PrefillBatch.build(prompts, slots, starts), pool.tensors)
-
-
-def _prefill_chunked(model, prompts, slots, pool, chunk: int) -> torch.Tensor:
-    last = [None] * len(prompts)
-    for start in range(0, max(len(p) for p in prompts), chunk):
-        active = [i for i, p in enumerate(prompts) if start < len(p)]
-        pieces = [prompts[i][start : start + chunk] for i in active]
-        logits = _prefill(model, pieces, [slots[i] for i in active], pool, [start] * len(active))
-        for row, i in enumerate(active):
-            last[i] = logits[row]
-    return torch.stack(last)
-
-
-def _decode_stepwise(model, prompts, slots, pool) -> torch.Tensor:
-    last = [None] * len(prompts)
-    for t in range(max(len(p) for p in prompts)):
-        active = [i for i, p in enumerate(prompts) if t < len(p)]
-        batch = DecodeBatch.build([int(prompts[i][t]) for i in active], [slots[i] for i in active], [t] * len(active))
-        logits = model.decode(batch, pool.tensors)
-        for row, i in enumerate(active):
-            last[i] = logits[row]
-    return torch.stack(last)
 
 
 def _assert_same_states(a: StatePool, b: StatePool) -> None:
