@@ -34,3 +34,9 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _forced = previous
+
+
+def unit_stride_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous (rows may be strided, e.g. a split of a projection),
+    else a contiguous copy: the layout the Triton kernels index."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 
@@ -87,9 +88,6 @@ def _selective_scan_varlen_kernel(
     tl.store(ht_ptrs, carry, mask=mask_dn)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
 
 def selective_scan_varlen_triton(
     x: torch.Tensor,
@@ -117,8 +115,8 @@ def selective_scan_varlen_triton(
     total, dim = x.shape
     batch = cu_seqlens.numel() - 1
     d_state = A.shape[1]
-    x, dt, B, C = _rows(x), _rows(dt), _rows(B), _rows(C)
-    z = None if z is None else _rows(z)
+    x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
+    z = None if z is None else unit_stride_last(z)
     A = A.float().contiguous()
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()
@@ -130,7 +128,7 @@ def selective_scan_varlen_triton(
         slot_ids = slot_ids.long().contiguous()
     else:
         final = torch.empty(batch, dim, d_state, dtype=torch.float32, device=x.device)
-        h0 = final if initial_state is None else _rows(initial_state.float())
+        h0 = final if initial_state is None else unit_stride_last(initial_state.float())
     block_n = triton.next_power_of_2(d_state)
     block_t = min(chunk_size, 16)
     block_d = max(1, min(triton.next_power_of_2(dim), 4096 // (block_t * block_n)))

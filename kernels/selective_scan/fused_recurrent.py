@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
+
 
 @triton.jit
 def softplus_f32(x):
@@ -57,10 +59,6 @@ def _selective_state_update_kernel(
     tl.store(y_ptr + i_b * dim + offs_d, y, mask=mask_d)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A ``[B, K]`` input whose rows may be strided (e.g. a split of a projection) but whose columns are not."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
 
 def selective_state_update_triton(
     state: torch.Tensor,
@@ -81,8 +79,8 @@ def selective_state_update_triton(
         raise ValueError("the state pool must be fp32 with unit stride on the state dimension")
     batch, dim = x.shape
     d_state = A.shape[1]
-    x, dt, B, C = _rows(x), _rows(dt), _rows(B), _rows(C)
-    z = None if z is None else _rows(z)
+    x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
+    z = None if z is None else unit_stride_last(z)
     A = A.float().contiguous()
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()

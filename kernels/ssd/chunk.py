@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
+
 
 @triton.jit
 def _ssd_chunk_state_kernel(
@@ -150,9 +152,6 @@ def _chunk_table(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     return table[: len(starts)], table[len(starts) : 2 * len(starts)], table[2 * len(starts) :]
 
 
-def _last_unit(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
 
 def ssd_scan_varlen_triton(
     x: torch.Tensor,
@@ -178,7 +177,7 @@ def ssd_scan_varlen_triton(
     groups, d_state = B.shape[1:]
     batch = cu_seqlens.numel() - 1
     device = x.device
-    x, dt, B, C = _last_unit(x), _last_unit(dt), _last_unit(B), _last_unit(C)
+    x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     A = A.float().contiguous()
     D = None if D is None else D.float().contiguous()
     state_size = head_dim * d_state

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
+
 
 @triton.jit
 def _ssd_state_update_kernel(
@@ -63,10 +65,7 @@ def ssd_state_update_triton(
         raise ValueError("the state pool must be fp32 with unit stride on the state dimension")
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1:]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    dt = dt if dt.stride(-1) == 1 else dt.contiguous()
-    B = B if B.stride(-1) == 1 else B.contiguous()
-    C = C if C.stride(-1) == 1 else C.contiguous()
+    x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     A = A.float().contiguous()
     D = None if D is None else D.float().contiguous()
     y = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
