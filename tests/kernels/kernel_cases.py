@@ -1,7 +1,10 @@
-"""Shared cases for the kernel tests: ragged packed batches and out-of-order slot ids."""
+"""Shared cases for the kernel tests: ragged packed batches, out-of-order slot ids, and call counting."""
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
 import torch
 
 # Lengths 1..67: single tokens, multiples of the chunk sizes under test (16, 32, 64) and odd remainders.
@@ -19,3 +22,18 @@ def slot_ids_for(batch: int, num_slots: int, seed: int = 0) -> torch.Tensor:
     """Distinct slots out of order with gaps (``num_slots`` > ``batch``)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(num_slots, generator=gen)[:batch]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, wrappers: list[tuple[str, str]]) -> dict[str, int]:
+    """Wrap each ``(module, function)`` so its calls are counted, to prove a model really ran those kernels."""
+    calls = {name: 0 for _, name in wrappers}
+    for module_name, name in wrappers:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls

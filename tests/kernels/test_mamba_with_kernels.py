@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaConfig, RecurrentGemmaLM
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.backend import force_triton
+from tests.kernels.kernel_cases import count_calls
 
 VOCAB = 64
 MODELS = {
@@ -45,16 +44,7 @@ WRAPPERS = {
 
 @pytest.mark.parametrize("architecture", sorted(MODELS))
 def test_logits_and_states_match_reference(triton_on_cpu, monkeypatch, architecture):
-    calls = {name: 0 for _, name in WRAPPERS[architecture]}
-    for module_name, name in WRAPPERS[architecture]:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-
-        def spy(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
+    calls = count_calls(monkeypatch, WRAPPERS[architecture])
     model: RecurrentLM = MODELS[architecture]().eval()
     model.init_weights(torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
 from rnnserve.engine.models.minrnn import MinGRULM, MinLSTMLM, MinRNNConfig
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.backend import force_triton
+from tests.kernels.kernel_cases import count_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
@@ -25,18 +24,7 @@ TRITON_WRAPPERS = [
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
-    """Count the calls of each Triton wrapper, to prove the model really ran them."""
-    calls = {name: 0 for _, name in TRITON_WRAPPERS}
-    for module_name, name in TRITON_WRAPPERS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-
-        def spy(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
-    return calls
+    return count_calls(monkeypatch, TRITON_WRAPPERS)
 
 
 @pytest.mark.parametrize("model_class", [MinGRULM, MinLSTMLM])
