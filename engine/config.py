@@ -23,6 +23,7 @@ BYTE_UNITS = {
 }
 DEVICES = ["auto", "cpu", "cuda"]
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+QUANTIZATIONS = ["int8"]
 DEFAULT_MAX_MODEL_LEN = 131072  # for models without a length limit of their own
 
 
@@ -99,6 +100,10 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up"
     )
+    quantize: str | None = option(
+        None, "weight-only quantization of the linear layers: int8 (per-output-channel symmetric scales, fp32 "
+        "accumulation; states are not quantized)", choices=QUANTIZATIONS,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -140,8 +145,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         kind = _value_type(hints[f.name])
         default = meta.pop("cli_default", f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        if kind is bool:
-            parser.add_argument(flag, dest=f.name, action="store_true", help=meta.pop("help"))
+        if kind is bool:  # a flag that flips the default: --enforce-eager, or --no-X for a field on by default
+            if default and "flag" not in f.metadata:
+                raise ValueError(f"{cls.__name__}.{f.name}: a field that defaults to True needs a --no-... flag")
+            action = "store_false" if default else "store_true"
+            parser.add_argument(flag, dest=f.name, action=action, help=meta.pop("help"))
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "default": default}
         if kind is list:

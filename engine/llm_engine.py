@@ -75,6 +75,10 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load ``config.model`` (the embedded default model when ``None``) and build the engine."""
         model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
+        if config.quantize is not None:
+            from rnnserve.engine.quantize import quantize_model
+
+            quantize_model(model, config.quantize)
         return cls(model, tokenizer, config)
 
     def _length_limits(self) -> tuple[int, int]:
