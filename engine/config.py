@@ -100,6 +100,22 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up"
     )
+    enable_prefix_cache: bool = option(
+        True, "do not keep request states in the prefix cache (a request whose prompt starts with a cached "
+        "prompt or prompt + response resumes from its state and prefills only the rest)", flag="--no-prefix-cache",
+    )
+    prefix_cache_memory: int = option(
+        2**30, "prefix-cache snapshot budget on the model's device, e.g. 512MiB (default: 1GiB)",
+        type=parse_bytes, metavar="BYTES",
+    )
+    prefix_cache_host_memory: int = option(
+        2 * 2**30, "on CUDA, a second prefix-cache tier in pinned host memory that device evictions move to, "
+        "e.g. 8GiB; 0: none (default: 2GiB)", type=parse_bytes, metavar="BYTES",
+    )
+    prefix_cache_interval: int = option(
+        2048, "besides prompt and response ends, snapshot a prompt's state every this many tokens (a prompt chunk "
+        "that would cross a multiple ends at it)", metavar="TOKENS",
+    )
     quantize: str | None = option(
         None, "weight-only quantization of the linear layers: int8 (per-output-channel symmetric scales, fp32 "
         "accumulation; states are not quantized)", choices=QUANTIZATIONS,
@@ -111,11 +127,15 @@ class EngineConfig:
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills", "long_prefill_token_threshold",
             "max_model_len", "max_prompt_tokens", "max_waiting", "max_stop_sequences", "max_stop_length",
+            "prefix_cache_interval",
         )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("prefix_cache_memory", "prefix_cache_host_memory"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.prefill_time_share <= 1.0:
             raise ValueError(f"prefill_time_share must be in (0, 1], got {self.prefill_time_share}")
         if None not in (self.max_model_len, self.max_prompt_tokens) and self.max_prompt_tokens > self.max_model_len:

@@ -2,49 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rnnserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
-from rnnserve.engine.models.base import RecurrentLM
+from rnnserve.engine.models.base import RecurrentLM, StateSpec
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.prefix_cache import PrefixCache, PrefixCacheStats, TierUsage
 from rnnserve.engine.sampler import SampleResult, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
+from rnnserve.engine.state_snapshot import StateSnapshot, check_snapshot_tensors, model_fingerprint
 from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.kernels.cpu_extension import build_cpu_extension
 
 logger = logging.getLogger(__name__)
 
+MIN_SNAPSHOT_TOKENS = 16  # shorter sequences are cheaper to prefill again than to keep a whole state for
+
 
 @dataclass
 class StepStats:
-    """What one ``step()`` did (for metrics)."""
+    """What one ``step()`` did (for metrics). ``prefix_cache_*``: requests admitted this step that looked up
+    the prefix cache, those that resumed from a snapshot, and the prompt tokens they did not prefill."""
 
     prefill_tokens: int = 0
     decode_batch_size: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 @dataclass
 class EngineLoad:
-    """How full the engine is (for load gauges and health)."""
+    """How full the engine is (for load gauges and health); ``prefix_cache`` has one entry per snapshot tier
+    (none when the cache is off)."""
 
     num_running: int
     num_waiting: int
     num_slots: int
     slots_used: int
     bytes_per_slot: int
+    prefix_cache: list[TierUsage] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -64,8 +76,18 @@ class LLMEngine:
             device=device,
         )
         self.runner = ModelRunner(model, self.pool, enforce_eager=self.config.enforce_eager)
-        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config)
+        self.prefix_cache: PrefixCache | None = None
+        if self.config.enable_prefix_cache:
+            self.prefix_cache = PrefixCache(
+                self.pool.specs,
+                device,
+                self.config.prefix_cache_memory,
+                self.config.prefix_cache_host_memory,
+                min_tokens=min(MIN_SNAPSHOT_TOKENS, self.config.prefix_cache_interval),
+            )
+        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache)
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
+        self.model_fingerprint = model_fingerprint(model, self.pool.specs)
         self.eos_token_id = tokenizer.eos_token_id
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
@@ -97,6 +119,11 @@ class LLMEngine:
     def device(self) -> torch.device:
         return self.pool.device
 
+    @property
+    def state_specs(self) -> list[StateSpec]:
+        """The per-slot state tensors of the pool (what a :class:`StateSnapshot` must match)."""
+        return self.pool.specs
+
     def load(self) -> EngineLoad:
         return EngineLoad(
             num_running=self.scheduler.num_running,
@@ -104,10 +131,12 @@ class LLMEngine:
             num_slots=self.pool.num_slots,
             slots_used=self.pool.num_used,
             bytes_per_slot=self.pool.bytes_per_slot,
+            prefix_cache=self.prefix_cache.usage() if self.prefix_cache is not None else [],
         )
 
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt (text, or token ids that the model and the tokenizer both know)."""
+    def encode_prompt(self, prompt: str | list[int], allow_empty: bool = False) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt (text, or token ids that the model and the tokenizer both know); an
+        empty prompt is a 400 unless ``allow_empty``."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -119,7 +148,7 @@ class LLMEngine:
             bad = self.tokenizer.first_undecodable(ids)
             if bad is not None:
                 raise InvalidParameterError("prompt", f"token id {bad} is not in the tokenizer's vocabulary")
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidParameterError("prompt", "prompt is empty")
         if len(ids) > self.max_prompt_tokens:
             raise InvalidParameterError(
@@ -149,9 +178,30 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        *,
+        context: StateSnapshot | None = None,
+        return_state: bool = False,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidParameterError (a 400) or QueueFullError (a 429)."""
-        text, ids = self.encode_prompt(prompt)
+        """Queue a request; returns its id. Raises InvalidParameterError (a 400) or QueueFullError (a 429).
+
+        With ``context`` the request continues that state: its sequence is ``context.token_ids +
+        context.pending_token_ids`` + the prompt (which may be empty when tokens are pending), and only the
+        pending tokens and the prompt are prefilled. With ``return_state`` (``n == 1`` only) the output
+        carries the sample's state in ``final_state`` once it finishes with ``stop`` or ``length``.
+        """
+        text, ids = self.encode_prompt(prompt, allow_empty=context is not None and bool(context.pending_token_ids))
+        num_consumed = 0
+        if context is not None:
+            ids = self._context_token_ids(context) + ids
+            num_consumed = len(context.token_ids)
+            if len(ids) > self.max_prompt_tokens:
+                raise InvalidParameterError(
+                    "prompt", f"context + prompt have {len(ids)} tokens, the limit is {self.max_prompt_tokens}"
+                )
+            if params.prompt_logprobs is not None:
+                raise InvalidParameterError("prompt_logprobs", "prompt_logprobs cannot be combined with a context")
+        if return_state and params.n != 1:
+            raise InvalidParameterError("n", f"returning the state needs n=1, got n={params.n}")
         bad_stop = [t for t in params.stop_token_ids if t >= self.model.vocab_size]
         if bad_stop:
             raise InvalidParameterError("stop_token_ids", f"stop token id {bad_stop[0]} is outside the vocabulary")
@@ -159,10 +209,29 @@ class LLMEngine:
         self.model.check_request(len(ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        group = SequenceGroup(request_id, text, ids, params, metrics)
+        group = SequenceGroup(request_id, text, ids, params, metrics, return_state=return_state)
+        if context is not None:
+            group.from_context = True
+            group.initial_state = context.tensors
+            group.num_prefilled = group.num_cached_tokens = num_consumed
         group.seqs = [Sequence(group, i, self.tokenizer) for i in range(params.n)]
         self.scheduler.add(group)
         return request_id
+
+    def _context_token_ids(self, context: StateSnapshot) -> list[int]:
+        """Validate a context (its state against the pool's specs, its tokens against the vocabulary) and
+        return its history tokens."""
+        check_snapshot_tensors(context.tensors, self.pool.specs)
+        vocab = self.model.vocab_size
+        history = []
+        for token in context.history_token_ids:
+            try:
+                history.append(operator.index(token))
+            except TypeError:
+                raise InvalidParameterError("context", f"context token id {token!r} is not an integer") from None
+            if not 0 <= history[-1] < vocab:
+                raise InvalidParameterError("context", f"context token {token} is outside the vocabulary [0, {vocab})")
+        return history
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any phase; its slots are free when this returns. Returns its final output, or
@@ -181,8 +250,15 @@ class LLMEngine:
         sampling or stop handling raised.
         """
         start = time.perf_counter()
+        cache_before = self._prefix_cache_stats()
         batch = self.scheduler.schedule()
-        stats = StepStats(decode_batch_size=len(batch.decode))
+        cache_after = self._prefix_cache_stats()
+        stats = StepStats(
+            decode_batch_size=len(batch.decode),
+            prefix_cache_queries=cache_after.queries - cache_before.queries,
+            prefix_cache_hits=cache_after.hits - cache_before.hits,
+            prefix_cache_hit_tokens=cache_after.hit_tokens - cache_before.hit_tokens,
+        )
         seqs, logits = self._run(batch, stats)
         if seqs:
             result = self._sample(logits, seqs)
@@ -193,6 +269,10 @@ class LLMEngine:
         self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
         return [g.output() for g in batch.groups() if g.error is not None or g.prefill_done]
+
+    def _prefix_cache_stats(self) -> PrefixCacheStats:
+        """A copy of the prefix cache's cumulative counts (zeros when it is off)."""
+        return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
 
     def _run(self, batch: SchedulerOutput, stats: StepStats) -> tuple[list[Sequence], torch.Tensor]:
         """Decode, then prefill; returns the samples to sample now and their logits rows."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rnnserve.engine.state_snapshot import StateSnapshot
+
 
 @dataclass
 class TokenLogprob:
@@ -56,7 +58,12 @@ class RequestMetrics:
 class RequestOutput:
     """A request's progress: one :class:`CompletionOutput` per sample. ``error`` is set (and ``finished``
     true) when the engine failed this request alone. ``prompt_logprobs`` (when asked for) has one entry per
-    prompt token, ``None`` for the first (nothing predicts it)."""
+    prompt token, ``None`` for the first (nothing predicts it).
+
+    ``prompt_token_ids`` is the whole sequence before the output: a ``context``'s history, then the prompt.
+    ``num_cached_tokens`` of them were not prefilled (a prefix-cache hit or the ``context``'s state).
+    ``final_state`` is the sample's state once it finished with ``stop`` or ``length``, for requests that asked
+    for it (``return_state``), else ``None``."""
 
     request_id: str
     prompt: str | None
@@ -66,3 +73,5 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    final_state: StateSnapshot | None = None

@@ -7,6 +7,10 @@ its state carried in its slot). The budget is shared fairly (see :meth:`Schedule
 prompt can neither hold back a short one's first token nor slow running streams much. After the step,
 :meth:`Scheduler.postprocess` records the prefill progress, forks a completed prompt's state into its other
 samples' slots, appends the sampled tokens and frees the slots of finished samples.
+
+With a :class:`~rnnserve.engine.prefix_cache.PrefixCache`, admission resumes a request from the deepest cached
+prefix of its prompt, and states are stored at prompt ends, at multiples of ``prefix_cache_interval`` (a prompt
+chunk that would cross one ends at it) and when a sample finishes with ``stop`` or ``length``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from dataclasses import dataclass, field
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.outputs import TokenLogprob
+from rnnserve.engine.prefix_cache import PrefixCache
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
+from rnnserve.engine.state_snapshot import StateSnapshot
 
 
 @dataclass
@@ -65,8 +71,12 @@ class Scheduler:
 
     DECODE_TIME_SMOOTHING = 0.25  # weight of the newest decode-only step in the decode-time estimate
 
-    def __init__(self, pool: StatePool, vocab_size: int, config: EngineConfig) -> None:
+    def __init__(
+        self, pool: StatePool, vocab_size: int, config: EngineConfig, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.prefix_cache_interval = config.prefix_cache_interval
         self.vocab_size = vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_partial_prefills = config.max_num_partial_prefills
@@ -131,11 +141,19 @@ class Scheduler:
             left = remaining(group)
             if budget == 0 or (left > cap and not long_allowed) or partial == self.max_num_partial_prefills:
                 break
-            take = min(left, cap, budget)
+            take = self._cut_at_snapshot(group, min(left, cap, budget))
             partial += take < left
             chunks.append(PrefillChunk(group, group.num_prefilled, group.num_prefilled + take))
             budget -= take
         return chunks
+
+    def _cut_at_snapshot(self, group: SequenceGroup, take: int) -> int:
+        """Shorten a chunk of a cacheable prompt that would cross a multiple of ``prefix_cache_interval`` so it
+        ends there (never to zero tokens: the chunk starts before that multiple)."""
+        if self.prefix_cache is None or not group.cacheable:
+            return take
+        boundary = (group.num_prefilled // self.prefix_cache_interval + 1) * self.prefix_cache_interval
+        return min(take, boundary - group.num_prefilled)
 
     def record_step(self, batch: SchedulerOutput, seconds: float) -> None:
         """Account a finished step's wall time to the prefill time share. A decode-only step earns prefill
@@ -151,10 +169,19 @@ class Scheduler:
             self._prefill_balance -= max(0.0, seconds - self._decode_seconds)
 
     def _admit(self, group: SequenceGroup) -> None:
+        """Give a request its slots; its first slot starts from its context's state, or from the deepest
+        cached prefix of its prompt (not for prompt logprobs, which need every prompt token's logits)."""
         slots = self.pool.allocate(group.params.n)
         for seq, slot in zip(group.seqs, slots, strict=True):
             seq.slot = slot
             seq.init_sampling_state(self.vocab_size, self.pool.device)
+        if group.initial_state is not None:
+            self.pool.write_slot(slots[0], group.initial_state)
+            group.initial_state = None
+        elif self.prefix_cache is not None and group.cacheable and group.prompt_logprobs is None:
+            group.num_prefilled = group.num_cached_tokens = self.prefix_cache.restore(
+                group.prompt_token_ids, self.pool.tensors, slots[0]
+            )
         group.metrics.first_scheduled_time = time.monotonic()
         self.running[group.request_id] = group
 
@@ -165,9 +192,17 @@ class Scheduler:
         for chunk in chunks:
             group = chunk.group
             group.num_prefilled = chunk.end
+            first_slot = group.seqs[0].slot
+            assert first_slot is not None, "a prefilling request holds its slots"
+            if (
+                self.prefix_cache is not None
+                and group.cacheable
+                and (chunk.completes_prompt or chunk.end % self.prefix_cache_interval == 0)
+            ):
+                self.prefix_cache.store(group.prompt_token_ids[: chunk.end], self.pool.tensors, first_slot)
             if chunk.completes_prompt:
                 if len(group.seqs) > 1:
-                    self.pool.copy(group.seqs[0].slot, [s.slot for s in group.seqs[1:]])  # type: ignore[arg-type]
+                    self.pool.copy(first_slot, [s.slot for s in group.seqs[1:]])  # type: ignore[misc]
                 ready += group.seqs
         return ready
 
@@ -197,7 +232,21 @@ class Scheduler:
                 metrics.last_token_time = now
                 metrics.first_token_time = metrics.first_token_time or now
             if seq.finished:
+                self._save_finished(seq)
                 self._free(seq)
+
+    def _save_finished(self, seq: Sequence) -> None:
+        """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state (which has
+        consumed the prompt and every output token but the last) in the prefix cache, and hand it to the
+        request if it asked for it."""
+        if seq.finish_reason not in ("stop", "length") or seq.slot is None:
+            return
+        group = seq.group
+        consumed = group.prompt_token_ids + seq.output_token_ids[:-1]
+        if self.prefix_cache is not None and group.cacheable:
+            self.prefix_cache.store(consumed, self.pool.tensors, seq.slot)
+        if group.return_state:
+            group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, seq.output_token_ids[-1:])
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""

@@ -12,6 +12,7 @@ import torch
 
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -147,7 +148,14 @@ class Sequence:
 @dataclass(eq=False)
 class SequenceGroup:
     """A request: one prompt, ``n`` samples. The prompt is prefilled once into the first sample's slot and
-    forked into the others."""
+    forked into the others.
+
+    ``prompt_token_ids`` is the whole sequence before the output. A request that continues a client's state
+    (``from_context``) starts with ``initial_state`` (written into its first slot at admission) and
+    ``num_prefilled`` at the tokens that state consumed; such a request neither reads nor feeds the prefix
+    cache, so a state a client sent can never reach another request.
+    ``return_state`` asks for ``final_state`` when the sample finishes with ``stop`` or ``length``.
+    """
 
     request_id: str
     prompt: str | None
@@ -158,6 +166,11 @@ class SequenceGroup:
     num_prefilled: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    from_context: bool = False
+    initial_state: dict[str, torch.Tensor] | None = None
+    num_cached_tokens: int = 0
+    return_state: bool = False
+    final_state: StateSnapshot | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -189,6 +202,11 @@ class SequenceGroup:
             self.prompt_logprobs.append(TokenLogprob(token, lp, list(zip(ids, vals, strict=True)), rank))
 
     @property
+    def cacheable(self) -> bool:
+        """Whether the prefix cache may serve and store this request's states (not for a client's context)."""
+        return not self.from_context
+
+    @property
     def prefill_done(self) -> bool:
         return self.num_prefilled >= len(self.prompt_token_ids)
 
@@ -207,6 +225,8 @@ class SequenceGroup:
             metrics=dataclasses.replace(self.metrics),
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            final_state=self.final_state,
         )
 
 

@@ -59,9 +59,7 @@ class StatePool:
             candidates.append(max_num_seqs)
         if state_memory is not None:
             if per_slot > state_memory:
-                raise ValueError(
-                    f"state memory budget {state_memory} B is below one slot ({per_slot} B per sequence)"
-                )
+                raise ValueError(f"state memory budget {state_memory} B is below one slot ({per_slot} B per sequence)")
             candidates.append(state_memory // max(per_slot, 1))
         if not candidates:
             raise ValueError("give max_num_seqs or state_memory")
@@ -104,6 +102,15 @@ class StatePool:
         slots = slots.to(self.device)
         for name, tensor in self.tensors.items():
             tensor[slots] = self._initial[name]
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """A CPU copy of one slot's state (contiguous; one copy per state tensor)."""
+        return {name: tensor[slot].to("cpu", copy=True) for name, tensor in self.tensors.items()}
+
+    def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite one slot's state with ``tensors`` (one per state name, the spec's shape, any device)."""
+        for name, tensor in self.tensors.items():
+            tensor[slot].copy_(tensors[name])
 
     def copy(self, src: int, dst: list[int]) -> None:
         """Fork: copy slot ``src``'s state into every slot of ``dst``."""

@@ -73,6 +73,24 @@ class ServerMetrics:
             "rnnserve_state_memory_total_bytes", "Bytes of the preallocated state pool."
         )
         self.prompt_tokens = self._counter("rnnserve_prompt_tokens", "Prompt tokens prefilled.")
+        self.prefix_cache_queries = self._counter(
+            "rnnserve_prefix_cache_queries", "Requests admitted that looked up the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "rnnserve_prefix_cache_hits", "Requests that resumed from a prefix-cache snapshot."
+        )
+        self.prefix_cache_hit_tokens = self._counter(
+            "rnnserve_prefix_cache_hit_tokens", "Prompt tokens not prefilled thanks to a prefix-cache snapshot."
+        )
+        self._prefix_cache_used = self._tier_gauge(
+            "rnnserve_prefix_cache_memory_used_bytes", "Bytes of prefix-cache snapshots held, per tier."
+        )
+        self._prefix_cache_total = self._tier_gauge(
+            "rnnserve_prefix_cache_memory_total_bytes", "Bytes of prefix-cache snapshot memory, per tier."
+        )
+        self._prefix_cache_snapshots = self._tier_gauge(
+            "rnnserve_prefix_cache_snapshots", "Prefix-cache snapshots held, per tier."
+        )
         self.generation_tokens = self._counter("rnnserve_generation_tokens", "Tokens generated.")
         self._request_success = Counter(
             "rnnserve_request_success",
@@ -130,6 +148,9 @@ class ServerMetrics:
     def _gauge(self, name: str, documentation: str) -> Gauge:
         return Gauge(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
 
+    def _tier_gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, ["model_name", "tier"], registry=self.registry)
+
     def _counter(self, name: str, documentation: str) -> Counter:
         return Counter(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
 
@@ -152,6 +173,10 @@ class ServerMetrics:
         self.state_slots_used.set(load.slots_used)
         self.state_usage_perc.set(load.slots_used / load.num_slots if load.num_slots else 0.0)
         self.state_memory_used_bytes.set(load.slots_used * load.bytes_per_slot)
+        for tier in load.prefix_cache:
+            self._prefix_cache_used.labels(model_name=self.model_name, tier=tier.name).set(tier.used_bytes)
+            self._prefix_cache_total.labels(model_name=self.model_name, tier=tier.name).set(tier.capacity_bytes)
+            self._prefix_cache_snapshots.labels(model_name=self.model_name, tier=tier.name).set(tier.num_snapshots)
 
     def observe_admitted(self, params: SamplingParams) -> None:
         """One engine request was queued with ``params``."""
@@ -165,6 +190,9 @@ class ServerMetrics:
             self.decode_batch_size.observe(stats.decode_batch_size)
         self.prompt_tokens.inc(stats.prefill_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.prefix_cache_hit_tokens.inc(stats.prefix_cache_hit_tokens)
         self.observe_outputs(outputs)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -1,0 +1,353 @@
+"""Prefix state cache: copies of request states keyed by the tokens they consumed, so a new request whose
+prompt starts with a cached sequence resumes from its state and prefills only the rest.
+
+A recurrent state after ``k`` tokens summarises exactly those ``k`` tokens, so one snapshot serves every
+prompt that extends them. Snapshots hang off the nodes of a radix tree (a compressed trie) over token ids;
+the path from the root to a node spells the tokens its snapshot consumed. They live in fixed-size
+:class:`SnapshotTier` rows budgeted in bytes: the model's device first and, when that is not the CPU, a host
+tier (pinned on CUDA) that device evictions are demoted to. Eviction is least-recently-used; a lookup or store
+touches every snapshot on its path, so an ancestor is never older than its descendants and the victim is
+always a leaf-most snapshot. A node left without snapshot and children is pruned, and one with a single child
+is merged into it.
+
+Every copy (slot to row, row to row, row to slot) runs on the engine thread when it is asked for, so a row is
+reused only after its node is unlinked and no request can receive a stale or foreign state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from rnnserve.engine.models.base import StateSpec
+
+
+class SnapshotTier:
+    """``num_rows`` snapshot rows of every state tensor on one device: ``[num_rows, *spec.shape]`` each,
+    allocated when the first snapshot arrives (a host tier that is never needed costs no pinned memory)."""
+
+    def __init__(
+        self, name: str, specs: list[StateSpec], budget_bytes: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
+        self.name = name
+        self.specs = specs
+        self.device = device
+        self.pin_memory = pin_memory
+        self.bytes_per_row = sum(s.nbytes for s in specs)
+        self.num_rows = budget_bytes // self.bytes_per_row if self.bytes_per_row else 0
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._released: list[int] = []
+        self._next_unused = 0  # rows from here on were never handed out (no free list of a million ints)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = {
+                s.name: torch.empty(
+                    (self.num_rows, *s.shape), dtype=s.dtype, device=self.device, pin_memory=self.pin_memory
+                )
+                for s in self.specs
+            }
+        return self._tensors
+
+    @property
+    def num_used(self) -> int:
+        return self._next_unused - len(self._released)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_used * self.bytes_per_row
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_rows * self.bytes_per_row
+
+    def allocate(self) -> int | None:
+        """A free row, or ``None`` when every row holds a snapshot."""
+        if self._released:
+            return self._released.pop()
+        if self._next_unused < self.num_rows:
+            self._next_unused += 1
+            return self._next_unused - 1
+        return None
+
+    def release(self, row: int) -> None:
+        self._released.append(row)
+
+
+class RadixNode:
+    """A tree node: ``key`` is the token run on the edge from its parent, ``depth`` the tokens from the root
+    to its end; ``tier``/``row`` locate its snapshot (``None`` when it has none)."""
+
+    __slots__ = ("key", "parent", "children", "depth", "tier", "row", "stamp")
+
+    def __init__(self, key: tuple[int, ...], parent: RadixNode | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[int, RadixNode] = {}
+        self.depth = (parent.depth if parent is not None else 0) + len(key)
+        self.tier: int | None = None
+        self.row: int | None = None
+        self.stamp = 0
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self.row is not None
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative counts: requests looked up, requests that resumed from a snapshot, prompt tokens they skipped,
+    snapshots stored and snapshots evicted from the last tier."""
+
+    queries: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    stores: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class TierUsage:
+    """One tier's snapshot memory (for gauges)."""
+
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    num_snapshots: int
+
+
+class PrefixCache:
+    """The radix tree of snapshots and its tiers (engine thread only).
+
+    ``min_tokens``: shorter sequences are not stored (a snapshot costs a whole state whatever its length; a
+    handful of tokens is cheaper to prefill again). ``host_tier`` (default: when ``device`` is not the CPU)
+    adds the host tier of ``host_bytes`` below the device tier of ``device_bytes``.
+    """
+
+    def __init__(
+        self,
+        specs: list[StateSpec],
+        device: torch.device,
+        device_bytes: int,
+        host_bytes: int,
+        min_tokens: int = 1,
+        host_tier: bool | None = None,
+    ) -> None:
+        tiers = [SnapshotTier("device", specs, device_bytes, device)]
+        if host_tier is None:
+            host_tier = device.type != "cpu"
+        if host_tier:
+            pin = device.type == "cuda"
+            tiers.append(SnapshotTier("host", specs, host_bytes, torch.device("cpu"), pin_memory=pin))
+        self.all_tiers = tiers
+        self.tiers = [t for t in tiers if t.num_rows > 0]  # where snapshots go, fastest first
+        self.min_tokens = max(1, min_tokens)
+        self.root = RadixNode((), None)
+        self.stats = PrefixCacheStats()
+        self._clock = itertools.count(1)
+        self._serial = itertools.count()
+        self._lru: list[list[tuple[int, int, int, RadixNode]]] = [[] for _ in self.tiers]
+        self._live = [0] * len(self.tiers)
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def restore(self, token_ids: list[int], state: dict[str, torch.Tensor], slot: int) -> int:
+        """Copy the deepest snapshot whose tokens are a prefix of ``token_ids`` (leaving at least one token to
+        prefill: the last one's logits are needed) into ``state``'s ``slot``; return its length (0: a miss)."""
+        self.stats.queries += 1
+        node = self.lookup(token_ids)
+        if node is None:
+            return 0
+        rows = self.tiers[node.tier].tensors  # type: ignore[index]
+        for name, tensor in state.items():
+            tensor[slot].copy_(rows[name][node.row])
+        self.stats.hits += 1
+        self.stats.hit_tokens += node.depth
+        return node.depth
+
+    def store(self, token_ids: list[int], state: dict[str, torch.Tensor], slot: int) -> bool:
+        """Copy ``state``'s ``slot`` (which has consumed exactly ``token_ids``) into a snapshot, evicting the
+        least recently used one if needed. A sequence already cached is only touched. Returns whether a new
+        snapshot was stored."""
+        if len(token_ids) < self.min_tokens or not self.tiers:
+            return False
+        existing = self._exact(token_ids)
+        if existing is not None and existing.has_snapshot:
+            self._touch(existing)
+            return False
+        row = self._free_row(0)  # may evict, which may prune nodes: walk the tree again afterwards
+        rows = self.tiers[0].tensors
+        for name, tensor in state.items():
+            rows[name][row].copy_(tensor[slot])
+        node = self._insert_path(tuple(token_ids))
+        node.tier, node.row = 0, row
+        self._live[0] += 1
+        self.stats.stores += 1
+        self._touch(node)
+        return True
+
+    # -- tree -----------------------------------------------------------------------------------------------
+
+    def lookup(self, token_ids: list[int]) -> RadixNode | None:
+        """The deepest snapshot node on ``token_ids``'s path with at most ``len(token_ids) - 1`` tokens; it and
+        its snapshot ancestors are touched."""
+        limit = len(token_ids) - 1
+        node, matched, best = self.root, 0, None
+        while matched < limit:
+            child = node.children.get(token_ids[matched])
+            if child is None or child.depth > limit or tuple(token_ids[matched : child.depth]) != child.key:
+                break
+            node, matched = child, child.depth
+            if node.has_snapshot:
+                best = node
+        if best is not None:
+            self._touch(best)
+        return best
+
+    def _exact(self, token_ids: list[int]) -> RadixNode | None:
+        """The node that ends exactly after ``token_ids``, if the tree has one."""
+        node, matched = self.root, 0
+        while matched < len(token_ids):
+            child = node.children.get(token_ids[matched])
+            if child is None or tuple(token_ids[matched : child.depth]) != child.key:
+                return None
+            node, matched = child, child.depth
+        return node
+
+    def _insert_path(self, tokens: tuple[int, ...]) -> RadixNode:
+        """The node ending exactly after ``tokens``, creating it (and splitting an edge) as needed."""
+        node, matched = self.root, 0
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched])
+            if child is None:
+                leaf = RadixNode(tokens[matched:], node)
+                node.children[tokens[matched]] = leaf
+                return leaf
+            common = 0
+            limit = min(len(child.key), len(tokens) - matched)
+            while common < limit and child.key[common] == tokens[matched + common]:
+                common += 1
+            if common < len(child.key):
+                child = self._split(child, common)
+            node, matched = child, child.depth
+        return node
+
+    @staticmethod
+    def _split(node: RadixNode, at: int) -> RadixNode:
+        """Cut ``node``'s edge after ``at`` tokens; returns the new middle node (``node`` keeps its identity)."""
+        parent = node.parent
+        assert parent is not None
+        middle = RadixNode(node.key[:at], parent)
+        parent.children[middle.key[0]] = middle
+        node.key = node.key[at:]
+        node.parent = middle
+        middle.children[node.key[0]] = node
+        return middle
+
+    def _prune(self, node: RadixNode) -> None:
+        """Remove snapshot-less leaves upwards from ``node`` and merge a snapshot-less node into its only child."""
+        while node is not self.root and not node.has_snapshot:
+            parent = node.parent
+            assert parent is not None
+            if not node.children:
+                del parent.children[node.key[0]]
+                node = parent
+                continue
+            if len(node.children) == 1:
+                (child,) = node.children.values()
+                child.key = node.key + child.key
+                child.parent = parent
+                parent.children[child.key[0]] = child
+            return
+
+    # -- snapshot rows and eviction -------------------------------------------------------------------------
+
+    def _touch(self, node: RadixNode) -> None:
+        """Mark ``node`` and every snapshot above it as used now (ancestors are never older than descendants)."""
+        stamp = next(self._clock)
+        current: RadixNode | None = node
+        while current is not None:
+            if current.has_snapshot:
+                current.stamp = stamp
+                self._push(current)
+            current = current.parent
+
+    def _push(self, node: RadixNode) -> None:
+        tier = node.tier
+        assert tier is not None
+        heap = self._lru[tier]
+        heapq.heappush(heap, (node.stamp, -node.depth, next(self._serial), node))
+        if len(heap) > 2 * self._live[tier] + 64:  # drop stale entries
+            live = [e for e in heap if e[3].tier == tier and e[3].stamp == e[0]]
+            heapq.heapify(live)
+            self._lru[tier] = live
+
+    def _pop_lru(self, tier: int) -> RadixNode | None:
+        """The least recently used snapshot of ``tier`` (the deepest on ties), taken off its heap."""
+        heap = self._lru[tier]
+        while heap:
+            stamp, _, _, node = heapq.heappop(heap)
+            if node.tier == tier and node.stamp == stamp:
+                return node
+        return None
+
+    def _free_row(self, tier: int) -> int:
+        """A row of ``tier`` for a new snapshot: a free one, else the LRU snapshot's, which moves down a tier
+        (or is dropped from the last)."""
+        row = self.tiers[tier].allocate()
+        if row is not None:
+            return row
+        victim = self._pop_lru(tier)
+        assert victim is not None and victim.row is not None, "a full tier has snapshots"
+        row = victim.row
+        if tier + 1 < len(self.tiers):
+            lower = self._free_row(tier + 1)
+            source, target = self.tiers[tier].tensors, self.tiers[tier + 1].tensors
+            for name, tensor in target.items():
+                tensor[lower].copy_(source[name][row])
+            victim.tier, victim.row = tier + 1, lower
+            self._live[tier] -= 1
+            self._live[tier + 1] += 1
+            self._push(victim)
+        else:
+            victim.tier = victim.row = None
+            self._live[tier] -= 1
+            self.stats.evictions += 1
+            self._prune(victim)
+        return row
+
+    # -- introspection --------------------------------------------------------------------------------------
+
+    @property
+    def num_snapshots(self) -> int:
+        return sum(self._live)
+
+    def usage(self) -> list[TierUsage]:
+        """Memory and snapshot count of every tier (an empty tier reports zero capacity)."""
+        live = {id(t): n for t, n in zip(self.tiers, self._live, strict=True)}
+        return [TierUsage(t.name, t.used_bytes, t.capacity_bytes, live.get(id(t), 0)) for t in self.all_tiers]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the tree or the tiers are inconsistent (for tests)."""
+        seen: dict[tuple[int, int], RadixNode] = {}
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for first, child in node.children.items():
+                assert child.parent is node and child.key and child.key[0] == first
+                assert child.depth == node.depth + len(child.key)
+                assert child.has_snapshot or len(child.children) >= 2, "an empty node must branch"
+                stack.append(child)
+            if node.has_snapshot:
+                assert node.tier is not None and node.row is not None
+                assert (node.tier, node.row) not in seen, "a row referenced twice"
+                seen[(node.tier, node.row)] = node
+        for index, tier in enumerate(self.tiers):
+            rows = sorted(row for t, row in seen if t == index)
+            assert len(rows) == tier.num_used == self._live[index]
+            assert rows == sorted(set(range(tier._next_unused)) - set(tier._released))
+            assert tier.used_bytes <= tier.capacity_bytes

@@ -1,0 +1,280 @@
+"""Prefix state cache: a request that resumes from a snapshot generates exactly what it generates without the
+cache, for every architecture, greedy and seeded, whatever prefix it hits (interval, prompt-end and finish
+snapshots); eviction under pressure keeps that true; the radix tree's own operations; the CLI flag."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from rnnserve import SamplingParams
+from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.prefix_cache import PrefixCache, RadixNode
+from rnnserve.engine.scheduler import PrefillChunk
+from rnnserve.engine.sequence import Sequence
+from rnnserve.server import cli
+from rnnserve.server.config import ServerConfig
+from rnnserve.server.metrics import ServerMetrics
+from tests.engine.cache_helpers import GREEDY, MODELS, assert_same_outputs, make_engine, run, seeded, token_pool
+from tests.engine.conftest import run_to_completion
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cache_hits_generate_exactly_what_misses_generate(model: str) -> None:
+    on, off = make_engine(model, cache=True), make_engine(model, cache=False)
+    rng = random.Random(7)
+    tokens = token_pool(on)
+    base = rng.choices(tokens, k=21)  # snapshots at 8 and 16 (interval) and 21 (prompt end)
+    (first,) = run(on, [(base, GREEDY)])
+    assert_same_outputs([first], run(off, [(base, GREEDY)]))
+    reply = first.outputs[0].token_ids  # its finish snapshot covers base + reply[:-1]: 25 tokens
+
+    def extra(k: int) -> list[int]:
+        return rng.choices(tokens, k=k)
+
+    cases = [  # (prompt, tokens resumed from)
+        (base[:8] + extra(6), 8),  # on an interval snapshot
+        (base[:13] + extra(6), 8),  # between interval snapshots
+        (base[:16] + extra(3), 16),
+        (base + extra(4), 21),  # the prompt-end snapshot
+        (base + reply + extra(4), 25),  # the finish snapshot: the next turn of a conversation
+        (base, 16),  # the same prompt again: its last token must be prefilled
+        (base[:3] + extra(12), 0),  # diverges before the shortest snapshot
+    ]
+    requests = [(prompt, GREEDY) for prompt, _ in cases]
+    requests += [(prompt, seeded(i)) for i, (prompt, _) in enumerate(cases)]
+    requests.append((base + reply + extra(2), seeded(99, n=2)))
+    hits_before = on.prefix_cache.stats.hits
+    outputs = run(on, requests)
+    assert_same_outputs(outputs, run(off, requests))
+    expected = [resumed for _, resumed in cases] * 2 + [25]
+    assert [out.num_cached_tokens for out in outputs] == expected
+    assert on.prefix_cache.stats.hits - hits_before == sum(1 for n in expected if n)
+    assert all(out.num_cached_tokens == 0 for out in run(off, requests))
+    on.prefix_cache.check_invariants()
+
+
+def test_long_prompts_resume_from_interval_snapshots_and_chunks_end_there() -> None:
+    on, off = make_engine("random:mamba-tiny", cache=True), make_engine("random:mamba-tiny", cache=False)
+    rng = random.Random(3)
+    tokens = token_pool(on)
+    shared = rng.choices(tokens, k=45)
+    chunk_ends: list[int] = []
+    original = on.scheduler.complete_prefill
+
+    def record(chunks: list[PrefillChunk]) -> list[Sequence]:
+        chunk_ends.extend(c.end for c in chunks)
+        return original(chunks)
+
+    on.scheduler.complete_prefill = record  # type: ignore[method-assign]
+    run(on, [(shared + [1, 2], GREEDY)])
+    assert chunk_ends == [8, 16, 24, 32, 40, 47]
+    requests = [(shared[:k] + rng.choices(tokens, k=5), GREEDY) for k in (9, 24, 31, 44)]
+    outputs = run(on, requests)
+    assert [o.num_cached_tokens for o in outputs] == [8, 24, 24, 40]
+    assert_same_outputs(outputs, run(off, requests))
+
+
+def test_prompt_logprobs_bypass_the_cache() -> None:
+    engine = make_engine("random:mingru-tiny", cache=True)
+    prompt = list(range(40, 70))
+    run(engine, [(prompt + [1], GREEDY)])
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    (out,) = run(engine, [(prompt + [1, 2], params)])
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs or []) == len(prompt) + 2
+    (hit,) = run(engine, [(prompt + [1, 2], GREEDY)])
+    assert hit.num_cached_tokens == len(prompt) + 1
+
+
+def test_eviction_under_pressure_never_serves_a_wrong_state() -> None:
+    """A budget of three snapshots, waves of prompts that share and diverge from a few stems, interleaved with
+    running requests: outputs equal the cache-less engine's and the cache stays consistent after every step."""
+    model = "random:griffin-tiny"
+    probe = make_engine(model, cache=False)
+    budget = 3 * probe.pool.bytes_per_slot
+    on = make_engine(model, cache=True, prefix_cache_memory=budget)
+    cache = on.prefix_cache
+    rng = random.Random(11)
+    tokens = token_pool(on)
+    stems = [rng.choices(tokens, k=rng.randint(8, 30)) for _ in range(4)]
+    waves = []
+    for wave in range(6):
+        prompts = []
+        for _ in range(5):
+            stem = rng.choice(stems)
+            prompts.append(stem[: rng.randint(1, len(stem))] + rng.choices(tokens, k=rng.randint(1, 12)))
+        params = [GREEDY if i % 2 else seeded(wave * 10 + i) for i in range(len(prompts))]
+        waves.append(list(zip(prompts, params, strict=True)))
+    ids: list[str] = []
+    final: dict[str, RequestOutput] = {}
+    for wave in waves:
+        ids += [on.add_request(prompt, params) for prompt, params in wave]
+        for _ in range(3):  # the next wave arrives while this one runs
+            for out in on.step():
+                if out.finished:
+                    final[out.request_id] = out
+            cache.check_invariants()
+            assert cache.num_snapshots <= 3
+    final.update(run_to_completion(on))
+    cache.check_invariants()
+    reference = run(probe, [request for wave in waves for request in wave])
+    assert_same_outputs([final[i] for i in ids], reference)
+    assert cache.stats.hits > 0 and sum(final[i].num_cached_tokens for i in ids) == cache.stats.hit_tokens
+    assert cache.stats.evictions > 10
+    usage = cache.usage()[0]
+    assert usage.capacity_bytes == budget and usage.used_bytes == 3 * probe.pool.bytes_per_slot
+
+
+# -- the radix tree and its tiers on their own ------------------------------------------------------------------
+
+SPEC = [StateSpec("x", (2,), torch.float64)]
+
+
+def toy_cache(snapshots: int, host_snapshots: int = 0, min_tokens: int = 1) -> PrefixCache:
+    row = SPEC[0].nbytes
+    return PrefixCache(
+        SPEC, torch.device("cpu"), snapshots * row, host_snapshots * row, min_tokens, host_tier=host_snapshots > 0
+    )
+
+
+def state_of(tokens: list[int]) -> dict[str, torch.Tensor]:
+    """A one-slot "state" that identifies its tokens: their count and a polynomial hash."""
+    digest = 0.0
+    for t in tokens:
+        digest = (digest * 31 + t + 1) % 1_000_003
+    return {"x": torch.tensor([[float(len(tokens)), digest]], dtype=torch.float64)}
+
+
+def cached_keys(cache: PrefixCache) -> set[tuple[int, ...]]:
+    keys = set()
+    stack: list[tuple[RadixNode, tuple[int, ...]]] = [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        if node.has_snapshot:
+            keys.add(path)
+        stack += [(child, path + child.key) for child in node.children.values()]
+    return keys
+
+
+def restore(cache: PrefixCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    slot = {"x": torch.full((1, 2), -1.0, dtype=torch.float64)}
+    return cache.restore(tokens, slot, 0), slot["x"][0]
+
+
+def test_insert_split_lookup_and_prune() -> None:
+    cache = toy_cache(8)
+    for key in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 7]):
+        assert cache.store(key, state_of(key), 0)
+    assert not cache.store([1, 2, 3, 4], state_of([9]), 0)  # already cached: only touched
+    cache.check_invariants()
+    (a,) = cache.root.children.values()  # [1, 2] was split off when [1, 2, 7] diverged
+    assert a.key == (1, 2) and not a.has_snapshot and sorted(c.key for c in a.children.values()) == [(3, 4), (7,)]
+    length, state = restore(cache, [1, 2, 3, 4, 5, 6, 9])
+    assert length == 6 and state.tolist() == state_of([1, 2, 3, 4, 5, 6])["x"][0].tolist()
+    assert restore(cache, [1, 2, 3, 4, 5, 6])[0] == 4  # one token is always left to prefill
+    assert restore(cache, [1, 2, 3, 4, 5])[0] == 4
+    assert restore(cache, [1, 2, 7, 7])[1].tolist() == state_of([1, 2, 7])["x"][0].tolist()
+    assert restore(cache, [1, 2, 3])[0] == 0 and restore(cache, [5])[0] == 0
+    assert restore(cache, [1, 2, 3, 5, 6, 7])[0] == 0  # diverges inside an edge
+    stats = cache.stats
+    assert (stats.queries, stats.hits, stats.hit_tokens) == (7, 4, 6 + 4 + 4 + 3)
+
+
+def test_eviction_is_lru_leaf_first_and_prunes_and_merges() -> None:
+    cache = toy_cache(3)
+    for key in ([1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 7]):
+        cache.store(key, state_of(key), 0)
+    cache.store([9], state_of([9]), 0)
+    # [1, 2, 3] was stored first, but storing its descendant touched it: the descendant goes first
+    assert cached_keys(cache) == {(1, 2, 3), (1, 2, 7), (9,)}
+    restore(cache, [1, 2, 7, 0])
+    cache.store([8, 8], state_of([8, 8]), 0)  # evicts [1, 2, 3], the least recently used
+    assert cached_keys(cache) == {(1, 2, 7), (9,), (8, 8)}
+    # its leaf was pruned and the empty [1, 2] node merged into its remaining child
+    assert sorted(c.key for c in cache.root.children.values()) == [(1, 2, 7), (8, 8), (9,)]
+    cache.check_invariants()
+    assert cache.stats.evictions == 2
+    assert restore(cache, [1, 2, 7, 0])[1].tolist() == state_of([1, 2, 7])["x"][0].tolist()
+
+
+def test_device_evictions_move_to_the_host_tier_and_drop_from_there() -> None:
+    cache = toy_cache(1, host_snapshots=2)
+    keys = [[1, 1], [2, 2], [3, 3], [4, 4]]
+    for key in keys:
+        cache.store(key, state_of(key), 0)
+        cache.check_invariants()
+    assert cached_keys(cache) == {(2, 2), (3, 3), (4, 4)}  # [1, 1] fell off the host tier
+    assert [(u.name, u.num_snapshots) for u in cache.usage()] == [("device", 1), ("host", 2)]
+    for key in keys[1:]:  # each restores its own state, from whichever tier holds it
+        assert restore(cache, key + [0])[1].tolist() == state_of(key)["x"][0].tolist()
+
+
+def test_min_tokens_and_a_zero_budget_store_nothing() -> None:
+    cache = toy_cache(4, min_tokens=3)
+    assert not cache.store([1, 2], state_of([1, 2]), 0) and cache.store([1, 2, 3], state_of([1, 2, 3]), 0)
+    empty = toy_cache(0)
+    assert not empty.store([1, 2, 3], state_of([1, 2, 3]), 0) and restore(empty, [1, 2, 3, 4])[0] == 0
+
+
+def test_random_operations_keep_the_tree_consistent_and_lookups_exact() -> None:
+    rng = random.Random(5)
+    cache = toy_cache(6, host_snapshots=5)
+    for _ in range(600):
+        key = [rng.randrange(3) for _ in range(rng.randint(1, 9))]
+        if rng.random() < 0.5:
+            cache.store(key, state_of(key), 0)
+        else:
+            keys = cached_keys(cache)
+            best = max((len(k) for k in keys if len(k) < len(key) and tuple(key[: len(k)]) == k), default=0)
+            length, state = restore(cache, key)
+            assert length == best
+            if length:
+                assert state.tolist() == state_of(key[:length])["x"][0].tolist()
+        cache.check_invariants()
+        assert cache.num_snapshots <= 11
+
+
+def test_serve_no_prefix_cache_flag() -> None:
+    parse = cli.build_parser().parse_args
+    assert ServerConfig.from_args(parse(["serve"])).engine.enable_prefix_cache
+    config = ServerConfig.from_args(
+        parse(["serve", "--no-prefix-cache", "--prefix-cache-memory", "64MiB", "--prefix-cache-interval", "512"])
+    )
+    assert not config.engine.enable_prefix_cache
+    assert (config.engine.prefix_cache_memory, config.engine.prefix_cache_interval) == (64 * 2**20, 512)
+
+
+def test_prometheus_counters_and_gauges_follow_the_cache() -> None:
+    """Fed the way the server feeds them (each step's stats and the load after it), the exported series equal
+    the cache's own counts."""
+    engine = make_engine("random:mingru-tiny", cache=True)
+    metrics = ServerMetrics("tiny", engine.max_model_len)
+    prompt = list(range(40, 70))
+    for extra in ([1], [1, 2], [1, 2, 3]):
+        engine.add_request(prompt + extra, GREEDY)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            metrics.observe_step(engine.last_step, outputs)
+            metrics.set_load(engine.load())
+    page = metrics.render().decode()
+    stats = engine.prefix_cache.stats
+
+    def sample(name: str, labels: str = 'model_name="tiny"') -> float:
+        match = re.search(rf"^{name}\{{{labels}\}} (\S+)$", page, re.M)
+        assert match is not None, name
+        return float(match.group(1))
+
+    assert (stats.queries, stats.hits, stats.hit_tokens) == (3, 2, 31 + 32)
+    assert sample("rnnserve_prefix_cache_queries_total") == 3
+    assert sample("rnnserve_prefix_cache_hits_total") == 2
+    assert sample("rnnserve_prefix_cache_hit_tokens_total") == 63
+    assert sample("rnnserve_prompt_tokens_total") == 31 + 32 + 33 - 63
+    tier = 'model_name="tiny",tier="device"'
+    (usage,) = engine.load().prefix_cache
+    assert sample("rnnserve_prefix_cache_snapshots", tier) == usage.num_snapshots == engine.prefix_cache.num_snapshots
+    assert sample("rnnserve_prefix_cache_memory_used_bytes", tier) == usage.num_snapshots * engine.pool.bytes_per_slot
+    assert sample("rnnserve_prefix_cache_memory_total_bytes", tier) == usage.capacity_bytes > 0
