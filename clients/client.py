@@ -10,10 +10,18 @@
         )
         print(completion.choices[0].text, client.tokenize("Once"), client.ready())
 
+        session = client.create_session()["id"]          # a persistent session: send only the new text
+        for text in ["Once upon", " a time"]:
+            reply = client.openai.completions.create(
+                model=client.model, prompt=text, max_tokens=16, extra_body=client.session_fields(session)
+            )
+        state = client.export_session(session)            # safetensors bytes; import them on another replica
+
 What stays here, and why: ``openai`` covers ``/v1`` (completions, chat, models, streaming, error classes, and
 retries that honour ``Retry-After``); request fields beyond OpenAI's (``top_k``, ``ignore_eos``, ...) go in its
 ``extra_body``. It has no calls for the routes vLLM and rnnserve add (``/tokenize``, ``/detokenize``,
-``/health``, ``/ready``, ``/version``, ``/metrics``) and no default model name, so those are here. They go
+``/health``, ``/ready``, ``/version``, ``/metrics``, ``/v1/sessions``) and no default model name, so those are
+here; a request continues a session with :meth:`session_fields` in ``extra_body``. They go
 through the same ``openai`` client (its ``get``/``post`` with absolute URLs), so they share its connection pool,
 auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses). Needs the ``openai``
 package: ``pip install 'rnnserve[client]'``.
@@ -23,10 +31,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 if TYPE_CHECKING:
     import openai
 
 NO_KEY = "none"  # openai insists on an API key; a server without auth ignores it
+STATE_MEDIA_TYPE = "application/octet-stream"
 
 
 def _openai() -> Any:
@@ -50,6 +61,14 @@ class _Routes:
     @staticmethod
     def body(model: str | None, **fields: Any) -> dict[str, Any]:
         return {**fields, "model": model} if model is not None else fields
+
+    @staticmethod
+    def session_fields(session_id: str, **extra_body: Any) -> dict[str, Any]:
+        """The ``extra_body`` of a completion or chat request that continues session ``session_id``."""
+        return {**extra_body, "session_id": session_id}
+
+    def session_url(self, session_id: str, action: str = "") -> str:
+        return self.url(f"/v1/sessions/{session_id}{action}")
 
 
 class Client(_Routes):
@@ -113,6 +132,29 @@ class Client(_Routes):
         body = self.body(model, tokens=tokens)
         return self.openai.post(self.url("/detokenize"), body=body, cast_to=object)["prompt"]
 
+    def create_session(self, model: str | None = None) -> dict[str, Any]:
+        """A new empty session: ``{"id": "sess-...", "object": "session", ...}``."""
+        return self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object)
+
+    def get_session(self, session_id: str) -> dict[str, Any]:
+        return self.openai.get(self.session_url(session_id), cast_to=object)
+
+    def delete_session(self, session_id: str) -> dict[str, Any]:
+        return self.openai.delete(self.session_url(session_id), cast_to=object)
+
+    def fork_session(self, session_id: str) -> dict[str, Any]:
+        """A new session with a copy of ``session_id``'s state."""
+        return self.openai.post(self.session_url(session_id, "/fork"), body={}, cast_to=object)
+
+    def export_session(self, session_id: str) -> bytes:
+        """The session's file (safetensors), for :meth:`import_session` here or on another replica."""
+        return self.openai.get(self.session_url(session_id, "/state"), cast_to=httpx.Response).content
+
+    def import_session(self, session_id: str, state: bytes) -> dict[str, Any]:
+        """Create or replace ``session_id`` from exported bytes (the server checks model and state layout)."""
+        options = {"headers": {"Content-Type": STATE_MEDIA_TYPE}}
+        return self.openai.put(self.session_url(session_id, "/state"), content=state, cast_to=object, options=options)
+
 
 class AsyncClient(_Routes):
     """Asynchronous twin of :class:`Client`; ``client.openai`` is an ``openai.AsyncOpenAI``."""
@@ -170,3 +212,24 @@ class AsyncClient(_Routes):
     async def detokenize(self, tokens: list[int], model: str | None = None) -> str:
         body = self.body(model, tokens=tokens)
         return (await self.openai.post(self.url("/detokenize"), body=body, cast_to=object))["prompt"]
+
+    async def create_session(self, model: str | None = None) -> dict[str, Any]:
+        return await self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object)
+
+    async def get_session(self, session_id: str) -> dict[str, Any]:
+        return await self.openai.get(self.session_url(session_id), cast_to=object)
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]:
+        return await self.openai.delete(self.session_url(session_id), cast_to=object)
+
+    async def fork_session(self, session_id: str) -> dict[str, Any]:
+        return await self.openai.post(self.session_url(session_id, "/fork"), body={}, cast_to=object)
+
+    async def export_session(self, session_id: str) -> bytes:
+        url = self.session_url(session_id, "/state")
+        return (await self.openai.get(url, cast_to=httpx.Response)).content
+
+    async def import_session(self, session_id: str, state: bytes) -> dict[str, Any]:
+        options = {"headers": {"Content-Type": STATE_MEDIA_TYPE}}
+        url = self.session_url(session_id, "/state")
+        return await self.openai.put(url, content=state, cast_to=object, options=options)

@@ -13,7 +13,8 @@ app's lifespan, so use ``TestClient`` as a context manager)::
         print(r.json()["choices"][0]["text"])
 
 ``create_app(config, engine=an_LLMEngine)`` serves an engine built elsewhere. Routes: ``POST
-/v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``, ``POST
+/v1/completions``, ``POST /v1/chat/completions``, ``/v1/sessions`` (create, get, delete, fork, export and import
+a session's state; see docs/api.md), ``GET /v1/models``, ``POST /tokenize``, ``POST
 /detokenize``, ``GET /tokenizer_info``, ``GET /health`` (the engine thread is alive), ``GET /ready`` (requests are
 taken now: 503 before the lifespan starts the engine thread and while shutting down), ``GET /version``, ``GET
 /metrics``, ``GET /dashboard`` (+ ``/dashboard/stats``). With ``api_key`` set, ``/v1/*``, ``/tokenize`` and
@@ -40,6 +41,7 @@ from rnnserve.server.errors import APIError
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, api_router
+from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -48,8 +50,10 @@ logger = logging.getLogger("rnnserve.server")
 
 def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
     """Build the FastAPI app (loads ``config.engine.model`` unless ``engine`` is given; raises
-    ``ModelLoadError`` or ``ValueError``); the engine thread runs with the app's lifespan."""
+    ``ModelLoadError`` or ``ValueError``, also for a session folder that cannot be used); the engine thread runs
+    with the app's lifespan."""
     engine = engine if engine is not None else LLMEngine.from_config(config.engine)
+    sessions = open_session_store(config, engine) if config.sessions else None
     metrics = ServerMetrics(config.model_names[0], engine.max_model_len)
     async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes)
 
@@ -65,12 +69,14 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
     app.state.config = config
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.sessions = sessions
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,
         max_body_bytes=config.max_body_bytes,
         read_timeout=config.request_read_timeout,
         trusted_hosts=config.trusted_hosts,
+        max_state_bytes=max_state_upload_bytes(engine.pool.bytes_per_slot, engine.max_model_len),
     )
 
     @app.exception_handler(APIError)
@@ -87,6 +93,6 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
         logger.exception("unhandled error")
         return APIError(500, "internal server error", type="internal_error").response()
 
-    app.include_router(api_router(OpenAIServing(config, async_engine, metrics)))
+    app.include_router(api_router(OpenAIServing(config, async_engine, metrics, sessions)))
     app.include_router(dashboard_router(metrics))
     return app

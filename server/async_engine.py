@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger("rnnserve.engine")
@@ -50,13 +51,16 @@ class RequestFailedError(RuntimeError):
 
 @dataclass
 class AddCommand:
-    """Add one engine request per prompt, all or none; the outcome settles ``accepted``."""
+    """Add one engine request per prompt, all or none; the outcome settles ``accepted``. ``context`` and
+    ``return_state`` are passed to every ``add_request``."""
 
     request_ids: list[str]
     prompts: list[Prompt]
     params: SamplingParams
     arrival_time: float
     accepted: asyncio.Future[None]
+    context: StateSnapshot | None = None
+    return_state: bool = False
 
 
 @dataclass
@@ -74,7 +78,11 @@ Command = AddCommand | AbortCommand | StopCommand
 
 class Submission:
     """The engine requests of one HTTP call: ``request_id`` is the call's (the response's ``id``),
-    ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue."""
+    ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue.
+
+    ``on_finished`` (optional) runs on each request's final output before :meth:`outputs` yields it (a session
+    stores its state there, before the client sees the end of the answer); ``on_close`` callbacks run once,
+    at the first :meth:`abort`, which every response calls when it ends."""
 
     def __init__(self, bridge: AsyncEngine, request_id: str, request_ids: list[str], queued_bytes: int) -> None:
         self.bridge = bridge
@@ -83,10 +91,12 @@ class Submission:
         self.queued_bytes = queued_bytes
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.on_finished: Callable[[RequestOutput], Awaitable[None]] | None = None
+        self.on_close: list[Callable[[], None]] = []
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
-        failed one of them, or the error that failed the whole engine."""
+        failed one of them, or the error that failed the whole engine (or what ``on_finished`` raised)."""
         remaining = len(self.request_ids)
         while remaining:
             item = await self.queue.get()
@@ -95,6 +105,8 @@ class Submission:
             if item.error is not None:
                 raise RequestFailedError(item.error)
             remaining -= item.finished
+            if item.finished and self.on_finished is not None:
+                await self.on_finished(item)
             yield item
 
     def fail(self, error: BaseException) -> None:
@@ -105,8 +117,11 @@ class Submission:
             self.accepted.set_exception(error)
 
     def abort(self) -> None:
-        """Abort whatever has not finished yet (idempotent)."""
+        """Abort whatever has not finished yet and run the ``on_close`` callbacks (idempotent)."""
         self.bridge.abort(self)
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            callback()
 
 
 class AsyncEngine:
@@ -156,14 +171,24 @@ class AsyncEngine:
             self._thread.join(timeout)
         self._thread = None
 
-    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> Submission:
+    async def submit(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        context: StateSnapshot | None = None,
+        return_state: bool = False,
+    ) -> Submission:
         """Add one engine request per prompt, all or none, with ids ``request_id`` (one prompt) or
-        ``request_id-<prompt index>``. Raises what the engine's ``add_request`` raises (InvalidParameterError,
-        QueueFullError, ValueError), QueueFullError when the queued prompts would pass ``max_queued_bytes``
-        (unless nothing is queued), or EngineDeadError."""
+        ``request_id-<prompt index>``; ``context`` and ``return_state`` as in ``LLMEngine.add_request``. Raises
+        what the engine's ``add_request`` raises (InvalidParameterError, QueueFullError, ValueError),
+        QueueFullError when the queued prompts would pass ``max_queued_bytes`` (unless nothing is queued), or
+        EngineDeadError."""
         if not self._accepting:
             raise EngineDeadError("the engine is not running")
         size = prompt_bytes(prompts)
+        if context is not None:
+            size += TOKEN_ID_BYTES * len(context.history_token_ids)
         if self.max_queued_bytes is not None and self.queued_bytes and self.queued_bytes + size > self.max_queued_bytes:
             self.metrics.request_rejected.inc()
             raise QueueFullError(
@@ -173,7 +198,9 @@ class AsyncEngine:
         submission = Submission(self, request_id, ids, size)
         self.queued_bytes += size
         self._consumers.update(dict.fromkeys(ids, submission))
-        self._commands.put(AddCommand(ids, prompts, params, time.monotonic(), submission.accepted))
+        self._commands.put(
+            AddCommand(ids, prompts, params, time.monotonic(), submission.accepted, context, return_state)
+        )
         try:
             await submission.accepted
         except BaseException as err:  # rejected (nothing was added) or cancelled (abort what may have been)
@@ -270,7 +297,14 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
-                self.engine.add_request(prompt, command.params, request_id, command.arrival_time)
+                self.engine.add_request(
+                    prompt,
+                    command.params,
+                    request_id,
+                    command.arrival_time,
+                    context=command.context,
+                    return_state=command.return_state,
+                )
                 added.append(request_id)
         except Exception as err:  # all or none: roll back the prompts already added, report the error
             error = err

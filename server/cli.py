@@ -124,7 +124,12 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("cannot load model: %s", err)
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
-    app = create_app(config, engine)
+    try:
+        app = create_app(config, engine)
+    except ValueError as err:
+        sock.close()
+        logger.error("%s", err)
+        return 1
     pool = engine.pool
     weight = next(iter(engine.model.parameters()), None)
     logger.info(

@@ -85,6 +85,22 @@ class ServerConfig:
     drain_timeout: float = option(
         30.0, "on SIGTERM/SIGINT, let in-flight requests finish for this long, then exit", metavar="SECONDS"
     )
+    sessions: bool = option(
+        True, "turn off persistent sessions (/v1/sessions and the session_id request field)", flag="--no-sessions"
+    )
+    session_dir: str | None = option(
+        None, "folder of the session files (default: $XDG_CACHE_HOME/rnnserve/sessions/<model fingerprint "
+        "prefix>, else under ~/.cache)", metavar="DIR",
+    )
+    max_sessions: int = option(10000, "sessions stored at most; beyond it creating one gets 429", metavar="N")
+    max_session_bytes: int = option(
+        10 << 30, "total size of the stored session files; beyond it storing one gets 429 (default: 10GiB)",
+        type=parse_bytes, metavar="BYTES",
+    )
+    session_cache_bytes: int = option(
+        256 << 20, "host memory for recently used sessions' states, so a conversation's next turn skips the disk "
+        "read (default: 256MiB)", type=parse_bytes, metavar="BYTES",
+    )
     log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
     access_log: bool = option(False, "log one line per HTTP request (uvicorn's access log)")
 

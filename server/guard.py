@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,6 +14,7 @@ from rnnserve.server.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 JSON_MEDIA_TYPE = b"application/json"
+STATE_UPLOAD_PATH = re.compile(r"/v1/sessions/[^/]+/state")  # PUT: a session's state, MBs, its own body limit
 
 
 def host_name(host: bytes) -> str:
@@ -33,7 +35,8 @@ def is_ip_address(name: str) -> bool:
 
 class RequestGuard:
     """Host check (against DNS rebinding), API-key check (constant-time) on the protected routes, JSON-only
-    POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout."""
+    POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout.
+    A session state upload (``PUT /v1/sessions/{id}/state``) has its own limit, ``max_state_bytes``."""
 
     def __init__(
         self,
@@ -42,10 +45,12 @@ class RequestGuard:
         max_body_bytes: int,
         read_timeout: float,
         trusted_hosts: tuple[frozenset[str], bool],
+        max_state_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.max_state_bytes = max(max_body_bytes, max_state_bytes or 0)
         self.read_timeout = read_timeout
         self.allowed_hosts, self.allow_ip_hosts = trusted_hosts
 
@@ -61,7 +66,7 @@ class RequestGuard:
         body = None
         if error is None:
             try:
-                body = await asyncio.wait_for(self._read_body(receive), self.read_timeout)
+                body = await asyncio.wait_for(self._read_body(receive, self._body_limit(scope)), self.read_timeout)
             except asyncio.TimeoutError:
                 error = APIError(
                     408,
@@ -107,20 +112,26 @@ class RequestGuard:
                 415, "request bodies must be sent as 'Content-Type: application/json'", code="unsupported_media_type"
             )
         declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            return self._too_large()
+        limit = self._body_limit(scope)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return self._too_large(limit)
         return None
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None if the client disconnected; a 413 APIError past the size limit."""
+    def _body_limit(self, scope: Scope) -> int:
+        if scope["method"] == "PUT" and STATE_UPLOAD_PATH.fullmatch(scope["path"]):
+            return self.max_state_bytes
+        return self.max_body_bytes
+
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
+        """The whole body, or None if the client disconnected; a 413 APIError past ``limit`` bytes."""
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                raise self._too_large()
+            if len(body) > limit:
+                raise self._too_large(limit)
             if not message.get("more_body", False):
                 return bytes(body)
 
@@ -134,5 +145,6 @@ class RequestGuard:
         token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         return hmac.compare_digest(token, self.api_key)
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
+    @staticmethod
+    def _too_large(limit: int) -> APIError:
+        return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")

@@ -64,6 +64,8 @@ class SamplingFields(APIModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    # rnnserve: continue a persistent session (POST /v1/sessions)
+    session_id: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -240,3 +242,9 @@ class TokenizeRequest(APIModel):
 class DetokenizeRequest(APIModel):
     model: str | None = None
     tokens: list[int]
+
+
+class SessionRequest(APIModel):
+    """``POST /v1/sessions``: an empty session (its first request's prompt starts it)."""
+
+    model: str | None = None

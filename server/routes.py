@@ -1,11 +1,14 @@
-"""The HTTP routes: OpenAI completions and chat completions, models, tokenize/detokenize/tokenizer_info,
-health and Prometheus metrics. Handlers validate, submit to the engine and hand the result to ``streaming``."""
+"""The HTTP routes: OpenAI completions and chat completions, persistent sessions, models,
+tokenize/detokenize/tokenizer_info, health and Prometheus metrics. Handlers validate, submit to the engine and
+hand the result to ``streaming``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,11 +38,18 @@ from rnnserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
+    SessionRequest,
     TokenizeRequest,
 )
+from rnnserve.server.sessions import SessionStore, SessionTurn, StoredSession, check_session_id
 from rnnserve.server.streaming import ChatStream, CompletionStream, Generation, sse_response, until_disconnect
 
 ModelT = TypeVar("ModelT", bound=APIModel)
+
+STATE_MEDIA_TYPE = "application/octet-stream"
+# A session continues a chat after the assistant's last reply: the template renders a placeholder exchange
+# ending in this assistant content, then the new messages, and the text after it is the continuation.
+SESSION_MARKER = "rnnserve-session-continues-here"
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -69,10 +79,13 @@ def client_input(build: Callable[[], Any]) -> Any:
 class OpenAIServing:
     """Request handling behind the routes: validation, submission and response shapes."""
 
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics, sessions: SessionStore | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.metrics = metrics
+        self.sessions = sessions
         self.tokenizer: Tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.model.vocab_size
         self.created = int(time.time())
@@ -101,9 +114,12 @@ class OpenAIServing:
             "root": self.config.model_root,
         }
 
-    async def submit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams) -> Submission:
+    async def submit(
+        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, turn: SessionTurn | None = None
+    ) -> Submission:
+        context = turn.context if turn is not None else None
         try:
-            return await self.engine.submit(request_id, prompts, params)
+            return await self.engine.submit(request_id, prompts, params, context, return_state=turn is not None)
         except InvalidParameterError as err:
             raise bad_request(str(err), param=err.param) from err
         except QueueFullError as err:
@@ -127,9 +143,21 @@ class OpenAIServing:
         model: str,
         prompts: list[str | list[int]],
         params: SamplingParams,
+        turn: SessionTurn | None = None,
     ) -> Response:
-        """Submit the prompts under a new response id and answer with a stream or one JSON body."""
-        submission = await self.submit(f"{generation.id_prefix}-{uuid.uuid4().hex}", prompts, params)
+        """Submit the prompts under a new response id and answer with a stream or one JSON body. With a session
+        ``turn``, the state after the answer is stored before its end is sent, and the session is given back
+        when the response ends, however it ends."""
+        try:
+            submission = await self.submit(f"{generation.id_prefix}-{uuid.uuid4().hex}", prompts, params, turn)
+        except BaseException:
+            if turn is not None:
+                turn.release()
+            raise
+        if turn is not None:
+            submission.on_finished = turn.store_state
+            submission.on_close.append(turn.release)
+            weakref.finalize(submission, turn.release)  # also if the response is dropped before it starts
         stream = generation(self.tokenizer, submission, req, model, params)
         if req.stream:
             return sse_response(stream.events(), submission)
@@ -138,17 +166,143 @@ class OpenAIServing:
     async def completions(self, request: Request, req: CompletionRequest) -> Response:
         model = self.check_model(req.model)
         params = client_input(lambda: req.to_sampling_params(16))
-        return await self.generate(request, CompletionStream, req, model, client_input(req.prompts), params)
+        prompts: list[str | list[int]] = client_input(req.prompts)
+        if req.session_id is None:
+            return await self.generate(request, CompletionStream, req, model, prompts, params)
+        self.check_session_request(req, params)
+        if req.echo:
+            raise bad_request("echo cannot be combined with session_id", param="echo")
+        if len(prompts) != 1:
+            raise bad_request("a session continues one prompt: send a string or one list of token ids", param="prompt")
+        turn, prompt = await self.open_turn(req.session_id, lambda stored: self.continuation(prompts[0], stored))
+        return await self.generate(request, CompletionStream, req, model, [prompt], params, turn)
 
     async def chat_completions(self, request: Request, req: ChatCompletionRequest) -> Response:
         model = self.check_model(req.model)
         params = client_input(lambda: req.to_sampling_params(self.config.chat_default_max_tokens))
-        prompt = client_input(
-            lambda: self.render(
-                req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        if req.session_id is None:
+            prompt = client_input(
+                lambda: self.render(
+                    req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+                )
             )
+            return await self.generate(request, ChatStream, req, model, [prompt], params)
+        self.check_session_request(req, params)
+        turn, session_prompt = await self.open_turn(
+            req.session_id, lambda stored: client_input(lambda: self.render_turn(req, stored))
         )
-        return await self.generate(request, ChatStream, req, model, [prompt], params)
+        return await self.generate(request, ChatStream, req, model, [session_prompt], params, turn)
+
+    # --- sessions -------------------------------------------------------------------------------------
+
+    def session_store(self) -> SessionStore:
+        """The session store; 404 when the server runs with ``--no-sessions``."""
+        if self.sessions is None:
+            raise APIError(404, "sessions are turned off on this server (--no-sessions)", code="sessions_disabled")
+        return self.sessions
+
+    def check_session_request(self, req: SamplingFields, params: SamplingParams) -> None:
+        """400 for what a session request cannot have: sessions off, a malformed id, ``n > 1``, prompt logprobs."""
+        if self.sessions is None:
+            raise bad_request(
+                "session_id was given but sessions are turned off on this server (--no-sessions)",
+                param="session_id",
+                code="sessions_disabled",
+            )
+        check_session_id(req.session_id or "", param="session_id")
+        if params.n != 1:
+            raise bad_request(f"a session continues one sample: n must be 1, got {params.n}", param="n")
+        if req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs cannot be combined with session_id", param="prompt_logprobs")
+
+    async def open_turn(
+        self, session_id: str, prompt_for: Callable[[StoredSession], str | list[int]]
+    ) -> tuple[SessionTurn, str | list[int]]:
+        """Take the session for one request (409 while another has it), load its state (404, 422) and build
+        the request's prompt from it; the session is given back if anything fails."""
+        store = self.session_store()
+        lease = store.acquire(session_id)
+        try:
+            stored = await asyncio.to_thread(store.load, session_id)
+            return SessionTurn(store, lease, stored), prompt_for(stored)
+        except BaseException:
+            lease.release()
+            raise
+
+    def continuation(self, prompt: str | list[int], stored: StoredSession) -> str | list[int]:
+        """The prompt a session request sends to the engine: as given on the first turn; on later turns the
+        text's token ids without the prefix (BOS) the tokenizer puts before every text, which begins the
+        history only once."""
+        if stored.snapshot is None or not isinstance(prompt, str):
+            return prompt
+        prefix = self.tokenizer.encode("")
+        if not prefix:
+            return prompt
+        try:
+            ids = self.tokenizer.encode(prompt)
+        except ValueError as err:
+            raise bad_request(str(err), param="prompt") from err
+        return ids[len(prefix) :] if ids[: len(prefix)] == prefix else ids
+
+    def render_turn(self, req: ChatCompletionRequest, stored: StoredSession) -> str | list[int]:
+        """A session's chat prompt. The first turn renders the messages as any chat request does. Later turns
+        hold only the new messages, rendered as the template goes on after an assistant reply: the reply's
+        end-of-turn text, the new messages, the generation prompt. When the session's history already ends
+        with the EOS token, the EOS text the template would repeat is left out."""
+        options = (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        if stored.snapshot is None:
+            return self.render(req.messages, *options)
+        placeholder = [ChatMessage(role=role, content=SESSION_MARKER) for role in ("user", "assistant")]
+        text = self.render(placeholder + req.messages, *options)
+        parts = text.split(SESSION_MARKER, 2)
+        if len(parts) != 3:
+            raise InvalidParameterError(
+                "messages", "the chat template does not keep messages' text verbatim, so it cannot continue a session"
+            )
+        text = parts[2]
+        eos = special_token_text(self.tokenizer, self.tokenizer.eos_token_id)
+        if eos and stored.last_token_id == self.tokenizer.eos_token_id and text.startswith(eos):
+            text = text[len(eos) :]
+        return self.continuation(text, stored)
+
+    async def create_session(self, req: SessionRequest) -> JSONResponse:
+        store = self.session_store()
+        model = self.check_model(req.model)
+        info = await asyncio.to_thread(store.create)
+        return JSONResponse(info.to_json(model))
+
+    async def get_session(self, session_id: str) -> JSONResponse:
+        store = self.session_store()
+        info = await asyncio.to_thread(store.info, check_session_id(session_id))
+        return JSONResponse(info.to_json(self.config.model_names[0]))
+
+    async def delete_session(self, session_id: str) -> JSONResponse:
+        store = self.session_store()
+        await asyncio.to_thread(store.delete, check_session_id(session_id))
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+
+    async def fork_session(self, session_id: str) -> JSONResponse:
+        store = self.session_store()
+        info = await asyncio.to_thread(store.fork, check_session_id(session_id))
+        return JSONResponse(info.to_json(self.config.model_names[0]))
+
+    async def export_session(self, session_id: str) -> Response:
+        store = self.session_store()
+        data = await asyncio.to_thread(store.export, check_session_id(session_id))
+        disposition = f'attachment; filename="{session_id}.safetensors"'
+        return Response(data, media_type=STATE_MEDIA_TYPE, headers={"Content-Disposition": disposition})
+
+    async def import_session(self, request: Request, session_id: str) -> JSONResponse:
+        store = self.session_store()
+        check_session_id(session_id)
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != STATE_MEDIA_TYPE:
+            raise APIError(
+                415, f"send a session state as 'Content-Type: {STATE_MEDIA_TYPE}'", code="unsupported_media_type"
+            )
+        body = await request.body()
+        info, created = await asyncio.to_thread(store.import_state, session_id, body)
+        return JSONResponse(info.to_json(self.config.model_names[0]), status_code=201 if created else 200)
 
     def render(
         self,
@@ -250,6 +404,31 @@ def api_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request, await parse_body(request, ChatCompletionRequest))
+
+    @router.post("/v1/sessions")
+    async def create_session(request: Request) -> JSONResponse:
+        serving.session_store()
+        return await serving.create_session(await parse_body(request, SessionRequest))
+
+    @router.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str) -> JSONResponse:
+        return await serving.get_session(session_id)
+
+    @router.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> JSONResponse:
+        return await serving.delete_session(session_id)
+
+    @router.post("/v1/sessions/{session_id}/fork")
+    async def fork_session(session_id: str) -> JSONResponse:
+        return await serving.fork_session(session_id)
+
+    @router.get("/v1/sessions/{session_id}/state")
+    async def export_session(session_id: str) -> Response:
+        return await serving.export_session(session_id)
+
+    @router.put("/v1/sessions/{session_id}/state")
+    async def import_session(request: Request, session_id: str) -> JSONResponse:
+        return await serving.import_session(request, session_id)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -31,7 +31,10 @@ logger = logging.getLogger("rnnserve.server")
 
 
 def generation_error(err: Exception) -> APIError:
-    """The API error for a generation that failed after it was accepted."""
+    """The API error for a generation that failed after it was accepted (an APIError as it is, e.g. a
+    session's state that could not be stored)."""
+    if isinstance(err, APIError):
+        return err
     if isinstance(err, EngineDeadError):
         return APIError(503, str(err), type="service_unavailable")
     if not isinstance(err, RequestFailedError):
@@ -109,6 +112,7 @@ class Generation(ABC):
         self.created = int(time.time())
         self.prompt_index = {rid: i for i, rid in enumerate(submission.request_ids)}
         self.prompt_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}
         self.completion_tokens: dict[tuple[str, int], int] = {}
 
     def token_text(self, token_id: int) -> str:
@@ -124,6 +128,7 @@ class Generation(ABC):
 
     def record(self, out: RequestOutput) -> None:
         self.prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+        self.cached_tokens[out.request_id] = out.num_cached_tokens
         for sample in out.outputs:
             self.completion_tokens[(out.request_id, sample.index)] = len(self.generated_ids(sample))
 
@@ -149,9 +154,16 @@ class Generation(ABC):
     def ranked(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens`` counts the whole sequence before the output (a session's history
+        included), ``prompt_tokens_details.cached_tokens`` those of it that were not prefilled."""
         prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
 
     def body(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
         return {

@@ -124,9 +124,9 @@ def test_engine_request_ids_derive_from_the_response_id() -> None:
     added: list[str] = []
     real_add = engine.add_request
 
-    def add_request(prompt, params, request_id=None, arrival_time=None):  # type: ignore[no-untyped-def]
+    def add_request(prompt, params, request_id=None, arrival_time=None, **options):  # type: ignore[no-untyped-def]
         added.append(request_id)
-        return real_add(prompt, params, request_id, arrival_time)
+        return real_add(prompt, params, request_id, arrival_time, **options)
 
     engine.add_request = add_request
     with TestClient(app) as client:

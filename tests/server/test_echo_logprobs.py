@@ -47,6 +47,7 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs_then_the_generated_ones(
     assert lp["text_offset"] == list(accumulate((len(t) for t in lp["tokens"][:-1]), initial=0))
     plain = complete(client, prompt=PROMPT, logprobs=2, max_tokens=3, **GREEDY)["choices"][0]["logprobs"]
     assert lp["token_logprobs"][len(PROMPT) :] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    assert 0 <= body["usage"].pop("prompt_tokens_details")["cached_tokens"] < len(PROMPT)
     assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 3, "total_tokens": len(PROMPT) + 3}
 
 

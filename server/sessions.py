@@ -1,0 +1,658 @@
+"""Persistent sessions: a conversation's recurrent state kept between requests, on disk and in host memory.
+
+A session is one safetensors file, ``<dir>/<id>.safetensors``: the state tensors of one slot (``state.<name>``),
+the tokens the state has consumed (``token_ids``) and the history tokens it has not consumed yet
+(``pending_token_ids``, e.g. the last sampled token), int64. The header's ``__metadata__`` (strings) holds the
+format and its version, the model fingerprint, the state layout (names, shapes, dtypes), the token count and
+the created/updated times. A session that has had no turn yet has no state tensors (``has_state`` = ``0``).
+
+Files are written atomically (a temporary file in the same directory, fsync, ``os.replace``, fsync of the
+directory), so a file is always a whole old or a whole new state, also after ``kill -9``. Sessions are
+counted at start-up and otherwise found on disk by id when asked for. Recently used sessions stay decoded in
+an LRU in host memory; an idle session never holds a state slot. A file that cannot be read back (truncated,
+bad header) or that belongs to another model or state layout is a 422 for that session alone. One request at a
+time may use a session (:meth:`SessionStore.acquire`; a second one gets 409).
+
+The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import safetensors.torch
+import torch
+
+from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from rnnserve.engine.llm_engine import LLMEngine
+    from rnnserve.server.config import ServerConfig
+
+logger = logging.getLogger("rnnserve.server")
+
+FORMAT_NAME = "rnnserve-session"
+FORMAT_VERSION = "1"
+ID_PREFIX = "sess-"
+SESSION_ID_PATTERN = re.compile(r"sess-[A-Za-z0-9_-]{16,128}")
+FILE_SUFFIX = ".safetensors"
+TEMP_PREFIX = ".tmp-"
+STATE_PREFIX = "state."
+TOKEN_TENSORS = ("token_ids", "pending_token_ids")
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 1 << 20
+TOKEN_ID_BYTES = 8
+
+
+def default_session_dir(fingerprint: str) -> Path:
+    """``$XDG_CACHE_HOME/rnnserve/sessions/<fingerprint prefix>`` (else under ``~/.cache``): one folder per
+    model, so the sessions of different models never count against each other's limits."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "rnnserve" / "sessions" / fingerprint[:16]
+
+
+def new_session_id() -> str:
+    """An unguessable id: ``sess-`` and 32 URL-safe characters (192 random bits)."""
+    return ID_PREFIX + secrets.token_urlsafe(24)
+
+
+def check_session_id(session_id: str, param: str | None = None) -> str:
+    """``session_id`` if it has the shape of an id (so it names a file in the session folder and nothing
+    else); a 400 otherwise."""
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise APIError(
+            400,
+            "invalid session id: expected 'sess-' followed by 16 to 128 letters, digits, '-' or '_'",
+            param=param,
+            code="invalid_session_id",
+        )
+    return session_id
+
+
+def not_found(session_id: str) -> APIError:
+    return APIError(404, f"session {session_id!r} does not exist", code="session_not_found")
+
+
+def corrupted(session_id: str, reason: str) -> APIError:
+    return APIError(422, f"session {session_id!r} cannot be read: {reason}", code="session_corrupted")
+
+
+def busy(session_id: str) -> APIError:
+    return APIError(
+        409,
+        f"session {session_id!r} is in use by another request; a session takes one request at a time",
+        code="session_busy",
+    )
+
+
+def limit_reached(message: str) -> APIError:
+    return APIError(429, message, type="insufficient_quota", code="session_limit_reached")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_layout(specs: list[StateSpec]) -> list[list[object]]:
+    """The layout recorded in a session file: ``[name, shape, dtype]`` per state tensor."""
+    return [[spec.name, list(spec.shape), dtype_name(spec.dtype)] for spec in specs]
+
+
+@dataclass(frozen=True)
+class FileVersion:
+    """Which version of a file the LRU holds: inode, size and modification time."""
+
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, stat: os.stat_result) -> FileVersion:
+        return cls(stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@dataclass
+class SessionInfo:
+    """What ``GET /v1/sessions/{id}`` reports, and the file's size."""
+
+    id: str
+    created: int
+    updated: int
+    num_tokens: int
+    nbytes: int
+
+    def to_json(self, model: str) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "object": "session",
+            "created": self.created,
+            "updated": self.updated,
+            "num_tokens": self.num_tokens,
+            "model": model,
+        }
+
+
+@dataclass
+class StoredSession:
+    """A decoded session: its info and its state (``None`` before its first turn)."""
+
+    info: SessionInfo
+    snapshot: StateSnapshot | None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the decoded session holds (what the LRU counts)."""
+        if self.snapshot is None:
+            return 0
+        tensors = sum(t.numel() * t.element_size() for t in self.snapshot.tensors.values())
+        return tensors + TOKEN_ID_BYTES * (len(self.snapshot.token_ids) + len(self.snapshot.pending_token_ids))
+
+    @property
+    def last_token_id(self) -> int | None:
+        """The last token of the session's history, or ``None`` when it has none."""
+        if self.snapshot is None:
+            return None
+        history = self.snapshot.pending_token_ids or self.snapshot.token_ids
+        return history[-1] if history else None
+
+
+def data_end(entry: object) -> int | None:
+    """Where a header entry's tensor data ends, or ``None`` when the entry does not describe a tensor's data."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets):
+        return offsets[1]
+    return None
+
+
+class SessionCodec:
+    """Encodes sessions to the file format and decodes (and checks) them, for one model."""
+
+    def __init__(self, fingerprint: str, specs: list[StateSpec], vocab_size: int) -> None:
+        self.fingerprint = fingerprint
+        self.specs = {spec.name: spec for spec in specs}
+        self.layout = state_layout(specs)
+        self.vocab_size = vocab_size
+
+    def encode(self, snapshot: StateSnapshot | None, created: int, updated: int) -> bytes:
+        token_ids = snapshot.token_ids if snapshot is not None else []
+        pending = snapshot.pending_token_ids if snapshot is not None else []
+        tensors = {
+            "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+            "pending_token_ids": torch.tensor(pending, dtype=torch.int64),
+        }
+        if snapshot is not None:
+            for name, spec in self.specs.items():
+                tensors[STATE_PREFIX + name] = snapshot.tensors[name].detach().to("cpu", spec.dtype).contiguous()
+        metadata = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "model_fingerprint": self.fingerprint,
+            "state_layout": json.dumps(self.layout),
+            "has_state": "1" if snapshot is not None else "0",
+            "num_tokens": str(len(token_ids) + len(pending)),
+            "created": str(created),
+            "updated": str(updated),
+        }
+        return safetensors.torch.save(tensors, metadata)
+
+    def read_header(self, session_id: str, header: bytes, size: int) -> tuple[dict[str, str], int]:
+        """The checked metadata of a file of ``size`` bytes whose first bytes are ``header`` (at least the
+        length prefix and the JSON header), and the header's total length."""
+        if size < HEADER_LENGTH_BYTES:
+            raise corrupted(session_id, f"the file has {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", header[:HEADER_LENGTH_BYTES])
+        if length > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + length > size:
+            raise corrupted(session_id, "the safetensors header length is out of bounds (truncated or not a session)")
+        try:
+            parsed = json.loads(header[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length])
+        except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, or nested beyond the parser's depth
+            raise corrupted(session_id, f"the safetensors header is not valid JSON ({type(err).__name__})") from err
+        if not isinstance(parsed, dict):
+            raise corrupted(session_id, "the safetensors header is not a JSON object")
+        metadata = parsed.pop("__metadata__", None)
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+            raise corrupted(session_id, f"not an rnnserve session file (no '{FORMAT_NAME}' metadata)")
+        if not all(isinstance(value, str) for value in metadata.values()):
+            raise corrupted(session_id, "the metadata holds values that are not strings")
+        if metadata.get("format_version") != FORMAT_VERSION:
+            raise corrupted(
+                session_id,
+                f"session format version {metadata.get('format_version')!r}, this server reads {FORMAT_VERSION!r}",
+            )
+        self.check_model(session_id, metadata)
+        ends = [data_end(entry) for entry in parsed.values()]
+        if None in ends:
+            raise corrupted(session_id, "a tensor entry of the header has no valid data_offsets")
+        expected = HEADER_LENGTH_BYTES + length + max(ends, default=0)  # type: ignore[type-var]
+        if expected != size:
+            raise corrupted(session_id, f"the file has {size} bytes, its header describes {expected} (truncated?)")
+        return metadata, HEADER_LENGTH_BYTES + length
+
+    def check_model(self, session_id: str, metadata: dict[str, str]) -> None:
+        """422 for a session of another model or state layout."""
+        if metadata.get("model_fingerprint") != self.fingerprint:
+            layout = "" if metadata.get("state_layout") == json.dumps(self.layout) else " with another state layout"
+            raise APIError(
+                422,
+                f"session {session_id!r} belongs to another model{layout} (model fingerprint "
+                f"{str(metadata.get('model_fingerprint'))[:16]}..., this server's {self.fingerprint[:16]}...)",
+                code="session_model_mismatch",
+            )
+        if metadata.get("state_layout") != json.dumps(self.layout):
+            raise APIError(
+                422,
+                f"session {session_id!r} has another state layout ({metadata.get('state_layout')}; this server's "
+                f"{json.dumps(self.layout)})",
+                code="session_layout_mismatch",
+            )
+
+    def decode(self, session_id: str, data: bytes) -> StoredSession:
+        """A whole file, checked: format, model, layout, tensors and token ids; 422 for anything wrong."""
+        metadata, _ = self.read_header(session_id, data[: HEADER_LENGTH_BYTES + MAX_HEADER_BYTES], len(data))
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as err:  # safetensors raises its own error type (and others) for broken files
+            raise corrupted(session_id, f"the tensors cannot be read ({err})") from err
+        has_state = metadata.get("has_state") == "1"
+        expected = set(TOKEN_TENSORS) | ({STATE_PREFIX + name for name in self.specs} if has_state else set())
+        if set(tensors) != expected:
+            raise APIError(
+                422,
+                f"session {session_id!r} holds tensors {sorted(tensors)}, expected {sorted(expected)}",
+                code="session_layout_mismatch",
+            )
+        state: dict[str, torch.Tensor] = {}
+        for name, spec in self.specs.items():
+            tensor = tensors.get(STATE_PREFIX + name)
+            if tensor is None:
+                continue
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise APIError(
+                    422,
+                    f"session {session_id!r}: state {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, this "
+                    f"model's is {dtype_name(spec.dtype)}{list(spec.shape)}",
+                    code="session_layout_mismatch",
+                )
+            state[name] = tensor
+        token_ids, pending = (self.token_list(session_id, name, tensors[name]) for name in TOKEN_TENSORS)
+        if metadata.get("num_tokens") != str(len(token_ids) + len(pending)):
+            raise corrupted(session_id, "the token count in the metadata does not match the token ids")
+        if has_state and not token_ids and not pending:
+            raise corrupted(session_id, "a session with a state has no history tokens")
+        info = SessionInfo(
+            session_id,
+            self.timestamp(session_id, metadata, "created"),
+            self.timestamp(session_id, metadata, "updated"),
+            len(token_ids) + len(pending),
+            len(data),
+        )
+        return StoredSession(info, StateSnapshot(state, token_ids, pending) if has_state else None)
+
+    def token_list(self, session_id: str, name: str, tensor: torch.Tensor) -> list[int]:
+        if tensor.dtype != torch.int64 or tensor.dim() != 1:
+            raise corrupted(session_id, f"{name} must be a 1-D int64 tensor")
+        if tensor.numel() and not (0 <= int(tensor.min()) and int(tensor.max()) < self.vocab_size):
+            raise corrupted(session_id, f"{name} holds ids outside the vocabulary [0, {self.vocab_size})")
+        return tensor.tolist()
+
+    @staticmethod
+    def timestamp(session_id: str, metadata: dict[str, str], key: str) -> int:
+        value = metadata.get(key, "")
+        if not value.isdigit():
+            raise corrupted(session_id, f"the metadata's {key!r} time is not an integer")
+        return int(value)
+
+
+class SessionLease:
+    """The right to run one request on a session; :meth:`release` (idempotent) gives it back."""
+
+    def __init__(self, store: SessionStore, session_id: str) -> None:
+        self.store = store
+        self.session_id = session_id
+
+    def release(self) -> None:
+        self.store.release(self)
+
+
+class SessionStore:
+    """The sessions of one model in ``directory``, with count and byte limits and an LRU of decoded sessions."""
+
+    def __init__(
+        self,
+        directory: Path,
+        codec: SessionCodec,
+        max_sessions: int,
+        max_bytes: int,
+        cache_bytes: int,
+    ) -> None:
+        self.directory = directory
+        self.codec = codec
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+        self._cache: OrderedDict[str, tuple[StoredSession, FileVersion]] = OrderedDict()
+        self._cache_used = 0
+        self._leases: dict[str, SessionLease] = {}
+        try:
+            self._scan()
+        except OSError as err:
+            raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
+        logger.info("sessions: %d stored in %s (%d bytes)", self.num_sessions, directory, self.stored_bytes)
+
+    def _scan(self) -> None:
+        """Count the sessions on disk; remove temporary files a killed server left behind. The folder is made
+        by the first write (a server whose clients use no sessions writes nothing)."""
+        if not self.directory.exists():
+            return
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(TEMP_PREFIX):
+                Path(entry.path).unlink(missing_ok=True)
+                continue
+            session_id = entry.name.removesuffix(FILE_SUFFIX)
+            if entry.name.endswith(FILE_SUFFIX) and SESSION_ID_PATTERN.fullmatch(session_id) and entry.is_file():
+                self._sizes[session_id] = entry.stat().st_size
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def path(self, session_id: str) -> Path:
+        return self.directory / f"{check_session_id(session_id)}{FILE_SUFFIX}"
+
+    # --- one request at a time ------------------------------------------------------------------------
+
+    def acquire(self, session_id: str) -> SessionLease:
+        """The session for one request; 409 while another request holds it."""
+        with self._lock:
+            if session_id in self._leases:
+                raise busy(session_id)
+            lease = self._leases[session_id] = SessionLease(self, session_id)
+        return lease
+
+    def release(self, lease: SessionLease) -> None:
+        with self._lock:
+            if self._leases.get(lease.session_id) is lease:
+                del self._leases[lease.session_id]
+
+    @contextmanager
+    def _leased(self, session_id: str) -> Iterator[None]:
+        lease = self.acquire(session_id)
+        try:
+            yield
+        finally:
+            lease.release()
+
+    # --- reading --------------------------------------------------------------------------------------
+
+    def load(self, session_id: str) -> StoredSession:
+        """The session, decoded and checked; 404 or 422. From the LRU while its file is the one the LRU's copy
+        came from (a file replaced or damaged behind the server's back is read again)."""
+        cached = self._cached(session_id)
+        if cached is not None:
+            return cached
+        data, version = self._read(session_id)
+        stored = self.codec.decode(session_id, data)
+        self._remember(stored, version)
+        return stored
+
+    def info(self, session_id: str) -> SessionInfo:
+        """The session's info from its header alone (the tensors are not read); 404 or 422."""
+        cached = self._cached(session_id)
+        if cached is not None:
+            return cached.info
+        try:
+            with open(self.path(session_id), "rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                head = file.read(HEADER_LENGTH_BYTES)
+                if len(head) == HEADER_LENGTH_BYTES:
+                    (length,) = struct.unpack("<Q", head)
+                    head += file.read(min(length, MAX_HEADER_BYTES))
+        except FileNotFoundError:
+            raise self._missing(session_id) from None
+        self._found(session_id, size)
+        metadata, _ = self.codec.read_header(session_id, head, size)
+        num_tokens = metadata.get("num_tokens", "")
+        if not num_tokens.isdigit():
+            raise corrupted(session_id, "the metadata's token count is not an integer")
+        created = self.codec.timestamp(session_id, metadata, "created")
+        updated = self.codec.timestamp(session_id, metadata, "updated")
+        return SessionInfo(session_id, created, updated, int(num_tokens), size)
+
+    def export(self, session_id: str) -> bytes:
+        """The session's file, checked first (a broken or foreign file is a 422, not a download)."""
+        data, version = self._read(session_id)
+        self._remember(self.codec.decode(session_id, data), version)
+        return data
+
+    # --- writing --------------------------------------------------------------------------------------
+
+    def create(self) -> SessionInfo:
+        """A new empty session (its first request's prompt starts it); 429 beyond the limits."""
+        now = int(time.time())
+        session_id = new_session_id()
+        return self._store(session_id, None, now, now, new=True)
+
+    def save(self, session_id: str, snapshot: StateSnapshot, created: int) -> SessionInfo:
+        """Store the state after a turn (the caller holds the session's lease)."""
+        return self._store(session_id, snapshot, created, int(time.time()), new=False)
+
+    def fork(self, session_id: str) -> SessionInfo:
+        """A new session with a copy of ``session_id``'s stored state."""
+        source = self.load(session_id)
+        now = int(time.time())
+        return self._store(new_session_id(), source.snapshot, now, now, new=True)
+
+    def import_state(self, session_id: str, data: bytes) -> tuple[SessionInfo, bool]:
+        """Create or replace ``session_id`` from an exported file (checked like a stored one); whether it is
+        new. 409 while a request uses the session."""
+        stored = self.codec.decode(session_id, data)
+        with self._leased(session_id):
+            new = not self.path(session_id).exists()
+            info = self._store(session_id, stored.snapshot, stored.info.created, int(time.time()), new=new)
+        return info, new
+
+    def delete(self, session_id: str) -> None:
+        """Remove the session; 404 if there is none, 409 while a request uses it."""
+        with self._leased(session_id):
+            try:
+                self.path(session_id).unlink()
+            except FileNotFoundError:
+                raise self._missing(session_id) from None
+            with self._lock:
+                self._sizes.pop(session_id, None)
+                self._forget(session_id)
+
+    def _store(
+        self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool
+    ) -> SessionInfo:
+        data = self.codec.encode(snapshot, created, updated)
+        with self._lock:
+            previous = self._sizes.get(session_id)
+            if new and previous is None and len(self._sizes) >= self.max_sessions:
+                raise limit_reached(
+                    f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
+                )
+            total = sum(self._sizes.values()) - (previous or 0) + len(data)
+            if total > self.max_bytes:
+                raise limit_reached(
+                    f"storing this session ({len(data)} bytes) would pass the {self.max_bytes}-byte limit on stored "
+                    "sessions (--max-session-bytes); delete some first"
+                )
+            self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
+        try:
+            version = self._write(self.path(session_id), data)
+        except OSError as err:
+            with self._lock:
+                if previous is None:
+                    self._sizes.pop(session_id, None)
+                else:
+                    self._sizes[session_id] = previous
+            logger.error("cannot write session %s: %s", session_id, err)
+            raise APIError(
+                500,
+                f"cannot store session {session_id!r}: {err.strerror or err}",
+                type="internal_error",
+                code="session_write_failed",
+            ) from err
+        num_tokens = len(snapshot.token_ids) + len(snapshot.pending_token_ids) if snapshot is not None else 0
+        info = SessionInfo(session_id, created, updated, num_tokens, len(data))
+        self._remember(StoredSession(info, snapshot), version)
+        return info
+
+    def _write(self, path: Path, data: bytes) -> FileVersion:
+        """Atomically replace ``path`` with ``data``: durable once this returns. Returns the new file's version."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=TEMP_PREFIX)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+                version = FileVersion.of(os.fstat(file.fileno()))
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return version
+
+    # --- bookkeeping ----------------------------------------------------------------------------------
+
+    def _read(self, session_id: str) -> tuple[bytes, FileVersion]:
+        try:
+            with open(self.path(session_id), "rb") as file:
+                version = FileVersion.of(os.fstat(file.fileno()))
+                data = file.read()
+        except FileNotFoundError:
+            raise self._missing(session_id) from None
+        self._found(session_id, len(data))
+        return data, version
+
+    def _cached(self, session_id: str) -> StoredSession | None:
+        """The LRU's copy of the session if its file has not changed since (one ``stat``)."""
+        with self._lock:
+            entry = self._cache.get(session_id)
+        if entry is None:
+            return None
+        try:
+            current = FileVersion.of(self.path(session_id).stat())
+        except FileNotFoundError:
+            current = None
+        with self._lock:
+            if current != entry[1]:
+                self._forget(session_id)
+                return None
+            self._cache.move_to_end(session_id)
+        return entry[0]
+
+    def _found(self, session_id: str, size: int) -> None:
+        """A file on disk: counted from now on (also one copied in while the server runs)."""
+        with self._lock:
+            self._sizes[session_id] = size
+
+    def _missing(self, session_id: str) -> APIError:
+        with self._lock:
+            self._sizes.pop(session_id, None)
+            self._forget(session_id)
+        return not_found(session_id)
+
+    def _remember(self, stored: StoredSession, version: FileVersion) -> None:
+        """Keep a decoded session in the LRU, evicting the least recently used beyond ``cache_bytes``."""
+        with self._lock:
+            self._forget(stored.info.id)
+            if stored.host_bytes > self.cache_bytes:
+                return
+            self._cache[stored.info.id] = (stored, version)
+            self._cache_used += stored.host_bytes
+            while self._cache_used > self.cache_bytes:
+                _, (evicted, _) = self._cache.popitem(last=False)
+                self._cache_used -= evicted.host_bytes
+
+    def _forget(self, session_id: str) -> None:
+        """Drop a session from the LRU (the caller holds the lock)."""
+        entry = self._cache.pop(session_id, None)
+        if entry is not None:
+            self._cache_used -= entry[0].host_bytes
+
+
+def open_session_store(config: ServerConfig, engine: LLMEngine) -> SessionStore:
+    """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used)."""
+    codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.model.vocab_size)
+    directory = Path(config.session_dir).expanduser() if config.session_dir else default_session_dir(codec.fingerprint)
+    return SessionStore(directory, codec, config.max_sessions, config.max_session_bytes, config.session_cache_bytes)
+
+
+def max_state_upload_bytes(bytes_per_slot: int, max_model_len: int) -> int:
+    """The body limit of ``PUT /v1/sessions/{id}/state``: twice a slot's state, 8 bytes per token of the
+    longest history (``max_model_len``) and the largest header this server reads."""
+    return 2 * bytes_per_slot + TOKEN_ID_BYTES * max_model_len + MAX_HEADER_BYTES
+
+
+class SessionTurn:
+    """One request's use of a session: its lease, the stored session it continues, and the write-back of the
+    state after the response (awaited before the client sees the end of the answer)."""
+
+    def __init__(self, store: SessionStore, lease: SessionLease, stored: StoredSession) -> None:
+        self.store = store
+        self.lease = lease
+        self.stored = stored
+        self._write: asyncio.Future[SessionInfo] | None = None
+        self._released = False
+
+    @property
+    def context(self) -> StateSnapshot | None:
+        """The state the request continues (``None`` on a session's first turn)."""
+        return self.stored.snapshot
+
+    async def store_state(self, out: RequestOutput) -> None:
+        """Store the state after a finished response, off the event loop. The write goes on (and the session
+        stays leased) even if the client disconnects meanwhile, so a file is never half-replaced."""
+        if out.final_state is None:
+            raise APIError(500, "the engine returned no state to store in the session", type="internal_error")
+        save = asyncio.to_thread(self.store.save, self.lease.session_id, out.final_state, self.stored.info.created)
+        self._write = asyncio.ensure_future(save)
+        await asyncio.shield(self._write)
+
+    def release(self) -> None:
+        """Give the session back, once a write in flight has finished; later calls do nothing."""
+        if self._released:
+            return
+        self._released = True
+        if self._write is None or self._write.done():
+            self.lease.release()
+        else:
+            self._write.add_done_callback(self._written)
+
+    def _written(self, write: asyncio.Future[SessionInfo]) -> None:
+        if not write.cancelled():
+            write.exception()  # retrieved: the request that awaited it reported it
+        self.lease.release()

@@ -1,0 +1,95 @@
+"""The clients' session calls against a live server: create, continue through ``extra_body``, fork, export,
+import, delete, and the server's errors as ``openai`` exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from rnnserve.clients import AsyncClient, Client
+from rnnserve.server.app import create_app
+from rnnserve.server.background import serve_in_thread
+from tests.server.conftest import API_KEY, tiny_config
+
+pytestmark = pytest.mark.timeout(60)
+
+GREEDY = {"temperature": 0, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    sessions = tmp_path_factory.mktemp("sessions")
+    with serve_in_thread(create_app(tiny_config(api_key=API_KEY, session_dir=str(sessions)))) as base_url:
+        yield base_url
+
+
+def test_sync_client_sessions(url: str) -> None:
+    with Client(url, api_key=API_KEY) as client:
+        session = client.create_session()
+        assert session["object"] == "session" and session["num_tokens"] == 0
+        body = client.session_fields(session["id"], ignore_eos=True)
+        assert body == {"ignore_eos": True, "session_id": session["id"]}
+        first = client.openai.completions.create(model=client.model, prompt="Hi", extra_body=body, **GREEDY)
+        assert first.usage is not None and first.usage.prompt_tokens == 2
+        assert client.get_session(session["id"])["num_tokens"] == 2 + 4
+        fork = client.fork_session(session["id"])
+        assert fork["id"] != session["id"] and fork["num_tokens"] == 6
+        state = client.export_session(session["id"])
+        assert state[8:9] == b"{" and client.import_session(fork["id"], state)["num_tokens"] == 6
+        again = client.openai.completions.create(model=client.model, prompt="!", extra_body=body, **GREEDY)
+        branch = client.session_fields(fork["id"], ignore_eos=True)
+        forked = client.openai.completions.create(model=client.model, prompt="!", extra_body=branch, **GREEDY)
+        assert again.choices[0].text == forked.choices[0].text and again.usage.prompt_tokens == 7  # type: ignore[union-attr]
+        chat = client.openai.chat.completions.create(
+            model=client.model, messages=[{"role": "user", "content": "Yes"}], extra_body=body, **GREEDY
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens_details.cached_tokens == 10  # type: ignore[union-attr]
+        assert client.delete_session(fork["id"]) == {"id": fork["id"], "object": "session", "deleted": True}
+        with pytest.raises(openai.NotFoundError):
+            client.get_session(fork["id"])
+        with pytest.raises(openai.UnprocessableEntityError):
+            client.import_session(fork["id"], b"not a session")
+        with pytest.raises(openai.BadRequestError):
+            client.fork_session("sess-too-short")
+
+
+def test_async_client_sessions(url: str) -> None:
+    async def run() -> None:
+        async with AsyncClient(url, api_key=API_KEY) as client:
+            session = (await client.create_session())["id"]
+            body = client.session_fields(session)
+            await client.openai.completions.create(model=await client.model(), prompt="Hi", extra_body=body, **GREEDY)
+            assert (await client.get_session(session))["num_tokens"] == 6
+            fork = (await client.fork_session(session))["id"]
+            state = await client.export_session(session)
+            assert (await client.import_session(fork, state))["id"] == fork
+            assert (await client.delete_session(session))["deleted"]
+            with pytest.raises(openai.NotFoundError):
+                await client.export_session(session)
+
+    asyncio.run(run())
+
+
+def test_session_routes_need_the_api_key(url: str) -> None:
+    with Client(url, api_key=API_KEY) as client:
+        session = client.create_session()["id"]
+    for method, path in [
+        ("POST", "/v1/sessions"),
+        ("GET", f"/v1/sessions/{session}"),
+        ("PUT", f"/v1/sessions/{session}/state"),
+    ]:
+        assert httpx.request(method, url + path, timeout=10).status_code == 401
+    with Client(url, api_key="wrong") as client, pytest.raises(openai.AuthenticationError):
+        client.export_session(session)
+
+
+def test_import_of_a_missing_session_creates_it(url: str) -> None:
+    with Client(url, api_key=API_KEY) as client:
+        session = client.create_session()["id"]
+        state = client.export_session(session)
+        created = client.import_session("sess-" + "B" * 24, state)
+        assert created["id"] == "sess-" + "B" * 24 and client.get_session(created["id"])["num_tokens"] == 0

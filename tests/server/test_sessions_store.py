@@ -1,0 +1,357 @@
+"""The session store on its own: file format, checks, atomic writes, limits, leases and the LRU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.server.errors import APIError
+from rnnserve.server.sessions import (
+    SessionCodec,
+    SessionInfo,
+    SessionStore,
+    SessionTurn,
+    check_session_id,
+    default_session_dir,
+    new_session_id,
+)
+
+SPECS = [StateSpec("h", (2, 3), torch.float32), StateSpec("conv", (4,), torch.float64)]
+FINGERPRINT = "ab" * 32
+VOCAB = 100
+
+
+def snapshot(seed: int = 0, tokens: int = 5) -> StateSnapshot:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {spec.name: torch.randn(spec.shape, generator=gen, dtype=spec.dtype) for spec in SPECS}
+    return StateSnapshot(tensors, list(range(seed, seed + tokens)), [seed + tokens])
+
+
+def open_store(directory: Path, **limits: int) -> SessionStore:
+    options = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20, **limits}
+    return SessionStore(directory, SessionCodec(FINGERPRINT, SPECS, VOCAB), **options)
+
+
+def error_of(call, *args) -> APIError:  # type: ignore[no-untyped-def]
+    with pytest.raises(APIError) as info:
+        call(*args)
+    return info.value
+
+
+def assert_same(a: StateSnapshot, b: StateSnapshot) -> None:
+    assert a.token_ids == b.token_ids and a.pending_token_ids == b.pending_token_ids
+    assert set(a.tensors) == set(b.tensors)
+    for name, tensor in a.tensors.items():
+        assert b.tensors[name].dtype == tensor.dtype and torch.equal(b.tensors[name], tensor)
+
+
+def test_ids_are_unguessable_and_checked_before_any_path_is_built(tmp_path: Path) -> None:
+    ids = {new_session_id() for _ in range(100)}
+    assert len(ids) == 100 and all(check_session_id(i) == i for i in ids)
+    store = open_store(tmp_path)
+    for bad in ["../../etc/passwd", "sess-../../x", "sess-short", "sess-" + "a" * 200, "sess-abc/defghijklmnopq", ""]:
+        assert error_of(store.path, bad).status == 400
+        assert error_of(store.load, bad).code == "invalid_session_id"
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_file_format_round_trip(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    empty = store.create()
+    assert empty.num_tokens == 0 and store.load(empty.id).snapshot is None
+    state = snapshot(3)
+    info = store.save(empty.id, state, empty.created)
+    assert info.num_tokens == 6 and info.created == empty.created and info.updated >= empty.created
+    path = store.path(empty.id)
+    assert path.name == f"{empty.id}.safetensors" and info.nbytes == path.stat().st_size
+    with safetensors.safe_open(path, "pt") as file:
+        metadata = file.metadata()
+        assert sorted(file.keys()) == ["pending_token_ids", "state.conv", "state.h", "token_ids"]
+        assert file.get_tensor("token_ids").dtype == torch.int64
+    assert metadata["format"] == "rnnserve-session" and metadata["format_version"] == "1"
+    assert metadata["model_fingerprint"] == FINGERPRINT and metadata["num_tokens"] == "6"
+    assert json.loads(metadata["state_layout"]) == [["h", [2, 3], "float32"], ["conv", [4], "float64"]]
+    fresh = open_store(tmp_path)  # a restarted server: nothing cached, found on disk
+    assert fresh.num_sessions == 1 and fresh.stored_bytes == info.nbytes
+    assert_same(state, fresh.load(empty.id).snapshot)  # type: ignore[arg-type]
+    assert fresh.info(empty.id) == info
+
+
+def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    info = store.create()
+    for seed in range(3):
+        store.save(info.id, snapshot(seed), info.created)
+    assert os.listdir(tmp_path) == [f"{info.id}.safetensors"]
+    (tmp_path / ".tmp-left-by-a-killed-server").write_bytes(b"partial")
+    open_store(tmp_path)
+    assert os.listdir(tmp_path) == [f"{info.id}.safetensors"]
+
+
+def test_a_write_that_fails_leaves_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(tmp_path)
+    info = store.create()
+    store.save(info.id, snapshot(1), info.created)
+    before = store.path(info.id).read_bytes()
+
+    def no_space(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    err = error_of(store.save, info.id, snapshot(2), info.created)
+    assert err.status == 500 and err.code == "session_write_failed"
+    monkeypatch.undo()
+    assert store.path(info.id).read_bytes() == before and os.listdir(tmp_path) == [f"{info.id}.safetensors"]
+    assert_same(snapshot(1), open_store(tmp_path).load(info.id).snapshot)  # type: ignore[arg-type]
+
+
+def damaged_files(good: bytes) -> dict[str, bytes]:
+    (length,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8 : 8 + length])
+    wrong_count = dict(header, __metadata__={**header["__metadata__"], "num_tokens": "99"})
+    text = json.dumps(wrong_count).encode()
+    return {
+        "empty": b"",
+        "short": good[:5],
+        "truncated": good[:-3],
+        "garbage": os.urandom(len(good)),
+        "huge header length": struct.pack("<Q", 1 << 40) + good[8:],
+        "not json": good[:8] + b"x" * length + good[8 + length :],
+        "plain safetensors": safetensors.torch.save({"h": torch.zeros(2)}),
+        "wrong token count": struct.pack("<Q", len(text)) + text + good[8 + length :],
+        "other format version": good.replace(b'"format_version":"1"', b'"format_version":"9"'),
+    }
+
+
+DAMAGES = [
+    "empty", "short", "truncated", "garbage", "huge header length", "not json", "plain safetensors",
+    "wrong token count", "other format version",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_file_is_a_422_for_that_session_alone(tmp_path: Path, damage: str) -> None:
+    store = open_store(tmp_path)
+    broken, intact = store.create(), store.create()
+    for info in (broken, intact):
+        store.save(info.id, snapshot(4), info.created)
+    store.path(broken.id).write_bytes(damaged_files(store.path(broken.id).read_bytes())[damage])
+    restarted = open_store(tmp_path)
+    calls = [restarted.load, restarted.export, restarted.fork]
+    if damage != "wrong token count":  # the header alone looks fine: only reading the tensors finds it
+        calls.append(restarted.info)
+    for call in calls:
+        err = error_of(call, broken.id)
+        assert err.status == 422 and err.code == "session_corrupted", (damage, call.__name__, err.message)
+    assert_same(snapshot(4), restarted.load(intact.id).snapshot)  # type: ignore[arg-type]
+    assert restarted.fork(intact.id).num_tokens == 6
+
+
+def test_a_foreign_file_is_a_422_naming_what_differs(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    data = store.codec.encode(snapshot(0), 1, 2)
+    other_model = SessionCodec("cd" * 32, SPECS, VOCAB).encode(snapshot(0), 1, 2)
+    other_specs = [StateSpec("h", (2, 4), torch.float32), SPECS[1]]
+    other_layout = SessionCodec("cd" * 32, other_specs, VOCAB).encode(
+        StateSnapshot({"h": torch.zeros(2, 4), "conv": torch.zeros(4, dtype=torch.float64)}, [1], []), 1, 2
+    )
+    err = error_of(store.import_state, "sess-" + "a" * 20, other_model)
+    assert (err.status, err.code) == (422, "session_model_mismatch") and "another model" in err.message
+    err = error_of(store.import_state, "sess-" + "a" * 20, other_layout)
+    assert (err.status, err.code) == (422, "session_model_mismatch") and "another state layout" in err.message
+    tampered = data.replace(b'\\"float32\\"', b'\\"float16\\"')  # this model claimed, another layout recorded
+    assert tampered != data
+    assert error_of(store.codec.decode, "sess-" + "b" * 20, tampered).code == "session_layout_mismatch"
+    out_of_vocab = SessionCodec(FINGERPRINT, SPECS, 1000).encode(StateSnapshot(snapshot(0).tensors, [500], []), 1, 2)
+    assert error_of(store.codec.decode, "sess-" + "c" * 20, out_of_vocab).code == "session_corrupted"
+    assert os.listdir(tmp_path) == []
+
+
+def test_import_creates_or_replaces(tmp_path: Path) -> None:
+    source, target = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    info = source.create()
+    source.save(info.id, snapshot(7), info.created)
+    imported, created = target.import_state(info.id, source.export(info.id))
+    assert created and imported.num_tokens == 6 and imported.created == info.created
+    assert_same(snapshot(7), target.load(info.id).snapshot)  # type: ignore[arg-type]
+    source.save(info.id, snapshot(8), info.created)
+    _, created = target.import_state(info.id, source.export(info.id))
+    assert not created and target.num_sessions == 1
+    assert_same(snapshot(8), open_store(tmp_path / "b").load(info.id).snapshot)  # type: ignore[arg-type]
+
+
+def test_fork_copies_the_state_under_a_new_id(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    info = store.create()
+    store.save(info.id, snapshot(2), info.created)
+    fork = store.fork(info.id)
+    assert fork.id != info.id and fork.num_tokens == 6
+    store.save(info.id, snapshot(9), info.created)
+    assert_same(snapshot(2), open_store(tmp_path).load(fork.id).snapshot)  # type: ignore[arg-type]
+
+
+def test_count_and_byte_limits(tmp_path: Path) -> None:
+    store = open_store(tmp_path, max_sessions=2)
+    first = store.create()
+    store.create()
+    err = error_of(store.create)
+    assert (err.status, err.code, err.type) == (429, "session_limit_reached", "insufficient_quota")
+    assert "--max-sessions" in err.message and error_of(store.fork, first.id).status == 429
+    assert error_of(store.import_state, new_session_id(), store.export(first.id)).status == 429
+    store.delete(first.id)
+    store.create()
+    now = int(time.time())
+    one_file, empty_file = (len(store.codec.encode(state, now, now)) for state in (snapshot(0), None))
+    small = open_store(tmp_path / "small", max_bytes=one_file + empty_file - 1)
+    info = small.create()
+    small.save(info.id, snapshot(0), info.created)
+    assert error_of(small.create).status == 429 and "--max-session-bytes" in error_of(small.create).message
+    small.save(info.id, snapshot(1), info.created)  # replacing counts the new size instead of the old one
+    assert small.num_sessions == 1 and small.stored_bytes == one_file
+
+
+def test_one_request_at_a_time(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    info = store.create()
+    lease = store.acquire(info.id)
+    err = error_of(store.acquire, info.id)
+    assert (err.status, err.code) == (409, "session_busy")
+    assert error_of(store.delete, info.id).status == 409
+    assert error_of(store.import_state, info.id, store.export(info.id)).status == 409
+    store.fork(info.id)  # reading the stored state needs no lease
+    lease.release()
+    second = store.acquire(info.id)
+    lease.release()  # a stale lease cannot free the session for a third request
+    assert error_of(store.acquire, info.id).status == 409
+    second.release()
+    store.delete(info.id)
+    assert error_of(store.load, info.id).status == 404 and error_of(store.delete, info.id).status == 404
+
+
+def test_lru_keeps_recent_states_and_notices_replaced_files(tmp_path: Path) -> None:
+    per_session = snapshot(0).tensors["h"].nbytes + snapshot(0).tensors["conv"].nbytes + 8 * 6
+    store = open_store(tmp_path, cache_bytes=2 * per_session)
+    ids = [store.create().id for _ in range(3)]
+    for seed, session_id in enumerate(ids):
+        store.save(session_id, snapshot(seed), 0)
+    assert list(store._cache) == ids[1:]  # the least recently used went first
+    assert store.load(ids[1]) is store.load(ids[1])
+    outside = SessionCodec(FINGERPRINT, SPECS, VOCAB).encode(snapshot(5, tokens=9), 0, 1)
+    store.path(ids[1]).write_bytes(outside)  # replaced behind the server's back
+    assert_same(snapshot(5, tokens=9), store.load(ids[1]).snapshot)  # type: ignore[arg-type]
+    store.path(ids[2]).write_bytes(b"broken")
+    assert error_of(store.load, ids[2]).status == 422
+
+
+def test_session_files_of_other_processes_are_found_by_id(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    other = open_store(tmp_path)
+    info = other.create()
+    other.save(info.id, snapshot(1), info.created)
+    assert store.num_sessions == 0 and store.info(info.id).num_tokens == 6 and store.num_sessions == 1
+
+
+def test_default_folder_is_per_model_under_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_session_dir(FINGERPRINT) == tmp_path / "rnnserve" / "sessions" / FINGERPRINT[:16]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert (
+        default_session_dir(FINGERPRINT) == tmp_path / "home" / ".cache" / "rnnserve" / "sessions" / "abababababababab"
+    )
+
+
+def test_the_folder_is_made_by_the_first_write_and_an_unusable_one_is_a_clear_error(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "sessions")
+    assert not (tmp_path / "sessions").exists()
+    store.create()
+    assert (tmp_path / "sessions").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="cannot use the session folder"):
+        open_store(tmp_path / "file")
+    err = error_of(open_store(tmp_path / "file" / "sessions").create)
+    assert (err.status, err.code) == (500, "session_write_failed") and "Not a directory" in err.message
+
+
+def test_any_damage_to_a_file_is_a_422_never_another_error(tmp_path: Path) -> None:
+    """Seeded random damage: byte flips in the header and the data, cuts, and crafted headers."""
+    store = open_store(tmp_path)
+    good = store.codec.encode(snapshot(1), 1, 2)
+    (length,) = struct.unpack("<Q", good[:8])
+    rng = random.Random(0)
+    damaged = []
+    for _ in range(300):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(8 + length if rng.random() < 0.8 else len(data))] = rng.randrange(256)
+        damaged.append(bytes(data))
+    damaged += [good[:cut] for cut in rng.sample(range(len(good)), 50)]
+    for header in ['{"__metadata__": {"format": "rnnserve-session", "format_version": 1}}', "[" * 100_000, '"x"']:
+        damaged.append(struct.pack("<Q", len(header)) + header.encode())
+    for field, value in [("token_ids", {"dtype": "I64", "shape": [5], "data_offsets": "x"}), ("__metadata__", None)]:
+        crafted = json.loads(good[8 : 8 + length])
+        crafted[field] = value if value is not None else {**crafted[field], "created": 1}
+        text = json.dumps(crafted).encode()
+        damaged.append(struct.pack("<Q", len(text)) + text + good[8 + length :])
+    session_id = "sess-" + "d" * 20
+    for data in damaged:
+        if data == good:
+            continue
+        try:
+            stored = store.codec.decode(session_id, data)
+        except APIError as err:
+            assert err.status == 422, err.message
+        else:  # a flip inside a float's bytes is a different but well-formed state
+            assert stored.snapshot is not None and len(stored.snapshot.history_token_ids) == 6
+        store.path(session_id).write_bytes(data)
+        try:
+            store.info(session_id)  # reads the header alone: it may miss damage to the data, never fail otherwise
+        except APIError as err:
+            assert err.status == 422, err.message
+
+
+def test_a_turn_keeps_the_session_until_its_write_is_done(tmp_path: Path) -> None:
+    """A client that leaves while the state is being written: the write completes and only then is the session
+    free again, so a next request never reads the state from before that write."""
+    store = open_store(tmp_path)
+    info = store.create()
+    writing, may_finish = threading.Event(), threading.Event()
+    real_save = store.save
+
+    def slow_save(*args: object) -> SessionInfo:
+        writing.set()
+        may_finish.wait(10)
+        return real_save(*args)  # type: ignore[arg-type]
+
+    store.save = slow_save  # type: ignore[method-assign]
+    output = RequestOutput("req", None, [1], [], True, RequestMetrics(0.0), final_state=snapshot(3))
+
+    async def client_leaves_during_the_write() -> None:
+        turn = SessionTurn(store, store.acquire(info.id), store.load(info.id))
+        task = asyncio.ensure_future(turn.store_state(output))
+        await asyncio.to_thread(writing.wait, 10)
+        task.cancel()
+        turn.release()
+        assert error_of(store.acquire, info.id).status == 409  # still writing
+        may_finish.set()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if info.id not in store._leases:
+                break
+        store.acquire(info.id).release()
+
+    asyncio.run(client_leaves_during_the_write())
+    assert_same(snapshot(3), open_store(tmp_path).load(info.id).snapshot)  # type: ignore[arg-type]
