@@ -85,7 +85,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = LLMEngine(
-        model, tokenizer, EngineConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.chunk)
+        model, tokenizer, EngineConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.chunk,
+                                enable_prefix_cache=False)
     )
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {n_params / 1e6:.1f}M parameters, {args.dtype}, {engine.device}, "

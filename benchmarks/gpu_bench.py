@@ -11,6 +11,9 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   serve`` process (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
+The prefix cache is off (every request here is new, and the anchors are engines without one);
+``benchmarks/multi_turn.py`` measures it.
+
 ``--smoke`` runs tiny presets on CPU with small sizes: the CI check that this script keeps working.
 
     python benchmarks/gpu_bench.py [--models mamba-370m ...] [--batches 1 32 128 256] [--no-http] [--smoke]
@@ -95,7 +98,7 @@ def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: in
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
                "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
-               "--max-num-seqs", str(max(concurrency, 1)), "--log-level", "warning"]
+               "--max-num-seqs", str(max(concurrency, 1)), "--no-prefix-cache", "--log-level", "warning"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -165,7 +168,8 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
         torch.cuda.empty_cache()
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max(sizes.concurrency),
                                                       max_num_batched_tokens=max(PROMPT_LEN * max(sizes.concurrency),
-                                                                                 2048)))
+                                                                                 2048),
+                                                      enable_prefix_cache=False))
     offline: dict[int, float] = {}
     generated_tokens_per_second(engine, 2, PROMPT_LEN, 4)  # warm-up
     for c in sizes.concurrency:

@@ -182,7 +182,11 @@ class Generation(ABC):
         return sse_data(body)
 
     async def events(self) -> AsyncIterator[str]:
-        """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails."""
+        """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails.
+
+        The chunks of outputs that are already queued go out in one write: a client (or an event loop) that
+        falls behind the engine catches up with one send per batch, not one per token."""
+        pending: list[str] = []
         try:
             for choice in self.opening_choices():
                 yield self.chunk([choice])
@@ -190,12 +194,16 @@ class Generation(ABC):
                 self.record(out)
                 choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
                 if choices:
-                    yield self.chunk(choices)
+                    pending.append(self.chunk(choices))
+                if pending and self.submission.queue.empty():
+                    yield "".join(pending)
+                    pending.clear()
             if self.req.include_usage:
-                yield self.chunk([], self.usage())
+                pending.append(self.chunk([], self.usage()))
         except Exception as err:  # a failed generation ends with an error event, never a hung stream
-            yield generation_error(err).sse()
-        yield "data: [DONE]\n\n"
+            pending.append(generation_error(err).sse())
+        pending.append("data: [DONE]\n\n")
+        yield "".join(pending)
 
     async def collect(self) -> dict:
         """The whole (non-streamed) response body."""
