@@ -436,7 +436,7 @@ class BasedLM(RecurrentLM):
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         slot_ids = batch.slot_ids
         stream, delta = self._stream(batch.input_ids), None
-        rope = self._rope(batch.positions, self.lm_head.weight.dtype)
+        rope = self._rope(batch.positions, self.transformer.embeddings.word_embeddings.weight.dtype)
         for block, index in zip(self.transformer.layers, self._state_index, strict=True):
             normed, stream = self._add_norm(stream, delta, block.norm1)
             pools = self._pools(state, block.kind, index)
@@ -455,7 +455,7 @@ class BasedLM(RecurrentLM):
         slot_ids = batch.slot_ids
         slots = slot_index(slot_ids)
         stream, delta = self._stream(batch.input_ids), None
-        rope = self._rope(batch.positions, self.lm_head.weight.dtype)
+        rope = self._rope(batch.positions, self.transformer.embeddings.word_embeddings.weight.dtype)
         for block, index in zip(self.transformer.layers, self._state_index, strict=True):
             normed, stream = self._add_norm(stream, delta, block.norm1)
             pools = self._pools(state, block.kind, index)

@@ -184,6 +184,7 @@ class TimestepModulatedLoopedTransformer(LoopedTransformer):
     """The timestep-modulated looped transformer (the authors' ``"tmlt"``)."""
 
     architecture = "tmlt"
+    unquantized_linears = ("timestep_in", "timestep_out", "modulation")  # run once, into modulation_table
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__(config)

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
+from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weightless_rms_norm
+from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.mamba_decode import mamba_mixer_decode, mamba_mixer_decode_applies
+from rnnserve.kernels.mamba_decode import mamba_decode_stack, mamba_mixer_decode, mamba_mixer_decode_applies
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 
 
@@ -62,6 +63,8 @@ def _version_key(t: torch.Tensor | None) -> tuple | None:
 
 
 class MambaMixer(nn.Module):
+    unquantized_linears = ("dt_proj",)  # its weight is multiplied without the bias, which the scan adds
+
     def __init__(self, config: MambaConfig) -> None:
         super().__init__()
         c = config
@@ -120,6 +123,36 @@ class MambaMixer(nn.Module):
         )
         return linear(self.out_proj, y.to(h.dtype)), conv_state, ssm_state
 
+    def fused_weights(self) -> bool:
+        """Whether the projections are plain float weights the fused op reads (not int8: engine/quantize.py)."""
+        return self.in_proj.weight.is_floating_point()
+
+    def fused_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+        """Whether :meth:`decode` runs the fused CPU op (not for FalconMamba's extra norms)."""
+        return (
+            not self.config.bcdt_rms_norm
+            and self.fused_weights()
+            and mamba_mixer_decode_applies(h, conv_pool, ssm_pool)
+        )
+
+    def fused_decode_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The fused op's per-layer arguments: ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
+        x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)``."""
+        A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
+        return (
+            self.in_proj.weight,
+            self.in_proj.bias,
+            conv_weight,
+            conv_bias,
+            self.x_proj.weight,
+            self.dt_proj.weight,
+            dt_bias,
+            A,
+            D,
+            self.out_proj.weight,
+            self.out_proj.bias,
+        )
+
     def decode(
         self,
         h: torch.Tensor,
@@ -134,24 +167,10 @@ class MambaMixer(nn.Module):
         :func:`~rnnserve.engine.models.layers.slots.slot_index`). On CPU the whole step is one fused op
         (:mod:`rnnserve.kernels.mamba_decode`).
         """
-        if not self.config.bcdt_rms_norm and mamba_mixer_decode_applies(h, conv_pool, ssm_pool):
-            A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
+        if self.fused_decode_applies(h, conv_pool, ssm_pool):
+            in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = self.fused_decode_weights()
             return mamba_mixer_decode(
-                h,
-                self.in_proj.weight,
-                self.in_proj.bias,
-                conv_pool,
-                conv_weight,
-                conv_bias,
-                slot_ids,
-                self.x_proj.weight,
-                self.dt_proj.weight,
-                dt_bias,
-                A,
-                D,
-                ssm_pool,
-                self.out_proj.weight,
-                self.out_proj.bias,
+                h, in_w, in_b, conv_pool, conv_w, conv_b, slot_ids, x_w, dt_w, dt_b, A, D, ssm_pool, out_w, out_b
             )
         return self.decode_unfused(h, slot_ids, slots, conv_pool, ssm_pool)
 
@@ -180,6 +199,22 @@ class MambaLM(MixerStackLM):
     config_class = MambaConfig
     hf_model_types = ("mamba", "falcon_mamba")
     mixer = MambaMixer
+
+    def _decode_layers(
+        self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        """On CPU, every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`)."""
+        layers = self.backbone.layers
+        conv, ssm = state["conv"], state["ssm"]
+        if not (
+            mamba_decode_ops.STACK_ENABLED
+            and layers[0].mixer.fused_decode_applies(normed, conv[:, 0], ssm[:, 0])
+            and all(block.mixer.fused_weights() for block in layers)
+        ):
+            return super()._decode_layers(normed, stream, slot_ids, state)
+        norms = [block.norm.weight for block in layers[1:]] + [self.backbone.norm_f.weight]
+        weights = [block.mixer.fused_decode_weights() for block in layers]
+        return mamba_decode_stack(normed, stream, norms, self.config.norm_eps, weights, conv, ssm, slot_ids)
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> MambaConfig:

@@ -1,20 +1,30 @@
 """One Mamba-1 mixer decode step (in_proj, conv update, x_proj/dt_proj, selective state update, out_proj).
 
 ``naive.py`` is the reference, composed from the other ops' references; ``mamba_decode_cpu.cpp`` runs the
-whole step as one fused CPU op that chains the CPU kernels of ``skinny_linear``, ``causal_conv1d`` and
+whole step as one fused CPU op that chains the CPU kernels of ``skinny_linear``, ``gemv``, ``causal_conv1d`` and
 ``selective_scan`` (and ATen GEMMs, chosen as :func:`rnnserve.engine.models.layers.matmul_t` chooses them)
 without returning to Python between them. Off CPU the model runs its op-by-op step, which reaches the Triton
 kernels; there is no Triton kernel of the whole step.
+
+:func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
+norm) in one op, saving the model's per-layer dispatches. ``STACK_ENABLED`` is read on every call:
+``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
+(``benchmarks/cpu_decode.py`` compares both).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.gemv import row_limit
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 
 MAX_STATE = 64  # the fused selective-scan kernel's d_state limit
+STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
 
 
 def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
@@ -61,13 +71,86 @@ def mamba_mixer_decode(
     """
     if not mamba_mixer_decode_applies(h, conv_pool, ssm_pool):
         return mamba_mixer_decode_ref(
-            h, in_proj_weight, in_proj_bias, conv_pool, conv_weight, conv_bias, slot_ids, x_proj_weight,
-            dt_proj_weight, dt_bias, A, D, ssm_pool, out_proj_weight, out_proj_bias,
+            h,
+            in_proj_weight,
+            in_proj_bias,
+            conv_pool,
+            conv_weight,
+            conv_bias,
+            slot_ids,
+            x_proj_weight,
+            dt_proj_weight,
+            dt_bias,
+            A,
+            D,
+            ssm_pool,
+            out_proj_weight,
+            out_proj_bias,
         )
     return torch.ops.rnnserve.mamba_mixer_decode(
-        h, in_proj_weight, in_proj_bias, conv_pool, conv_weight, conv_bias, slot_ids.long().contiguous(),
-        x_proj_weight, dt_proj_weight, dt_bias, A, D, ssm_pool, out_proj_weight, out_proj_bias,
+        h,
+        in_proj_weight,
+        in_proj_bias,
+        conv_pool,
+        conv_weight,
+        conv_bias,
+        slot_ids.long().contiguous(),
+        x_proj_weight,
+        dt_proj_weight,
+        dt_bias,
+        A,
+        D,
+        ssm_pool,
+        out_proj_weight,
+        out_proj_bias,
+        row_limit(in_proj_weight.dtype),
     )
 
 
-__all__ = ["MAX_STATE", "mamba_mixer_decode", "mamba_mixer_decode_applies"]
+def mamba_decode_stack(
+    normed: torch.Tensor,
+    stream: torch.Tensor,
+    norm_weights: Sequence[torch.Tensor],
+    eps: float,
+    layers: Sequence[Sequence[torch.Tensor | None]],
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """All layers of a decode step in one CPU op; returns the final norm's output ``[B, d_model]``.
+
+    ``normed``/``stream``: the first block's input and the residual stream; ``norm_weights[i]``: block
+    ``i + 1``'s norm weight, the last one the final norm's (the final norm keeps the stream's precision, see
+    :func:`~rnnserve.kernels.residual_rms_norm.residual_rms_norm`); ``layers[i]``: layer ``i``'s
+    :func:`mamba_mixer_decode` arguments ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
+    x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)``; ``conv_pool [N, L, Di,
+    K-1]`` and ``ssm_pool [N, L, Di, Ns]``: the whole pools, advanced in place at rows ``slot_ids``. Callers
+    check :func:`mamba_mixer_decode_applies` on layer 0's pool views and ``STACK_ENABLED`` first.
+    """
+    in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, a, d, out_w, out_b = (
+        list(column) for column in zip(*layers, strict=True)
+    )
+    return torch.ops.rnnserve.mamba_decode_stack(
+        normed,
+        stream,
+        [w.contiguous() for w in norm_weights],
+        eps,
+        in_w,
+        in_b,
+        conv_pool,
+        conv_w,
+        conv_b,
+        slot_ids.long().contiguous(),
+        x_w,
+        dt_w,
+        dt_b,
+        a,
+        d,
+        ssm_pool,
+        out_w,
+        out_b,
+        row_limit(in_w[0].dtype),
+    )
+
+
+__all__ = ["MAX_STATE", "STACK_ENABLED", "mamba_decode_stack", "mamba_mixer_decode", "mamba_mixer_decode_applies"]

@@ -4,11 +4,13 @@
 // It calls the other fused CPU kernels through the dispatcher and picks each GEMM path exactly as matmul_t
 // (engine/models/layers/linear.py) does, so it computes the same numbers as the Python mixer. The Python step
 // is about 30 calls plus their glue, which took about a quarter of a bf16 decode step at batch 1.
+// mamba_decode_stack runs the whole layer loop of a decode step (mixer, residual add, next norm) in one call.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 namespace {
 using OptTensor = std::optional<at::Tensor>;
@@ -20,15 +22,19 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// x @ w^T + b, by the same rules as engine/models/layers/linear.py: matmul_t.
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+// x @ w^T + b, by the same rules as engine/models/layers/linear.py: matmul_t. `gemv_rows` is the most rows
+// the gemv kernel takes for w's dtype (kernels/gemv: row_limit; 0 when it is switched off).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b, int64_t gemv_rows) {
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
-  static const auto skinny =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("rnnserve::skinny_linear");
+  static const auto skinny = find_op<Linear>("rnnserve::skinny_linear");
+  static const auto gemv = find_op<Linear>("rnnserve::gemv");
   const int64_t rows = x.size(0);
+  const bool unit_stride = x.stride(1) == 1 && w.stride(1) == 1;
   if (amx && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && rows >= 1 &&
-      rows <= kSkinnyMaxRows && x.stride(1) == 1 && w.stride(1) == 1)
+      rows <= kSkinnyMaxRows && unit_stride)
     return skinny.call(x, w, b);
+  if (x.scalar_type() == w.scalar_type() && rows >= 1 && rows <= gemv_rows && unit_stride) return gemv.call(x, w, b);
   if (rows < 2 || rows > kSmallBatchRows) return at::linear(x, w, b);
   at::Tensor out = at::mm(w, x.t()).t();
   return b.has_value() ? out + *b : out;
@@ -39,7 +45,7 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                               const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
                               const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
                               const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
-                              const OptTensor& out_bias) {
+                              const OptTensor& out_bias, int64_t gemv_rows) {
   static const auto conv_update =
       find_op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, const OptTensor&, const at::Tensor&, bool)>(
           "rnnserve::causal_conv1d_update");
@@ -49,14 +55,45 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                          bool)>("rnnserve::selective_state_update");
   TORCH_CHECK(h.dim() == 2, "h must be [B, d_model]");
   const int64_t d_inner = conv_weight.size(0), dt_rank = dt_proj_weight.size(1), d_state = A.size(1);
-  const at::Tensor xz = project(h, in_weight, in_bias);
+  const at::Tensor xz = project(h, in_weight, in_bias, gemv_rows);
   const at::Tensor z = xz.narrow(1, d_inner, d_inner);
   const at::Tensor x = conv_update.call(xz.narrow(1, 0, d_inner), conv_pool, conv_weight, conv_bias, slot_ids, true);
-  const at::Tensor projected = project(x, x_proj_weight, std::nullopt);
-  const at::Tensor dt = project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt);
+  const at::Tensor projected = project(x, x_proj_weight, std::nullopt, gemv_rows);
+  const at::Tensor dt = project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, gemv_rows);
   const at::Tensor y = state_update.call(ssm_pool, slot_ids, x, dt, dt_bias, A, projected.narrow(1, dt_rank, d_state),
                                          projected.narrow(1, dt_rank + d_state, d_state), D, z, true);
-  return project(y.to(h.scalar_type()), out_weight, out_bias);
+  return project(y.to(h.scalar_type()), out_weight, out_bias, gemv_rows);
+}
+
+// Every layer of a Mamba-1 decode step in one call (the Python loop costs a few dispatches per layer):
+//   for each layer i:  out = mixer_i(normed);  normed, stream = residual_rms_norm(stream, out, norm_weights[i])
+// starting from the first block's normed input and its residual stream; norm_weights[i] is block i + 1's
+// norm, the last one the final norm (which does not round to the weight's dtype: see kernels/residual_rms_norm).
+// conv_pool [N, L, Di, K-1] and ssm_pool [N, L, Di, Ns] are the whole pools; returns the final normed rows.
+at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& stream_in, at::TensorList norm_weights,
+                              double eps, at::TensorList in_weights, const c10::List<OptTensor>& in_biases,
+                              at::Tensor conv_pool, at::TensorList conv_weights,
+                              const c10::List<OptTensor>& conv_biases,
+                              const at::Tensor& slot_ids, at::TensorList x_proj_weights,
+                              at::TensorList dt_proj_weights, at::TensorList dt_biases, at::TensorList As,
+                              at::TensorList Ds, at::Tensor ssm_pool, at::TensorList out_weights,
+                              const c10::List<OptTensor>& out_biases, int64_t gemv_rows) {
+  static const auto add_norm =
+      find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double, bool)>(
+          "rnnserve::residual_rms_norm");
+  const int64_t layers = static_cast<int64_t>(in_weights.size());
+  TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == layers && conv_pool.size(1) == layers &&
+                  ssm_pool.size(1) == layers,
+              "mamba_decode_stack: one norm weight and one pool layer per mixer");
+  at::Tensor normed = normed_in, stream = stream_in;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor out = mamba_mixer_decode(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
+                                              conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
+                                              dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
+                                              out_weights[i], out_biases.get(i), gemv_rows);
+    std::tie(normed, stream) = add_norm.call(stream, out, norm_weights[i], eps, i + 1 < layers);
+  }
+  return normed;
 }
 }  // namespace
 
@@ -64,6 +101,12 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
   m.def(
       "mamba_mixer_decode(Tensor h, Tensor in_weight, Tensor? in_bias, Tensor(a!) conv_pool, Tensor conv_weight, "
       "Tensor? conv_bias, Tensor slot_ids, Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A, "
-      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias) -> Tensor",
+      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows) -> Tensor",
       &mamba_mixer_decode);
+  m.def(
+      "mamba_decode_stack(Tensor normed, Tensor stream, Tensor[] norm_weights, float eps, Tensor[] in_weights, "
+      "Tensor?[] in_biases, Tensor(a!) conv_pool, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor slot_ids, "
+      "Tensor[] x_proj_weights, Tensor[] dt_proj_weights, Tensor[] dt_biases, Tensor[] As, Tensor[] Ds, "
+      "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, int gemv_rows) -> Tensor",
+      &mamba_decode_stack);
 }

@@ -1,7 +1,8 @@
 """Fused minGRU / minLSTM decode step (gate activations + recurrence + in-place state write).
 
 ``naive.py`` holds the PyTorch reference and the gate formulas the models share; ``fused_recurrent.py`` the
-Triton kernel. Prefill uses the same gates in log space with :func:`rnnserve.kernels.diag_linear_scan.diag_log_scan`.
+Triton kernel; ``min_rnn_step_cpu.cpp`` the fused CPU op (fp32 or bf16 ``proj``, an fp32 pool). Prefill uses
+the same gates in log space with :func:`rnnserve.kernels.diag_linear_scan.diag_log_scan`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.min_rnn_step.naive import (
+    COEFFICIENTS,
     g,
     log_g,
     min_rnn_step_ref,
@@ -18,6 +21,19 @@ from rnnserve.kernels.min_rnn_step.naive import (
     minlstm_coefficients,
     minlstm_log_coefficients,
 )
+
+
+def _cpu_op_applies(proj: torch.Tensor, state: torch.Tensor) -> bool:
+    return (
+        proj.dim() == 2
+        and proj.dtype in (torch.float32, torch.bfloat16)
+        and proj.stride(1) == 1
+        and state.dim() == 2
+        and state.dtype == torch.float32
+        and state.stride(1) == 1
+        and not torch.is_grad_enabled()
+        and use_cpu_kernel(proj)
+    )
 
 
 def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor, cell: str) -> torch.Tensor:
@@ -30,6 +46,8 @@ def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor
         from rnnserve.kernels.min_rnn_step.fused_recurrent import min_rnn_step_triton
 
         return min_rnn_step_triton(proj, state, slot_ids, cell)
+    if cell in COEFFICIENTS and _cpu_op_applies(proj, state):
+        return torch.ops.rnnserve.min_rnn_step(proj, state, slot_ids.long().contiguous(), cell == "minlstm")
     h = min_rnn_step_ref(proj, state[slot_ids], cell)
     state[slot_ids] = h
     return h.to(proj.dtype)

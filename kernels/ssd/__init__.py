@@ -3,7 +3,8 @@
 ``naive.py`` is the token-by-token reference; ``chunk.py`` (chunked varlen prefill: chunk states, state
 passing and chunk outputs as three kernels) and ``fused_recurrent.py`` (slot-addressed decode update) the
 Triton kernels used on CUDA; ``torch_chunked.py`` (the SSD algorithm as a handful of batched matmuls) and
-``torch_recurrent.py`` (in-place update) the PyTorch paths on every other device.
+``torch_recurrent.py`` (in-place update) the PyTorch paths on every other device, except the decode update
+on CPU: ``ssd_cpu.cpp`` does it in one pass over the state (fp32 pool with each slot contiguous).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
 from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
 
@@ -56,7 +58,30 @@ def ssd_state_update(
         if slot_ids is None:
             slot_ids = torch.arange(slots.start, slots.stop, device=x.device) if isinstance(slots, slice) else slots
         return ssd_state_update_triton(state, slot_ids, x, dt, A, B, C, D)
+    if _cpu_op_applies(state, x, dt, A, B, C) and use_cpu_kernel(x):
+        if slot_ids is None:
+            slot_ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+        return torch.ops.rnnserve.ssd_state_update(state, slot_ids.long().contiguous(), x, dt, A.contiguous(), B, C, D)
     return ssd_state_update_torch(state, slots, x, dt, A, B, C, D)
+
+
+def _cpu_op_applies(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> bool:
+    """The CPU op's layout and dtypes: an fp32 pool with each slot's ``[H, P, N]`` contiguous, fp32 ``dt``/``A``."""
+    if state.dim() != 4 or x.dim() != 3:
+        return False
+    head_dim, d_state = state.shape[2:]
+    return (
+        state.dtype == torch.float32
+        and state.stride(-1) == 1
+        and state.stride(-2) == d_state
+        and state.stride(-3) == head_dim * d_state
+        and all(t.dtype in (torch.float32, torch.bfloat16) for t in (x, B, C))
+        and dt.dtype == torch.float32
+        and A.dtype == torch.float32
+        and not torch.is_grad_enabled()
+    )
 
 
 __all__ = ["ssd_scan_varlen", "ssd_state_update"]

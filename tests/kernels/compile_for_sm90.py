@@ -25,6 +25,8 @@ from rnnserve.kernels.causal_conv1d.chunk import _conv_final_state_kernel, _conv
 from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
+from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
+from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.selective_scan.chunk import _selective_scan_varlen_kernel
@@ -35,6 +37,8 @@ from rnnserve.kernels.ssd.chunk import _ssd_chunk_scan_kernel, _ssd_chunk_state_
 from rnnserve.kernels.ssd.fused_recurrent import _ssd_state_update_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+# Kernels whose wrappers launch them with a num_stages other than Triton's default.
+NUM_STAGES = {"_int8_linear_kernel": INT8_LINEAR_STAGES}
 
 
 def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
@@ -67,6 +71,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     configs += _mamba_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)
+    configs += _int8_linear_configs(act)
     configs.append((_cached_decode_attention_kernel, {"q_ptr": act, "k_ptr": act, "v_ptr": act, "slot_ids_ptr": i64,
                     "positions_ptr": i64, "out_ptr": f32, "scale": "fp32"}, {"D": 64, "BN": 32, "BD": 64}, 4))
     return configs
@@ -134,6 +139,20 @@ def _lattice_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str],
         for variant, norm, block_d, block_m in shapes
     ]
 
+def _int8_linear_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """The w8a16 linear at both of the wrapper's block shapes (decode batches, larger batches)."""
+    types = {"x_ptr": act, "w_ptr": "*i8", "scale_ptr": "*fp32", "bias_ptr": act, "y_ptr": act}
+    low = act != "*fp32"
+    dot = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32,
+           "PRECISION": "tf32" if low else "ieee"}
+    configs = []
+    for rows in (1, 512):
+        block_m, block_n, block_k, warps = block_sizes(rows)
+        configs.append((_int8_linear_kernel, types, {"HAS_BIAS": True, **dot, "BM": block_m, "BN": block_n,
+                                                     "BK": block_k}, warps))
+    return configs
+
+
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
     for act in ("*fp32", "*bf16"):
@@ -141,7 +160,10 @@ def main() -> None:
             names = kernel.arg_names
             signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
             source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-            compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
+            options = {"num_warps": num_warps}
+            if kernel.__name__ in NUM_STAGES:
+                options["num_stages"] = NUM_STAGES[kernel.__name__]
+            compiled = triton.compile(source, target=target, options=options)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
                 cubin.write(compiled.asm["cubin"])
                 cubin.flush()

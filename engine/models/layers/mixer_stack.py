@@ -90,10 +90,16 @@ class MixerStackLM(RecurrentLM):
         return self._logits(normed)
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
-        slot_ids = batch.slot_ids
-        slots = slot_index(slot_ids)
         normed, stream = self._add_norm(self._stream(batch.input_ids), None, 0)
+        return self._logits(self._decode_layers(normed, stream, batch.slot_ids, state))
+
+    def _decode_layers(
+        self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        """Every block of a decode step from the first block's normed input; returns the final norm's output
+        (a subclass may run the loop in one fused op)."""
+        slots = slot_index(slot_ids)
         for i, block in enumerate(self.backbone.layers):
             out = block.mixer.decode(normed, slot_ids, slots, state["conv"][:, i], state["ssm"][:, i])
             normed, stream = self._add_norm(stream, out, i + 1)
-        return self._logits(normed)
+        return normed

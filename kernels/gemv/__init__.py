@@ -1,0 +1,55 @@
+"""``x @ weight.T + bias`` for a few rows of ``x`` (a decode batch) on CPU, streaming the weight once.
+
+``naive.py`` is the reference (fp32 math on the operands' values, one rounding). ``gemv_cpu.cpp`` gives each
+thread a contiguous range of the weight's rows and reads each row from memory once, multiplying it with every
+row of ``x`` in fp32 registers (bf16 weights are widened in registers). It applies to CPU tensors ``x [M, K]``
+and ``weight [N, K]`` of one dtype, fp32 or bf16, with a unit stride along ``K`` and up to
+:data:`ROW_LIMITS` rows for that dtype (beyond them ATen's GEMM measured as fast or faster); elsewhere the
+callers keep their ATen paths.
+
+``ENABLED`` is read on every call: ``RNNSERVE_GEMV=0`` in the environment clears it at import, and clearing it
+at run time brings back the previous paths in the same process (``benchmarks/cpu_decode.py`` compares both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.gemv.naive import gemv_ref
+
+ENABLED = os.environ.get("RNNSERVE_GEMV", "1") != "0"
+ROW_LIMITS = {torch.float32: 12, torch.bfloat16: 64}  # most rows per weight dtype (the op takes up to 64)
+
+
+def row_limit(dtype: torch.dtype) -> int:
+    """Most rows of ``x`` the kernel runs for weights of ``dtype`` (0 when disabled or not supported)."""
+    return ROW_LIMITS.get(dtype, 0) if ENABLED else 0
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` runs the CPU kernel for these operands (it has no autograd formula)."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.dtype == weight.dtype
+        and 1 <= x.shape[0] <= row_limit(weight.dtype)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and use_cpu_kernel(x)
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: the kernel where :func:`gemv_applies` (a contiguous ``[M, N]`` result, fp32
+    accumulation, one rounding), else the reference."""
+    if gemv_applies(x, weight):
+        return torch.ops.rnnserve.gemv(x, weight, bias)
+    return gemv_ref(x, weight, bias)
+
+
+__all__ = ["ENABLED", "ROW_LIMITS", "gemv", "gemv_applies", "row_limit"]

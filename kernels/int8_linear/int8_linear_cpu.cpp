@@ -1,0 +1,262 @@
+// y = (x W^T) * scale + bias for a weight-only int8 linear layer: W [N, K] int8 with one fp32 scale per
+// output row, x [M, K] in the model's dtype (fp32, bf16 or fp16), fp32 accumulation, y [M, N] in x's dtype.
+//
+// Few rows (a decode batch): the layer is bound by streaming W, a quarter of the bytes of fp32. Each thread
+// takes a contiguous range of W's rows and reads it once from memory, converting int8 -> fp32 in registers
+// (8 lanes a vector: GCC vector extensions, with AVX2 intrinsics only for the conversion), with fp32 FMAs
+// against the rows of x. Up to 8 rows of x, one weight row at a time, front to back: one sequential stream per
+// core, which the hardware prefetchers follow (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of
+// mamba-130m at half the speed here). From 9 to 32 rows the product is bound by FMAs and loads of x instead, so
+// tiles of 4 weight rows x 2 rows of x reuse each converted weight vector and each row of x twice (the tile is
+// re-read from L1 for the next 2 rows of x). The scale is applied once per output, after the K loop.
+//
+// Many rows (prefill): the product is bound by arithmetic, where a BLAS GEMM is far ahead of a hand-written
+// loop. Blocks of W rows are dequantised (w * scale, exact in fp32 up to one rounding) into an fp32 buffer
+// that stays in cache and multiplied by the BLAS: W_block [n, K] @ x^T [K, M] writes rows of y^T.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 8;
+constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
+constexpr int64_t kTileN = 4;                   // beyond: weight rows per tile
+constexpr int64_t kTileM = 2;                   // and rows of x per pass over a tile (8 accumulators + 4 weights)
+constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
+constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
+constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
+
+// Eight int8 weights as fp32 lanes (GCC scalarises a generic int8 -> float vector conversion).
+inline f32x8 load_int8(const int8_t* p) {
+#ifdef __AVX2__
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  f32x8 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline f32x8 load_f32(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float lane_sum(f32x8 v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// sums[r] = sum_j row[j] * x[r, j] for R rows of x, with U independent accumulators per row of x so that a
+// short dot product still keeps several FMAs in flight; each 8 weights are converted once for all R rows.
+template <int R, int U>
+inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t k, float* sums) {
+  f32x8 acc[R][U];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) acc[r][u] = f32x8{};
+  int64_t j = 0;
+  for (; j + U * kLanes <= k; j += U * kLanes) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const f32x8 wv = load_int8(row + j + u * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][u] += wv * load_f32(x + r * x_stride + j + u * kLanes);
+    }
+  }
+  for (; j + kLanes <= k; j += kLanes) {
+    const f32x8 wv = load_int8(row + j);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] += wv * load_f32(x + r * x_stride + j);
+  }
+  for (int r = 0; r < R; ++r) {
+    f32x8 total = acc[r][0];
+    for (int u = 1; u < U; ++u) total += acc[r][u];
+    float s = lane_sum(total);
+    for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[r * x_stride + t];
+    sums[r] = s;
+  }
+}
+
+// dot_rows for 1..kFewRows rows of x.
+inline void dot_few_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t rows, int64_t k,
+                         float* sums) {
+  switch (rows) {
+    case 1: dot_rows<1, 4>(row, x, x_stride, k, sums); break;
+    case 2: dot_rows<2, 2>(row, x, x_stride, k, sums); break;
+    case 3: dot_rows<3, 2>(row, x, x_stride, k, sums); break;
+    case 4: dot_rows<4, 2>(row, x, x_stride, k, sums); break;
+    case 5: dot_rows<5, 1>(row, x, x_stride, k, sums); break;
+    case 6: dot_rows<6, 1>(row, x, x_stride, k, sums); break;
+    case 7: dot_rows<7, 1>(row, x, x_stride, k, sums); break;
+    default: dot_rows<8, 1>(row, x, x_stride, k, sums); break;
+  }
+}
+
+// acc[n][m] = sum_k w[n, k] * x[m, k] for TN weight rows and TM rows of x (plain integer weights, no scale).
+template <int TN, int TM>
+inline void dot_tile(const int8_t* w, int64_t w_stride, const float* x, int64_t x_stride, int64_t k,
+                     float out[TN][TM]) {
+  f32x8 acc[TN][TM];
+#pragma GCC unroll 8
+  for (int n = 0; n < TN; ++n)
+#pragma GCC unroll 8
+    for (int m = 0; m < TM; ++m) acc[n][m] = f32x8{};
+  const int64_t body = k - k % kLanes;
+  for (int64_t j = 0; j < body; j += kLanes) {
+    f32x8 wv[TN];
+#pragma GCC unroll 8
+    for (int n = 0; n < TN; ++n) wv[n] = load_int8(w + n * w_stride + j);
+#pragma GCC unroll 8
+    for (int m = 0; m < TM; ++m) {
+      const f32x8 xv = load_f32(x + m * x_stride + j);
+#pragma GCC unroll 8
+      for (int n = 0; n < TN; ++n) acc[n][m] += wv[n] * xv;
+    }
+  }
+  for (int n = 0; n < TN; ++n)
+    for (int m = 0; m < TM; ++m) {
+      float s = lane_sum(acc[n][m]);
+      for (int64_t j = body; j < k; ++j) s += static_cast<float>(w[n * w_stride + j]) * x[m * x_stride + j];
+      out[n][m] = s;
+    }
+}
+
+// Rows [n0, n0 + TN) of y for every row of x.
+template <typename out_t, int TN>
+void stream_tile(const int8_t* w, int64_t w_stride, const float* scale, const float* bias, const float* x,
+                 int64_t x_stride, int64_t rows, int64_t k, int64_t n0, out_t* y, int64_t n) {
+  const int8_t* w_tile = w + n0 * w_stride;
+  auto finish = [&](int64_t m, int i, float dot) {
+    const float value = dot * scale[n0 + i] + (bias ? bias[n0 + i] : 0.f);
+    y[m * n + n0 + i] = static_cast<out_t>(value);
+  };
+  int64_t m = 0;
+  for (; m + kTileM <= rows; m += kTileM) {
+    float out[TN][kTileM];
+    dot_tile<TN, kTileM>(w_tile, w_stride, x + m * x_stride, x_stride, k, out);
+    for (int i = 0; i < TN; ++i)
+      for (int r = 0; r < kTileM; ++r) finish(m + r, i, out[i][r]);
+  }
+  for (; m < rows; ++m) {
+    float out[TN][1];
+    dot_tile<TN, 1>(w_tile, w_stride, x + m * x_stride, x_stride, k, out);
+    for (int i = 0; i < TN; ++i) finish(m, i, out[i][0]);
+  }
+}
+
+template <typename out_t>
+void stream_rows(const at::Tensor& x32, const at::Tensor& weight, const float* scale, const float* bias,
+                 at::Tensor& y) {
+  const int64_t rows = x32.size(0), k = x32.size(1), n = weight.size(0);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* x = x32.data_ptr<float>();
+  out_t* out = y.data_ptr<out_t>();
+  const int64_t w_stride = weight.stride(0), x_stride = x32.stride(0);
+  if (rows <= kFewRows) {
+    const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      float sums[kFewRows];
+      for (int64_t i = begin; i < end; ++i) {
+        dot_few_rows(w + i * w_stride, x, x_stride, rows, k, sums);
+        const float b = bias ? bias[i] : 0.f;
+        for (int64_t m = 0; m < rows; ++m) out[m * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
+      }
+    });
+    return;
+  }
+  const int64_t tiles = (n + kTileN - 1) / kTileN;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, kTileN * k));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileN;
+      if (n0 + kTileN <= n) {
+        stream_tile<out_t, kTileN>(w, w_stride, scale, bias, x, x_stride, rows, k, n0, out, n);
+      } else {  // the last, partial tile: one weight row at a time
+        for (int64_t r = n0; r < n; ++r)
+          stream_tile<out_t, 1>(w, w_stride, scale, bias, x, x_stride, rows, k, r, out, n);
+      }
+    }
+  });
+}
+
+// y^T [N, M] = dequantise(W) @ x^T, block by block of W's rows; returns y as a transposed view.
+at::Tensor gemm_rows(const at::Tensor& x32, const at::Tensor& weight, const at::Tensor& scale32,
+                     const std::optional<at::Tensor>& bias32) {
+  const int64_t rows = x32.size(0), k = x32.size(1), n = weight.size(0);
+  auto y_t = at::empty({n, rows}, x32.options());
+  const int64_t block = std::max<int64_t>(16, kGemmBlockBytes / (4 * std::max<int64_t>(1, k)));
+  auto buffer = at::empty({std::min(block, n), k}, x32.options());
+  const at::Tensor x_t = x32.t();
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* scale = scale32.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += block) {
+    const int64_t count = std::min(block, n - n0);
+    float* dequant = buffer.data_ptr<float>();
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int8_t* src = w + (n0 + r) * weight.stride(0);
+        float* dst = dequant + r * k;
+        const float s = scale[n0 + r];
+        for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<float>(src[j]) * s;
+      }
+    });
+    auto out = y_t.narrow(0, n0, count);
+    at::mm_out(out, buffer.narrow(0, 0, count), x_t);
+  }
+  if (bias32.has_value()) y_t.add_(bias32->unsqueeze(1));
+  return y_t.t();
+}
+
+// x [M, K] float (fp32, bf16, fp16), weight [N, K] int8 (unit stride along K), scale [N] fp32, bias [N] or None.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x must be [M, K] and weight [N, K]");
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "weight must be int8");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "x must be fp32, bf16 or fp16");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "weight has ", weight.size(1), " inputs, x has ", k);
+  TORCH_CHECK(weight.stride(1) == 1 || k <= 1, "weight needs a unit stride along K");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n, "scale must be [N]");
+  const at::Tensor scale32 = scale.to(at::kFloat).contiguous();
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor x32 = x.to(at::kFloat);
+  if (x32.stride(1) != 1 && k > 1) x32 = x32.contiguous();
+  if (rows > kMaxStreamRows) return gemm_rows(x32.contiguous(), weight, scale32, bias32).to(dtype);
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const float* bias_data = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  const float* scale_data = scale32.data_ptr<float>();
+  if (dtype == at::kFloat)
+    stream_rows<float>(x32, weight, scale_data, bias_data, y);
+  else if (dtype == at::kBFloat16)
+    stream_rows<at::BFloat16>(x32, weight, scale_data, bias_data, y);
+  else
+    stream_rows<at::Half>(x32, weight, scale_data, bias_data, y);
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor", &int8_linear);
+}

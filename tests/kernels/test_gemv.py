@@ -1,0 +1,161 @@
+"""The GEMV / skinny-GEMM kernel equals fp32 math on its operands (fp32: to rounding noise; bf16: within one
+bf16 rounding), for every row count it takes and for shapes that leave vector remainders; the linear layers
+and the fused Mamba step route through it, and ``ENABLED`` switches it off at call time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rnnserve.engine.models.layers import matmul_t
+from rnnserve.kernels import gemv as gemv_module
+from rnnserve.kernels.cpu_extension import cpu_ops
+from rnnserve.kernels.gemv import ROW_LIMITS, gemv, gemv_applies, row_limit
+from rnnserve.kernels.gemv.naive import gemv_ref
+from rnnserve.kernels.mamba_decode import mamba_mixer_decode
+from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
+from rnnserve.kernels.skinny_linear import skinny_linear_applies
+
+pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+
+OP_MAX_ROWS = 64
+
+
+def operands(rows: int, inputs: int, outputs: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inputs, generator=g).to(dtype)
+    weight = (torch.randn(outputs, inputs, generator=g) / max(inputs, 1) ** 0.5).to(dtype)
+    return x, weight
+
+
+def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """fp32: the reference up to summation order; bf16: the fp32 result on the bf16 values, rounded once (a
+    different summation order may cross one rounding boundary, no more)."""
+    expected = gemv_ref(x, weight, bias)
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.is_contiguous()
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 32, OP_MAX_ROWS])
+@pytest.mark.parametrize(("inputs", "outputs"), [(768, 3072), (48, 1544), (33, 17), (1536, 80), (7, 40), (1, 5)])
+def test_op_matches_reference(dtype: torch.dtype, rows: int, inputs: int, outputs: int) -> None:
+    x, weight = operands(rows, inputs, outputs, dtype, seed=rows * 1000 + inputs + outputs)
+    assert_matches(torch.ops.rnnserve.gemv(x, weight, None), x, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_bias(dtype: torch.dtype, bias_dtype: torch.dtype) -> None:
+    x, weight = operands(3, 100, 70, dtype, seed=4)
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(5)).to(bias_dtype)
+    assert_matches(torch.ops.rnnserve.gemv(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_and_weight_slices(dtype: torch.dtype) -> None:
+    """Rows of ``x`` wider than K (a split of a projection) and a column slice of a weight are read in place."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 200, generator=g).to(dtype)[:, 40:136]
+    weight = torch.randn(70, 300, generator=g).to(dtype)[:, 100:196]
+    assert x.stride(0) == 200 and weight.stride(0) == 300
+    assert gemv_applies(x, weight)
+    assert_matches(gemv(x, weight), x, weight, None)
+
+
+def test_the_op_rejects_what_it_cannot_run() -> None:
+    weight = torch.zeros(16, 32)
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        torch.ops.rnnserve.gemv(torch.zeros(OP_MAX_ROWS + 1, 32), weight, None)
+    with pytest.raises(RuntimeError, match="inputs"):
+        torch.ops.rnnserve.gemv(torch.zeros(4, 31), weight, None)
+    with pytest.raises(RuntimeError, match="both be fp32 or both bf16"):
+        torch.ops.rnnserve.gemv(torch.zeros(4, 32, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        torch.ops.rnnserve.gemv(torch.zeros(4, 32), torch.zeros(32, 16).t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.rnnserve.gemv(torch.zeros(4, 32), weight, torch.zeros(15))
+
+
+@pytest.mark.parametrize("case", ["fp16", "mixed dtypes", "too many rows", "strided inputs", "needs grad", "3-d"])
+def test_other_operands_use_the_reference(case: str) -> None:
+    x, weight = operands(4, 64, 24, torch.float32, seed=2)
+    if case == "fp16":
+        x, weight = x.half(), weight.half()
+    elif case == "mixed dtypes":
+        weight = weight.bfloat16()
+    elif case == "too many rows":
+        x = torch.randn(ROW_LIMITS[torch.float32] + 1, 64)
+    elif case == "strided inputs":
+        x = torch.randn(64, 4).t()
+    elif case == "needs grad":
+        weight.requires_grad_(True)
+    else:
+        x = x[None]
+    assert not gemv_applies(x, weight)
+    if case != "mixed dtypes":
+        assert torch.equal(gemv(x, weight), gemv_ref(x, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_t_routes_decode_batches_through_the_kernel_and_the_switch_restores_the_old_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, weight = operands(4, 96, 64, dtype, seed=1)
+    if skinny_linear_applies(x, weight):
+        pytest.skip("bf16 goes to the AMX kernel on this CPU")
+    assert row_limit(dtype) == ROW_LIMITS[dtype] and gemv_applies(x, weight)
+    out = matmul_t(x, weight)
+    assert out.is_contiguous()  # the W @ x^T path would return a transposed view
+    assert_matches(out, x, weight, None)
+    monkeypatch.setattr(gemv_module, "ENABLED", False)
+    assert row_limit(dtype) == 0 and not gemv_applies(x, weight)
+    old = matmul_t(x, weight)
+    assert not old.is_contiguous()
+    assert_matches(old.contiguous(), x, weight, None)
+
+
+def mixer_args(dtype: torch.dtype, batch: int) -> dict[str, torch.Tensor]:
+    d_model, d_inner, d_state, dt_rank, width = 40, 72, 8, 5, 4
+    g = torch.Generator().manual_seed(batch)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
+
+    slots = batch + 3
+    return {
+        "h": torch.randn(batch, d_model, generator=g).to(dtype),
+        "in_proj_weight": weight(2 * d_inner, d_model),
+        "in_proj_bias": None,
+        "conv_pool": torch.randn(slots, d_inner, width - 1, generator=g),
+        "conv_weight": torch.randn(d_inner, width, generator=g) / 2,
+        "conv_bias": torch.randn(d_inner, generator=g) * 0.1,
+        "slot_ids": torch.randperm(slots, generator=g)[:batch],
+        "x_proj_weight": weight(dt_rank + 2 * d_state, d_inner),
+        "dt_proj_weight": weight(d_inner, dt_rank),
+        "dt_bias": torch.rand(d_inner, generator=g) - 4,
+        "A": -torch.rand(d_inner, d_state, generator=g) * 4,
+        "D": torch.randn(d_inner, generator=g),
+        "ssm_pool": torch.randn(slots, d_inner, d_state, generator=g),
+        "out_proj_weight": weight(d_model, d_inner),
+        "out_proj_bias": None,
+    }
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("batch", [1, 5])
+@torch.inference_mode()
+def test_fused_mamba_step_with_and_without_the_kernel_matches_reference(
+    enabled: bool, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused Mamba op takes the switch too (its projections are the kernel's main users)."""
+    monkeypatch.setattr(gemv_module, "ENABLED", enabled)
+    args = mixer_args(torch.float32, batch)
+    ref_args = {name: None if t is None else t.clone() for name, t in args.items()}
+    out = mamba_mixer_decode(**args)
+    expected = mamba_mixer_decode_ref(**ref_args)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args["ssm_pool"], ref_args["ssm_pool"], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,73 @@
+"""The one-op Mamba decode step (every layer in C++) == the per-layer loop, bit for bit, logits and states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rnnserve.engine.models.base import DecodeBatch
+from rnnserve.engine.models.mamba import MambaConfig, MambaLM
+from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels import mamba_decode as mamba_decode_ops
+from rnnserve.kernels.cpu_extension import cpu_ops
+from tests.kernels.kernel_cases import count_calls
+
+pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+
+
+def tiny_mamba(dtype: torch.dtype, use_bias: bool, residual_in_fp32: bool) -> MambaLM:
+    config = MambaConfig(
+        vocab_size=64, d_model=48, n_layers=3, d_inner=96, d_state=16, dt_rank=3, use_bias=use_bias,
+        residual_in_fp32=residual_in_fp32,
+    )  # fmt: skip
+    model = MambaLM(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for block in model.backbone.layers:
+            block.norm.weight.normal_(1, 0.1)
+            if use_bias:  # init_weights leaves linear biases at zero
+                block.mixer.in_proj.bias.normal_(0, 0.1)
+                block.mixer.out_proj.bias.normal_(0, 0.1)
+        model.backbone.norm_f.weight.normal_(1, 0.1)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 40])
+@pytest.mark.parametrize(("use_bias", "residual_in_fp32"), [(False, True), (True, False)])
+def test_stack_equals_layer_loop(
+    dtype: torch.dtype, batch: int, use_bias: bool, residual_in_fp32: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_mamba(dtype, use_bias, residual_in_fp32)
+    pools = [StatePool(model.state_spec(), batch + 5) for _ in range(2)]
+    for pool in pools:  # the same non-zero states in both
+        for tensor in pool.tensors.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    slots = (torch.randperm(batch + 4, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
+    calls = count_calls(monkeypatch, [("rnnserve.engine.models.mamba", "mamba_decode_stack")])
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for step in range(3):
+            ids = torch.randint(0, 64, (batch,), generator=g).tolist()
+            decode = DecodeBatch.build(ids, slots, [step] * batch)
+            monkeypatch.setattr(mamba_decode_ops, "STACK_ENABLED", True)
+            stacked = model.decode(decode, pools[0].tensors)
+            monkeypatch.setattr(mamba_decode_ops, "STACK_ENABLED", False)
+            looped = model.decode(decode, pools[1].tensors)
+            assert stacked.dtype == looped.dtype == torch.float32
+            assert torch.equal(stacked, looped)
+    assert calls["mamba_decode_stack"] == 3
+    for name in pools[0].tensors:
+        assert torch.equal(pools[0].tensors[name], pools[1].tensors[name])
+
+
+def test_falcon_mamba_keeps_the_layer_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FalconMamba's extra norms are not in the fused op: its decode never reaches the stack."""
+    config = MambaConfig(vocab_size=64, d_model=48, n_layers=2, d_inner=96, dt_rank=3, bcdt_rms_norm=True)
+    model = MambaLM(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    calls = count_calls(monkeypatch, [("rnnserve.engine.models.mamba", "mamba_decode_stack")])
+    pool = StatePool(model.state_spec(), 2)
+    with torch.inference_mode():
+        logits = model.decode(DecodeBatch.build([5], [1], [0]), pool.tensors)
+    assert logits.shape == (1, 64) and calls["mamba_decode_stack"] == 0
