@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test serve test lint gpu-test gpu-bench clean default-model
+.PHONY: install install-test serve test lint gpu-test gpu-bench cpu-peers clean default-model
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ gpu-test:
 # Table 1 beside them. The HTTP rows need fastapi/uvicorn/pydantic importable (carry wheels on GPU machines).
 gpu-bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
+
+# rnnserve vs llama.cpp on CPU with the same weights: offline decode, roofline, HTTP (not part of `make test`).
+# Builds llama.cpp once into ~/.cache/rnnserve/peers; the converter needs transformers (the test extras).
+cpu-peers: install-test
+	$(PY) benchmarks/cpu_peers.py $(ARGS)
 
 # Retrain the embedded model in engine/default_model/ (fetches Debian's `fortunes`; <= 30 min on 2 cores).
 default-model: install
