@@ -26,6 +26,7 @@ from torch import nn
 from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear, rms_normalize
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.mamba2_decode import mamba2_mixer_step, mamba2_mixer_step_applies
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 
 
@@ -131,9 +132,14 @@ class Mamba2Mixer(nn.Module):
         ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
         """One token per sequence; the pool views are updated in place (``slots``: see
-        :func:`~rnnserve.engine.models.layers.slots.slot_index`)."""
+        :func:`~rnnserve.engine.models.layers.slots.slot_index`). On CPU everything between the conv update
+        and out_proj is one op (:mod:`rnnserve.kernels.mamba2_decode`)."""
         z, xbc, dt = self._split(h)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
+        if mamba2_mixer_step_applies(xbc, dt, z, ssm_pool, self.norm.weight):
+            limits = (self.config.dt_min_limit, self.config.dt_max_limit)
+            params = (self.dt_bias, self.A_log, self.D, self.norm.weight, self.norm.groups, self.norm.eps, *limits)
+            return linear(self.out_proj, mamba2_mixer_step(xbc, dt, z, ssm_pool, slot_ids, *params))
         x, dt, A, B, C = self._ssd_inputs(xbc, dt)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, slot_ids)
         return linear(self.out_proj, self.norm(y.flatten(1), z))
