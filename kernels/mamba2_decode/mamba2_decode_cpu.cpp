@@ -68,7 +68,8 @@ at::Tensor step_typed(const at::Tensor& xbc, const at::Tensor& dt_raw, const at:
       dts[b * heads + h] = std::min(std::max(v, static_cast<float>(dt_min)), static_cast<float>(dt_max));
     }
   }
-  const float* ys = state_update.call(pool, slot_ids, x, dt, A, B, C, D).data_ptr<float>();
+  const at::Tensor y = state_update.call(pool, slot_ids, x, dt, A, B, C, D).contiguous();  // held: ys points into it
+  const float* ys = y.data_ptr<float>();
 
   at::Tensor out = at::empty({batch, d_inner}, z.options().memory_format(at::MemoryFormat::Contiguous));
   T* outs = out.data_ptr<T>();

@@ -80,17 +80,20 @@ def test_dt_is_clamped_to_the_limits() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @torch.inference_mode()
 def test_model_decode_takes_the_fused_step_and_matches_the_op_by_op_step(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every row checked: the op once read the state update's output after freeing it, which corrupted some
+    rows of some batches only, depending on where the allocator put the next buffers."""
     model, _ = build_random("mamba2-tiny", torch.device("cpu"), dtype, seed=1)
     pools = [StatePool(model.state_spec(), 6, torch.device("cpu")) for _ in range(2)]
     g = torch.Generator().manual_seed(0)
     for name, tensor in pools[0].tensors.items():
         tensor.copy_(torch.randn(tensor.shape, generator=g))
         pools[1].tensors[name].copy_(tensor)
-    batch = DecodeBatch.build([5, 17, 300], [4, 0, 2], [9, 3, 40], torch.device("cpu"))
+    batch = DecodeBatch.build([5, 17, 300][:rows], [4, 0, 2][:rows], [9, 3, 40][:rows], torch.device("cpu"))
     calls = []
     real_step = mamba2_module.mamba2_mixer_step
     monkeypatch.setattr(mamba2_module, "mamba2_mixer_step", lambda *a: calls.append(1) or real_step(*a))
