@@ -26,6 +26,7 @@ from torch import nn
 
 from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weightless_rms_norm
+from rnnserve.engine.quantize import Int8Linear
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.mamba_decode import mamba_decode_stack, mamba_mixer_decode, mamba_mixer_decode_applies
@@ -124,20 +125,23 @@ class MambaMixer(nn.Module):
         return linear(self.out_proj, y.to(h.dtype)), conv_state, ssm_state
 
     def fused_weights(self) -> bool:
-        """Whether the projections are plain float weights the fused op reads (not int8: engine/quantize.py)."""
-        return self.in_proj.weight.is_floating_point()
+        """Whether the projections are plain float weights, which the per-layer fused op takes (int8 ones,
+        engine/quantize.py, only go through the one-op stack)."""
+        return all(layer.weight.is_floating_point() for layer in (self.in_proj, self.x_proj, self.out_proj))
 
     def fused_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
-        """Whether :meth:`decode` runs the fused CPU op (not for FalconMamba's extra norms)."""
-        return (
-            not self.config.bcdt_rms_norm
-            and self.fused_weights()
-            and mamba_mixer_decode_applies(h, conv_pool, ssm_pool)
-        )
+        """Whether :meth:`decode` runs the fused per-layer CPU op (float projections only)."""
+        return self.fused_weights() and self.stack_decode_applies(h, conv_pool, ssm_pool)
+
+    def stack_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+        """Whether this mixer's step can run in the one-op stack (float or int8 projections), not for
+        FalconMamba's extra norms."""
+        return not self.config.bcdt_rms_norm and mamba_mixer_decode_applies(h, conv_pool, ssm_pool)
 
     def fused_decode_weights(self) -> tuple[torch.Tensor | None, ...]:
-        """The fused op's per-layer arguments: ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
-        x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)``."""
+        """The fused ops' per-layer arguments: ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
+        x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias, in_proj_scale,
+        x_proj_scale, out_proj_scale)``, each scale None unless that projection is an :class:`Int8Linear`."""
         A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         return (
             self.in_proj.weight,
@@ -151,6 +155,10 @@ class MambaMixer(nn.Module):
             D,
             self.out_proj.weight,
             self.out_proj.bias,
+            *(
+                layer.scale if isinstance(layer, Int8Linear) else None
+                for layer in (self.in_proj, self.x_proj, self.out_proj)
+            ),
         )
 
     def decode(
@@ -168,7 +176,7 @@ class MambaMixer(nn.Module):
         (:mod:`rnnserve.kernels.mamba_decode`).
         """
         if self.fused_decode_applies(h, conv_pool, ssm_pool):
-            in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = self.fused_decode_weights()
+            in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b, *_ = self.fused_decode_weights()
             return mamba_mixer_decode(
                 h, in_w, in_b, conv_pool, conv_w, conv_b, slot_ids, x_w, dt_w, dt_b, A, D, ssm_pool, out_w, out_b
             )
@@ -203,14 +211,11 @@ class MambaLM(MixerStackLM):
     def _decode_layers(
         self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
-        """On CPU, every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`)."""
+        """On CPU, every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`),
+        with float or ``--quantize int8`` projections."""
         layers = self.backbone.layers
         conv, ssm = state["conv"], state["ssm"]
-        if not (
-            mamba_decode_ops.STACK_ENABLED
-            and layers[0].mixer.fused_decode_applies(normed, conv[:, 0], ssm[:, 0])
-            and all(block.mixer.fused_weights() for block in layers)
-        ):
+        if not (mamba_decode_ops.STACK_ENABLED and layers[0].mixer.stack_decode_applies(normed, conv[:, 0], ssm[:, 0])):
             return super()._decode_layers(normed, stream, slot_ids, state)
         norms = [block.norm.weight for block in layers[1:]] + [self.backbone.norm_f.weight]
         weights = [block.mixer.fused_decode_weights() for block in layers]

@@ -5,10 +5,13 @@
 // takes a contiguous range of W's rows and reads it once from memory, converting int8 -> fp32 in registers
 // (8 lanes a vector: GCC vector extensions, with AVX2 intrinsics only for the conversion), with fp32 FMAs
 // against the rows of x. Up to 8 rows of x, one weight row at a time, front to back: one sequential stream per
-// core, which the hardware prefetchers follow (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of
-// mamba-130m at half the speed here). From 9 to 32 rows the product is bound by FMAs and loads of x instead, so
-// tiles of 4 weight rows x 2 rows of x reuse each converted weight vector and each row of x twice (the tile is
-// re-read from L1 for the next 2 rows of x). The scale is applied once per output, after the K loop.
+// core (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of mamba-130m at half the speed here),
+// which the loop also prefetches a few KB ahead: on the Zen 3 VM where this was tuned, the hardware prefetchers
+// alone left a cold int8 weight at about 80% of torch.sum's read bandwidth at batch 1 and the software prefetch
+// brought it level (on a Zen 4 VM: 28-39 GB/s per shape against torch.sum's 57). From 9 to
+// 32 rows the product is bound by FMAs and loads of x instead, so tiles of 4 weight rows x 2 rows of x reuse
+// each converted weight vector and each row of x twice (the tile is re-read from L1 for the next 2 rows of x).
+// The scale is applied once per output, after the K loop.
 //
 // Many rows (prefill): the product is bound by arithmetic, where a BLAS GEMM is far ahead of a hand-written
 // loop. Blocks of W rows are dequantised (w * scale, exact in fp32 up to one rounding) into an fp32 buffer
@@ -37,6 +40,8 @@ constexpr int64_t kTileM = 2;                   // and rows of x per pass over a
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
 constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
 constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
+constexpr int64_t kLine = 64;                   // int8 weights per cache line: one prefetch each
+constexpr int64_t kPrefetchAhead = 2048;        // bytes of the weight stream prefetched ahead of the loads
 
 // Eight int8 weights as fp32 lanes (GCC scalarises a generic int8 -> float vector conversion).
 inline f32x8 load_int8(const int8_t* p) {
@@ -62,21 +67,25 @@ inline float lane_sum(f32x8 v) {
 }
 
 // sums[r] = sum_j row[j] * x[r, j] for R rows of x, with U independent accumulators per row of x so that a
-// short dot product still keeps several FMAs in flight; each 8 weights are converted once for all R rows.
+// short dot product still keeps several FMAs in flight; each 8 weights are converted once for all R rows. The
+// loop takes a cache line of weights a step and prefetches the line kPrefetchAhead bytes on (the rows of a
+// thread's range follow each other in memory, so this runs into the next rows; prefetches never fault).
 template <int R, int U>
 inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t k, float* sums) {
+  static_assert(kLine % (U * kLanes) == 0, "a step is whole groups of U vectors");
   f32x8 acc[R][U];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int u = 0; u < U; ++u) acc[r][u] = f32x8{};
   int64_t j = 0;
-  for (; j + U * kLanes <= k; j += U * kLanes) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const f32x8 wv = load_int8(row + j + u * kLanes);
+  for (; j + kLine <= k; j += kLine) {
+    __builtin_prefetch(row + j + kPrefetchAhead, 0, 3);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][u] += wv * load_f32(x + r * x_stride + j + u * kLanes);
+    for (int v = 0; v < kLine / kLanes; ++v) {
+      const f32x8 wv = load_int8(row + j + v * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][v % U] += wv * load_f32(x + r * x_stride + j + v * kLanes);
     }
   }
   for (; j + kLanes <= k; j += kLanes) {
@@ -97,7 +106,7 @@ inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_
 inline void dot_few_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t rows, int64_t k,
                          float* sums) {
   switch (rows) {
-    case 1: dot_rows<1, 4>(row, x, x_stride, k, sums); break;
+    case 1: dot_rows<1, 8>(row, x, x_stride, k, sums); break;
     case 2: dot_rows<2, 2>(row, x, x_stride, k, sums); break;
     case 3: dot_rows<3, 2>(row, x, x_stride, k, sums); break;
     case 4: dot_rows<4, 2>(row, x, x_stride, k, sums); break;

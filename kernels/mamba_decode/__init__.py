@@ -7,7 +7,9 @@ without returning to Python between them. Off CPU the model runs its op-by-op st
 kernels; there is no Triton kernel of the whole step.
 
 :func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
-norm) in one op, saving the model's per-layer dispatches. ``STACK_ENABLED`` is read on every call:
+norm) in one op, saving the model's per-layer dispatches; it also takes weight-only int8 projections
+(``--quantize int8``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` CPU kernel, as the
+quantized model's op-by-op step does. ``STACK_ENABLED`` is read on every call:
 ``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
 (``benchmarks/cpu_decode.py`` compares both).
 """
@@ -123,11 +125,14 @@ def mamba_decode_stack(
     ``i + 1``'s norm weight, the last one the final norm's (the final norm keeps the stream's precision, see
     :func:`~rnnserve.kernels.residual_rms_norm.residual_rms_norm`); ``layers[i]``: layer ``i``'s
     :func:`mamba_mixer_decode` arguments ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
-    x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)``; ``conv_pool [N, L, Di,
-    K-1]`` and ``ssm_pool [N, L, Di, Ns]``: the whole pools, advanced in place at rows ``slot_ids``. Callers
-    check :func:`mamba_mixer_decode_applies` on layer 0's pool views and ``STACK_ENABLED`` first.
+    x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)`` followed by
+    ``(in_proj_scale, x_proj_scale, out_proj_scale)``: None for a weight in the model's dtype, the fp32
+    per-row scale ``[N]`` of an int8 weight ``[N, K]`` (:class:`~rnnserve.engine.quantize.Int8Linear`);
+    ``dt_proj_weight`` is always in the model's dtype. ``conv_pool [N, L, Di, K-1]`` and ``ssm_pool [N, L, Di,
+    Ns]``: the whole pools, advanced in place at rows ``slot_ids``. Callers check
+    :func:`mamba_mixer_decode_applies` on layer 0's pool views and ``STACK_ENABLED`` first.
     """
-    in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, a, d, out_w, out_b = (
+    in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, a, d, out_w, out_b, in_s, x_s, out_s = (
         list(column) for column in zip(*layers, strict=True)
     )
     return torch.ops.rnnserve.mamba_decode_stack(
@@ -149,7 +154,10 @@ def mamba_decode_stack(
         ssm_pool,
         out_w,
         out_b,
-        row_limit(in_w[0].dtype),
+        in_s,
+        x_s,
+        out_s,
+        row_limit(dt_w[0].dtype),
     )
 
 

@@ -4,13 +4,16 @@
 // It calls the other fused CPU kernels through the dispatcher and picks each GEMM path exactly as matmul_t
 // (engine/models/layers/linear.py) does, so it computes the same numbers as the Python mixer. The Python step
 // is about 30 calls plus their glue, which took about a quarter of a bf16 decode step at batch 1.
-// mamba_decode_stack runs the whole layer loop of a decode step (mixer, residual add, next norm) in one call.
+// mamba_decode_stack runs the whole layer loop of a decode step (mixer, residual add, next norm) in one call,
+// for float projections or weight-only int8 ones (engine/quantize.py: Int8Linear), which it multiplies with the
+// int8_linear kernel exactly as the quantized Python mixer does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace {
 using OptTensor = std::optional<at::Tensor>;
@@ -22,13 +25,20 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// x @ w^T + b, by the same rules as engine/models/layers/linear.py: matmul_t. `gemv_rows` is the most rows
-// the gemv kernel takes for w's dtype (kernels/gemv: row_limit; 0 when it is switched off).
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b, int64_t gemv_rows) {
+// x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
+// with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules, where
+// `gemv_rows` is the most rows the gemv kernel takes for the model's float dtype (kernels/gemv: row_limit; 0
+// when it is switched off).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& scale, const OptTensor& b,
+                   int64_t gemv_rows) {
   using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
   static const auto skinny = find_op<Linear>("rnnserve::skinny_linear");
   static const auto gemv = find_op<Linear>("rnnserve::gemv");
+  static const auto int8_linear =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+          "rnnserve::int8_linear");
+  if (scale.has_value()) return int8_linear.call(x, w, *scale, b);
   const int64_t rows = x.size(0);
   const bool unit_stride = x.stride(1) == 1 && w.stride(1) == 1;
   if (amx && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && rows >= 1 &&
@@ -40,12 +50,17 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b,
   return b.has_value() ? out + *b : out;
 }
 
-at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, const OptTensor& in_bias,
-                              at::Tensor conv_pool, const at::Tensor& conv_weight, const OptTensor& conv_bias,
-                              const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
-                              const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
-                              const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
-                              const OptTensor& out_bias, int64_t gemv_rows) {
+// The int8 scales of in_proj, x_proj and out_proj (each None for a float weight); dt_proj stays float.
+struct Int8Scales {
+  OptTensor in_proj, x_proj, out_proj;
+};
+
+at::Tensor mixer_step(const at::Tensor& h, const at::Tensor& in_weight, const OptTensor& in_bias,
+                      at::Tensor conv_pool, const at::Tensor& conv_weight, const OptTensor& conv_bias,
+                      const at::Tensor& slot_ids, const at::Tensor& x_proj_weight, const at::Tensor& dt_proj_weight,
+                      const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, at::Tensor ssm_pool,
+                      const at::Tensor& out_weight, const OptTensor& out_bias, const Int8Scales& scales,
+                      int64_t gemv_rows) {
   static const auto conv_update =
       find_op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, const OptTensor&, const at::Tensor&, bool)>(
           "rnnserve::causal_conv1d_update");
@@ -55,14 +70,26 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                          bool)>("rnnserve::selective_state_update");
   TORCH_CHECK(h.dim() == 2, "h must be [B, d_model]");
   const int64_t d_inner = conv_weight.size(0), dt_rank = dt_proj_weight.size(1), d_state = A.size(1);
-  const at::Tensor xz = project(h, in_weight, in_bias, gemv_rows);
+  const at::Tensor xz = project(h, in_weight, scales.in_proj, in_bias, gemv_rows);
   const at::Tensor z = xz.narrow(1, d_inner, d_inner);
   const at::Tensor x = conv_update.call(xz.narrow(1, 0, d_inner), conv_pool, conv_weight, conv_bias, slot_ids, true);
-  const at::Tensor projected = project(x, x_proj_weight, std::nullopt, gemv_rows);
-  const at::Tensor dt = project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, gemv_rows);
+  const at::Tensor projected = project(x, x_proj_weight, scales.x_proj, std::nullopt, gemv_rows);
+  const at::Tensor dt =
+      project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, std::nullopt, gemv_rows);
   const at::Tensor y = state_update.call(ssm_pool, slot_ids, x, dt, dt_bias, A, projected.narrow(1, dt_rank, d_state),
                                          projected.narrow(1, dt_rank + d_state, d_state), D, z, true);
-  return project(y.to(h.scalar_type()), out_weight, out_bias, gemv_rows);
+  return project(y.to(h.scalar_type()), out_weight, scales.out_proj, out_bias, gemv_rows);
+}
+
+at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, const OptTensor& in_bias,
+                              at::Tensor conv_pool, const at::Tensor& conv_weight, const OptTensor& conv_bias,
+                              const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
+                              const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
+                              const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
+                              const OptTensor& out_bias, int64_t gemv_rows) {
+  return mixer_step(h, in_weight, in_bias, std::move(conv_pool), conv_weight, conv_bias, slot_ids, x_proj_weight,
+                    dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, Int8Scales{},
+                    gemv_rows);
 }
 
 // Every layer of a Mamba-1 decode step in one call (the Python loop costs a few dispatches per layer):
@@ -70,6 +97,7 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
 // starting from the first block's normed input and its residual stream; norm_weights[i] is block i + 1's
 // norm, the last one the final norm (which does not round to the weight's dtype: see kernels/residual_rms_norm).
 // conv_pool [N, L, Di, K-1] and ssm_pool [N, L, Di, Ns] are the whole pools; returns the final normed rows.
+// in_scales/x_proj_scales/out_scales[i]: layer i's int8 weight scales, None where that weight is float.
 at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& stream_in, at::TensorList norm_weights,
                               double eps, at::TensorList in_weights, const c10::List<OptTensor>& in_biases,
                               at::Tensor conv_pool, at::TensorList conv_weights,
@@ -77,7 +105,9 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
                               const at::Tensor& slot_ids, at::TensorList x_proj_weights,
                               at::TensorList dt_proj_weights, at::TensorList dt_biases, at::TensorList As,
                               at::TensorList Ds, at::Tensor ssm_pool, at::TensorList out_weights,
-                              const c10::List<OptTensor>& out_biases, int64_t gemv_rows) {
+                              const c10::List<OptTensor>& out_biases, const c10::List<OptTensor>& in_scales,
+                              const c10::List<OptTensor>& x_proj_scales, const c10::List<OptTensor>& out_scales,
+                              int64_t gemv_rows) {
   static const auto add_norm =
       find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double, bool)>(
           "rnnserve::residual_rms_norm");
@@ -85,12 +115,18 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
   TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == layers && conv_pool.size(1) == layers &&
                   ssm_pool.size(1) == layers,
               "mamba_decode_stack: one norm weight and one pool layer per mixer");
+  const auto per_layer = [layers](const c10::List<OptTensor>& list) {
+    return static_cast<int64_t>(list.size()) == layers;
+  };
+  TORCH_CHECK(per_layer(in_scales) && per_layer(x_proj_scales) && per_layer(out_scales),
+              "mamba_decode_stack: one entry of each scale list per mixer");
   at::Tensor normed = normed_in, stream = stream_in;
   for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor out = mamba_mixer_decode(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
-                                              conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
-                                              dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
-                                              out_weights[i], out_biases.get(i), gemv_rows);
+    const Int8Scales scales{in_scales.get(i), x_proj_scales.get(i), out_scales.get(i)};
+    const at::Tensor out = mixer_step(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
+                                      conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
+                                      dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
+                                      out_weights[i], out_biases.get(i), scales, gemv_rows);
     std::tie(normed, stream) = add_norm.call(stream, out, norm_weights[i], eps, i + 1 < layers);
   }
   return normed;
@@ -107,6 +143,7 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
       "mamba_decode_stack(Tensor normed, Tensor stream, Tensor[] norm_weights, float eps, Tensor[] in_weights, "
       "Tensor?[] in_biases, Tensor(a!) conv_pool, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor slot_ids, "
       "Tensor[] x_proj_weights, Tensor[] dt_proj_weights, Tensor[] dt_biases, Tensor[] As, Tensor[] Ds, "
-      "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, int gemv_rows) -> Tensor",
+      "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, Tensor?[] in_scales, "
+      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows) -> Tensor",
       &mamba_decode_stack);
 }

@@ -1,4 +1,5 @@
-"""The one-op Mamba decode step (every layer in C++) == the per-layer loop, bit for bit, logits and states."""
+"""The one-op Mamba decode step (every layer in C++) == the per-layer loop, bit for bit, logits and states; with
+``--quantize int8`` weights the loop is the quantized model's op-by-op step."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
+from rnnserve.engine.quantize import Int8Linear, quantize_model
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.cpu_extension import cpu_ops
@@ -35,16 +37,28 @@ def tiny_mamba(dtype: torch.dtype, use_bias: bool, residual_in_fp32: bool) -> Ma
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3, 40])
 @pytest.mark.parametrize(("use_bias", "residual_in_fp32"), [(False, True), (True, False)])
+@pytest.mark.parametrize("quantized", [False, True])
 def test_stack_equals_layer_loop(
-    dtype: torch.dtype, batch: int, use_bias: bool, residual_in_fp32: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype,
+    batch: int,
+    use_bias: bool,
+    residual_in_fp32: bool,
+    quantized: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Slots out of order; 40 rows take the int8 kernel's GEMM path and transposed outputs."""
     model = tiny_mamba(dtype, use_bias, residual_in_fp32)
+    if quantized:
+        quantize_model(model, "int8")
+        mixer = model.backbone.layers[0].mixer
+        assert all(isinstance(layer, Int8Linear) for layer in (mixer.in_proj, mixer.x_proj, mixer.out_proj))
     pools = [StatePool(model.state_spec(), batch + 5) for _ in range(2)]
     for pool in pools:  # the same non-zero states in both
         for tensor in pool.tensors.values():
             tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
     slots = (torch.randperm(batch + 4, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
-    calls = count_calls(monkeypatch, [("rnnserve.engine.models.mamba", "mamba_decode_stack")])
+    module = "rnnserve.engine.models.mamba"
+    calls = count_calls(monkeypatch, [(module, "mamba_decode_stack"), (module, "mamba_mixer_decode")])
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():
         for step in range(3):
@@ -57,6 +71,7 @@ def test_stack_equals_layer_loop(
             assert stacked.dtype == looped.dtype == torch.float32
             assert torch.equal(stacked, looped)
     assert calls["mamba_decode_stack"] == 3
+    assert calls["mamba_mixer_decode"] == (0 if quantized else 3 * 3)  # int8: the loop runs op by op
     for name in pools[0].tensors:
         assert torch.equal(pools[0].tensors[name], pools[1].tensors[name])
 
