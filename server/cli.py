@@ -18,6 +18,26 @@ from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
 logger = logging.getLogger("rnnserve")
 
 GENERATE_ENGINE_FLAGS_SKIPPED = ("max_num_seqs", "max_waiting", "state_memory")  # one request, one slot
+# How the server's OpenMP threads wait between parallel regions unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set:
+# libgomp's default spins for milliseconds, which takes the core the event loop (and, on a small machine, the
+# clients) need, and collapses when another process holds a core. See docs/performance.md.
+OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+
+
+def omp_environment(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with the server's OpenMP wait policy added, unless it already sets one (``OMP_WAIT_POLICY``
+    or libgomp's ``GOMP_SPINCOUNT``)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return environ
+    return {**environ, "OMP_WAIT_POLICY": OMP_WAIT_POLICY_DEFAULT}
+
+
+def reexec_with_omp_policy() -> None:
+    """Restart this process with :func:`omp_environment` when it adds the policy: libgomp reads it once, when
+    torch loads it, which importing this module has already done. Returns only when nothing needs changing."""
+    environ = omp_environment(dict(os.environ))
+    if environ.get("OMP_WAIT_POLICY") != os.environ.get("OMP_WAIT_POLICY"):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +241,10 @@ def lsrl(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``rnnserve`` program; ``argv`` defaults to the command line, whose ``serve`` first sets the OpenMP
+    wait policy (:func:`reexec_with_omp_policy`)."""
+    if argv is None and sys.argv[1:2] == ["serve"]:
+        reexec_with_omp_policy()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lsrl"]:
         return lsrl(argv[1:])

@@ -113,8 +113,34 @@ def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch)
     assert seen == [["compile", "--help"]]
 
 
-def test_serve_logs_startup_and_drains_on_sigterm() -> None:
+def test_omp_environment_adds_the_passive_policy_unless_one_is_set() -> None:
+    assert cli.omp_environment({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+        assert cli.omp_environment(chosen) == chosen
+
+
+def test_serve_reexecs_only_when_the_policy_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: calls.append((path, args, env)))
+    monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    cli.reexec_with_omp_policy()
+    assert calls == []
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    cli.reexec_with_omp_policy()
+    [(path, args, env)] = calls
+    assert path == sys.executable and args == [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the served process (the same pid, re-executed) runs with the passive OpenMP wait policy."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with running_server("--model", TINY, "--max-num-seqs", "3", "--drain-timeout", "20") as server:
+        environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ
         [startup] = [line for line in server.log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
         assert "state_bytes_per_slot=" in startup
