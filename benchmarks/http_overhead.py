@@ -6,12 +6,13 @@ For each dtype, one ``rnnserve serve`` process and one offline worker process (t
 load the same seeded ``random:<preset>`` checkpoint, written once with token-id prompts. Each round runs the
 same prompts through both, in alternating order, so drift of the machine hits both; the table gives medians,
 their ratio, and CPU per generated token: the whole server, its event-loop thread alone, and the offline worker.
-Both processes get the same environment (``OMP_NUM_THREADS`` from ``--threads``; ``OMP_WAIT_POLICY`` as set for
-this script, else what ``rnnserve serve`` chooses, passed to both so they run the same OpenMP policy)::
+Both processes get the same environment (``OMP_NUM_THREADS`` from ``--threads``; ``OMP_WAIT_POLICY`` /
+``GOMP_SPINCOUNT`` as set for this script, else what ``rnnserve serve`` chooses, passed to both so they run the
+same OpenMP policy)::
 
-    .venv/bin/python benchmarks/http_overhead.py                       # fp32 and bf16, 1 and 32 streams
+    .venv/bin/python benchmarks/http_overhead.py                        # fp32 and bf16, 1 and 32 streams
     .venv/bin/python benchmarks/http_overhead.py --dtypes float32 --streams 32 --rounds 5
-    OMP_WAIT_POLICY=ACTIVE .venv/bin/python benchmarks/http_overhead.py   # libgomp spinning, both sides
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/http_overhead.py   # no spinning, both sides
 """
 
 from __future__ import annotations

@@ -113,9 +113,9 @@ def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch)
     assert seen == [["compile", "--help"]]
 
 
-def test_omp_environment_adds_the_passive_policy_unless_one_is_set() -> None:
-    assert cli.omp_environment({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
-    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+def test_omp_environment_adds_a_short_spin_unless_a_policy_is_set() -> None:
+    assert cli.omp_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}):
         assert cli.omp_environment(chosen) == chosen
 
 
@@ -131,16 +131,16 @@ def test_serve_reexecs_only_when_the_policy_changes(monkeypatch: pytest.MonkeyPa
     cli.reexec_with_omp_policy()
     [(path, args, env)] = calls
     assert path == sys.executable and args == [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"]
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env
 
 
 def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also: the served process (the same pid, re-executed) runs with the passive OpenMP wait policy."""
+    """Also: the served process (the same pid, re-executed) runs with the server's OpenMP spin count."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with running_server("--model", TINY, "--max-num-seqs", "3", "--drain-timeout", "20") as server:
         environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
-        assert b"OMP_WAIT_POLICY=PASSIVE" in environ
+        assert b"GOMP_SPINCOUNT=10000" in environ
         [startup] = [line for line in server.log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
         assert "state_bytes_per_slot=" in startup
