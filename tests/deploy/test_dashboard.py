@@ -140,7 +140,9 @@ def test_dashboard_in_headless_chromium(loaded_server: ServerProcess, tmp_path: 
         assert tile > 0
         assert driver.find_element("id", "model").text == "random:mingru-tiny"
         assert driver.find_element("id", "v-slots").text.endswith("/ 8")
-        assert driver.execute_script(SERIES_PIXELS) > 50  # the throughput line is drawn
+        # the throughput line is drawn; it lengthens with each sampled point, and three points spanned fewer
+        # than 50 pixels in one CI run
+        WebDriverWait(driver, 30, poll_frequency=0.5).until(lambda d: d.execute_script(SERIES_PIXELS) > 50)
         png = driver.get_screenshot_as_png()
         data_url = "data:image/png;base64," + base64.b64encode(png).decode()
         colours, differ = driver.execute_async_script(PIXEL_STATS, data_url)
