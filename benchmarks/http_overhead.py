@@ -28,28 +28,22 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import socket
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import httpx
 import torch
 
+from benchmarks.cpu_peers import CLI, Server, engine_served_rate, free_port, markdown_table, token_prompts
 from rnnserve.clients.bench import BenchConfig, benchmark
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import build_random, save_checkpoint
-from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server.cli import omp_environment
 
-CLI = "import sys; from rnnserve.server.cli import main; sys.exit(main())"
-SERVER_START_TIMEOUT_S = 600.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -62,28 +56,6 @@ def write_checkpoint(preset: str, seed: int, out: Path) -> int:
     return model.vocab_size
 
 
-def bench_prompts(count: int, length: int, max_token_id: int, seed: int) -> list[list[int]]:
-    """The prompts ``rnnserve bench --prompts ids --seed seed`` sends."""
-    rng = random.Random(seed)
-    return [[rng.randrange(max_token_id) for _ in range(length)] for _ in range(count)]
-
-
-def served_rate(engine: LLMEngine, prompts: Sequence[list[int]], new_tokens: int, concurrency: int) -> float:
-    """Output tok/s of ``prompts`` served offline, at most ``concurrency`` at a time, from the first request to
-    the last token."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    pending = list(prompts)
-    running = generated = 0
-    start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending and running < concurrency:
-            engine.add_request(pending.pop(0), params)
-            running += 1
-        running -= sum(1 for out in engine.step() if out.finished)
-        generated += engine.last_step.generated_tokens
-    return generated / (time.perf_counter() - start)
-
-
 def worker(model_dir: str, dtype: str, max_num_seqs: int) -> None:
     """The offline side: one JSON request per stdin line (prompts, new tokens, concurrency), one tok/s per line."""
     config = EngineConfig(model=model_dir, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs)
@@ -91,17 +63,13 @@ def worker(model_dir: str, dtype: str, max_num_seqs: int) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         job = json.loads(line)
-        print(served_rate(engine, job["prompts"], job["new_tokens"], job["concurrency"]), flush=True)
+        print(engine_served_rate(engine, job["prompts"], job["new_tokens"], job["concurrency"]), flush=True)
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of every thread of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def thread_cpu(pid: int, tid: int) -> float:
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, main_thread_only: bool = False) -> float:
+    """CPU seconds (user + system) so far of every thread of ``pid``, or of its main thread only."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread_only else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
@@ -118,13 +86,13 @@ class OfflineWorker:
 
     def run(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> Sample:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        before = process_cpu(self.proc.pid)
+        before = cpu_seconds(self.proc.pid)
         job = {"prompts": prompts, "new_tokens": new_tokens, "concurrency": concurrency}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         rate = float(self.proc.stdout.readline())
         tokens = len(prompts) * new_tokens
-        return Sample(rate, 1000 * (process_cpu(self.proc.pid) - before) / tokens)
+        return Sample(rate, 1000 * (cpu_seconds(self.proc.pid) - before) / tokens)
 
 
 @contextmanager
@@ -141,54 +109,33 @@ def offline_worker(model_dir: Path, dtype: str, slots: int, env: dict[str, str])
         proc.wait()
 
 
-class Server:
+class HttpServer:
     def __init__(self, proc: subprocess.Popen, url: str) -> None:
         self.proc = proc
         self.url = url
 
     def run(self, config: BenchConfig) -> Sample:
         pid = self.proc.pid
-        before, loop_before = process_cpu(pid), thread_cpu(pid, pid)
+        before, loop_before = cpu_seconds(pid), cpu_seconds(pid, main_thread_only=True)
         figures = asyncio.run(benchmark(config))
         if figures["failed"]:
             raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
         tokens = figures["total_output_tokens"]
         return Sample(
             figures["output_throughput"],
-            1000 * (process_cpu(pid) - before) / tokens,
-            1000 * (thread_cpu(pid, pid) - loop_before) / tokens,
+            1000 * (cpu_seconds(pid) - before) / tokens,
+            1000 * (cpu_seconds(pid, main_thread_only=True) - loop_before) / tokens,
         )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
-def server(model_dir: Path, dtype: str, slots: int, env: dict[str, str], log: Path) -> Iterator[Server]:
+def http_server(model_dir: Path, dtype: str, slots: int, env: dict[str, str], log: Path) -> Iterator[HttpServer]:
     port = free_port()
     command = [sys.executable, "-c", CLI, "serve", "--model", str(model_dir), "--dtype", dtype, "--host", "127.0.0.1",
-               "--port", str(port), "--max-num-seqs", str(slots), "--log-level", "warning"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rnnserve serve did not start:\n{log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield Server(proc, url)
-    finally:
-        proc.terminate()
-        proc.wait()
+               "--port", str(port), "--max-num-seqs", str(slots), "--log-level", "warning"]  # fmt: skip
+    with Server(f"rnnserve serve ({dtype})", command, port, log, env) as served:
+        assert served.process is not None
+        yield HttpServer(served.process, served.url)
 
 
 def median(values: Sequence[float | None]) -> float | None:
@@ -204,14 +151,14 @@ def measure(args: argparse.Namespace, model_dir: Path, vocab_size: int, dtype: s
             logs: Path) -> list[list[str]]:
     slots = max(args.streams)
     rows = []
-    with server(model_dir, dtype, slots, env, logs / f"serve-{dtype}.log") as http, \
+    with http_server(model_dir, dtype, slots, env, logs / f"serve-{dtype}.log") as http, \
             offline_worker(model_dir, dtype, slots, env) as offline:
         for streams in args.streams:
             count = max(4, 2 * streams)
             runs: dict[str, list[Sample]] = {"offline": [], "http": []}
             for round_index in range(args.warmup + args.rounds):
                 seed = 1000 * streams + round_index
-                prompts = bench_prompts(count, args.prompt_len, vocab_size, seed)
+                prompts = token_prompts(count, args.prompt_len, vocab_size, seed)
                 config = BenchConfig(url=http.url, num_prompts=count, concurrency=streams, input_len=args.prompt_len,
                                      output_len=args.output_len, seed=seed, progress=False, prompts="ids",
                                      max_token_id=vocab_size)
@@ -236,12 +183,6 @@ def measure(args: argparse.Namespace, model_dir: Path, vocab_size: int, dtype: s
                 fmt(median([s.loop_per_token_ms for s in runs["http"]]), 3),
             ])
     return rows
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

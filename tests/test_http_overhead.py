@@ -12,8 +12,8 @@ from benchmarks import http_overhead
 
 
 def test_bench_prompts_are_the_ones_rnnserve_bench_sends() -> None:
-    first = http_overhead.bench_prompts(3, 5, 100, seed=7)
-    assert first == http_overhead.bench_prompts(3, 5, 100, seed=7)
+    first = http_overhead.token_prompts(3, 5, 100, seed=7)
+    assert first == http_overhead.token_prompts(3, 5, 100, seed=7)
     assert len(first) == 3 and all(len(p) == 5 and all(0 <= t < 100 for t in p) for p in first)
 
 
