@@ -8,7 +8,7 @@
 // core (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of mamba-130m at half the speed here),
 // which the loop also prefetches a few KB ahead: on the Zen 3 VM where this was tuned, the hardware prefetchers
 // alone left a cold int8 weight at about 80% of torch.sum's read bandwidth at batch 1 and the software prefetch
-// brought it level (on a Zen 4 VM: 28-39 GB/s per shape against torch.sum's 57). From 9 to
+// brought it level (on a Zen 4 VM, against the loop without it: level at one row of x, 1.1-1.2x at eight). From 9 to
 // 32 rows the product is bound by FMAs and loads of x instead, so tiles of 4 weight rows x 2 rows of x reuse
 // each converted weight vector and each row of x twice (the tile is re-read from L1 for the next 2 rows of x).
 // The scale is applied once per output, after the K loop.
