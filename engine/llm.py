@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
 from rnnserve.engine.outputs import RequestOutput
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -34,6 +35,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
+        freeze_startup_heap()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -44,7 +46,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order."""
+        """Generate for every prompt; results come back in prompt order (the engine builds only the final
+        outputs, whatever the params' ``output_kind``)."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -52,7 +55,8 @@ class LLM:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        final_only = {id(sp): dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY) for sp in param_list}
+        ids = [self.engine.add_request(p, final_only[id(sp)]) for p, sp in zip(prompt_list, param_list, strict=True)]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

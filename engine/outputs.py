@@ -20,8 +20,9 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample. ``text``/``token_ids`` are cumulative; ``text_delta``/``new_token_ids`` are what this
-    step added (for streaming)."""
+    """One sample. ``text``/``token_ids``/``logprobs`` are cumulative (only the delta for ``DELTA`` requests);
+    ``text_delta``/``new_token_ids``/``new_logprobs`` are what this step added (for streaming); ``num_tokens``
+    counts the tokens generated so far, whatever the output kind."""
 
     index: int
     text: str
@@ -32,6 +33,7 @@ class CompletionOutput:
     text_delta: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -52,6 +54,27 @@ class RequestMetrics:
     last_token_time: float | None = None
     previous_token_time: float | None = None
     finished_time: float | None = None
+
+    def copy(self) -> RequestMetrics:
+        return RequestMetrics(
+            self.arrival_time,
+            self.first_scheduled_time,
+            self.first_token_time,
+            self.last_token_time,
+            self.previous_token_time,
+            self.finished_time,
+        )
+
+
+@dataclass
+class TokenLatencies:
+    """The token latencies one engine step observed, one entry per request that got a token (for metrics, so
+    they need no per-step output): ``queue`` and ``first_token`` (arrival to first scheduling, arrival to first
+    token) for requests whose first token came, ``inter_token`` (the gap since the previous token) for the rest."""
+
+    queue: list[float] = field(default_factory=list)
+    first_token: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -9,6 +10,16 @@ from dataclasses import dataclass, field
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class OutputKind(enum.Enum):
+    """Which outputs a request's caller consumes (vLLM's ``RequestOutputKind``): every step's progress with
+    the whole text so far (``CUMULATIVE``), every step's progress with only what it added (``DELTA``, for
+    streaming), or one output when the request finishes (``FINAL_ONLY``). The engine builds no more than that."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 class InvalidParameterError(ValueError):
@@ -47,6 +58,7 @@ class SamplingParams:
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
+    ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
     """
 
     n: int = 1
@@ -65,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
     MAX_N = 128
     MAX_LOGPROBS = 20

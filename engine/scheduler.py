@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.outputs import TokenLogprob
+from rnnserve.engine.outputs import TokenLatencies, TokenLogprob
 from rnnserve.engine.prefix_cache import PrefixCache
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.sequence import Sequence, SequenceGroup
@@ -212,11 +212,12 @@ class Scheduler:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
         eos_token_id: int | None,
-    ) -> None:
+    ) -> TokenLatencies:
         """Append each sample's new token and free the slots of samples that finished. Samples already
         finished (their request failed this step) are skipped; a sample whose stop handling raises fails its
-        request alone."""
+        request alone. Returns the token latencies of the requests that got a token."""
         now = time.monotonic()
+        latencies = TokenLatencies()
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             group = seq.group
             if seq.finished:
@@ -228,12 +229,19 @@ class Scheduler:
                 continue
             metrics = group.metrics
             if metrics.last_token_time != now:
+                if metrics.last_token_time is None:
+                    metrics.first_token_time = now
+                    latencies.first_token.append(now - metrics.arrival_time)
+                    if metrics.first_scheduled_time is not None:
+                        latencies.queue.append(metrics.first_scheduled_time - metrics.arrival_time)
+                else:
+                    latencies.inter_token.append(now - metrics.last_token_time)
                 metrics.previous_token_time = metrics.last_token_time
                 metrics.last_token_time = now
-                metrics.first_token_time = metrics.first_token_time or now
             if seq.finished:
                 self._save_finished(seq)
                 self._free(seq)
+        return latencies
 
     def _save_finished(self, seq: Sequence) -> None:
         """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state (which has

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -11,7 +10,7 @@ from functools import cached_property
 import torch
 
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -21,24 +20,21 @@ class Sequence:
 
     def __init__(self, group: SequenceGroup, index: int, tokenizer: Tokenizer) -> None:
         self.group = group
+        self.params: SamplingParams = group.params
         self.index = index
         self.slot: int | None = None
         self.output_token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if group.params.logprobs is not None else None
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.text = ""
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._emitted_text = 0
         self._emitted_tokens = 0
-        self._stop_matched = [0] * len(group.params.stop)
+        self._stop_matched = [0] * len(self.params.stop)
         self.generator: torch.Generator | None = None
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.group.params
 
     @property
     def finished(self) -> bool:
@@ -124,25 +120,24 @@ class Sequence:
             return len(self.text)
         return len(self.text) - max(self._stop_matched)
 
-    def take_output(self) -> CompletionOutput:
-        """Snapshot with the delta since the previous snapshot."""
+    def take_output(self, kind: OutputKind) -> CompletionOutput:
+        """What the sample added since the previous call (text held back where a stop string may start), with
+        the whole text, tokens and logprobs so far unless ``kind`` is ``DELTA``: then those fields hold only
+        the delta too, so a step's output costs what the step added, not what the sample holds."""
         safe = max(self._stream_safe_len(), self._emitted_text)
         delta = self.text[self._emitted_text : safe]
         self._emitted_text = safe
         new_ids = self.output_token_ids[self._emitted_tokens :]
         new_logprobs = self.logprobs[self._emitted_tokens :] if self.logprobs is not None else []
         self._emitted_tokens = len(self.output_token_ids)
-        return CompletionOutput(
-            index=self.index,
-            text=self.text[:safe],
-            token_ids=list(self.output_token_ids),
-            finish_reason=self.finish_reason,
-            logprobs=self.logprobs,
-            cumulative_logprob=self.cumulative_logprob,
-            text_delta=delta,
-            new_token_ids=new_ids,
-            new_logprobs=new_logprobs,
-        )
+        if kind is OutputKind.DELTA:
+            text, token_ids, logprobs = delta, new_ids, new_logprobs if self.logprobs is not None else None
+        else:
+            text, token_ids = self.text[:safe], list(self.output_token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        # Positional arguments (in field order): this runs for every streamed request on every step.
+        return CompletionOutput(self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob,
+                                delta, new_ids, new_logprobs, self._emitted_tokens)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -212,22 +207,29 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all(): this runs for every request on every step
+            if seq.finish_reason is None:
+                return False
+        return True
+
+    @property
+    def has_output(self) -> bool:
+        """Whether this step's progress is an output its caller reads: any progress after the prompt, except
+        for ``FINAL_ONLY`` requests, which are read once, when they finish or fail."""
+        if self.error is not None:
+            return True
+        if self.params.output_kind is OutputKind.FINAL_ONLY:
+            return self.finished
+        return self.prefill_done
 
     def output(self) -> RequestOutput:
-        """What the request produced since the previous call (metrics copied: the engine keeps updating them)."""
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.take_output() for s in self.seqs],
-            finished=self.finished,
-            metrics=dataclasses.replace(self.metrics),
-            error=self.error,
-            prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens,
-            final_state=self.final_state,
-        )
+        """What the request produced since the previous call (see :class:`OutputKind`); the metrics are copied
+        (the engine keeps updating them)."""
+        kind = self.params.output_kind
+        outputs = [s.take_output(kind) for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             self.metrics.copy(), self.error, self.prompt_logprobs, self.num_cached_tokens,
+                             self.final_state)  # fmt: skip
 
 
 def _failure_function(pattern: str) -> array:

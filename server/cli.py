@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rnnserve.engine.llm_engine import LLMEngine
+    from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
     from rnnserve.server.app import create_app
     from rnnserve.server.http_server import build_server, listen_socket
 
@@ -152,6 +152,7 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
         logger.error("%s", err)
         return 1
+    freeze_startup_heap()
     pool = engine.pool
     weight = next(iter(engine.model.parameters()), None)
     logger.info(
@@ -175,7 +176,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine
-    from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+    from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 
     try:
         params = SamplingParams(
@@ -186,6 +187,7 @@ def generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop,
             max_tokens=args.max_tokens,
+            output_kind=OutputKind.DELTA,
         )
         engine = LLMEngine.from_config(config_from_args(EngineConfig, args, max_num_seqs=1))
         request_id = engine.add_request(args.prompt, params)

@@ -184,7 +184,8 @@ class ServerMetrics:
         self.request_params_max_tokens.observe(params.max_tokens)
 
     def observe_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        """One engine step: its duration, batch and token counts, and its outputs' latencies."""
+        """One engine step: its duration, batch and token counts, its token latencies (queue time and TTFT
+        at a request's first token, the inter-token latency at each later one) and its finished requests."""
         self.engine_step.observe(stats.seconds)
         if stats.decode_batch_size:
             self.decode_batch_size.observe(stats.decode_batch_size)
@@ -193,21 +194,18 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.prefix_cache_hit_tokens.inc(stats.prefix_cache_hit_tokens)
+        for seconds in stats.latencies.queue:
+            self.request_queue_time.observe(seconds)
+        for seconds in stats.latencies.first_token:
+            self.time_to_first_token.observe(seconds)
+        for seconds in stats.latencies.inter_token:
+            self.inter_token_latency.observe(seconds)
         self.observe_outputs(outputs)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Latencies from the outputs' timestamps: queue time and TTFT at a request's first token, the
-        inter-token latency at each later one; when it finishes, its end-to-end, prefill, decode and inference
-        times, its token counts and its finish reason."""
+        """The finished requests among ``outputs``: their end-to-end, prefill, decode and inference times, token
+        counts and finish reason."""
         for out in outputs:
-            times = out.metrics
-            if times.first_token_time is not None and any(s.new_token_ids for s in out.outputs):
-                if times.previous_token_time is None:
-                    self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
-                    if times.first_scheduled_time is not None:
-                        self.request_queue_time.observe(times.first_scheduled_time - times.arrival_time)
-                elif times.last_token_time is not None:
-                    self.inter_token_latency.observe(times.last_token_time - times.previous_token_time)
             if out.finished:
                 self.observe_finished(out)
 
@@ -223,7 +221,7 @@ class ServerMetrics:
             if times.last_token_time is not None:
                 self.request_decode_time.observe(times.last_token_time - times.first_token_time)
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(len(s.token_ids) for s in out.outputs))
+        self.request_generation_tokens.observe(sum(s.num_tokens for s in out.outputs))
         reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
         self.request_success(reason).inc()
 

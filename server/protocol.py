@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 
 
 class APIModel(BaseModel):
@@ -78,7 +78,8 @@ class SamplingFields(APIModel):
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, max_tokens_param: str, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """Build and validate the engine's parameters (raises InvalidParameterError naming the field)."""
+        """Build and validate the engine's parameters (raises InvalidParameterError naming the field). A stream
+        reads each step's delta, a plain response only the final output."""
         self.check_supported()
         try:
             return SamplingParams(
@@ -98,6 +99,7 @@ class SamplingFields(APIModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
             )
         except InvalidParameterError as err:
             if err.param == "max_tokens":

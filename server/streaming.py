@@ -130,11 +130,11 @@ class Generation(ABC):
         self.prompt_tokens[out.request_id] = len(out.prompt_token_ids)
         self.cached_tokens[out.request_id] = out.num_cached_tokens
         for sample in out.outputs:
-            self.completion_tokens[(out.request_id, sample.index)] = len(self.generated_ids(sample))
+            self.completion_tokens[(out.request_id, sample.index)] = self.reported_tokens(sample)
 
-    def generated_ids(self, sample: CompletionOutput) -> list[int]:
-        """The sample's tokens that the response reports."""
-        return sample.token_ids
+    def reported_tokens(self, sample: CompletionOutput) -> int:
+        """How many of the sample's tokens the response reports as completion tokens."""
+        return sample.num_tokens
 
     def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or the token's logprob and rank
@@ -247,8 +247,8 @@ class CompletionStream(Generation):
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
-    def generated_ids(self, sample: CompletionOutput) -> list[int]:
-        return [] if self.req.echo_only else sample.token_ids
+    def reported_tokens(self, sample: CompletionOutput) -> int:
+        return 0 if self.req.echo_only else sample.num_tokens
 
     def echoed_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
         """The prompt's tokens and logprobs that ``echo`` with ``logprobs`` puts before the generated ones."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rnnserve.engine.sampler import sample
-from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
 from tests.engine.conftest import make_engine, run_to_completion
@@ -264,7 +264,7 @@ def test_stop_strings_match_a_brute_force_reference() -> None:
         streamed: list[str] = []
         for token in ids:
             seq.append_token(token, None, None)
-            out = seq.take_output()
+            out = seq.take_output(OutputKind.CUMULATIVE)
             streamed.append(out.text)
             if seq.finished:
                 break
@@ -296,7 +296,8 @@ def _per_token_work(stops: list[str], num_tokens: int) -> list[int]:
     group.seqs = [seq]
     work = []
     for i in range(num_tokens):
-        work.append(_line_events(lambda i=i: (seq.append_token(ord("ab"[i % 2]), None, None), seq.take_output())))
+        step = lambda i=i: (seq.append_token(ord("ab"[i % 2]), None, None), seq.take_output(OutputKind.DELTA))  # noqa: E731
+        work.append(_line_events(step))
     assert not seq.finished
     return work
 
