@@ -9,6 +9,11 @@ callers keep their ATen paths.
 
 ``ENABLED`` is read on every call: ``RNNSERVE_GEMV=0`` in the environment clears it at import, and clearing it
 at run time brings back the previous paths in the same process (``benchmarks/cpu_decode.py`` compares both).
+
+Beyond the kernel's rows, bf16 products go to ATen's GEMM, which is fast only on CPUs with bf16 arithmetic
+(AVX512-BF16 or AMX); elsewhere it is 4-8x slower than converting both operands to fp32 and running the fp32 GEMM
+(measured on an AVX2 EPYC from 65 to 2048 rows). :data:`UPCAST_BF16_GEMM` tells the callers to do that; the
+result is the same product, accumulated in fp32 and rounded once. It is read on every call (benchmarks flip it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from rnnserve.kernels.gemv.naive import gemv_ref
 
 ENABLED = os.environ.get("RNNSERVE_GEMV", "1") != "0"
 ROW_LIMITS = {torch.float32: 12, torch.bfloat16: 64}  # most rows per weight dtype (the op takes up to 64)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 arithmetic for ATen's bf16 GEMM (AVX512-BF16 or AMX tiles)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+UPCAST_BF16_GEMM = not native_bf16_gemm()
 
 
 def row_limit(dtype: torch.dtype) -> int:
@@ -52,4 +66,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return gemv_ref(x, weight, bias)
 
 
-__all__ = ["ENABLED", "ROW_LIMITS", "gemv", "gemv_applies", "row_limit"]
+__all__ = ["ENABLED", "ROW_LIMITS", "UPCAST_BF16_GEMM", "gemv", "gemv_applies", "native_bf16_gemm", "row_limit"]

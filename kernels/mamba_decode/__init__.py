@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rnnserve.kernels import gemv
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.gemv import row_limit
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
@@ -106,6 +107,7 @@ def mamba_mixer_decode(
         out_proj_weight,
         out_proj_bias,
         row_limit(in_proj_weight.dtype),
+        gemv.UPCAST_BF16_GEMM,
     )
 
 
@@ -158,6 +160,7 @@ def mamba_decode_stack(
         x_s,
         out_s,
         row_limit(dt_w[0].dtype),
+        gemv.UPCAST_BF16_GEMM,
     )
 
 

@@ -25,12 +25,18 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// How matmul_t (engine/models/layers/linear.py) routes float products: `gemv_rows` is the most rows the gemv
+// kernel takes for the model's float dtype (kernels/gemv: row_limit; 0 when it is switched off), and
+// `upcast_bf16` says bf16 products beyond them run in fp32 (kernels/gemv: UPCAST_BF16_GEMM).
+struct GemmRules {
+  int64_t gemv_rows;
+  bool upcast_bf16;
+};
+
 // x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
-// with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules, where
-// `gemv_rows` is the most rows the gemv kernel takes for the model's float dtype (kernels/gemv: row_limit; 0
-// when it is switched off).
+// with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& scale, const OptTensor& b,
-                   int64_t gemv_rows) {
+                   const GemmRules& rules) {
   using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
   static const auto skinny = find_op<Linear>("rnnserve::skinny_linear");
@@ -44,7 +50,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& sc
   if (amx && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && rows >= 1 &&
       rows <= kSkinnyMaxRows && unit_stride)
     return skinny.call(x, w, b);
-  if (x.scalar_type() == w.scalar_type() && rows >= 1 && rows <= gemv_rows && unit_stride) return gemv.call(x, w, b);
+  if (x.scalar_type() == w.scalar_type() && rows >= 1 && rows <= rules.gemv_rows && unit_stride)
+    return gemv.call(x, w, b);
+  if (rules.upcast_bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    const OptTensor b32 = b.has_value() ? OptTensor(b->to(at::kFloat)) : std::nullopt;
+    return at::linear(x.to(at::kFloat), w.to(at::kFloat), b32).to(at::kBFloat16);
+  }
   if (rows < 2 || rows > kSmallBatchRows) return at::linear(x, w, b);
   at::Tensor out = at::mm(w, x.t()).t();
   return b.has_value() ? out + *b : out;
@@ -60,7 +71,7 @@ at::Tensor mixer_step(const at::Tensor& h, const at::Tensor& in_weight, const Op
                       const at::Tensor& slot_ids, const at::Tensor& x_proj_weight, const at::Tensor& dt_proj_weight,
                       const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, at::Tensor ssm_pool,
                       const at::Tensor& out_weight, const OptTensor& out_bias, const Int8Scales& scales,
-                      int64_t gemv_rows) {
+                      const GemmRules& rules) {
   static const auto conv_update =
       find_op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, const OptTensor&, const at::Tensor&, bool)>(
           "rnnserve::causal_conv1d_update");
@@ -70,15 +81,15 @@ at::Tensor mixer_step(const at::Tensor& h, const at::Tensor& in_weight, const Op
                          bool)>("rnnserve::selective_state_update");
   TORCH_CHECK(h.dim() == 2, "h must be [B, d_model]");
   const int64_t d_inner = conv_weight.size(0), dt_rank = dt_proj_weight.size(1), d_state = A.size(1);
-  const at::Tensor xz = project(h, in_weight, scales.in_proj, in_bias, gemv_rows);
+  const at::Tensor xz = project(h, in_weight, scales.in_proj, in_bias, rules);
   const at::Tensor z = xz.narrow(1, d_inner, d_inner);
   const at::Tensor x = conv_update.call(xz.narrow(1, 0, d_inner), conv_pool, conv_weight, conv_bias, slot_ids, true);
-  const at::Tensor projected = project(x, x_proj_weight, scales.x_proj, std::nullopt, gemv_rows);
+  const at::Tensor projected = project(x, x_proj_weight, scales.x_proj, std::nullopt, rules);
   const at::Tensor dt =
-      project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, std::nullopt, gemv_rows);
+      project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, std::nullopt, rules);
   const at::Tensor y = state_update.call(ssm_pool, slot_ids, x, dt, dt_bias, A, projected.narrow(1, dt_rank, d_state),
                                          projected.narrow(1, dt_rank + d_state, d_state), D, z, true);
-  return project(y.to(h.scalar_type()), out_weight, scales.out_proj, out_bias, gemv_rows);
+  return project(y.to(h.scalar_type()), out_weight, scales.out_proj, out_bias, rules);
 }
 
 at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, const OptTensor& in_bias,
@@ -86,10 +97,10 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                               const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
                               const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
                               const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
-                              const OptTensor& out_bias, int64_t gemv_rows) {
+                              const OptTensor& out_bias, int64_t gemv_rows, bool upcast_bf16) {
   return mixer_step(h, in_weight, in_bias, std::move(conv_pool), conv_weight, conv_bias, slot_ids, x_proj_weight,
                     dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, Int8Scales{},
-                    gemv_rows);
+                    GemmRules{gemv_rows, upcast_bf16});
 }
 
 // Every layer of a Mamba-1 decode step in one call (the Python loop costs a few dispatches per layer):
@@ -107,7 +118,7 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
                               at::TensorList Ds, at::Tensor ssm_pool, at::TensorList out_weights,
                               const c10::List<OptTensor>& out_biases, const c10::List<OptTensor>& in_scales,
                               const c10::List<OptTensor>& x_proj_scales, const c10::List<OptTensor>& out_scales,
-                              int64_t gemv_rows) {
+                              int64_t gemv_rows, bool upcast_bf16) {
   static const auto add_norm =
       find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double, bool)>(
           "rnnserve::residual_rms_norm");
@@ -126,7 +137,7 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
     const at::Tensor out = mixer_step(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
                                       conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
                                       dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
-                                      out_weights[i], out_biases.get(i), scales, gemv_rows);
+                                      out_weights[i], out_biases.get(i), scales, GemmRules{gemv_rows, upcast_bf16});
     std::tie(normed, stream) = add_norm.call(stream, out, norm_weights[i], eps, i + 1 < layers);
   }
   return normed;
@@ -137,13 +148,13 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
   m.def(
       "mamba_mixer_decode(Tensor h, Tensor in_weight, Tensor? in_bias, Tensor(a!) conv_pool, Tensor conv_weight, "
       "Tensor? conv_bias, Tensor slot_ids, Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A, "
-      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows) -> Tensor",
+      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows, bool upcast_bf16) -> Tensor",
       &mamba_mixer_decode);
   m.def(
       "mamba_decode_stack(Tensor normed, Tensor stream, Tensor[] norm_weights, float eps, Tensor[] in_weights, "
       "Tensor?[] in_biases, Tensor(a!) conv_pool, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor slot_ids, "
       "Tensor[] x_proj_weights, Tensor[] dt_proj_weights, Tensor[] dt_biases, Tensor[] As, Tensor[] Ds, "
       "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, Tensor?[] in_scales, "
-      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows) -> Tensor",
+      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows, bool upcast_bf16) -> Tensor",
       &mamba_decode_stack);
 }

@@ -112,10 +112,33 @@ def test_matmul_t_routes_decode_batches_through_the_kernel_and_the_switch_restor
     assert out.is_contiguous()  # the W @ x^T path would return a transposed view
     assert_matches(out, x, weight, None)
     monkeypatch.setattr(gemv_module, "ENABLED", False)
+    monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", False)
     assert row_limit(dtype) == 0 and not gemv_applies(x, weight)
     old = matmul_t(x, weight)
     assert not old.is_contiguous()
     assert_matches(old.contiguous(), x, weight, None)
+
+
+@pytest.mark.parametrize("rows", [1, 70, 300])
+def test_bf16_beyond_the_kernel_runs_in_fp32_where_the_cpu_has_no_bf16_arithmetic(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the kernel's rows (or with it off), a bf16 product on a CPU without bf16 arithmetic is the fp32 GEMM
+    of the upcast operands, rounded once; with the switch cleared, ATen's bf16 GEMM paths as before."""
+    x, weight = operands(rows, 96, 200, torch.bfloat16, seed=rows)
+    bias = torch.randn(200, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    monkeypatch.setattr(gemv_module, "ENABLED", rows != 1)
+    assert not gemv_applies(x, weight)
+    monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", True)
+    assert_matches(matmul_t(x, weight, bias), x, weight, bias)  # one rounding: the bias is added in fp32
+    monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", False)
+    assert_matches(matmul_t(x, weight).contiguous(), x, weight, None)  # ATen adds a bias after rounding
+
+
+def test_the_upcast_follows_the_cpu() -> None:
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert gemv_module.native_bf16_gemm() == native
+    assert gemv_module.UPCAST_BF16_GEMM == (not native)
 
 
 def mixer_args(dtype: torch.dtype, batch: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.quantize import Int8Linear, quantize_model
 from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.cpu_extension import cpu_ops
 from tests.kernels.kernel_cases import count_calls
@@ -35,18 +36,24 @@ def tiny_mamba(dtype: torch.dtype, use_bias: bool, residual_in_fp32: bool) -> Ma
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 3, 40])
+@pytest.mark.parametrize("batch", [1, 3, 40, 70])
 @pytest.mark.parametrize(("use_bias", "residual_in_fp32"), [(False, True), (True, False)])
 @pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("upcast_bf16", [False, True])
 def test_stack_equals_layer_loop(
     dtype: torch.dtype,
     batch: int,
     use_bias: bool,
     residual_in_fp32: bool,
     quantized: bool,
+    upcast_bf16: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Slots out of order; 40 rows take the int8 kernel's GEMM path and transposed outputs."""
+    """Slots out of order; 40 rows take the int8 kernel's GEMM path and transposed outputs, 70 rows the GEMMs
+    past the GEMV kernel (bf16 in fp32 where ``upcast_bf16``, as on CPUs without bf16 arithmetic)."""
+    if upcast_bf16 and dtype != torch.bfloat16:
+        pytest.skip("the upcast is for bf16 products")
+    monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", upcast_bf16)
     model = tiny_mamba(dtype, use_bias, residual_in_fp32)
     if quantized:
         quantize_model(model, "int8")
