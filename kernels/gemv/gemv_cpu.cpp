@@ -102,6 +102,33 @@ inline void dot_all_rows(const W* row, const float* x, int64_t rows, int64_t k, 
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Dot products of eight consecutive rows of W with one row of x (a batch-1 step): each row's accumulators are
+// folded into one vector and the eight vectors are summed by one transposing add tree (six hadds, two lane
+// swaps, an add) instead of a horizontal sum per row. Same-process A/B on a 2-core AVX2 EPYC, cold weights:
+// 2-7% more read bandwidth on mamba-130m's in_proj, out_proj and LM head, 14-17% on the short-row dt_proj.
+template <typename W>
+inline void dot_eight_rows(const W* w, int64_t w_stride, const float* x, int64_t k, float* sums) {
+  __m256 folded[8];
+  for (int r = 0; r < 8; ++r) {
+    const W* row = w + r * w_stride;
+    vfloat acc[4] = {vfloat{}, vfloat{}, vfloat{}, vfloat{}};
+    int64_t j = 0;
+    for (; j + 4 * kLanes <= k; j += 4 * kLanes)
+      for (int u = 0; u < 4; ++u) acc[u] += load(row + j + u * kLanes) * load(x + j + u * kLanes);
+    for (; j + kLanes <= k; j += kLanes) acc[0] += load(row + j) * load(x + j);
+    vfloat total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (int64_t t = j; t < k; ++t) total[0] += static_cast<float>(row[t]) * x[t];
+    folded[r] = reinterpret_cast<__m256>(total);
+  }
+  const __m256 h01 = _mm256_hadd_ps(folded[0], folded[1]), h23 = _mm256_hadd_ps(folded[2], folded[3]);
+  const __m256 h45 = _mm256_hadd_ps(folded[4], folded[5]), h67 = _mm256_hadd_ps(folded[6], folded[7]);
+  const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
+  _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                       _mm256_permute2f128_ps(low, high, 0x31)));
+}
+#endif
+
 // Each thread reads its contiguous range of W's rows front to back: one sequential stream per core, which the
 // hardware prefetchers follow (reading several rows side by side measured up to 1.8x slower from DRAM).
 template <typename W, typename Y>
@@ -111,7 +138,16 @@ void gemv_typed(const W* w, int64_t w_stride, const float* x, const float* bias,
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[kMaxRows];
-    for (int64_t i = begin; i < end; ++i) {
+    int64_t i = begin;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (rows == 1) {  // batch 1: eight rows of W per add tree
+      for (; i + 8 <= end; i += 8) {
+        dot_eight_rows(w + i * w_stride, w_stride, x, k, sums);
+        for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[i + r] : 0.f));
+      }
+    }
+#endif
+    for (; i < end; ++i) {
       dot_all_rows(w + i * w_stride, x, rows, k, sums);
       const float b = bias ? bias[i] : 0.f;
       for (int64_t m = 0; m < rows; ++m) y[m * n + i] = static_cast<Y>(sums[m] + b);
