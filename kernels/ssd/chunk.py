@@ -11,8 +11,11 @@ chunks is built once on the host from ``cu_seqlens``). Per (chunk, head, block o
 3. ``_ssd_chunk_scan_kernel``: outputs ``y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s +
    exp(cum_l) C_l S_in + D x_l`` (three ``tl.dot``), all chunks in parallel.
 
-Operands of the matrix products stay in the input dtype (bf16/fp16 use tensor cores) or fp32 (exact
-``ieee`` products); accumulation is fp32.
+Products of two inputs (``x``, ``B``, ``C``) keep the input dtype (bf16/fp16 on tensor cores). Products with an
+fp32 operand (the incoming state, the decay-weighted scores) stay fp32: tf32 tensor cores for bf16/fp16
+inputs, whose 10-bit mantissa keeps them within the tolerance of the token-by-token recurrence (rounding the
+state to bf16 there put outputs 0.07 off on an H200), exact ``ieee`` products for fp32 inputs. Accumulation is
+fp32.
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ def _ssd_chunk_state_kernel(
     mask_p = offs_p < head_dim
     x = tl.load(x_ptr + rows[:, None] * stride_x_t + i_h * stride_x_h + offs_p[None, :],
                 mask=mask_l[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw_t = tl.trans((x * weight[:, None]).to(DOT_DTYPE))  # [BP, L]
+    xw_t = tl.trans(x * weight[:, None])  # [BP, L]
     for k in range(0, d_state, BN):
         offs_n = k + tl.arange(0, BN)
         mask_n = offs_n < d_state
         B = tl.load(B_ptr + rows[:, None] * stride_B_t + group * stride_B_g + offs_n[None, :],
                     mask=mask_l[:, None] & mask_n[None, :], other=0.0)
-        state = tl.dot(xw_t, B.to(DOT_DTYPE), input_precision=PRECISION)  # [BP, BN]
+        state = tl.dot(xw_t, B.to(tl.float32), input_precision=PRECISION)  # [BP, BN]
         out = states_ptr + ((i_c * heads + i_h) * head_dim + offs_p[:, None]) * d_state + offs_n[None, :]
         tl.store(out, state, mask=mask_p[:, None] & mask_n[None, :])
 
@@ -125,12 +128,12 @@ def _ssd_chunk_scan_kernel(
         state_ptrs = incoming_ptr + ((i_c * heads + i_h) * head_dim + offs_p[None, :]) * d_state + offs_n[:, None]
         incoming_t = tl.load(state_ptrs, mask=mask_n[:, None] & mask_p[None, :], other=0.0)  # [BN, BP]
         scores += tl.dot(C, tl.trans(B), input_precision=PRECISION)
-        from_state += tl.dot(C, incoming_t.to(DOT_DTYPE), input_precision=PRECISION)
+        from_state += tl.dot(C.to(tl.float32), incoming_t, input_precision=PRECISION)
     causal = offs_l[:, None] >= offs_s[None, :]
     scores *= tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf"))) * dt[None, :]
     x_raw = tl.load(x_ptr + rows[:, None] * stride_x_t + i_h * stride_x_h + offs_p[None, :],
                     mask=mask_l[:, None] & mask_p[None, :], other=0.0)
-    y = tl.dot(scores.to(DOT_DTYPE), x_raw.to(DOT_DTYPE), input_precision=PRECISION)  # [L, BP]
+    y = tl.dot(scores, x_raw.to(tl.float32), input_precision=PRECISION)  # [L, BP]
     y += tl.exp(cum)[:, None] * from_state
     if HAS_D:
         y += tl.load(D_ptr + i_h).to(tl.float32) * x_raw.to(tl.float32)
