@@ -16,7 +16,8 @@ The prefix cache is off (every request here is new, and the anchors are engines 
 
 ``--smoke`` runs tiny presets on CPU with small sizes: the CI check that this script keeps working.
 
-    python benchmarks/gpu_bench.py [--models mamba-370m ...] [--batches 1 32 128 256] [--no-http] [--smoke]
+    python benchmarks/gpu_bench.py [--models mamba-370m ...] [--batches 1 32 128 256] [--no-http] [--profile]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -128,7 +129,26 @@ def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: in
             server.kill()
 
 
-def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak: float
+def print_profile(model, pool: StatePool, batch: int, device: torch.device) -> None:
+    """The kernels of one eager decode step at ``batch`` and one ``1 x 2048`` prefill, by device time."""
+    ids = torch.randint(0, model.vocab_size, (batch,)).tolist()
+    step = DecodeBatch.build(ids, range(batch), [PROMPT_LEN] * batch, device=device)
+    prompt = PrefillBatch.build([torch.randint(0, model.vocab_size, (2048,))], [0], device=device)
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for what, run in ((f"decode b={batch}", lambda: model.decode(step, pool.tensors)),
+                      ("prefill 1x2048", lambda: model.prefill(prompt, pool.tensors))):
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with torch.profiler.profile() as prof:
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        print(f"profile: {what}")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=12), flush=True)
+
+
+def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak: float, profile: bool = False
                     ) -> tuple[list[Row], dict[int, float]]:
     """Decode (graph replays on CUDA) and prefill rows of the bare model; also the ms per decode step."""
     max_batch = max(sizes.batches + [s for s, _ in sizes.prefills])
@@ -149,6 +169,8 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
         roof = (weights + 2 * batch * pool.bytes_per_slot) / peak
         rows.append(Row(preset, {"what": f"decode b={batch}", "tok/ms": f"{batch / step_ms[batch]:.2f}",
                                  "ms/step": f"{step_ms[batch]:.3f}", "HBM roofline": f"{roof / seconds:.0%}"}))
+    if profile:
+        print_profile(model, pool, max(sizes.batches), device)
     for seqs, length in sizes.prefills:
         limit = model.max_model_len
         if limit is not None and length > limit:
@@ -160,10 +182,10 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 
 
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
-                http: bool) -> list[Row]:
+                http: bool, profile: bool = False) -> list[Row]:
     model, tokenizer = build_random(preset, device, dtype)
     with torch.inference_mode():
-        rows, step_ms = model_step_rows(model, preset, device, sizes, peak)
+        rows, step_ms = model_step_rows(model, preset, device, sizes, peak, profile)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max(sizes.concurrency),
@@ -213,6 +235,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP rows")
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU, small sizes")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each model's kernels (one eager decode step, one prefill) by time")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.smoke:
@@ -224,7 +248,8 @@ def main() -> None:
     else:
         device, models = torch.device("cuda"), args.models
         sizes = Sizes(batches=args.batches, prefills=[(1, 16384), (8, 2048)], concurrency=args.concurrency)
-    build_cpu_extension()
+    if device.type == "cpu":
+        build_cpu_extension()  # the fused CPU kernels, built before timing (a CUDA run never uses them)
     peak = copy_bandwidth(device, (16 if args.smoke else 1024) * 2**20)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}: copy bandwidth {peak / 1e9:.0f} GB/s; weights {dtype}, states fp32; "
@@ -232,8 +257,10 @@ def main() -> None:
     rows: list[Row] = []
     for preset in models:
         start = time.perf_counter()
-        rows += bench_model(preset, device, dtype, sizes, peak, http=not args.no_http)
+        model_rows = bench_model(preset, device, dtype, sizes, peak, http=not args.no_http, profile=args.profile)
+        print_table(model_rows)  # each model's rows as soon as they exist: a run cut short keeps them
         print(f"[{preset}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+        rows += model_rows
     print_table(rows)
 
 
