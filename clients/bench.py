@@ -3,8 +3,9 @@
 Sends ``--num-prompts`` streaming ``/v1/completions`` requests of about ``--input-len`` prompt tokens that
 each generate ``--output-len`` tokens (``ignore_eos``), either ``--concurrency`` at a time or arriving as a
 Poisson process at ``--request-rate`` per second, and reports request throughput, output tokens/s, time to
-first token (TTFT) and inter-token latency (ITL: time between streamed chunks, which carry one token each
-on rnnserve and vLLM). It needs nothing beyond ``/v1/models`` and streamed ``/v1/completions``, so it
+first token (TTFT) and inter-token latency (ITL: time between streamed chunks; a chunk carries one token while
+the server keeps up, several on rnnserve and vLLM when a stream falls behind the engine; output tokens are
+counted from the usage chunk). It needs nothing beyond ``/v1/models`` and streamed ``/v1/completions``, so it
 measures llama.cpp's server or vLLM as well as rnnserve.
 
 Prompts (``--prompts``): ``text`` sends random common words, their number calibrated to about

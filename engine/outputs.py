@@ -98,3 +98,18 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     final_state: StateSnapshot | None = None
+
+
+def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """Two consecutive ``DELTA`` outputs of one request as one: what both steps added, the state after the
+    second (a consumer that fell behind the engine catches up with one output instead of one per step)."""
+    samples = [
+        CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
+                         a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else b.logprobs,
+                         b.cumulative_logprob, a.text_delta + b.text_delta, a.new_token_ids + b.new_token_ids,
+                         a.new_logprobs + b.new_logprobs, b.num_tokens)  # fmt: skip
+        for a, b in zip(first.outputs, second.outputs, strict=True)
+    ]
+    return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids, samples, second.finished,
+                         second.metrics, second.error, second.prompt_logprobs, second.num_cached_tokens,
+                         second.final_state)  # fmt: skip

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.engine.outputs import RequestOutput
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.outputs import RequestOutput, merge_deltas
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.metrics import ServerMetrics, StatLogger
@@ -82,24 +82,41 @@ class Submission:
 
     ``on_finished`` (optional) runs on each request's final output before :meth:`outputs` yields it (a session
     stores its state there, before the client sees the end of the answer); ``on_close`` callbacks run once,
-    at the first :meth:`abort`, which every response calls when it ends."""
+    at the first :meth:`abort`, which every response calls when it ends.
 
-    def __init__(self, bridge: AsyncEngine, request_id: str, request_ids: list[str], queued_bytes: int) -> None:
+    With ``coalesce`` (``DELTA`` outputs, i.e. streams), outputs of one request that queued up while the
+    consumer was busy are merged into one: a stream that falls behind the engine sends one chunk with several
+    tokens, so the cost per token of the event loop and of the client falls as the load rises."""
+
+    def __init__(
+        self, bridge: AsyncEngine, request_id: str, request_ids: list[str], queued_bytes: int, coalesce: bool = False
+    ) -> None:
         self.bridge = bridge
         self.request_id = request_id
         self.request_ids = request_ids
         self.queued_bytes = queued_bytes
+        self.coalesce = coalesce
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.on_finished: Callable[[RequestOutput], Awaitable[None]] | None = None
         self.on_close: list[Callable[[], None]] = []
+        self._held: RequestOutput | BaseException | None = None  # taken from the queue but not merged
+
+    def has_queued(self) -> bool:
+        """Whether an output (or error) is waiting to be read."""
+        return self._held is not None or not self.queue.empty()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
         failed one of them, or the error that failed the whole engine (or what ``on_finished`` raised)."""
         remaining = len(self.request_ids)
         while remaining:
-            item = await self.queue.get()
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                item = await self.queue.get()
+            if self.coalesce:
+                item = self._merge_queued(item)
             if isinstance(item, BaseException):
                 raise item
             if item.error is not None:
@@ -108,6 +125,21 @@ class Submission:
             if item.finished and self.on_finished is not None:
                 await self.on_finished(item)
             yield item
+
+    def _merge_queued(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException:
+        """``item`` with the outputs queued right behind it for the same request merged in; the first item that
+        cannot be merged (another request, an error) is held for the next read."""
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            following = self.queue.get_nowait()
+            if (
+                not isinstance(following, RequestOutput)
+                or following.request_id != item.request_id
+                or following.error is not None
+            ):
+                self._held = following
+                break
+            item = merge_deltas(item, following)
+        return item
 
     def fail(self, error: BaseException) -> None:
         """End the submission with ``error``: before it was accepted, or mid-generation."""
@@ -195,7 +227,7 @@ class AsyncEngine:
                 f"queued prompts hold {self.queued_bytes} bytes, this one {size} (limit {self.max_queued_bytes})"
             )
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        submission = Submission(self, request_id, ids, size)
+        submission = Submission(self, request_id, ids, size, params.output_kind is OutputKind.DELTA)
         self.queued_bytes += size
         self._consumers.update(dict.fromkeys(ids, submission))
         self._commands.put(

@@ -195,7 +195,7 @@ class Generation(ABC):
                 choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
                 if choices:
                     pending.append(self.chunk(choices))
-                if pending and self.submission.queue.empty():
+                if pending and not self.submission.has_queued():
                     yield "".join(pending)
                     pending.clear()
             if self.req.include_usage:

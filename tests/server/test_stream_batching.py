@@ -23,6 +23,9 @@ class QueuedSubmission:
         for out in outputs:
             self.queue.put_nowait(out)
 
+    def has_queued(self) -> bool:
+        return not self.queue.empty()
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while True:
             out = await self.queue.get()
