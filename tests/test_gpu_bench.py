@@ -1,4 +1,5 @@
-"""``make gpu-bench`` stays runnable without a GPU: its CPU smoke mode measures every row kind, HTTP included."""
+"""``make gpu-bench`` and the scan tuner stay runnable without a GPU: their CPU smoke modes measure every row kind
+(HTTP included) and every choice."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ def test_gpu_bench_smoke_prints_every_row_kind():
                      ("engine", "c=2"), ("HTTP", "c=2")}, result.stdout
     http = next(row for row in lines if row[:3] == ["mamba-tiny", "HTTP", "c=2"])
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
+
+
+def test_scan_tune_smoke_times_each_choice_on_both_shapes():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scan_tune.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert sorted((row[0], row[1]) for row in rows) == [("1x40", "(8,"), ("1x40", "default"), ("2x16", "(8,"),
+                                                        ("2x16", "default")], result.stdout

@@ -103,12 +103,16 @@ def selective_scan_varlen_triton(
     dt_softplus: bool = False,
     slot_ids: torch.Tensor | None = None,
     chunk_size: int = 16,
+    block_d: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``x, dt, z [T, Di]``, ``B, C [T, N]`` -> ``(y [T, Di] fp32, final_state)``.
 
     Without ``slot_ids`` the states are ``[B, Di, N]`` (``initial_state`` optional, a new final tensor is
     returned). With ``slot_ids`` ``initial_state`` is a state pool ``[num_slots, Di, N]`` (fp32, unit stride
-    on N): rows ``slot_ids`` are read and overwritten in place, and the pool is returned.
+    on N): rows ``slot_ids`` are read and overwritten in place, and the pool is returned. ``chunk_size``
+    (tokens per scanned chunk, at most 16), ``block_d`` (channels per program) and ``num_warps`` set the
+    launch; ``benchmarks/scan_tune.py`` times the choices.
     """
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
@@ -131,7 +135,8 @@ def selective_scan_varlen_triton(
         h0 = final if initial_state is None else unit_stride_last(initial_state.float())
     block_n = triton.next_power_of_2(d_state)
     block_t = min(chunk_size, 16)
-    block_d = max(1, min(triton.next_power_of_2(dim), 4096 // (block_t * block_n)))
+    if block_d is None:
+        block_d = max(1, min(triton.next_power_of_2(dim), 4096 // (block_t * block_n)))
     grid = (batch, triton.cdiv(dim, block_d))
     _selective_scan_varlen_kernel[grid](
         x, dt, dt_bias if dt_bias is not None else dt, A, B, C, D if D is not None else x,
@@ -140,5 +145,6 @@ def selective_scan_varlen_triton(
         h0.stride(0), h0.stride(1), final.stride(0), final.stride(1),
         HAS_H0=initial_state is not None, HAS_SLOTS=slot_ids is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus, HAS_D=D is not None, HAS_Z=z is not None, BT=block_t, BD=block_d, BN=block_n,
+        num_warps=num_warps,
     )
     return y, final

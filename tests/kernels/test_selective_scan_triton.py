@@ -45,6 +45,19 @@ def test_varlen_prefill_matches_reference(triton_on_cpu, dtype):
     torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_size, block_d, num_warps", [(8, 4, 1), (16, 32, 2), (8, 8, 4)])
+def test_every_launch_choice_gives_the_same_scan(triton_on_cpu, chunk_size, block_d, num_warps):
+    """The launch choices benchmarks/scan_tune.py times (channel blocks narrower or wider than D_INNER)."""
+    args = _inputs(sum(LENGTHS), torch.float32, seed=2)
+    cu = cu_seqlens_of(LENGTHS)
+    h0 = torch.randn(len(LENGTHS), D_INNER, D_STATE)
+    y, final = selective_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=h0, dt_softplus=True,
+                                            chunk_size=chunk_size, block_d=block_d, num_warps=num_warps)
+    y_ref, final_ref = selective_scan_ref(**args, cu_seqlens=cu, initial_state=h0, dt_softplus=True)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_reads_and_writes_pool_slots(triton_on_cpu):
     args = _inputs(sum(LENGTHS), torch.float32, seed=1)
     del args["z"], args["D"]

@@ -1,0 +1,83 @@
+"""Launch choices for Mamba-1's varlen prefill scan (``kernels/selective_scan/chunk.py``) on this device.
+
+One program scans ``block_d`` channels of one sequence, so a single long prompt has only ``d_inner / block_d``
+programs to spread over the GPU; this times every (chunk, block_d, num_warps) choice on mamba-370m's layer
+sizes (``d_inner`` 2048, ``d_state`` 16, bf16 inputs, dt bias + softplus, D skip and z gate) for one
+16,384-token prompt and for 8 x 2048, and prints tok/ms of one layer's scan per choice, best first, with
+the wrapper's default marked. ``--smoke`` runs two choices on tiny sizes on CPU (Triton interpreter).
+
+    python benchmarks/scan_tune.py
+    TRITON_INTERPRET=1 python benchmarks/scan_tune.py --smoke
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.decode import seconds_per_step  # noqa: E402
+from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton  # noqa: E402
+
+
+def scan_inputs(lengths: list[int], d_inner: int, d_state: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Random inputs of one layer's scan over packed prompts of ``lengths`` tokens (states in a pool)."""
+    total = sum(lengths)
+    x, dt, z = (torch.randn(total, d_inner, device=device).to(dtype) for _ in range(3))
+    B, C = (torch.randn(total, d_state, device=device).to(dtype) for _ in range(2))
+    return {
+        "x": x, "dt": dt, "z": z, "B": B, "C": C,
+        "A": -torch.rand(d_inner, d_state, device=device) - 0.1,
+        "D": torch.randn(d_inner, device=device),
+        "dt_bias": torch.randn(d_inner, device=device) - 3,
+        "cu_seqlens": F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)),
+        "initial_state": torch.randn(len(lengths) + 3, d_inner, d_state, device=device),
+        "slot_ids": torch.arange(len(lengths), device=device) + 3,
+    }
+
+
+def run(inputs: dict, **launch: int | None) -> None:
+    selective_scan_varlen_triton(**inputs, dt_softplus=True, **launch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="two choices, tiny sizes, CPU interpreter")
+    args = parser.parse_args()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--smoke runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
+        device, d_inner, shapes, steps = torch.device("cpu"), 64, {"1x40": [40], "2x16": [16, 16]}, 1
+        choices = [(16, None, 4), (8, 8, 1)]
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device (use --smoke for the CPU check)")
+    else:
+        device, d_inner, shapes, steps = torch.device("cuda"), 2048, {"1x16384": [16384], "8x2048": [2048] * 8}, 5
+        choices = [(16, None, 4), *itertools.product([8, 16], [4, 8, 16, 32], [1, 2, 4])]
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: one scan layer, d_inner "
+          f"{d_inner}, d_state 16, bf16 inputs; tok/ms per choice (chunk, block_d, num_warps)", flush=True)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    for shape, lengths in shapes.items():
+        inputs = scan_inputs(lengths, d_inner, 16, dtype, device)
+        results = []
+        for chunk, block_d, warps in choices:
+            launch = {"chunk_size": chunk, "block_d": block_d, "num_warps": warps}
+            seconds = seconds_per_step(lambda i=inputs, launch=launch: run(i, **launch), device, steps)
+            name = "default" if block_d is None else f"({chunk}, {block_d}, {warps})"
+            results.append((sum(lengths) / (seconds * 1e3), name))
+        for rate, name in sorted(results, reverse=True):
+            print(f"{shape:8s} {name:14s} {rate:10.1f} tok/ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
