@@ -29,6 +29,7 @@ from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
 from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
+from rnnserve.kernels.residual_rms_norm.fused import _residual_rms_norm_kernel
 from rnnserve.kernels.selective_scan.chunk import _selective_scan_varlen_kernel
 from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
 from rnnserve.kernels.sliding_window.chunk import _prefill_warps, _ring_write_kernel, _sw_prefill_kernel
@@ -68,6 +69,10 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     for rms in (False, True):
         configs.append((_add_norm_kernel, norm_ptrs,
                         {"HAS_RESIDUAL": True, "HAS_BIAS": not rms, "RMS": rms, "BN": 8192}, 16))
+    configs.append((_residual_rms_norm_kernel,
+                    {"stream_ptr": "*fp32", "delta_ptr": act, "weight_ptr": act, "normed_ptr": act,
+                     "new_stream_ptr": "*fp32", "eps": "fp32"},
+                    {"HAS_DELTA": True, "ROUND_TO_WEIGHT": True, "BN": 4096}, 16))
     configs += _mamba_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)

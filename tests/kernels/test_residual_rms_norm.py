@@ -1,5 +1,5 @@
-"""Mamba's residual add + RMSNorm: the fused CPU kernel equals the reference, whose rounding steps are the
-Hugging Face blocks' (fp32 residual stream, the norm's input rounded to the weight dtype)."""
+"""Mamba's residual add + RMSNorm: the fused CPU kernel and the Triton kernel equal the reference, whose
+rounding steps are the Hugging Face blocks' (fp32 residual stream, the norm's input rounded to the weight dtype)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
 from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
 
+bf16 = torch.bfloat16
 DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 
 
@@ -38,6 +39,50 @@ def test_fused_kernel_matches_reference(
     stream, delta, weight = inputs(stream_dtype, weight_dtype, with_delta, transposed_delta)
     normed, new_stream = residual_rms_norm(stream, delta, weight, 1e-5, round_to_weight_dtype)
     normed_ref, stream_ref = residual_rms_norm_ref(stream, delta, weight, 1e-5, round_to_weight_dtype)
+    assert_matches_reference(normed, new_stream, normed_ref, stream_ref, weight_dtype, stream_dtype)
+
+
+@pytest.mark.parametrize(("stream_dtype", "weight_dtype"), DTYPES)
+@pytest.mark.parametrize(("with_delta", "transposed_delta"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("round_to_weight_dtype", [True, False])
+def test_triton_kernel_matches_reference(
+    triton_on_cpu: None,
+    stream_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    with_delta: bool,
+    transposed_delta: bool,
+    round_to_weight_dtype: bool,
+) -> None:
+    stream, delta, weight = inputs(stream_dtype, weight_dtype, with_delta, transposed_delta)
+    normed, new_stream = residual_rms_norm(stream, delta, weight, 1e-5, round_to_weight_dtype)
+    normed_ref, stream_ref = residual_rms_norm_ref(stream, delta, weight, 1e-5, round_to_weight_dtype)
+    assert normed.dtype == weight_dtype and new_stream.dtype == stream_dtype
+    if delta is None:
+        assert new_stream is stream
+    # Triton 3.9's interpreter truncates fp32 -> bf16 casts where a GPU rounds to nearest even (which
+    # tests/gpu/test_kernels_gpu.py checks bit for bit): here each bf16 rounding may be off by one ulp.
+    ulps = 2**-7 if bf16 in (stream_dtype, weight_dtype) else 1e-6
+    torch.testing.assert_close(new_stream, stream_ref, rtol=ulps, atol=0)
+    torch.testing.assert_close(normed, normed_ref, rtol=3 * ulps, atol=1e-6)
+
+
+def test_triton_kernel_on_a_three_dimensional_stream(triton_on_cpu: None) -> None:
+    stream, delta = (t.view(37, 3, 100) for t in inputs(torch.float32, torch.float32, True, False)[:2])
+    weight = torch.rand(100) + 0.5
+    normed, new_stream = residual_rms_norm(stream, delta, weight, 1e-5)
+    normed_ref, stream_ref = residual_rms_norm_ref(stream, delta, weight, 1e-5)
+    assert normed.shape == new_stream.shape == (37, 3, 100)
+    assert_matches_reference(normed, new_stream, normed_ref, stream_ref, torch.float32, torch.float32)
+
+
+def assert_matches_reference(
+    normed: torch.Tensor,
+    new_stream: torch.Tensor,
+    normed_ref: torch.Tensor,
+    stream_ref: torch.Tensor,
+    weight_dtype: torch.dtype,
+    stream_dtype: torch.dtype,
+) -> None:
     assert normed.dtype == weight_dtype and new_stream.dtype == stream_dtype
     assert torch.equal(new_stream, stream_ref)
     # The sum of squares runs in another order than torch's: the scale may move by an ulp, which moves an
