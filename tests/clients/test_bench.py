@@ -33,6 +33,16 @@ def test_bench_with_concurrency(live_url: str) -> None:
     assert figures["itl_ms"]["p99"] >= figures["itl_ms"]["p50"] > 0
 
 
+def test_bench_split_over_client_processes_sends_every_prompt_once(live_url: str) -> None:
+    config = BenchConfig(url=live_url, num_prompts=5, concurrency=3, input_len=8, output_len=3, api_key=API_KEY,
+                         progress=False, processes=2)  # fmt: skip
+    figures = asyncio.run(benchmark(config))
+    assert figures["completed"] == 5 and figures["failed"] == 0
+    assert figures["total_output_tokens"] == 15
+    assert figures["config"]["processes"] == 2
+    assert 0 < figures["duration_s"] < 60 and figures["ttft_ms"]["p50"] > 0
+
+
 def test_bench_cli_with_request_rate_writes_json(
     live_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
