@@ -9,7 +9,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -258,9 +258,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one engine iteration; return an output for every request that progressed (and whose
         ``output_kind`` wants one now) or failed.
+
+        ``overlap``, if given, runs once per step after the model calls and before sampling: on a GPU the
+        model's kernels are still running then (sampling waits for them), so a caller's work placed there
+        proceeds in parallel with the device (the server hands the previous step's outputs to its event loop).
 
         A failure while running, sampling or post-processing fails only the requests it concerns: those of
         the batch whose model call raised (their states may be half-written), or the one request whose
@@ -277,6 +281,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=cache_after.hit_tokens - cache_before.hit_tokens,
         )
         seqs, logits = self._run(batch, stats)
+        if overlap is not None:
+            overlap()
         if seqs:
             result = self._sample(logits, seqs)
             stats.latencies = self.scheduler.postprocess(seqs, result.token_ids, result.logprobs, self.eos_token_id)

@@ -169,6 +169,10 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._consumers: dict[str, Submission] = {}
         self._thread: threading.Thread | None = None
+        # On a GPU the model runs asynchronously: a step's outputs wait for the next step's launch (see _step).
+        # On CPU the model call is the computation itself, so waiting would only delay every token by a step.
+        self.overlap_outputs = engine.device.type != "cpu"
+        self._held: list[RequestOutput] = []  # the last step's outputs, until the next step's model is launched
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
         load = engine.load()
@@ -354,20 +358,34 @@ class AsyncEngine:
         self.metrics.set_load(self.engine.load())
 
     def _step(self) -> bool:
-        """One engine step, its outputs delivered in one batch; False if the step itself raised."""
+        """One engine step; False if the step itself raised.
+
+        A step's outputs reach the event loop in one batch. With ``overlap_outputs`` (a GPU) that happens during
+        the next step, once its model has been launched (``LLMEngine.step``'s ``overlap``), or at once when no
+        step follows: the event loop then streams them while the device computes, instead of holding the GIL
+        while this thread prepares and launches the next step."""
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._deliver_held) if self.overlap_outputs else self.engine.step()
         except Exception as err:
+            self._deliver_held()
             logger.exception("engine step failed; failing every in-flight request")
             self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
             return False
+        self._deliver_held()  # a step that failed before its model calls never ran ``overlap``
         load = self.engine.load()
         self.metrics.observe_step(self.engine.last_step, outputs)
         self.metrics.set_load(load)
         self.stat_logger.record(self.engine.last_step, load)
-        if outputs:
-            self._post(self._route, outputs)
+        self._held = outputs
+        if not (self.overlap_outputs and self.engine.has_unfinished_requests()):
+            self._deliver_held()
         return True
+
+    def _deliver_held(self) -> None:
+        """Hand the outputs held from the previous step to the event loop."""
+        if self._held:
+            self._post(self._route, self._held)
+            self._held = []
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None:

@@ -162,3 +162,42 @@ def test_stopping_fails_pending_requests_with_engine_dead() -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert not bridge.running
+
+
+def test_overlapped_outputs_reach_every_stream_complete_and_in_order() -> None:
+    """With ``overlap_outputs`` (on by default on GPUs) a step's outputs are handed over during the next step,
+    after its model call: every stream still gets all of its text, and the last outputs arrive once the
+    engine has nothing left to run."""
+    app = create_app(tiny_config(max_num_seqs=4))
+    bridge = app.state.engine
+    assert bridge.overlap_outputs is False  # CPU: a step's outputs go out at its end
+    bridge.overlap_outputs = True
+    engine = bridge.engine
+    overlaps: list[bool] = []
+    real_step = engine.step
+
+    def step(overlap=None):  # type: ignore[no-untyped-def]
+        overlaps.append(overlap is not None)
+        return real_step(overlap)
+
+    engine.step = step
+    bodies = [{"prompt": p, "max_tokens": n, "ignore_eos": True, "temperature": 0}
+              for p, n in (("a", 5), ("bb", 17), ("ccc", 9))]  # fmt: skip
+
+    async def scenario(url: str) -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            whole = [(await http.post("/v1/completions", json=b)).json()["choices"][0]["text"] for b in bodies]
+
+            async def stream(body: dict) -> str:
+                response = await http.post("/v1/completions", json={**body, "stream": True})
+                events = sse_payloads(response.text.splitlines())
+                assert events[-1] == "[DONE]"
+                return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+            return whole, list(await asyncio.gather(*(stream(b) for b in bodies)))
+
+    with serve_in_thread(app) as url:
+        whole, streamed = asyncio.run(scenario(url))
+    assert streamed == whole
+    assert overlaps and all(overlaps)
+    assert engine.pool.num_used == 0
