@@ -70,8 +70,7 @@ def causal_conv1d_update(
     if use_triton(x):
         from rnnserve.kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
 
-        y = causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids)
-        return F.silu(y) if silu else y
+        return causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids, silu)
     if _fused_cpu(x, weight) and conv_state.dtype == torch.float32 and conv_state.stride(-1) == 1:
         return torch.ops.rnnserve.causal_conv1d_update(
             x,

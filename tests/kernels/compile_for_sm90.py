@@ -62,7 +62,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                     {"K": 4, "HAS_H0": True, "BC": 64, "BK": 4}, 4))
     configs.append((_conv_update_kernel,
                     {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "y_ptr": act},
-                    {"K": 4, "HAS_BIAS": True, "BC": 256, "BK": 4}, 4))
+                    {"K": 4, "HAS_BIAS": True, "SILU": True, "BC": 256, "BK": 4}, 4))
     for is_lstm in (False, True):
         configs.append((_min_rnn_step_kernel, {"proj_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "out_ptr": act},
                         {"IS_LSTM": is_lstm, "BD": 1024}, 4))

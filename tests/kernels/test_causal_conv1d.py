@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
@@ -66,4 +67,22 @@ def test_update_shifts_slots_in_place(triton_on_cpu, dtype, width):
     y_ref, new_state = causal_conv1d_update_ref(x, expected_pool[slots, layer], weight, bias)
     expected_pool[slots, layer] = new_state
     torch.testing.assert_close(y, y_ref, **_tolerance(dtype))
+    torch.testing.assert_close(pool, expected_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_reads_a_column_slice_and_fuses_silu(triton_on_cpu, dtype):
+    """The decode input as a mixer has it: the first half of an in_proj output row, with SiLU in-kernel."""
+    gen = torch.Generator().manual_seed(4)
+    projected = torch.randn(5, 2 * CHANNELS, generator=gen).to(dtype)
+    x = projected[:, :CHANNELS]
+    weight, bias = _params(4, dtype)
+    pool = torch.randn(9, CHANNELS, 3, generator=gen)
+    expected_pool = pool.clone()
+    slots = slot_ids_for(5, 9)
+    y = causal_conv1d_update(x, pool, weight, bias, slots, silu=True)
+    y_ref, new_state = causal_conv1d_update_ref(x.float(), expected_pool[slots], weight.float(), bias.float())
+    expected_pool[slots] = new_state
+    assert y.is_contiguous() and y.dtype == dtype
+    torch.testing.assert_close(y, F.silu(y_ref).to(dtype), **_tolerance(dtype))
     torch.testing.assert_close(pool, expected_pool)
