@@ -30,7 +30,10 @@ def test_bench_with_concurrency(live_url: str) -> None:
     assert 8 <= figures["mean_prompt_tokens"] <= 24  # words calibrated through /tokenize (byte-level here)
     assert figures["request_throughput"] > 0 and figures["output_throughput"] > 0
     assert all(figures["ttft_ms"][k] > 0 for k in ("mean", "p50", "p90", "p99"))
-    assert figures["itl_ms"]["p99"] >= figures["itl_ms"]["p50"] > 0
+    assert figures["tpot_ms"]["p99"] >= figures["tpot_ms"]["p50"] > 0
+    # Gaps between chunks: none when a loaded server merged each request's tokens into one chunk.
+    itl = figures["itl_ms"]
+    assert itl["p50"] is None or itl["p99"] >= itl["p50"] > 0
 
 
 def test_bench_split_over_client_processes_sends_every_prompt_once(live_url: str) -> None:
