@@ -34,6 +34,20 @@ def _load_rows(ptr, rows, stride, offs, mask):
 
 
 @triton.jit
+def _load_chunk(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, rows, eos, stride_x, stride_dt, stride_B, stride_C, stride_z,
+                offs_d, offs_n, mask_d, mask_n, HAS_Z: tl.constexpr):
+    """A chunk's ``(x, dt, B, C, z)`` rows (``z`` is ``x`` without a gate), zero past ``eos``."""
+    mask_td = (rows < eos)[:, None] & mask_d[None, :]
+    mask_tn = (rows < eos)[:, None] & mask_n[None, :]
+    x = _load_rows(x_ptr, rows, stride_x, offs_d, mask_td)
+    z = x
+    if HAS_Z:
+        z = _load_rows(z_ptr, rows, stride_z, offs_d, mask_td)
+    return (x, _load_rows(dt_ptr, rows, stride_dt, offs_d, mask_td), _load_rows(B_ptr, rows, stride_B, offs_n, mask_tn),
+            _load_rows(C_ptr, rows, stride_C, offs_n, mask_tn), z)
+
+
+@triton.jit
 def _selective_scan_varlen_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, y_ptr, cu_seqlens_ptr,
     h0_ptr, ht_ptr, slot_ids_ptr,
@@ -68,30 +82,19 @@ def _selective_scan_varlen_kernel(
         carry = tl.zeros([BD, BN], dtype=tl.float32)
     is_last_row = (offs_t == BT - 1)[:, None, None]
     # The loads of chunk k + 1 are issued before chunk k is scanned, so their latency hides behind its work.
-    rows = bos + offs_t
-    mask_td = (rows < eos)[:, None] & mask_d[None, :]
-    mask_tn = (rows < eos)[:, None] & mask_n[None, :]
-    x_next = _load_rows(x_ptr, rows, stride_x, offs_d, mask_td)
-    dt_next = _load_rows(dt_ptr, rows, stride_dt, offs_d, mask_td)
-    B_next = _load_rows(B_ptr, rows, stride_B, offs_n, mask_tn)
-    C_next = _load_rows(C_ptr, rows, stride_C, offs_n, mask_tn)
-    if HAS_Z:
-        z_next = _load_rows(z_ptr, rows, stride_z, offs_d, mask_td)
+    x_next, dt_next, B_next, C_next, z_next = _load_chunk(
+        x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, bos + offs_t, eos, stride_x, stride_dt, stride_B, stride_C, stride_z,
+        offs_d, offs_n, mask_d, mask_n, HAS_Z,
+    )
     for start in range(bos, eos, BT):
         rows = start + offs_t
         mask_td = (rows < eos)[:, None] & mask_d[None, :]
         x, dt, B, C = x_next.to(tl.float32), dt_next.to(tl.float32), B_next.to(tl.float32), C_next.to(tl.float32)
-        if HAS_Z:
-            z = z_next.to(tl.float32)
-        ahead = rows + BT
-        mask_ahead_td = (ahead < eos)[:, None] & mask_d[None, :]
-        mask_ahead_tn = (ahead < eos)[:, None] & mask_n[None, :]
-        x_next = _load_rows(x_ptr, ahead, stride_x, offs_d, mask_ahead_td)
-        dt_next = _load_rows(dt_ptr, ahead, stride_dt, offs_d, mask_ahead_td)
-        B_next = _load_rows(B_ptr, ahead, stride_B, offs_n, mask_ahead_tn)
-        C_next = _load_rows(C_ptr, ahead, stride_C, offs_n, mask_ahead_tn)
-        if HAS_Z:
-            z_next = _load_rows(z_ptr, ahead, stride_z, offs_d, mask_ahead_td)
+        z = z_next.to(tl.float32)
+        x_next, dt_next, B_next, C_next, z_next = _load_chunk(
+            x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, rows + BT, eos, stride_x, stride_dt, stride_B, stride_C, stride_z,
+            offs_d, offs_n, mask_d, mask_n, HAS_Z,
+        )
         if HAS_DT_BIAS:
             dt += dt_bias[None, :]
         if DT_SOFTPLUS:
