@@ -27,12 +27,9 @@ def _residual_rms_norm_kernel(
         d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(stream_dtype)
         s = (s.to(tl.float32) + d.to(tl.float32)).to(stream_dtype)  # the add in the stream's dtype
         tl.store(new_stream_ptr + row * n + cols, s, mask=mask)
-    if ROUND_TO_WEIGHT:
-        x = s.to(weight_dtype).to(tl.float32)
-        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(weight_dtype)
-    else:
-        x = s.to(tl.float32)
-        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(stream_dtype)
+    norm_dtype = weight_dtype if ROUND_TO_WEIGHT else stream_dtype  # the dtype the norm's input is rounded to
+    x = s.to(norm_dtype).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(norm_dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * n + cols, (w * y.to(tl.float32)).to(weight_dtype), mask=mask)
 
@@ -65,5 +62,4 @@ def residual_rms_norm_triton(
             delta2d.stride(0), HAS_DELTA=delta is not None, ROUND_TO_WEIGHT=round_to_weight_dtype, BN=block_n,
             num_warps=min(max(block_n // 256, 1), 16),
         )
-    shape = (*stream.shape[:-1], n)
-    return normed.view(shape), stream if delta is None else new_stream.view(shape)
+    return normed.view(stream.shape), stream if delta is None else new_stream.view(stream.shape)
