@@ -137,15 +137,14 @@ def print_profile(model, pool: StatePool, batch: int, device: torch.device) -> N
     step = DecodeBatch.build(ids, range(batch), [PROMPT_LEN] * batch, device=device)
     prompt = PrefillBatch.build([torch.randint(0, model.vocab_size, (2048,))], [0], device=device)
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for what, run in ((f"decode b={batch}", lambda: model.decode(step, pool.tensors)),
                       ("prefill 1x2048", lambda: model.prefill(prompt, pool.tensors))):
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         with torch.profiler.profile() as prof:
             run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
         print(f"profile: {what}")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=12), flush=True)
 

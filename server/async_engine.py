@@ -371,7 +371,6 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every in-flight request")
             self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
             return False
-        self._deliver_held()  # a step that failed before its model calls never ran ``overlap``
         load = self.engine.load()
         self.metrics.observe_step(self.engine.last_step, outputs)
         self.metrics.set_load(load)
