@@ -46,7 +46,8 @@ def test_a_failing_request_ends_its_own_stream_only(monkeypatch: pytest.MonkeyPa
             async with http.stream("POST", "/v1/completions", json={**survivor, "stream": True}) as running:
                 lines = running.aiter_lines()
                 survivor_events = [await anext(lines)]
-                victim = await http.post("/v1/completions", json={"prompt": "victim", "max_tokens": 50, "stream": True})
+                victim = await http.post("/v1/completions", json={"prompt": "victim", "max_tokens": 50, "stream": True,
+                                                                   "ignore_eos": True})
                 seen_when_victim_failed = len(survivor_events)
                 survivor_events += [line async for line in lines]
             alone = (await http.post("/v1/completions", json=survivor)).json()
