@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.server.async_engine import AsyncEngine
+from rnnserve.server.async_engine import AsyncEngine, EngineThread
 from rnnserve.server.config import ServerConfig, rnnserve_version
 from rnnserve.server.dashboard import dashboard_router
 from rnnserve.server.errors import APIError
@@ -48,14 +48,21 @@ __all__ = ["ServerConfig", "create_app"]
 logger = logging.getLogger("rnnserve.server")
 
 
-def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
-    """Build the FastAPI app (loads ``config.engine.model`` unless ``engine`` is given; raises
-    ``ModelLoadError`` or ``ValueError``, also for a session folder that cannot be used); the engine thread runs
-    with the app's lifespan."""
-    engine = engine if engine is not None else LLMEngine.from_config(config.engine)
-    sessions = open_session_store(config, engine) if config.sessions else None
+def create_app(config: ServerConfig, engine: LLMEngine | None = None, thread: EngineThread | None = None) -> FastAPI:
+    """Build the FastAPI app; raises ``ModelLoadError`` or ``ValueError`` (also for a session folder that
+    cannot be used). The engine loop runs with the app's lifespan, on ``thread``: the thread that built
+    ``engine`` when it is given, else a new one, which loads ``config.engine.model`` unless ``engine`` is given."""
+    own_thread = thread is None
+    thread = thread or EngineThread()
+    try:
+        engine = engine if engine is not None else thread.call(LLMEngine.from_config, config.engine)
+        sessions = open_session_store(config, engine) if config.sessions else None
+    except BaseException:
+        if own_thread:
+            thread.close()
+        raise
     metrics = ServerMetrics(config.model_names[0], engine.max_model_len)
-    async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes)
+    async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes, thread)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

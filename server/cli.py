@@ -12,7 +12,7 @@ import sys
 import time
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
-from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_device
 from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
 
 logger = logging.getLogger("rnnserve")
@@ -108,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+
     from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
+    from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
+    from rnnserve.server.async_engine import EngineThread
     from rnnserve.server.http_server import build_server, listen_socket
 
     try:
@@ -139,15 +142,18 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     start = time.perf_counter()
+    if resolve_device(config.engine.device).type == "cpu":
+        build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
+    thread = EngineThread()  # loads and steps the engine: one OpenMP team (see EngineThread)
     try:
-        engine = LLMEngine.from_config(config.engine)
+        engine = thread.call(LLMEngine.from_config, config.engine)
     except (ModelLoadError, ValueError) as err:
         sock.close()
         logger.error("cannot load model: %s", err)
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     try:
-        app = create_app(config, engine)
+        app = create_app(config, engine, thread)
     except ValueError as err:
         sock.close()
         logger.error("%s", err)

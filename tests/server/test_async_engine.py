@@ -1,5 +1,6 @@
-"""The async bridge: failure isolation between requests, an engine thread that blocks when idle, one request id
-end to end, and a shutdown that fails pending requests instead of hanging them."""
+"""The async bridge: failure isolation between requests, an engine thread that loads the model and runs every
+step and blocks when idle, one request id end to end, and a shutdown that fails pending requests instead of
+hanging them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import threading
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.sequence import Sequence
 from rnnserve.server.app import create_app
-from rnnserve.server.async_engine import EngineDeadError
+from rnnserve.server.async_engine import EngineDeadError, EngineThread
 from rnnserve.server.background import serve_in_thread
 from tests.server.conftest import tiny_config
 
@@ -202,3 +206,47 @@ def test_overlapped_outputs_reach_every_stream_complete_and_in_order() -> None:
     assert streamed == whole
     assert overlaps and all(overlaps)
     assert engine.pool.num_used == 0
+
+
+def test_the_engine_is_loaded_and_stepped_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a second thread running parallel torch ops would start a second OpenMP team and slow every step:
+    the thread that loads the model runs the steps, and it is not the caller's."""
+    loaded_on: set[int] = set()
+    stepped_on: set[int] = set()
+    real_from_config = LLMEngine.from_config.__func__  # type: ignore[attr-defined]
+
+    def from_config(cls: type[LLMEngine], config: EngineConfig) -> LLMEngine:
+        loaded_on.add(threading.get_ident())
+        engine = real_from_config(cls, config)
+        real_step = engine.step
+
+        def step(*args):  # type: ignore[no-untyped-def]
+            stepped_on.add(threading.get_ident())
+            return real_step(*args)
+
+        engine.step = step
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(from_config))
+    app = create_app(tiny_config())
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "Yo", "max_tokens": 3, "stream": True}).status_code == 200
+    assert len(loaded_on) == 1 and stepped_on == loaded_on
+    assert loaded_on != {threading.get_ident()}
+    assert not app.state.engine.running
+
+
+def test_engine_thread_runs_calls_in_order_with_the_creators_torch_threads() -> None:
+    thread = EngineThread()
+    try:
+        assert thread.call(torch.get_num_threads) == torch.get_num_threads()
+        ident = thread.call(threading.get_ident)
+        assert ident != threading.get_ident() and thread.call(threading.get_ident) == ident
+        with pytest.raises(ZeroDivisionError):
+            thread.call(lambda: 1 / 0)
+        assert thread.call(lambda x: x + 1, 41) == 42  # a failed call leaves the thread working
+    finally:
+        thread.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.submit(lambda: None)
