@@ -4,16 +4,18 @@ the 429 counter, process metrics, the state-usage ratio, and the periodic throug
 from __future__ import annotations
 
 import logging
+import random
 import re
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.app import create_app
 from rnnserve.server.http_server import build_server
-from rnnserve.server.metrics import StatLogger, token_buckets
+from rnnserve.server.metrics import TOKEN_LATENCY_BUCKETS, StatLogger, StepHistogram, token_buckets
 from tests.server.conftest import TINY, tiny_config
 
 LABEL = f'model_name="{TINY}"'
@@ -104,3 +106,25 @@ def test_stat_logger_logs_throughput_every_interval_while_busy(caplog: pytest.Lo
 def test_access_log_is_off_unless_asked() -> None:
     assert not build_server(create_app(tiny_config()), tiny_config()).config.access_log
     assert build_server(create_app(tiny_config()), tiny_config(access_log=True)).config.access_log
+
+
+def test_step_histogram_exposes_what_a_prometheus_histogram_does() -> None:
+    """The step histogram takes a step's latencies in one call; its page equals prometheus-client's histogram
+    fed the same values one by one (bucket edges included), except the creation time and the sum's rounding."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    step = StepHistogram("x_seconds", "Doc.", TOKEN_LATENCY_BUCKETS, "m", ours)
+    reference = Histogram("x_seconds", "Doc.", ["model_name"], buckets=TOKEN_LATENCY_BUCKETS, registry=theirs)
+    rng = random.Random(0)
+    values = [rng.choice([0.0, 0.0005, 0.001, 2.5, 3.0]) for _ in range(100)] + [rng.uniform(0, 3) for _ in range(900)]
+    for start in range(0, len(values), 256):
+        step.observe_many(values[start : start + 256])
+    step.observe_many([])
+    step.observe(0.02)
+    for v in [*values, 0.02]:
+        reference.labels(model_name="m").observe(v)
+    got, want = series(generate_latest(ours).decode()), series(generate_latest(theirs).decode())
+    assert got.keys() == want.keys()
+    for name, expected in want.items():
+        if "_created" not in name:
+            assert got[name] == pytest.approx(expected, rel=1e-12), name
+    assert got['x_seconds_bucket{le="+Inf",model_name="m"}'] == len(values) + 1
