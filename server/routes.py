@@ -89,17 +89,18 @@ class OpenAIServing:
         self.tokenizer: Tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.model.vocab_size
         self.created = int(time.time())
+        self.model_names = config.model_names  # resolved once: it looks at the file system
         model_dir = model_directory(config.model_path)
         self.chat_template = find_chat_template(self.tokenizer, config.chat_template, model_dir)
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (the default when omitted); 404 for any other name."""
         if name is None or name == "":
-            return self.config.model_names[0]
-        if name not in self.config.model_names:
+            return self.model_names[0]
+        if name not in self.model_names:
             raise APIError(
                 404,
-                f"model {name!r} does not exist; this server serves {self.config.model_names}",
+                f"model {name!r} does not exist; this server serves {self.model_names}",
                 param="model",
                 code="model_not_found",
             )
@@ -274,7 +275,7 @@ class OpenAIServing:
     async def get_session(self, session_id: str) -> JSONResponse:
         store = self.session_store()
         info = await asyncio.to_thread(store.info, check_session_id(session_id))
-        return JSONResponse(info.to_json(self.config.model_names[0]))
+        return JSONResponse(info.to_json(self.model_names[0]))
 
     async def delete_session(self, session_id: str) -> JSONResponse:
         store = self.session_store()
@@ -284,7 +285,7 @@ class OpenAIServing:
     async def fork_session(self, session_id: str) -> JSONResponse:
         store = self.session_store()
         info = await asyncio.to_thread(store.fork, check_session_id(session_id))
-        return JSONResponse(info.to_json(self.config.model_names[0]))
+        return JSONResponse(info.to_json(self.model_names[0]))
 
     async def export_session(self, session_id: str) -> Response:
         store = self.session_store()
@@ -302,7 +303,7 @@ class OpenAIServing:
             )
         body = await request.body()
         info, created = await asyncio.to_thread(store.import_state, session_id, body)
-        return JSONResponse(info.to_json(self.config.model_names[0]), status_code=201 if created else 200)
+        return JSONResponse(info.to_json(self.model_names[0]), status_code=201 if created else 200)
 
     def render(
         self,
@@ -390,7 +391,7 @@ def api_router(serving: OpenAIServing) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [serving.model_card(n) for n in serving.config.model_names]})
+        return JSONResponse({"object": "list", "data": [serving.model_card(n) for n in serving.model_names]})
 
     @router.get("/v1/models/{name:path}")
     async def get_model(name: str) -> JSONResponse:
