@@ -742,7 +742,15 @@ def failures(figures: dict[str, Any], side: str) -> int:
 
 
 def summary(figures: dict[str, Any], key: str, side: str) -> float | None:
-    return figures["summary"][key][side]
+    """The median over ``side``'s runs of ``key`` (dotted for nested figures, e.g. ``ttft_ms.p50``)."""
+    values = []
+    for run in figures[side]:
+        value = run
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            values.append(value)
+    return statistics.median(values) if values else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -981,18 +989,33 @@ def http_section(
         ):
             for streams in args.streams:
                 prompts = requests_for(streams)
-                figures = bench_compare(
-                    peer.url,
-                    ours.url,
-                    streams,
-                    prompts,
-                    args.prompt_len,
-                    args.output_len,
-                    args.rounds,
-                    exported.vocab_size - 8,
-                    logs,
-                    args.threads,
-                )
+                # One compare round, then the same load offline, round after round: drift of the machine
+                # (often 10% within minutes) hits both sides of the HTTP / offline ratio alike.
+                rounds, offline = [], []
+                for rnd in range(args.rounds):
+                    rounds.append(
+                        bench_compare(
+                            peer.url,
+                            ours.url,
+                            streams,
+                            prompts,
+                            args.prompt_len,
+                            args.output_len,
+                            1,
+                            exported.vocab_size - 8,
+                            logs,
+                            args.threads,
+                        )
+                    )
+                    offline.append(
+                        engine_served_rate(
+                            engines[pair.name],
+                            token_prompts(prompts, args.prompt_len, exported.vocab_size, rnd),
+                            args.output_len,
+                            streams,
+                        )
+                    )
+                figures = {side: [run for one in rounds for run in one[side]] for side in ("base", "other")}
                 ours_rate = summary(figures, "output_throughput", "other")
                 peer_rate = summary(figures, "output_throughput", "base")
                 latency = "{} / {}"
@@ -1017,15 +1040,6 @@ def http_section(
                     f"{fmt(peer_rate)} tok/s",
                     flush=True,
                 )
-                offline = [
-                    engine_served_rate(
-                        engines[pair.name],
-                        token_prompts(prompts, args.prompt_len, exported.vocab_size, rnd),
-                        args.output_len,
-                        streams,
-                    )
-                    for rnd in range(args.rounds)
-                ]
                 offline_rate = statistics.median(offline)
                 offline_rows.append(
                     [
@@ -1053,7 +1067,8 @@ def http_section(
     return (
         f"### HTTP: `rnnserve bench --compare`, token-id prompts of {args.prompt_len} tokens, "
         f"{args.output_len} new tokens, 2 x streams requests per run, medians of {args.rounds} rounds\n\n"
-        f"{peers}\n\n### rnnserve: HTTP vs the same load offline (engine in this process, same run)\n\n"
+        f"{peers}\n\n### rnnserve: HTTP vs the same load offline (engine in this process, each offline round right "
+        f"after its HTTP round)\n\n"
         f"{vs_offline}"
     )
 
