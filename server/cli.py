@@ -108,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-
     from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
