@@ -1,4 +1,4 @@
-"""``make gpu-bench`` and the scan tuner stay runnable without a GPU: their CPU smoke modes measure every row kind
+"""``make gpu-bench`` and the scan tuners stay runnable without a GPU: their CPU smoke modes measure every row kind
 (HTTP included) and every choice."""
 
 from __future__ import annotations
@@ -34,3 +34,18 @@ def test_scan_tune_smoke_times_each_choice_on_both_shapes():
     rows = [line.split() for line in result.stdout.splitlines()[1:]]
     assert sorted((row[0], row[1]) for row in rows) == [("1x40", "(8,"), ("1x40", "default"), ("2x16", "(8,"),
                                                         ("2x16", "default")], result.stdout
+
+
+def test_ssd_tune_smoke_times_each_choice_and_kernel_on_both_shapes():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ssd_tune.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    choices = sorted((row[0], row[1]) for row in rows if row[3] == "tok/ms")
+    smoke = "chunk_size=32,block_m=16,block_k=16,precompute_cb=0"
+    assert choices == [("1x40", smoke), ("1x40", "default"), ("2x16", smoke), ("2x16", "default")], result.stdout
+    assert all(float(row[5]) < 1e-4 for row in rows if row[3] == "tok/ms"), result.stdout  # same outputs
+    kernels = {row[2] for row in rows if row[0] == "1x40" and row[1] == "kernel"}
+    assert kernels == {"_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
+                       "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "(all,"}, result.stdout

@@ -30,7 +30,7 @@ def ssd_scan_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen SSD prefill; same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`.
 
-    ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 32-token tiles (any chunk
+    ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 256-token chunks (any chunk
     size gives the same result up to rounding)."""
     if use_triton(x):
         from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton

@@ -1,21 +1,28 @@
-"""Triton chunked varlen prefill for Mamba-2's SSD: three kernels, no Python loop over chunks.
+"""Triton chunked varlen prefill for Mamba-2's SSD: five kernels, no Python loop over chunks.
 
-Every sequence is cut into chunks of ``L`` tokens (a chunk never straddles two sequences; the table of
-chunks is built once on the host from ``cu_seqlens``). Per (chunk, head, block of ``BP`` channels):
+Every sequence is cut into chunks of ``L`` tokens (256 by default; a chunk never straddles two sequences, the
+table of chunks is built once on the host from ``cu_seqlens``, and a sequence's last chunk may be short).
+No kernel holds an ``[L, L]`` tile: the chunk is tiled in blocks of ``BM`` output rows and ``BK`` source
+tokens, and every tile masks the rows past its chunk's end.
 
-1. ``_ssd_chunk_state_kernel``: the decay prefix ``cum_l = sum_{s<=l} dt_s A`` and the chunk's own end
-   state ``sum_s exp(cum_end - cum_s) dt_s x_s B_s^T`` (one ``tl.dot``), all chunks in parallel;
-2. ``_ssd_state_passing_kernel``: per (sequence, head), a short sequential pass over the sequence's chunks
-   that records each chunk's incoming state and carries ``S = exp(cum_end) S + chunk_state``; it reads the
-   initial state from and writes the final state to the sequence's pool slot;
-3. ``_ssd_chunk_scan_kernel``: outputs ``y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s +
-   exp(cum_l) C_l S_in + D x_l`` (three ``tl.dot``), all chunks in parallel.
+1. ``_ssd_chunk_cumsum_kernel``: per (chunk, block of heads), the decay prefix ``cum_l = sum_{s<=l} dt_s A``;
+2. ``_ssd_chunk_cb_kernel``: per (chunk, group), the lower-triangular ``[BM, BK]`` blocks of ``C_l . B_s``,
+   shared by every head of the group (optional: the output kernel can recompute them per head instead);
+3. ``_ssd_chunk_state_kernel``: per (chunk, head, channel block, state block), the chunk's own end state
+   ``sum_s exp(cum_end - cum_s) dt_s x_s B_s^T``, one ``tl.dot`` per block of ``BK`` tokens;
+4. ``_ssd_state_passing_kernel``: per (sequence, head, slice of the state), a sequential pass over the
+   sequence's chunks carrying ``S = exp(cum_end) S + chunk_state``; it overwrites each chunk's state with the
+   state entering the chunk, reads the initial state from and writes the final state to the sequence's pool
+   slot, and loads the next chunk's state while it updates the current one;
+5. ``_ssd_chunk_scan_kernel``: per (chunk, head, channel block, block of ``BM`` output rows),
+   ``y_l = exp(cum_l) C_l S_in + sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s + D x_l``, looping over
+   the source blocks up to the diagonal only (the row blocks with the most source blocks are launched first).
 
 Products of two inputs (``x``, ``B``, ``C``) keep the input dtype (bf16/fp16 on tensor cores). Products with an
-fp32 operand (the incoming state, the decay-weighted scores) stay fp32: tf32 tensor cores for bf16/fp16
-inputs, whose 10-bit mantissa keeps them within the tolerance of the token-by-token recurrence (rounding the
-state to bf16 there put outputs 0.07 off on an H200), exact ``ieee`` products for fp32 inputs. Accumulation is
-fp32.
+fp32 operand (the incoming state, the decay-weighted scores and inputs) stay fp32: tf32 tensor cores for
+bf16/fp16 inputs, whose 10-bit mantissa keeps them within the tolerance of the token-by-token recurrence
+(rounding the state to bf16 there put outputs 0.07 off on an H200), exact ``ieee`` products for fp32 inputs.
+Accumulation is fp32.
 """
 
 from __future__ import annotations
@@ -26,47 +33,106 @@ import triton.language as tl
 
 from rnnserve.kernels.backend import unit_stride_last
 
+MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
+
+
+@triton.jit
+def _ssd_chunk_cumsum_kernel(
+    dt_ptr, A_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, heads, stride_dt,
+    L: tl.constexpr, BH: tl.constexpr,
+):
+    i_hb = tl.program_id(0)
+    i_c = tl.program_id(1).to(tl.int64)
+    start = tl.load(chunk_start_ptr + i_c)
+    length = (tl.load(chunk_end_ptr + i_c) - start).to(tl.int32)
+    offs_l = tl.arange(0, L)
+    offs_h = i_hb * BH + tl.arange(0, BH)
+    mask_h = offs_h < heads
+    dt = tl.load(dt_ptr + start * stride_dt + offs_l[:, None] * stride_dt + offs_h[None, :],
+                 mask=(offs_l < length)[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0)
+    cum = tl.cumsum(dt * A[None, :], axis=0)  # constant past the chunk's end, so cum[L - 1] is the chunk's decay
+    tl.store(cum_ptr + i_c * heads * L + offs_h[None, :] * L + offs_l[:, None], cum, mask=mask_h[None, :])
+
+
+@triton.jit
+def _ssd_chunk_cb_kernel(
+    B_ptr, C_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr, groups, d_state,
+    stride_B_t, stride_B_g, stride_C_t, stride_C_g,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_c = tl.program_id(1).to(tl.int64)
+    i_k = pid % (L // BK)
+    i_m = (pid // (L // BK)) % (L // BM)
+    group = pid // ((L // BK) * (L // BM))
+    start = tl.load(chunk_start_ptr + i_c)
+    length = (tl.load(chunk_end_ptr + i_c) - start).to(tl.int32)
+    # Blocks wholly above the diagonal or past the chunk's end are never read.
+    if (i_k * BK < i_m * BM + BM) & (i_m * BM < length):
+        offs_m = i_m * BM + tl.arange(0, BM)
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_m = offs_m < length
+        mask_k = offs_k < length
+        C_base = C_ptr + start * stride_C_t + group * stride_C_g
+        B_base = B_ptr + start * stride_B_t + group * stride_B_g
+        cb = tl.zeros([BM, BK], dtype=tl.float32)
+        for n in range(0, d_state, BN):
+            offs_n = n + tl.arange(0, BN)
+            mask_n = offs_n < d_state
+            C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+            B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+            cb += tl.dot(C, tl.trans(B), input_precision=PRECISION)
+        tl.store(cb_ptr + (i_c * groups + group) * L * L + offs_m[:, None] * L + offs_k[None, :], cb)
+
 
 @triton.jit
 def _ssd_chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, states_ptr,
+    x_ptr, dt_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, states_ptr,
     heads, head_dim, d_state, heads_per_group,
     stride_x_t, stride_x_h, stride_dt, stride_B_t, stride_B_g,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    PRECISION: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_p = tl.program_id(2)
+    pid = tl.program_id(0)
+    i_c = tl.program_id(1).to(tl.int64)
+    blocks_n = tl.cdiv(d_state, BN)
+    blocks_p = tl.cdiv(head_dim, BP)
+    i_n = pid % blocks_n
+    i_p = (pid // blocks_n) % blocks_p
+    i_h = pid // (blocks_n * blocks_p)
     group = i_h // heads_per_group
-    start = tl.load(chunk_start_ptr + i_c).to(tl.int64)
-    end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
-    offs_l = tl.arange(0, L)
-    rows = start + offs_l
-    mask_l = rows < end
-    dt = tl.load(dt_ptr + rows * stride_dt + i_h, mask=mask_l, other=0.0).to(tl.float32)
-    cum = tl.cumsum(dt * tl.load(A_ptr + i_h).to(tl.float32), axis=0)
-    if i_p == 0:
-        tl.store(cum_ptr + (i_c * heads + i_h) * L + offs_l, cum)
-    cum_end = tl.sum(tl.where(offs_l == L - 1, cum, 0.0), axis=0)
-    weight = dt * tl.exp(cum_end - cum)  # [L]
+    start = tl.load(chunk_start_ptr + i_c)
+    length = (tl.load(chunk_end_ptr + i_c) - start).to(tl.int32)
+    cum_base = cum_ptr + (i_c * heads + i_h) * L
+    cum_end = tl.load(cum_base + L - 1)
+    x_base = x_ptr + start * stride_x_t + i_h * stride_x_h
+    B_base = B_ptr + start * stride_B_t + group * stride_B_g
+    dt_base = dt_ptr + start * stride_dt + i_h
     offs_p = i_p * BP + tl.arange(0, BP)
+    offs_n = i_n * BN + tl.arange(0, BN)
     mask_p = offs_p < head_dim
-    x = tl.load(x_ptr + rows[:, None] * stride_x_t + i_h * stride_x_h + offs_p[None, :],
-                mask=mask_l[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw_t = tl.trans(x * weight[:, None])  # [BP, L]
-    for k in range(0, d_state, BN):
-        offs_n = k + tl.arange(0, BN)
-        mask_n = offs_n < d_state
-        B = tl.load(B_ptr + rows[:, None] * stride_B_t + group * stride_B_g + offs_n[None, :],
-                    mask=mask_l[:, None] & mask_n[None, :], other=0.0)
-        state = tl.dot(xw_t, B.to(tl.float32), input_precision=PRECISION)  # [BP, BN]
-        out = states_ptr + ((i_c * heads + i_h) * head_dim + offs_p[:, None]) * d_state + offs_n[None, :]
-        tl.store(out, state, mask=mask_p[:, None] & mask_n[None, :])
+    mask_n = offs_n < d_state
+    acc = tl.zeros([BP, BN], dtype=tl.float32)
+    for k in range(0, length, BK):
+        offs_k = k + tl.arange(0, BK)
+        mask_k = offs_k < length
+        dt = tl.load(dt_base + offs_k * stride_dt, mask=mask_k, other=0.0).to(tl.float32)
+        weight = dt * tl.exp(cum_end - tl.load(cum_base + offs_k))  # [BK]
+        x = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :],
+                    mask=mask_k[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+        B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(tl.trans(x * weight[:, None]), B, input_precision=PRECISION)  # [BP, BN]
+    out = states_ptr + (i_c * heads + i_h) * head_dim * d_state + offs_p[:, None] * d_state + offs_n[None, :]
+    tl.store(out, acc, mask=mask_p[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _ssd_state_passing_kernel(
-    cum_ptr, states_ptr, incoming_ptr, seq_first_chunk_ptr, h0_ptr, ht_ptr, slot_ids_ptr,
+    cum_ptr, states_ptr, seq_first_chunk_ptr, h0_ptr, ht_ptr, slot_ids_ptr,
     heads, state_size, stride_h0_slot, stride_h0_h, stride_ht_slot, stride_ht_h,
     HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -85,60 +151,85 @@ def _ssd_state_passing_kernel(
         state = tl.load(h0_ptr + row * stride_h0_slot + i_h * stride_h0_h + offs, mask=mask, other=0.0)
     else:
         state = tl.zeros([BLOCK], dtype=tl.float32)
+    step = heads * state_size
+    upcoming = tl.load(states_ptr + (first * heads + i_h) * state_size + offs,
+                       mask=offs < tl.where(first < last, state_size, 0), other=0.0)
     for c in range(first, last):
-        chunk_offset = (c * heads + i_h) * state_size + offs
-        tl.store(incoming_ptr + chunk_offset, state, mask=mask)
+        chunk = states_ptr + (c * heads + i_h) * state_size + offs
+        own = upcoming
+        upcoming = tl.load(chunk + step, mask=offs < tl.where(c + 1 < last, state_size, 0), other=0.0)
         decay = tl.exp(tl.load(cum_ptr + (c * heads + i_h) * L + L - 1))
-        state = decay * state + tl.load(states_ptr + chunk_offset, mask=mask, other=0.0)
+        tl.store(chunk, state, mask=mask)  # the chunk's own state is replaced by the state entering it
+        state = decay * state + own
     tl.store(ht_ptr + row * stride_ht_slot + i_h * stride_ht_h + offs, state, mask=mask)
 
 
 @triton.jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, incoming_ptr, y_ptr,
-    heads, head_dim, d_state, heads_per_group,
+    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, cb_ptr, states_ptr, y_ptr,
+    heads, head_dim, d_state, heads_per_group, groups,
     stride_x_t, stride_x_h, stride_dt, stride_B_t, stride_B_g, stride_C_t, stride_C_g,
-    HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_D: tl.constexpr, CB_IN_MEMORY: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_p = tl.program_id(2)
+    pid = tl.program_id(0)
+    i_c = tl.program_id(1).to(tl.int64)
+    blocks_p = tl.cdiv(head_dim, BP)
+    i_m = L // BM - 1 - pid % (L // BM)  # the longest row blocks start first
+    i_p = (pid // (L // BM)) % blocks_p
+    i_h = pid // ((L // BM) * blocks_p)
     group = i_h // heads_per_group
-    start = tl.load(chunk_start_ptr + i_c).to(tl.int64)
-    end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
-    offs_l = tl.arange(0, L)
-    offs_s = tl.arange(0, L)
-    rows = start + offs_l
-    mask_l = rows < end
-    offs_p = i_p * BP + tl.arange(0, BP)
-    mask_p = offs_p < head_dim
-    cum = tl.load(cum_ptr + (i_c * heads + i_h) * L + offs_l)
-    dt = tl.load(dt_ptr + rows * stride_dt + i_h, mask=mask_l, other=0.0).to(tl.float32)
-    scores = tl.zeros([L, L], dtype=tl.float32)  # C_l . B_s
-    from_state = tl.zeros([L, BP], dtype=tl.float32)  # C_l S_in
-    for k in range(0, d_state, BN):
-        offs_n = k + tl.arange(0, BN)
-        mask_n = offs_n < d_state
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-        B = tl.load(B_ptr + rows[:, None] * stride_B_t + group * stride_B_g + offs_n[None, :], mask=mask_ln,
-                    other=0.0).to(DOT_DTYPE)
-        C = tl.load(C_ptr + rows[:, None] * stride_C_t + group * stride_C_g + offs_n[None, :], mask=mask_ln,
-                    other=0.0).to(DOT_DTYPE)
-        state_ptrs = incoming_ptr + ((i_c * heads + i_h) * head_dim + offs_p[None, :]) * d_state + offs_n[:, None]
-        incoming_t = tl.load(state_ptrs, mask=mask_n[:, None] & mask_p[None, :], other=0.0)  # [BN, BP]
-        scores += tl.dot(C, tl.trans(B), input_precision=PRECISION)
-        from_state += tl.dot(C.to(tl.float32), incoming_t, input_precision=PRECISION)
-    causal = offs_l[:, None] >= offs_s[None, :]
-    scores *= tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf"))) * dt[None, :]
-    x_raw = tl.load(x_ptr + rows[:, None] * stride_x_t + i_h * stride_x_h + offs_p[None, :],
-                    mask=mask_l[:, None] & mask_p[None, :], other=0.0)
-    y = tl.dot(scores, x_raw.to(tl.float32), input_precision=PRECISION)  # [L, BP]
-    y += tl.exp(cum)[:, None] * from_state
-    if HAS_D:
-        y += tl.load(D_ptr + i_h).to(tl.float32) * x_raw.to(tl.float32)
-    tl.store(y_ptr + (rows[:, None] * heads + i_h) * head_dim + offs_p[None, :], y,
-             mask=mask_l[:, None] & mask_p[None, :])
+    start = tl.load(chunk_start_ptr + i_c)
+    length = (tl.load(chunk_end_ptr + i_c) - start).to(tl.int32)
+    if i_m * BM < length:
+        offs_m = i_m * BM + tl.arange(0, BM)
+        mask_m = offs_m < length
+        offs_p = i_p * BP + tl.arange(0, BP)
+        mask_p = offs_p < head_dim
+        x_base = x_ptr + start * stride_x_t + i_h * stride_x_h
+        B_base = B_ptr + start * stride_B_t + group * stride_B_g
+        C_base = C_ptr + start * stride_C_t + group * stride_C_g
+        dt_base = dt_ptr + start * stride_dt + i_h
+        cum_base = cum_ptr + (i_c * heads + i_h) * L
+        cum_m = tl.load(cum_base + offs_m)
+        acc = tl.zeros([BM, BP], dtype=tl.float32)  # C_l S_in
+        state_base = states_ptr + (i_c * heads + i_h) * head_dim * d_state
+        for n in range(0, d_state, BN):
+            offs_n = n + tl.arange(0, BN)
+            mask_n = offs_n < d_state
+            C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                        mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            incoming_t = tl.load(state_base + offs_p[None, :] * d_state + offs_n[:, None],
+                                 mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+            acc += tl.dot(C.to(tl.float32), incoming_t, input_precision=PRECISION)
+        acc *= tl.exp(cum_m)[:, None]
+        for k in range(0, tl.minimum(i_m * BM + BM, length), BK):
+            offs_k = k + tl.arange(0, BK)
+            mask_k = offs_k < length
+            if CB_IN_MEMORY:
+                cb = tl.load(cb_ptr + (i_c * groups + group) * L * L + offs_m[:, None] * L + offs_k[None, :])
+            else:
+                cb = tl.zeros([BM, BK], dtype=tl.float32)
+                for n in range(0, d_state, BN):
+                    offs_n = n + tl.arange(0, BN)
+                    mask_n = offs_n < d_state
+                    C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                                mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+                    B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
+                                mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+                    cb += tl.dot(C, tl.trans(B), input_precision=PRECISION)
+            dt = tl.load(dt_base + offs_k * stride_dt, mask=mask_k, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.minimum(cum_m[:, None] - tl.load(cum_base + offs_k)[None, :], 0.0)) * dt[None, :]
+            scores = tl.where(offs_m[:, None] >= offs_k[None, :], cb * decay, 0.0)
+            x = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :],
+                        mask=mask_k[:, None] & mask_p[None, :], other=0.0)
+            acc += tl.dot(scores, x.to(tl.float32), input_precision=PRECISION)
+        mask_mp = mask_m[:, None] & mask_p[None, :]
+        if HAS_D:
+            x_m = tl.load(x_base + offs_m[:, None] * stride_x_t + offs_p[None, :], mask=mask_mp, other=0.0)
+            acc += tl.load(D_ptr + i_h).to(tl.float32) * x_m.to(tl.float32)
+        y_base = y_ptr + (start * heads + i_h) * head_dim
+        tl.store(y_base + offs_m[:, None] * (heads * head_dim) + offs_p[None, :], acc, mask=mask_mp)
 
 
 def _chunk_table(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,6 +246,11 @@ def _chunk_table(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     return table[: len(starts)], table[len(starts) : 2 * len(starts)], table[2 * len(starts) :]
 
 
+def _block(requested: int, extent: int) -> int:
+    """A power-of-two tile of at least 16 (the tensor-core and interpreter minimum), at most ``extent`` rounded
+    up to a power of two."""
+    return max(16, min(triton.next_power_of_2(requested), triton.next_power_of_2(extent)))
+
 
 def ssd_scan_varlen_triton(
     x: torch.Tensor,
@@ -165,14 +261,30 @@ def ssd_scan_varlen_triton(
     cu_seqlens: torch.Tensor,
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
-    chunk_size: int = 32,
+    chunk_size: int = 256,
     slot_ids: torch.Tensor | None = None,
+    *,
+    block_m: int = 64,
+    block_k: int = 32,
+    block_p: int = 64,
+    block_n: int = 32,
+    state_block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    precompute_cb: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``x [T, H, P]``, ``dt [T, H]`` (discretised), ``B, C [T, G, N]`` -> ``(y [T, H, P] fp32, final)``.
 
     Without ``slot_ids`` states are ``[B, H, P, N]`` (``initial_state`` optional; a new final tensor is
     returned). With ``slot_ids`` ``initial_state`` is a pool ``[num_slots, H, P, N]`` (fp32, contiguous per
     slot) whose rows ``slot_ids`` are read and overwritten in place; the pool is returned.
+
+    Launch knobs (defaults chosen for sm_90; ``benchmarks/ssd_tune.py`` sweeps them): ``chunk_size`` tokens
+    per chunk; ``block_m`` output rows and ``block_p`` channels per output program; ``block_k`` source tokens
+    per step (output, ``C . B^T`` and chunk-state kernels); ``block_n`` state indices per step of the
+    ``C . B^T`` and ``C . S_in`` products; ``state_block_n`` state indices per chunk-state program;
+    ``num_warps``/``num_stages`` of those three kernels; ``precompute_cb`` computes ``C . B^T`` once per
+    (chunk, group) instead of once per head inside the output kernel.
     """
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
@@ -194,34 +306,47 @@ def ssd_scan_varlen_triton(
         h0 = final if initial_state is None else initial_state.float().contiguous()
     chunk_start, chunk_end, seq_first_chunk = _chunk_table(cu_seqlens, chunk_size)
     num_chunks = chunk_start.numel()
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"{num_chunks} chunks of {chunk_size} tokens exceed {MAX_CHUNKS}: split the batch")
     y = torch.empty(total, heads, head_dim, dtype=torch.float32, device=device)
     cum = torch.empty(num_chunks, heads, chunk_size, dtype=torch.float32, device=device)
+    # Each chunk's own end state, replaced in place by the state entering the chunk.
     states = torch.empty(num_chunks, heads, head_dim, d_state, dtype=torch.float32, device=device)
-    incoming = torch.empty_like(states)
     low_precision = x.dtype in (torch.bfloat16, torch.float16)
     dot_dtype = (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16) if low_precision else tl.float32
     precision = "tf32" if low_precision else "ieee"
-    # 32-token chunks, 64 channels and 32 state indices per product, 8 warps: no spills on sm_90.
-    block_n = max(16, min(triton.next_power_of_2(d_state), 32))
-    block_p = max(16, min(triton.next_power_of_2(head_dim), 64))
-    common = dict(DOT_DTYPE=dot_dtype, PRECISION=precision, L=chunk_size, BP=block_p, BN=block_n, num_warps=8)
+    block_m, block_k, block_p = _block(block_m, chunk_size), _block(block_k, chunk_size), _block(block_p, head_dim)
+    block_n, state_block_n = _block(block_n, d_state), _block(state_block_n, d_state)
+    blocks_p = triton.cdiv(head_dim, block_p)
+    launch = dict(PRECISION=precision, L=chunk_size, BK=block_k, num_warps=num_warps, num_stages=num_stages)
     if num_chunks:
-        grid = (num_chunks, heads, triton.cdiv(head_dim, block_p))
-        _ssd_chunk_state_kernel[grid](
-            x, dt, A, B, chunk_start, chunk_end, cum, states, heads, head_dim, d_state, heads // groups,
-            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), **common,
+        _ssd_chunk_cumsum_kernel[(triton.cdiv(heads, 16), num_chunks)](
+            dt, A, chunk_start, chunk_end, cum, heads, dt.stride(0), L=chunk_size, BH=16,
         )
-    block = min(triton.next_power_of_2(state_size), 1024)
+        _ssd_chunk_state_kernel[(heads * blocks_p * triton.cdiv(d_state, state_block_n), num_chunks)](
+            x, dt, B, chunk_start, chunk_end, cum, states, heads, head_dim, d_state, heads // groups,
+            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), BP=block_p, BN=state_block_n,
+            **launch,
+        )
+    block = _block(512, state_size)
     _ssd_state_passing_kernel[(batch, heads, triton.cdiv(state_size, block))](
-        cum, states, incoming, seq_first_chunk, h0, final, slot_ids if slot_ids is not None else seq_first_chunk,
+        cum, states, seq_first_chunk, h0, final, slot_ids if slot_ids is not None else seq_first_chunk,
         heads, state_size, h0.stride(0), h0.stride(1), final.stride(0), final.stride(1),
         HAS_H0=initial_state is not None, HAS_SLOTS=slot_ids is not None, L=chunk_size, BLOCK=block,
     )
     if num_chunks:
-        _ssd_chunk_scan_kernel[grid](
-            x, dt, B, C, D if D is not None else A, chunk_start, chunk_end, cum, incoming, y,
-            heads, head_dim, d_state, heads // groups,
+        cb = cum  # unread unless precompute_cb
+        if precompute_cb:
+            cb = torch.empty(num_chunks, groups, chunk_size, chunk_size, dtype=torch.float32, device=device)
+            _ssd_chunk_cb_kernel[(groups * (chunk_size // block_m) * (chunk_size // block_k), num_chunks)](
+                B, C, chunk_start, chunk_end, cb, groups, d_state, B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+                DOT_DTYPE=dot_dtype, BM=block_m, BN=block_n, **launch,
+            )
+        _ssd_chunk_scan_kernel[(heads * blocks_p * (chunk_size // block_m), num_chunks)](
+            x, dt, B, C, D if D is not None else A, chunk_start, chunk_end, cum, cb, states, y,
+            heads, head_dim, d_state, heads // groups, groups,
             x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-            HAS_D=D is not None, **common,
+            HAS_D=D is not None, CB_IN_MEMORY=precompute_cb, DOT_DTYPE=dot_dtype, BM=block_m, BP=block_p,
+            BN=block_n, **launch,
         )
     return y, final

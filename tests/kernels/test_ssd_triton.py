@@ -1,4 +1,4 @@
-"""Triton Mamba-2 SSD (chunked varlen prefill in three kernels, slot-addressed decode) == the PyTorch reference."""
+"""Triton Mamba-2 SSD (tiled chunked varlen prefill, slot-addressed decode) == the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -26,29 +26,48 @@ def _inputs(total: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Te
     }
 
 
+# Tiles of 16 in a 64-token chunk: four row and source blocks per chunk (the causal skip runs), two channel
+# blocks over HEAD_DIM 24 and three state steps over D_STATE 48, all partly masked. TILED_LENGTHS (short, for the
+# interpreter) has a full chunk followed by a 3-token one, a single token and a chunk ending inside a row block;
+# SMALL_TILED is the same in 32-token chunks (two blocks each way) over about half the tokens.
+TILED = {"chunk_size": 64, "block_m": 16, "block_k": 16, "block_p": 16, "block_n": 16, "state_block_n": 32}
+TILED_LENGTHS = [67, 1, 40]
+SMALL_TILED, SMALL_TILED_LENGTHS = {**TILED, "chunk_size": 32}, [35, 1, 20]
+
+
 # fp16 rather than bf16 for the low-precision case: Triton 3.9's interpreter computes bf16 tl.dot wrongly.
-@pytest.mark.parametrize("dtype, chunk_size, atol", [(torch.float32, 16, 1e-4), (torch.float32, 64, 1e-4),
-                                                     (torch.float16, 32, 5e-2)])
-def test_varlen_prefill_matches_reference(triton_on_cpu, dtype, chunk_size, atol):
-    args = _inputs(sum(LENGTHS), dtype)
-    cu = cu_seqlens_of(LENGTHS)
-    h0 = torch.randn(len(LENGTHS), HEADS, HEAD_DIM, D_STATE)
+@pytest.mark.parametrize(
+    "dtype, lengths, launch, atol",
+    [
+        (torch.float32, LENGTHS, {"chunk_size": 16}, 1e-4),
+        (torch.float32, LENGTHS, {"chunk_size": 64}, 1e-4),
+        (torch.float16, LENGTHS, {"chunk_size": 32}, 5e-2),
+        (torch.float32, SMALL_TILED_LENGTHS, {**SMALL_TILED, "precompute_cb": False}, 1e-4),
+        (torch.float16, SMALL_TILED_LENGTHS, SMALL_TILED, 5e-2),
+    ],
+    ids=["fp32-16", "fp32-64", "fp16-32", "fp32-tiled-cb-per-head", "fp16-tiled"],
+)
+def test_varlen_prefill_matches_reference(triton_on_cpu, dtype, lengths, launch, atol):
+    args = _inputs(sum(lengths), dtype)
+    cu = cu_seqlens_of(lengths)
+    h0 = torch.randn(len(lengths), HEADS, HEAD_DIM, D_STATE)
     h0[1] = 0.0
-    y, final = ssd_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size)
+    y, final = ssd_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=h0, **launch)
     y_ref, final_ref = ssd_scan_ref(**args, cu_seqlens=cu, initial_state=h0)
     assert y.dtype == final.dtype == torch.float32
     torch.testing.assert_close(y, y_ref, rtol=atol, atol=atol)
     torch.testing.assert_close(final, final_ref, rtol=atol, atol=atol)
 
 
-def test_prefill_reads_and_writes_pool_slots(triton_on_cpu):
-    args = _inputs(sum(LENGTHS), torch.float32, seed=1)
+@pytest.mark.parametrize("lengths, launch", [(LENGTHS, {}), (TILED_LENGTHS, TILED)], ids=["default", "tiled"])
+def test_prefill_reads_and_writes_pool_slots(triton_on_cpu, lengths, launch):
+    args = _inputs(sum(lengths), torch.float32, seed=1)
     del args["D"]
-    cu = cu_seqlens_of(LENGTHS)
+    cu = cu_seqlens_of(lengths)
     pool = torch.randn(NUM_SLOTS, 3, HEADS, HEAD_DIM, D_STATE)
     before = pool.clone()
-    slots = slot_ids_for(len(LENGTHS), NUM_SLOTS)
-    y, returned = ssd_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=pool[:, 2], slot_ids=slots)
+    slots = slot_ids_for(len(lengths), NUM_SLOTS)
+    y, returned = ssd_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=pool[:, 2], slot_ids=slots, **launch)
     y_ref, final_ref = ssd_scan_ref(**args, cu_seqlens=cu, initial_state=before[:, 2][slots])
     assert returned.data_ptr() == pool[:, 2].data_ptr()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
