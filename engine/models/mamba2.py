@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
-from rnnserve.engine.models.layers import MixerStackLM, linear, rms_normalize
+from rnnserve.engine.models.layers import MixerStackLM, linear
+from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.gated_rms_norm import gated_rms_norm
 from rnnserve.kernels.mamba2_decode import mamba2_mixer_step, mamba2_mixer_step_applies
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 
@@ -64,7 +66,8 @@ class Mamba2Config(ModelConfig):
 
 
 class GatedGroupRMSNorm(nn.Module):
-    """``RMSNorm(y * silu(z))`` with statistics per group of channels, in fp32."""
+    """``RMSNorm(y * silu(z))`` with statistics per group of channels, in fp32 (one Triton kernel on GPUs:
+    :mod:`rnnserve.kernels.gated_rms_norm`)."""
 
     def __init__(self, dim: int, groups: int, eps: float) -> None:
         super().__init__()
@@ -73,8 +76,7 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
-        return self.weight * rms_normalize(gated, self.eps).flatten(-2).to(z.dtype)
+        return gated_rms_norm(y, z, self.weight, self.groups, self.eps)
 
 
 class Mamba2Mixer(nn.Module):
@@ -98,9 +100,10 @@ class Mamba2Mixer(nn.Module):
     def _ssd_inputs(
         self, xbc: torch.Tensor, dt: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``xBC [N, conv_dim]`` after the conv, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt, A, B, C``."""
+        """``xBC [N, conv_dim]`` after the conv and its SiLU, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt, A, B,
+        C``."""
         c = self.config
-        x, B, C = F.silu(xbc).split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
+        x, B, C = xbc.split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.dt_min_limit, c.dt_max_limit)
         groups = (c.n_groups, c.d_state)
         A = -torch.exp(self.A_log.float())
@@ -116,10 +119,12 @@ class Mamba2Mixer(nn.Module):
         self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         z, xbc, dt = self._split(h)
+        # The Triton conv applies F.silu's rounding in-kernel; the CPU conv kernel's SiLU rounds differently.
+        fused_silu = use_triton(xbc)
         xbc, conv_state = causal_conv1d_varlen(
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state, silu=fused_silu
         )
-        x, dt, A, B, C = self._ssd_inputs(xbc, dt)
+        x, dt, A, B, C = self._ssd_inputs(xbc if fused_silu else F.silu(xbc), dt)
         y, ssm_state = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
         return linear(self.out_proj, self.norm(y.flatten(1), z)), conv_state, ssm_state
 
@@ -140,7 +145,7 @@ class Mamba2Mixer(nn.Module):
             limits = (self.config.dt_min_limit, self.config.dt_max_limit)
             params = (self.dt_bias, self.A_log, self.D, self.norm.weight, self.norm.groups, self.norm.eps, *limits)
             return linear(self.out_proj, mamba2_mixer_step(xbc, dt, z, ssm_pool, slot_ids, *params))
-        x, dt, A, B, C = self._ssd_inputs(xbc, dt)
+        x, dt, A, B, C = self._ssd_inputs(F.silu(xbc), dt)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, slot_ids)
         return linear(self.out_proj, self.norm(y.flatten(1), z))
 

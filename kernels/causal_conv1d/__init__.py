@@ -33,8 +33,7 @@ def causal_conv1d_varlen(
     if use_triton(x):
         from rnnserve.kernels.causal_conv1d.chunk import causal_conv1d_varlen_triton
 
-        y, final = causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state)
-        return (F.silu(y) if silu else y), final
+        return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state, silu)
     if _fused_cpu(x, weight) and (initial_state is None or initial_state.stride(-1) == 1):
         return torch.ops.rnnserve.causal_conv1d_varlen(
             x,

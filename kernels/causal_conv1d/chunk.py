@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
+
 
 @triton.jit
 def _conv_varlen_kernel(
-    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, cu_seqlens_ptr, seq_idx_ptr, total, channels,
+    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, cu_seqlens_ptr, seq_idx_ptr, total, channels, stride_x,
     stride_h0_b, stride_h0_c,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT).to(tl.int64)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -31,7 +34,7 @@ def _conv_varlen_kernel(
         src = pos - (K - 1) + j  # position of this tap's input within the sequence; < 0 reads the tail
         w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
         in_x = (mask_t & (src >= 0))[:, None] & mask_c[None, :]
-        x_ptrs = x_ptr + (bos + src)[:, None] * channels + cols[None, :]
+        x_ptrs = x_ptr + (bos + src)[:, None] * stride_x + cols[None, :]
         tap = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
         if HAS_H0:
             in_tail = (mask_t & (src < 0))[:, None] & mask_c[None, :]
@@ -41,12 +44,15 @@ def _conv_varlen_kernel(
         acc += tap * w[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:  # F.silu on the output rounded to its dtype, as x / (1 + exp(-x)) in fp32
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
     tl.store(y_ptr + rows[:, None] * channels + cols[None, :], acc, mask=mask_t[:, None] & mask_c[None, :])
 
 
 @triton.jit
 def _conv_final_state_kernel(
-    x_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_h0_b, stride_h0_c,
+    x_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_x, stride_h0_b, stride_h0_c,
     K: tl.constexpr, HAS_H0: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
@@ -58,7 +64,7 @@ def _conv_final_state_kernel(
     mask_k = k < K - 1
     src = (eos - bos) - (K - 1) + k
     in_x = mask_c[:, None] & (mask_k & (src >= 0))[None, :]
-    x_ptrs = x_ptr + (bos + src)[None, :] * channels + cols[:, None]
+    x_ptrs = x_ptr + (bos + src)[None, :] * stride_x + cols[:, None]
     tail = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
     if HAS_H0:
         in_tail = mask_c[:, None] & (mask_k & (src < 0))[None, :]
@@ -74,34 +80,36 @@ def causal_conv1d_varlen_triton(
     bias: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, C]``, ``weight [C, K]``, ``initial_state [B, C, K-1]`` -> ``(y [T, C], final [B, C, K-1])``.
 
-    ``y`` has ``x``'s dtype, the final state is fp32.
+    ``x`` may have strided rows (a split of a projection: read in place). ``y`` (contiguous) has ``x``'s dtype
+    (with ``silu``: ``F.silu`` of that rounded output), the final state is fp32.
     """
     total, channels = x.shape
     width = weight.shape[1]
     if width < 2:
         raise ValueError("causal_conv1d needs a kernel width >= 2")
     batch = cu_seqlens.numel() - 1
-    x, weight = x.contiguous(), weight.contiguous()
+    x, weight = unit_stride_last(x), weight.contiguous()
     if initial_state is not None and initial_state.stride(-1) != 1:
         initial_state = initial_state.contiguous()
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     seq_idx = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
-    y = torch.empty_like(x)
+    y = torch.empty(total, channels, dtype=x.dtype, device=x.device)
     final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
     h0 = initial_state if initial_state is not None else final_state
     stride_b, stride_c = (h0.stride(0), h0.stride(1)) if initial_state is not None else (0, 0)
     block_c = min(triton.next_power_of_2(channels), 64)
     block_t = 32
     _conv_varlen_kernel[(triton.cdiv(total, block_t), triton.cdiv(channels, block_c))](
-        x, weight, bias if bias is not None else weight, h0, y, cu_seqlens, seq_idx, total, channels,
-        stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
+        x, weight, bias if bias is not None else weight, h0, y, cu_seqlens, seq_idx, total, channels, x.stride(0),
+        stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
         BT=block_t, BC=block_c, num_warps=8,  # 8 warps: ~106 registers on sm_90 (4 warps: ~200)
     )
     _conv_final_state_kernel[(batch, triton.cdiv(channels, block_c))](
-        x, h0, final_state, cu_seqlens, channels, stride_b, stride_c,
+        x, h0, final_state, cu_seqlens, channels, x.stride(0), stride_b, stride_c,
         K=width, HAS_H0=initial_state is not None, BC=block_c, BK=triton.next_power_of_2(width - 1),
     )
     return y, final_state

@@ -53,6 +53,21 @@ def test_varlen_reads_a_strided_initial_state_without_bias(triton_on_cpu):
     torch.testing.assert_close(final, final_ref)
 
 
+def test_varlen_reads_strided_rows_in_place_and_fuses_silu(triton_on_cpu):
+    """Mamba passes ``x``, a column slice of its in_proj output: rows are read with their stride, not copied."""
+    gen = torch.Generator().manual_seed(3)
+    cu = cu_seqlens_of(LENGTHS)
+    projected = torch.randn(sum(LENGTHS), 2 * CHANNELS + 3, generator=gen)
+    x = projected[:, CHANNELS : 2 * CHANNELS]
+    weight, bias = _params(4, torch.float32)
+    h0 = torch.randn(len(LENGTHS), CHANNELS, 3, generator=gen)
+    y, final = causal_conv1d_varlen(x, weight, bias, cu, h0, silu=True)
+    y_ref, final_ref = causal_conv1d_varlen_ref(x.contiguous(), weight, bias, cu, h0)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, F.silu(y_ref), **_tolerance(torch.float32))
+    torch.testing.assert_close(final, final_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [2, 4])
 def test_update_shifts_slots_in_place(triton_on_cpu, dtype, width):
