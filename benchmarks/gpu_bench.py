@@ -131,15 +131,15 @@ def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: in
             server.kill()
 
 
-def print_profile(model, pool: StatePool, batch: int, device: torch.device) -> None:
-    """The kernels of one eager decode step at ``batch`` and one ``1 x 2048`` prefill, by device time."""
+def print_profile(model, pool: StatePool, batch: int, device: torch.device, prompt_len: int) -> None:
+    """The kernels of one eager decode step at ``batch`` and one ``1 x prompt_len`` prefill, by device time."""
     ids = torch.randint(0, model.vocab_size, (batch,)).tolist()
     step = DecodeBatch.build(ids, range(batch), [PROMPT_LEN] * batch, device=device)
-    prompt = PrefillBatch.build([torch.randint(0, model.vocab_size, (2048,))], [0], device=device)
+    prompt = PrefillBatch.build([torch.randint(0, model.vocab_size, (prompt_len,))], [0], device=device)
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for what, run in ((f"decode b={batch}", lambda: model.decode(step, pool.tensors)),
-                      ("prefill 1x2048", lambda: model.prefill(prompt, pool.tensors))):
+                      (f"prefill 1x{prompt_len}", lambda: model.prefill(prompt, pool.tensors))):
         run()
         sync()
         with torch.profiler.profile() as prof:
@@ -171,7 +171,7 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
         rows.append(Row(preset, {"what": f"decode b={batch}", "tok/ms": f"{batch / step_ms[batch]:.2f}",
                                  "ms/step": f"{step_ms[batch]:.3f}", "HBM roofline": f"{roof / seconds:.0%}"}))
     if profile:
-        print_profile(model, pool, max(sizes.batches), device)
+        print_profile(model, pool, max(sizes.batches), device, max(length for _, length in sizes.prefills))
     for seqs, length in sizes.prefills:
         limit = model.max_model_len
         if limit is not None and length > limit:

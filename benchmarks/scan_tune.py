@@ -1,10 +1,10 @@
 """Launch choices for Mamba-1's varlen prefill scan (``kernels/selective_scan/chunk.py``) on this device.
 
-One program scans ``block_d`` channels of one sequence, so a single long prompt has only ``d_inner / block_d``
-programs to spread over the GPU; this times every (chunk, block_d, num_warps) choice on mamba-370m's layer
-sizes (``d_inner`` 2048, ``d_state`` 16, bf16 inputs, dt bias + softplus, D skip and z gate) for one
-16,384-token prompt and for 8 x 2048, and prints tok/ms of one layer's scan per choice, best first, with
-the wrapper's default marked. ``--smoke`` runs two choices on tiny sizes on CPU (Triton interpreter).
+One program scans ``block_d`` channels of one segment of at most ``segment_len`` tokens (0: whole sequences),
+token by token; this times the (block_d, num_warps, segment_len) choices on mamba-370m's layer sizes
+(``d_inner`` 2048, ``d_state`` 16, bf16 inputs, dt bias + softplus, D skip and z gate, bf16 output) for one
+16,384-token prompt and for 8 x 2048, and prints tok/ms of one layer's scan per choice, best first, with the
+wrapper's default marked. ``--smoke`` runs two choices on tiny sizes on CPU (Triton interpreter).
 
     python benchmarks/scan_tune.py
     TRITON_INTERPRET=1 python benchmarks/scan_tune.py --smoke
@@ -46,8 +46,8 @@ def scan_inputs(lengths: list[int], d_inner: int, d_state: int, dtype: torch.dty
     }
 
 
-def run(inputs: dict, **launch: int | None) -> None:
-    selective_scan_varlen_triton(**inputs, dt_softplus=True, **launch)
+def run(inputs: dict, **launch: int) -> None:
+    selective_scan_varlen_triton(**inputs, dt_softplus=True, out_dtype=inputs["x"].dtype, **launch)
 
 
 def main() -> None:
@@ -57,26 +57,28 @@ def main() -> None:
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--smoke runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
-        device, d_inner, shapes, steps = torch.device("cpu"), 64, {"1x40": [40], "2x16": [16, 16]}, 1
-        choices = [(16, None, 4), (8, 8, 1)]
+        device, d_inner, shapes, steps = torch.device("cpu"), 32, {"1x40": [40], "2x16": [16, 16]}, 1
+        choices = [None, (8, 1, 16)]
     elif not torch.cuda.is_available():
         parser.error("no CUDA device (use --smoke for the CPU check)")
     else:
         device, d_inner, shapes, steps = torch.device("cuda"), 2048, {"1x16384": [16384], "8x2048": [2048] * 8}, 5
-        choices = [(16, None, 4), *itertools.product([8, 16], [4, 8, 16, 32], [1, 2, 4])]
+        choices = [None, *itertools.product([32, 64, 128], [1, 2, 4], [256, 512, 1024]), (32, 1, 0)]
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: one scan layer, d_inner "
-          f"{d_inner}, d_state 16, bf16 inputs; tok/ms per choice (chunk, block_d, num_warps)", flush=True)
+          f"{d_inner}, d_state 16, bf16 inputs; tok/ms per choice (block_d, num_warps, segment_len)",
+          flush=True)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     for shape, lengths in shapes.items():
         inputs = scan_inputs(lengths, d_inner, 16, dtype, device)
         results = []
-        for chunk, block_d, warps in choices:
-            launch = {"chunk_size": chunk, "block_d": block_d, "num_warps": warps}
+        for choice in choices:
+            names = ("block_d", "num_warps", "segment_len")
+            launch = {} if choice is None else dict(zip(names, choice, strict=True))
             seconds = seconds_per_step(lambda i=inputs, launch=launch: run(i, **launch), device, steps)
-            name = "default" if block_d is None else f"({chunk}, {block_d}, {warps})"
+            name = "default" if choice is None else "(" + ", ".join(map(str, choice)) + ")"
             results.append((sum(lengths) / (seconds * 1e3), name))
         for rate, name in sorted(results, reverse=True):
-            print(f"{shape:8s} {name:14s} {rate:10.1f} tok/ms", flush=True)
+            print(f"{shape:8s} {name:16s} {rate:10.1f} tok/ms", flush=True)
 
 
 if __name__ == "__main__":

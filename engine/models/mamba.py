@@ -132,9 +132,9 @@ class MambaMixer(nn.Module):
         x, conv_state = causal_conv1d_varlen(x, conv_weight, conv_bias, cu_seqlens, conv_state, silu=True)
         dt, B, C = self._ssm_inputs(x)
         y, ssm_state = selective_scan_varlen(
-            x, dt, A, B, C, cu_seqlens, D, z, ssm_state, dt_bias, True, self.config.scan_chunk_size
+            x, dt, A, B, C, cu_seqlens, D, z, ssm_state, dt_bias, True, self.config.scan_chunk_size, h.dtype
         )
-        return linear(self.out_proj, y.to(h.dtype)), conv_state, ssm_state
+        return linear(self.out_proj, y), conv_state, ssm_state
 
     def fused_weights(self) -> bool:
         """Whether the projections are plain float weights, which the per-layer fused op takes (int8 ones,

@@ -49,19 +49,22 @@ def selective_scan_varlen(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     chunk_size: int = 32,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen selective scan; same contract as
-    :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`."""
+    :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`, with ``y`` rounded to ``out_dtype``
+    (computed in fp32 either way). ``chunk_size`` applies to the PyTorch path only."""
     if use_triton(x):
         from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 
         return selective_scan_varlen_triton(
-            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size=16
+            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, out_dtype=out_dtype
         )
     if not _fused(x, A):
-        return selective_scan_chunked(
+        y, final = selective_scan_chunked(
             x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, chunk_size
         )
+        return y.to(out_dtype), final
     batch = cu_seqlens.numel() - 1
     if initial_state is None:
         state = x.new_zeros((batch, *A.shape), dtype=torch.float32)
@@ -71,7 +74,7 @@ def selective_scan_varlen(
     y = torch.ops.rnnserve.selective_scan(
         x, dt, _f32(dt_bias), _f32(A), B, C, _f32(D), z, cu_seqlens.long().contiguous(), state, dt_softplus
     )
-    return y, state
+    return y.to(out_dtype), state
 
 
 def selective_state_update(

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
+from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 from rnnserve.kernels.selective_scan.naive import selective_scan_ref, selective_state_update_ref
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 from rnnserve.kernels.ssd.naive import ssd_scan_ref
@@ -49,6 +50,33 @@ def test_selective_scan_prefill_and_decode(dtype):
                                               bias, True)
     torch.testing.assert_close(y, y_ref, **_tol(dtype))
     torch.testing.assert_close(pool[:, 1][slots], h_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_selective_scan_segments_on_pool_slots_and_bf16_output():
+    """Long prompts split into parallel segments, states read from and written to pool slots in place, and y
+    stored in bf16 equal to the fp32 y rounded."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    lengths, d_inner, d_state = [1500, 3, 0, 1025, 2048], 2048, 16
+    total = sum(lengths)
+    x, dt, z = (torch.randn(total, d_inner, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(3))
+    B, C = (torch.randn(total, d_state, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(2))
+    A = -torch.rand(d_inner, d_state, device=DEVICE, generator=gen) - 0.1
+    D, bias = torch.randn(d_inner, device=DEVICE), torch.randn(d_inner, device=DEVICE) - 3
+    pool = torch.randn(40, 2, d_inner, d_state, device=DEVICE)
+    before = pool.clone()
+    slots = torch.randperm(40, device=DEVICE)[: len(lengths)]
+    cu = _cu_seqlens(lengths)
+    args = (x, dt, A, B, C, cu, D, z)
+    y, _ = selective_scan_varlen_triton(*args, initial_state=pool[:, 1], dt_bias=bias, dt_softplus=True,
+                                        slot_ids=slots, out_dtype=torch.bfloat16)
+    y_ref, final_ref = selective_scan_ref(*args, before[:, 1][slots], bias, True)
+    torch.testing.assert_close(y.float(), y_ref, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-3, atol=1e-3)
+    others = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
+    y32, _ = selective_scan_varlen_triton(*args, initial_state=before[:, 1][slots], dt_bias=bias, dt_softplus=True)
+    assert torch.equal(y, y32.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

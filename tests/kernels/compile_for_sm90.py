@@ -3,6 +3,16 @@
 Run in a process without ``TRITON_INTERPRET`` (under the interpreter ``@triton.jit`` yields interpreted
 functions that cannot be compiled). Prints one JSON line per kernel configuration:
 ``{"kernel", "config", "registers", "stack", "local"}``.
+
+Each kernel is compiled with the specialization a real launch gets, or its register count is not the one the
+GPU runs. Triton's launcher marks each pointer whose address is a multiple of 16 bytes, and each integer that is
+a multiple of 16, with ``tt.divisibility = 16`` (which enables vectorised loads and drops address arithmetic),
+and compiles an integer equal to 1 as a constant; ``ASTSource`` takes these as ``attrs={(arg index,):
+[["tt.divisibility", 16]]}`` and ``constexprs``. Without them the SSD output kernel (bf16, 4 warps) compiled to
+234 registers instead of 119. PyTorch allocates on 256-byte boundaries and the wrappers pass whole tensors or column
+slices at offsets of multiples of 16 bytes, so every pointer gets the hint (a misaligned launch compiles another,
+unhinted variant this check does not cover). Integers get it only where ``LAUNCH_INTS`` gives the values a
+wrapper passes at the compiled model size; the others stay unhinted ``i32``, the general case.
 """
 
 from __future__ import annotations
@@ -25,21 +35,43 @@ from rnnserve.kernels.causal_conv1d.chunk import _conv_final_state_kernel, _conv
 from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
+from rnnserve.kernels.gated_rms_norm.fused import _gated_rms_norm_kernel
 from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
 from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.residual_rms_norm.fused import _residual_rms_norm_kernel
-from rnnserve.kernels.selective_scan.chunk import _selective_scan_varlen_kernel
+from rnnserve.kernels.selective_scan.chunk import _segment_state_kernel, _selective_scan_varlen_kernel
 from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
 from rnnserve.kernels.sliding_window.chunk import _prefill_warps, _ring_write_kernel, _sw_prefill_kernel
 from rnnserve.kernels.sliding_window.fused_recurrent import _sw_decode_kernel
-from rnnserve.kernels.ssd.chunk import _ssd_chunk_scan_kernel, _ssd_chunk_state_kernel, _ssd_state_passing_kernel
+from rnnserve.kernels.ssd.chunk import (
+    _ssd_chunk_cb_kernel,
+    _ssd_chunk_cumsum_kernel,
+    _ssd_chunk_scan_kernel,
+    _ssd_chunk_state_kernel,
+    _ssd_state_passing_kernel,
+)
 from rnnserve.kernels.ssd.fused_recurrent import _ssd_state_update_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 # Kernels whose wrappers launch them with a num_stages other than Triton's default.
-NUM_STAGES = {"_int8_linear_kernel": INT8_LINEAR_STAGES}
+NUM_STAGES = {"_int8_linear_kernel": INT8_LINEAR_STAGES, **dict.fromkeys(
+    ["_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_chunk_scan_kernel"], 2)}
+# Integer arguments as the wrappers pass them at the compiled sizes, for the launch's specialization (see the
+# module docstring). mamba2-370m: 32 heads x 64, d_state 128, one group, xBC rows of 2304 (x, B and C are column
+# slices of the conv output), fp32 SSD states [B, H, P, N] and a [slots, 48 layers, H, P, N] decode pool; its
+# gated norm reads z from in_proj's [T, 4384] output.
+_SSD_370M = {"heads": 32, "head_dim": 64, "d_state": 128, "heads_per_group": 32, "groups": 1, "state_size": 8192,
+             "stride_dt": 32, "stride_x_t": 2304, "stride_x_h": 64, "stride_B_t": 2304, "stride_B_g": 128,
+             "stride_C_t": 2304, "stride_C_g": 128, "stride_h0_slot": 262144, "stride_h0_h": 8192,
+             "stride_ht_slot": 262144, "stride_ht_h": 8192, "stride_slot": 48 * 262144, "stride_state_h": 8192,
+             "stride_state_p": 128, "stride_x_b": 2304, "stride_B_b": 2304, "stride_C_b": 2304}
+LAUNCH_INTS = {
+    **dict.fromkeys(["_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
+                     "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
+    "_gated_rms_norm_kernel": {"width": 2048, "stride_y": 2048, "stride_z": 4384, "stride_out": 2048},
+}
 
 
 def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
@@ -57,7 +89,8 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
         configs.append((_diag_scan_step_kernel,
                         {"a_ptr": act, "b_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "out_ptr": f32},
                         {"LOG_SPACE": log_space, "BD": 1024}, 4))
-    configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "BT": 32, "BC": 64}, 8))
+    configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True,
+                                                   "BT": 32, "BC": 64}, 8))
     configs.append((_conv_final_state_kernel, {"x_ptr": act, "h0_ptr": f32, "ht_ptr": f32, "cu_seqlens_ptr": i64},
                     {"K": 4, "HAS_H0": True, "BC": 64, "BK": 4}, 4))
     configs.append((_conv_update_kernel,
@@ -73,6 +106,8 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                     {"stream_ptr": "*fp32", "delta_ptr": act, "weight_ptr": act, "normed_ptr": act,
                      "new_stream_ptr": "*fp32", "eps": "fp32"},
                     {"HAS_DELTA": True, "ROUND_TO_WEIGHT": True, "BN": 4096}, 16))
+    configs.append((_gated_rms_norm_kernel, {"y_ptr": "*fp32", "z_ptr": act, "weight_ptr": act, "out_ptr": act,
+                                             "inv_width": "fp32", "eps": "fp32"}, {"BN": 2048}, 8))
     configs += _mamba_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)
@@ -88,20 +123,29 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
     flags = {"HAS_DT_BIAS": True, "DT_SOFTPLUS": True, "HAS_D": True, "HAS_Z": True}
     ss = {"x_ptr": act, "dt_ptr": act, "dt_bias_ptr": f32, "A_ptr": f32, "B_ptr": act, "C_ptr": act, "D_ptr": f32,
           "z_ptr": act, "y_ptr": f32, "cu_seqlens_ptr": i64, "h0_ptr": f32, "ht_ptr": f32, "slot_ids_ptr": i64,
-          "state_ptr": f32}
+          "state_ptr": f32, "seg_ptr": i64, "state_segments_ptr": i64, "seg_state_ptr": f32, "seg_dt_ptr": f32,
+          "seg_start_ptr": f32}
     low = act != "*fp32"
-    dots = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32,
-            "PRECISION": "tf32" if low else "ieee", "L": 32, "BP": 64, "BN": 32}
+    # SSD prefill as ssd_scan_varlen_triton launches it by default: 256-token chunks, [64, 32] score tiles, 4 warps.
+    chunked = {"PRECISION": "tf32" if low else "ieee", "L": 256, "BK": 32}
+    dots = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32, **chunked, "BM": 64,
+            "BN": 32}
     ssd = {"x_ptr": act, "dt_ptr": f32, "A_ptr": f32, "B_ptr": act, "C_ptr": act, "D_ptr": f32, "y_ptr": f32,
-           "chunk_start_ptr": i64, "chunk_end_ptr": i64, "cum_ptr": f32, "states_ptr": f32, "incoming_ptr": f32,
+           "chunk_start_ptr": i64, "chunk_end_ptr": i64, "cum_ptr": f32, "cb_ptr": f32, "states_ptr": f32,
            "seq_first_chunk_ptr": i64, "h0_ptr": f32, "ht_ptr": f32, "slot_ids_ptr": i64, "state_ptr": f32}
     return [
-        (_selective_scan_varlen_kernel, ss, {"HAS_H0": True, "HAS_SLOTS": True, **flags, "BT": 16, "BD": 16,
-                                             "BN": 16}, 4),
+        # The model has the prefill scan store y in its activation dtype.
+        *((_selective_scan_varlen_kernel, {**ss, "y_ptr": act}, {"HAS_H0": True, "HAS_SLOTS": True, **flags,
+                                                                 "SPLIT": split, "BD": 32, "BN": 16}, 1)
+          for split in (False, True)),
+        (_segment_state_kernel, ss, {"HAS_H0": True, "HAS_SLOTS": True, "HAS_DT_BIAS": True, "DT_SOFTPLUS": True,
+                                     "BD": 32, "BN": 16}, 1),
         (_selective_state_update_kernel, ss, {**flags, "BD": 128, "BN": 16}, 4),
-        (_ssd_chunk_state_kernel, ssd, dots, 8),
-        (_ssd_state_passing_kernel, ssd, {"HAS_H0": True, "HAS_SLOTS": True, "L": 32, "BLOCK": 1024}, 4),
-        (_ssd_chunk_scan_kernel, ssd, {"HAS_D": True, **dots}, 8),
+        (_ssd_chunk_cumsum_kernel, ssd, {"L": 256, "BH": 16}, 4),
+        (_ssd_chunk_cb_kernel, ssd, dots, 4),
+        (_ssd_chunk_state_kernel, ssd, {**chunked, "BP": 64, "BN": 64}, 4),
+        (_ssd_state_passing_kernel, ssd, {"HAS_H0": True, "HAS_SLOTS": True, "L": 256, "BLOCK": 512}, 4),
+        (_ssd_chunk_scan_kernel, ssd, {"HAS_D": True, "CB_IN_MEMORY": True, **dots, "BP": 64}, 4),
         (_ssd_state_update_kernel, ssd, {"HAS_D": True, "BP": 16, "BN": 128}, 4),
     ]
 
@@ -158,13 +202,29 @@ def _int8_linear_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, s
     return configs
 
 
+def _specialize(
+    kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object]
+) -> tuple[dict[str, str], dict[str, object], dict[tuple[int], list[list[object]]]]:
+    """(signature, constexprs, attributes) as Triton's launcher specializes an aligned launch: every pointer and
+    every integer of ``LAUNCH_INTS`` that is a multiple of 16 gets ``tt.divisibility = 16``; one equal to 1 becomes
+    a constexpr. Other integers are plain ``i32``."""
+    ints = LAUNCH_INTS.get(kernel.__name__, {})
+    names = kernel.arg_names
+    constexprs = {**constexprs, **{n: 1 for n in names if ints.get(n) == 1 and n not in constexprs}}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = [n for n in names if signature[n].startswith("*") or (signature[n] == "i32" and n in ints
+                                                                       and ints[n] % 16 == 0)]
+    return signature, constexprs, {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+
+
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
     for act in ("*fp32", "*bf16"):
         for kernel, types, constexprs, num_warps in _configs(act):
             names = kernel.arg_names
-            signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-            source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+            signature, constexprs, attrs = _specialize(kernel, types, constexprs)
+            source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                               attrs=attrs)
             options = {"num_warps": num_warps}
             if kernel.__name__ in NUM_STAGES:
                 options["num_stages"] = NUM_STAGES[kernel.__name__]

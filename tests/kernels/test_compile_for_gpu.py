@@ -31,8 +31,8 @@ def test_kernels_compile_for_sm90_without_spills():
         assert report["registers"] <= REGISTER_LIMITS.get(report["kernel"], 128), report
 
 
-# Kernels built around tensor-core products hold a [32, 32] score tile and [32, 64] accumulators at 8 warps; the
-# Mamba-1 prefill scan keeps the next chunk's five input tiles live across its loop (fp32 inputs: 160).
+# The SSD output kernel holds a [64, 32] score tile and a [64, 64] accumulator at 4 warps (fp32 inputs: 168); the
+# Mamba-1 prefill scan keeps a channel's state, A, and the next token's B and C in each thread (151).
 REGISTER_LIMITS = {"_ssd_chunk_scan_kernel": 168, "_selective_scan_varlen_kernel": 168}
 
 
