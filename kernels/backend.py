@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -40,3 +41,29 @@ def unit_stride_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension is contiguous (rows may be strided, e.g. a split of a projection),
     else a contiguous copy: the layout the Triton kernels index."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+T = TypeVar("T")
+_TABLES_ATTR = "_rnnserve_host_tables"
+_BOUNDS = object()  # the key of the host copy of cu_seqlens itself
+
+
+def per_cu_seqlens(cu_seqlens: torch.Tensor, key: Hashable, build: Callable[[list[int]], T]) -> T:
+    """``build(cu_seqlens.tolist())``, computed once per ``cu_seqlens`` tensor and ``key``.
+
+    A model's layers all receive the same ``cu_seqlens`` tensor, so the prefill kernels that need the lengths
+    on the host (to lay out chunks or segments) read them once per batch instead of once per layer: every read
+    waits for the device to drain its queue. The result lives on the tensor (and dies with it); an in-place
+    change of a normal tensor (a new version) rebuilds it. Inference tensors have no version counter: they
+    are taken as unchanged (the engine builds a new ``cu_seqlens`` per batch)."""
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    cache = getattr(cu_seqlens, _TABLES_ATTR, None)
+    if cache is None or cache[0] != version:
+        cache = (version, {})
+        setattr(cu_seqlens, _TABLES_ATTR, cache)
+    tables = cache[1]
+    if key not in tables:
+        if _BOUNDS not in tables:
+            tables[_BOUNDS] = cu_seqlens.tolist()
+        tables[key] = build(tables[_BOUNDS])
+    return tables[key]

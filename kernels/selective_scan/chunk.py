@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.backend import unit_stride_last
+from rnnserve.kernels.backend import per_cu_seqlens, unit_stride_last
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 # Segments of a long sequence scanned in parallel (H200, scan_tune: 512 beat 256 and 1024 at 1 x 16384 and
@@ -222,8 +222,15 @@ def _scan_prefetched(
 def _segment_table(cu_seqlens: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(table [4 * S]: start, end, sequence, first segment of the sequence; ids of the segments that are not
     their sequence's last; S)`` with each sequence cut into near-equal segments of at most ``segment_len``
-    tokens, or None when no sequence is longer than ``segment_len``."""
-    bounds = cu_seqlens.tolist()
+    tokens, or None when no sequence is longer than ``segment_len``; built once per ``cu_seqlens`` tensor
+    (shared by a model's layers)."""
+    return per_cu_seqlens(cu_seqlens, ("scan_segments", segment_len),
+                          lambda bounds: _build_segment_table(bounds, segment_len, cu_seqlens.device))
+
+
+def _build_segment_table(
+    bounds: list[int], segment_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     if max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)) <= segment_len:
         return None
     starts: list[int] = []
@@ -240,7 +247,7 @@ def _segment_table(cu_seqlens: torch.Tensor, segment_len: int) -> tuple[torch.Te
             sequences.append(b)
             firsts.append(first)
         not_last.extend(range(first, len(starts) - 1))
-    table = torch.tensor(starts + ends + sequences + firsts + not_last, dtype=torch.int64, device=cu_seqlens.device)
+    table = torch.tensor(starts + ends + sequences + firsts + not_last, dtype=torch.int64, device=device)
     num_segments = len(starts)
     return table[: 4 * num_segments], table[4 * num_segments :], num_segments
 

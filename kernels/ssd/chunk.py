@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.backend import unit_stride_last
+from rnnserve.kernels.backend import per_cu_seqlens, unit_stride_last
 
 MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
 
@@ -234,15 +234,21 @@ def _ssd_chunk_scan_kernel(
 
 def _chunk_table(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(start row, end row) of every chunk, and each sequence's first chunk id (plus the total), on the
-    device of ``cu_seqlens``."""
-    bounds = cu_seqlens.tolist()
+    device of ``cu_seqlens``; built once per ``cu_seqlens`` tensor (shared by a model's layers)."""
+    return per_cu_seqlens(cu_seqlens, ("ssd_chunks", chunk_size),
+                          lambda bounds: _build_chunk_table(bounds, chunk_size, cu_seqlens.device))
+
+
+def _build_chunk_table(
+    bounds: list[int], chunk_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     starts, ends, firsts = [], [], [0]
     for b in range(len(bounds) - 1):
         for s in range(bounds[b], bounds[b + 1], chunk_size):
             starts.append(s)
             ends.append(min(s + chunk_size, bounds[b + 1]))
         firsts.append(len(starts))
-    table = torch.tensor(starts + ends + firsts, dtype=torch.int64, device=cu_seqlens.device)
+    table = torch.tensor(starts + ends + firsts, dtype=torch.int64, device=device)
     return table[: len(starts)], table[len(starts) : 2 * len(starts)], table[2 * len(starts) :]
 
 
