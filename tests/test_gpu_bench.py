@@ -49,3 +49,14 @@ def test_ssd_tune_smoke_times_each_choice_and_kernel_on_both_shapes():
     kernels = {row[2] for row in rows if row[0] == "1x40" and row[1] == "kernel"}
     assert kernels == {"_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
                        "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "(all,"}, result.stdout
+
+
+def test_conv_tune_smoke_times_each_choice_on_both_shapes():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_tune.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert sorted((row[1], row[2]) for row in rows) == [("1x40", "(16,"), ("1x40", "default"), ("2x16", "(16,"),
+                                                        ("2x16", "default")], result.stdout
+    assert all(float(row[-2]) > 0 for row in rows), result.stdout

@@ -81,11 +81,17 @@ def causal_conv1d_varlen_triton(
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     silu: bool = False,
+    block_t: int = 16,
+    block_c: int = 128,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, C]``, ``weight [C, K]``, ``initial_state [B, C, K-1]`` -> ``(y [T, C], final [B, C, K-1])``.
 
     ``x`` may have strided rows (a split of a projection: read in place). ``y`` (contiguous) has ``x``'s dtype
-    (with ``silu``: ``F.silu`` of that rounded output), the final state is fp32.
+    (with ``silu``: ``F.silu`` of that rounded output), the final state is fp32. ``block_t`` tokens x
+    ``block_c`` channels per program and ``num_warps`` set the launch (``benchmarks/conv_tune.py`` times them;
+    H200, one layer at 16K tokens, 2048 / 2304 channels: 16 x 128 over 4 warps 71-93K tok/ms, the former
+    32 x 64 over 8 warps 70-74K).
     """
     total, channels = x.shape
     width = weight.shape[1]
@@ -101,15 +107,14 @@ def causal_conv1d_varlen_triton(
     final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
     h0 = initial_state if initial_state is not None else final_state
     stride_b, stride_c = (h0.stride(0), h0.stride(1)) if initial_state is not None else (0, 0)
-    block_c = min(triton.next_power_of_2(channels), 64)
-    block_t = 32
-    _conv_varlen_kernel[(triton.cdiv(total, block_t), triton.cdiv(channels, block_c))](
+    tile_c = min(triton.next_power_of_2(channels), block_c)
+    _conv_varlen_kernel[(triton.cdiv(total, block_t), triton.cdiv(channels, tile_c))](
         x, weight, bias if bias is not None else weight, h0, y, cu_seqlens, seq_idx, total, channels, x.stride(0),
         stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-        BT=block_t, BC=block_c, num_warps=8,  # 8 warps: ~106 registers on sm_90 (4 warps: ~200)
+        BT=block_t, BC=tile_c, num_warps=num_warps,
     )
-    _conv_final_state_kernel[(batch, triton.cdiv(channels, block_c))](
+    _conv_final_state_kernel[(batch, triton.cdiv(channels, tile_c))](
         x, h0, final_state, cu_seqlens, channels, x.stride(0), stride_b, stride_c,
-        K=width, HAS_H0=initial_state is not None, BC=block_c, BK=triton.next_power_of_2(width - 1),
+        K=width, HAS_H0=initial_state is not None, BC=tile_c, BK=triton.next_power_of_2(width - 1),
     )
     return y, final_state

@@ -90,9 +90,9 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                         {"a_ptr": act, "b_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "out_ptr": f32},
                         {"LOG_SPACE": log_space, "BD": 1024}, 4))
     configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True,
-                                                   "BT": 32, "BC": 64}, 8))
+                                                   "BT": 16, "BC": 128}, 4))
     configs.append((_conv_final_state_kernel, {"x_ptr": act, "h0_ptr": f32, "ht_ptr": f32, "cu_seqlens_ptr": i64},
-                    {"K": 4, "HAS_H0": True, "BC": 64, "BK": 4}, 4))
+                    {"K": 4, "HAS_H0": True, "BC": 128, "BK": 4}, 4))
     configs.append((_conv_update_kernel,
                     {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "y_ptr": act},
                     {"K": 4, "HAS_BIAS": True, "SILU": True, "BC": 256, "BK": 4}, 4))
