@@ -56,6 +56,24 @@ def _ssd_chunk_cumsum_kernel(
 
 
 @triton.jit
+def _cb_block(C_base, B_base, offs_m, offs_k, mask_m, mask_k, d_state, stride_C_t, stride_B_t,
+              DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+              BN: tl.constexpr):
+    """``C_l . B_s`` for a ``[BM, BK]`` block of a chunk (rows past its end read as zero), ``BN`` state indices
+    per product, in the input dtype with fp32 accumulation."""
+    cb = tl.zeros([BM, BK], dtype=tl.float32)
+    for n in range(0, d_state, BN):
+        offs_n = n + tl.arange(0, BN)
+        mask_n = offs_n < d_state
+        C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+        B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
+        cb += tl.dot(C, tl.trans(B), input_precision=PRECISION)
+    return cb
+
+
+@triton.jit
 def _ssd_chunk_cb_kernel(
     B_ptr, C_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr, groups, d_state,
     stride_B_t, stride_B_g, stride_C_t, stride_C_g,
@@ -77,15 +95,8 @@ def _ssd_chunk_cb_kernel(
         mask_k = offs_k < length
         C_base = C_ptr + start * stride_C_t + group * stride_C_g
         B_base = B_ptr + start * stride_B_t + group * stride_B_g
-        cb = tl.zeros([BM, BK], dtype=tl.float32)
-        for n in range(0, d_state, BN):
-            offs_n = n + tl.arange(0, BN)
-            mask_n = offs_n < d_state
-            C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
-                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
-            B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
-            cb += tl.dot(C, tl.trans(B), input_precision=PRECISION)
+        cb = _cb_block(C_base, B_base, offs_m, offs_k, mask_m, mask_k, d_state, stride_C_t, stride_B_t, DOT_DTYPE,
+                       PRECISION, BM, BK, BN)
         tl.store(cb_ptr + (i_c * groups + group) * L * L + offs_m[:, None] * L + offs_k[None, :], cb)
 
 
@@ -209,15 +220,8 @@ def _ssd_chunk_scan_kernel(
             if CB_IN_MEMORY:
                 cb = tl.load(cb_ptr + (i_c * groups + group) * L * L + offs_m[:, None] * L + offs_k[None, :])
             else:
-                cb = tl.zeros([BM, BK], dtype=tl.float32)
-                for n in range(0, d_state, BN):
-                    offs_n = n + tl.arange(0, BN)
-                    mask_n = offs_n < d_state
-                    C = tl.load(C_base + offs_m[:, None] * stride_C_t + offs_n[None, :],
-                                mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
-                    B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
-                                mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(DOT_DTYPE)
-                    cb += tl.dot(C, tl.trans(B), input_precision=PRECISION)
+                cb = _cb_block(C_base, B_base, offs_m, offs_k, mask_m, mask_k, d_state, stride_C_t, stride_B_t,
+                               DOT_DTYPE, PRECISION, BM, BK, BN)
             dt = tl.load(dt_base + offs_k * stride_dt, mask=mask_k, other=0.0).to(tl.float32)
             decay = tl.exp(tl.minimum(cum_m[:, None] - tl.load(cum_base + offs_k)[None, :], 0.0)) * dt[None, :]
             scores = tl.where(offs_m[:, None] >= offs_k[None, :], cb * decay, 0.0)
