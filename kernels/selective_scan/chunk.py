@@ -89,6 +89,22 @@ def _discretise(dt, x, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.const
 
 
 @triton.jit
+def _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state, HAS_DT_BIAS: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr):
+    """Program ``i_d``'s channels: ``(offs_d, offs_n, mask_d, mask_n, mask_dn, A [BD, BN] fp32, dt bias [BD])``."""
+    offs_d = i_d * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    mask_d = offs_d < dim
+    mask_n = offs_n < d_state
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = tl.load(A_ptr + offs_d[:, None] * d_state + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
+    dt_bias = tl.zeros([BD], dtype=tl.float32)
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return offs_d, offs_n, mask_d, mask_n, mask_dn, A, dt_bias
+
+
+@triton.jit
 def _segment_state_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, cu_seqlens_ptr, seg_ptr, num_segments, state_segments_ptr,
     h0_ptr, slot_ids_ptr, seg_state_ptr, seg_dt_ptr, seg_start_ptr,
@@ -99,15 +115,8 @@ def _segment_state_kernel(
     i_s = tl.load(state_segments_ptr + tl.program_id(0)).to(tl.int64)
     i_d = tl.program_id(1)
     bos, eos, i_b, first, is_first, is_last = _segment_bounds(seg_ptr, num_segments, cu_seqlens_ptr, i_s, True)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    mask_d = offs_d < dim
-    mask_n = offs_n < d_state
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + offs_d[:, None] * d_state + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    dt_bias = tl.zeros([BD], dtype=tl.float32)
-    if HAS_DT_BIAS:
-        dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    offs_d, offs_n, mask_d, mask_n, mask_dn, A, dt_bias = _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state,
+                                                                         HAS_DT_BIAS, BD, BN)
     state_offs = (i_s * dim + offs_d[:, None]) * d_state + offs_n[None, :]
     state = tl.zeros([BD, BN], dtype=tl.float32)
     if HAS_H0:
@@ -152,15 +161,8 @@ def _selective_scan_varlen_kernel(
         row = tl.load(slot_ids_ptr + i_b).to(tl.int64)
     else:
         row = i_b
-    offs_d = i_d * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    mask_d = offs_d < dim
-    mask_n = offs_n < d_state
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + offs_d[:, None] * d_state + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    dt_bias = tl.zeros([BD], dtype=tl.float32)
-    if HAS_DT_BIAS:
-        dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    offs_d, offs_n, mask_d, mask_n, mask_dn, A, dt_bias = _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state,
+                                                                         HAS_DT_BIAS, BD, BN)
     D = tl.zeros([BD], dtype=tl.float32)
     if HAS_D:
         D = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
