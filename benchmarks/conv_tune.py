@@ -19,14 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
 import itertools  # noqa: E402
-import os  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.decode import seconds_per_step  # noqa: E402
+from benchmarks.tune import device_name, tuning_device  # noqa: E402
 from rnnserve.kernels.causal_conv1d.chunk import causal_conv1d_varlen_triton  # noqa: E402
 
 
@@ -45,24 +44,18 @@ def conv_inputs(lengths: list[int], channels: int, dtype: torch.dtype, device: t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="two choices, tiny sizes, CPU interpreter")
-    args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
-        device, widths, shapes, steps = torch.device("cpu"), {"c40": 40}, {"1x40": [40], "2x16": [16, 16]}, 1
+    smoke, device = tuning_device(__doc__.splitlines()[0])
+    if smoke:
+        widths, shapes, steps = {"c40": 40}, {"1x40": [40], "2x16": [16, 16]}, 1
         choices = [None, (16, 16, 1)]
-    elif not torch.cuda.is_available():
-        parser.error("no CUDA device (use --smoke for the CPU check)")
     else:
-        device, steps = torch.device("cuda"), 5
+        steps = 5
         widths = {"mamba": 2048, "mamba2": 2304}
         shapes = {"1x16384": [16384], "8x2048": [2048] * 8}
         choices = [None, *itertools.product([16, 32, 64], [64, 128, 256], [4, 8])]
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: one conv layer (width 4, SiLU), "
+    print(f"{device_name(device)}: one conv layer (width 4, SiLU), "
           "bf16; tok/ms per choice (block_t, block_c, num_warps)", flush=True)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    dtype = torch.float32 if smoke else torch.bfloat16
     for (model, channels), (shape, lengths) in itertools.product(widths.items(), shapes.items()):
         inputs = conv_inputs(lengths, channels, dtype, device)
         results = []

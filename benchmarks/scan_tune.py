@@ -19,14 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
 import itertools  # noqa: E402
-import os  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.decode import seconds_per_step  # noqa: E402
+from benchmarks.tune import device_name, tuning_device  # noqa: E402
 from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton  # noqa: E402
 
 
@@ -51,23 +50,17 @@ def run(inputs: dict, **launch: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="two choices, tiny sizes, CPU interpreter")
-    args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
-        device, d_inner, shapes, steps = torch.device("cpu"), 32, {"1x40": [40], "2x16": [16, 16]}, 1
+    smoke, device = tuning_device(__doc__.splitlines()[0])
+    if smoke:
+        d_inner, shapes, steps = 32, {"1x40": [40], "2x16": [16, 16]}, 1
         choices = [None, (8, 1, 16)]
-    elif not torch.cuda.is_available():
-        parser.error("no CUDA device (use --smoke for the CPU check)")
     else:
-        device, d_inner, shapes, steps = torch.device("cuda"), 2048, {"1x16384": [16384], "8x2048": [2048] * 8}, 5
+        d_inner, shapes, steps = 2048, {"1x16384": [16384], "8x2048": [2048] * 8}, 5
         choices = [None, *itertools.product([32, 64, 128], [1, 2, 4], [256, 512, 1024]), (32, 1, 0)]
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: one scan layer, d_inner "
+    print(f"{device_name(device)}: one scan layer, d_inner "
           f"{d_inner}, d_state 16, bf16 inputs; tok/ms per choice (block_d, num_warps, segment_len)",
           flush=True)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    dtype = torch.float32 if smoke else torch.bfloat16
     for shape, lengths in shapes.items():
         inputs = scan_inputs(lengths, d_inner, 16, dtype, device)
         results = []

@@ -20,10 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -31,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.decode import seconds_per_step  # noqa: E402
+from benchmarks.tune import device_name, tuning_device  # noqa: E402
 from rnnserve.kernels.ssd import chunk as ssd_chunk  # noqa: E402
 
 # Each choice changes the wrapper's defaults in these keyword arguments only.
@@ -137,27 +136,21 @@ def _name(choice: dict[str, int | bool]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="two choices, tiny sizes, CPU interpreter")
-    args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    smoke, device = tuning_device(__doc__.splitlines()[0])
+    if smoke:
         # fp32: the interpreter computes bf16 tl.dot wrongly.
-        device, dtype, steps, sweep = torch.device("cpu"), torch.float32, 1, SMOKE_SWEEP
+        dtype, steps, sweep = torch.float32, 1, SMOKE_SWEEP
         heads, head_dim, d_state, shapes = 2, 16, 16, {"1x40": [40], "2x16": [16, 16]}
-    elif not torch.cuda.is_available():
-        parser.error("no CUDA device (use --smoke for the CPU check)")
     else:
-        device, dtype, steps, sweep = torch.device("cuda"), torch.bfloat16, 10, SWEEP
+        dtype, steps, sweep = torch.bfloat16, 10, SWEEP
         heads, head_dim, d_state, shapes = 32, 64, 128, {"1x16384": [16384], "8x2048": [2048] * 8}
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: one SSD layer, {heads} heads x "
+    print(f"{device_name(device)}: one SSD layer, {heads} heads x "
           f"{head_dim}, d_state {d_state}, 1 group, {str(dtype).removeprefix('torch.')} inputs; tok/ms per "
           f"choice (changes to the defaults) and its largest |y - y_default|", flush=True)
     for shape, lengths in shapes.items():
         torch.manual_seed(0)
         tune_shape(shape, ssd_inputs(lengths, heads, head_dim, d_state, dtype, device), sweep, device, steps,
-                   strict=args.smoke)
+                   strict=smoke)
 
 
 def tune_shape(shape: str, inputs: dict, sweep: list[dict[str, int | bool]], device: torch.device, steps: int,

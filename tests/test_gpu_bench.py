@@ -26,22 +26,23 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
 
 
-def test_scan_tune_smoke_times_each_choice_on_both_shapes():
+def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """Run ``benchmarks/<script>.py --smoke`` under the interpreter; its result and its table's rows, split."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scan_tune.py"), "--smoke"],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke"],
                             capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    return result, [line.split() for line in result.stdout.splitlines()[1:]]
+
+
+def test_scan_tune_smoke_times_each_choice_on_both_shapes():
+    result, rows = _tune_smoke("scan_tune")
     assert sorted((row[0], row[1]) for row in rows) == [("1x40", "(8,"), ("1x40", "default"), ("2x16", "(8,"),
                                                         ("2x16", "default")], result.stdout
 
 
 def test_ssd_tune_smoke_times_each_choice_and_kernel_on_both_shapes():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ssd_tune.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    result, rows = _tune_smoke("ssd_tune")
     choices = sorted((row[0], row[1]) for row in rows if row[3] == "tok/ms")
     smoke = "chunk_size=32,block_m=16,block_k=16,precompute_cb=0"
     assert choices == [("1x40", smoke), ("1x40", "default"), ("2x16", smoke), ("2x16", "default")], result.stdout
@@ -52,11 +53,7 @@ def test_ssd_tune_smoke_times_each_choice_and_kernel_on_both_shapes():
 
 
 def test_conv_tune_smoke_times_each_choice_on_both_shapes():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_tune.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    result, rows = _tune_smoke("conv_tune")
     assert sorted((row[1], row[2]) for row in rows) == [("1x40", "(16,"), ("1x40", "default"), ("2x16", "(16,"),
                                                         ("2x16", "default")], result.stdout
     assert all(float(row[-2]) > 0 for row in rows), result.stdout
