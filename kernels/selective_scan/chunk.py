@@ -182,24 +182,8 @@ def _selective_scan_varlen_kernel(
             own = tl.load(seg_state_ptr + (j * dim + offs_d[:, None]) * d_state + offs_n[None, :], mask=mask_dn,
                           other=0.0)
             carry = decay * carry + own
-    carry = _scan_prefetched(
-        x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, A, D, dt_bias, carry, bos, eos, dim, stride_x, stride_dt,
-        stride_B, stride_C, stride_z, offs_d, offs_n, mask_d, mask_n, HAS_DT_BIAS, DT_SOFTPLUS, HAS_Z,
-    )
-    ht_ptrs = ht_ptr + row * stride_ht_slot + offs_d[:, None] * stride_ht_d + offs_n[None, :]
-    if SPLIT:
-        tl.store(ht_ptrs, carry, mask=_mask_if(mask_dn, is_last))
-    else:
-        tl.store(ht_ptrs, carry, mask=mask_dn)
-
-@triton.jit
-def _scan_prefetched(
-    x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, A, D, dt_bias, carry, bos, eos, dim, stride_x, stride_dt, stride_B,
-    stride_C, stride_z, offs_d, offs_n, mask_d, mask_n, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_Z: tl.constexpr,
-):
-    """Rows ``[bos, eos)`` token by token, the next token's loads issued before this one's update; returns the
-    carry. An empty sequence reads a row it never uses (clamped into the tensor)."""
+    # Token by token, the next token's loads issued before this one's update; an empty sequence reads a row
+    # it never uses (clamped into the tensor) and keeps its initial state.
     x_next, dt_next, B_next, C_next, z_next = _load_token(
         x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, tl.maximum(tl.minimum(bos, eos - 1), 0), stride_x, stride_dt, stride_B,
         stride_C, stride_z, offs_d, offs_n, mask_d, mask_n, True, HAS_Z,
@@ -217,8 +201,11 @@ def _scan_prefetched(
         if HAS_Z:
             y *= z * tl.sigmoid(z)
         tl.store(y_ptr + t * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-    return carry
-
+    ht_ptrs = ht_ptr + row * stride_ht_slot + offs_d[:, None] * stride_ht_d + offs_n[None, :]
+    if SPLIT:
+        tl.store(ht_ptrs, carry, mask=_mask_if(mask_dn, is_last))
+    else:
+        tl.store(ht_ptrs, carry, mask=mask_dn)
 
 
 def _segment_table(cu_seqlens: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
