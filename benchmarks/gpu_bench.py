@@ -7,7 +7,8 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   the device-to-device copy bandwidth measured in the same run;
 - prefill tok/ms for ``1 x 16384`` and ``8 x 2048`` prompt tokens;
 - offline engine throughput (``LLMEngine.step`` with sampling and outputs, prompt 16, 256 new tokens) at
-  each concurrency, its ratio to the model step, and the same load over HTTP through a real ``rnnserve
+  each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step, and
+  the same load over HTTP (async scheduling) through a real ``rnnserve
   serve`` process (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
@@ -189,19 +190,25 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
         rows, step_ms = model_step_rows(model, preset, device, sizes, peak, profile)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max(sizes.concurrency),
-                                                      max_num_batched_tokens=max(PROMPT_LEN * max(sizes.concurrency),
-                                                                                 2048),
-                                                      enable_prefix_cache=False))
     offline: dict[int, float] = {}
-    generated_tokens_per_second(engine, 2, PROMPT_LEN, 4)  # warm-up
-    for c in sizes.concurrency:
-        offline[c] = generated_tokens_per_second(engine, c, PROMPT_LEN, sizes.new_tokens) / 1e3
-        cells = {"what": f"engine c={c}", "tok/ms": f"{offline[c]:.2f}"}
-        if c in step_ms:
-            cells["vs model step"] = f"{offline[c] / (c / step_ms[c]):.0%}"
-        rows.append(Row(preset, cells))
-    del engine, model
+    for mode in ("off", "auto") if device.type == "cuda" else ("auto",):  # auto: async scheduling on CUDA
+        config = EngineConfig(max_num_seqs=max(sizes.concurrency), enable_prefix_cache=False, async_scheduling=mode,
+                              max_num_batched_tokens=max(PROMPT_LEN * max(sizes.concurrency), 2048))
+        engine = LLMEngine(model, tokenizer, config)
+        generated_tokens_per_second(engine, 2, PROMPT_LEN, 4)  # warm-up
+        for c in sizes.concurrency:
+            rate = generated_tokens_per_second(engine, c, PROMPT_LEN, sizes.new_tokens) / 1e3
+            label = f"engine c={c}" if mode == "auto" else f"engine c={c}, synchronous"
+            cells = {"what": label, "tok/ms": f"{rate:.2f}"}
+            if c in step_ms:
+                cells["vs model step"] = f"{rate / (c / step_ms[c]):.0%}"
+            rows.append(Row(preset, cells))
+            if mode == "auto":
+                offline[c] = rate
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if http:

@@ -100,6 +100,11 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up"
     )
+    async_scheduling: str = option(
+        "auto", "queue each engine step on the device before reading the previous step's tokens, so the host's "
+        "work (outputs, detokenizing, scheduling) overlaps the device's; auto: on for CUDA, where the model runs "
+        "asynchronously (on a CPU the model step is the host's own work)", choices=["auto", "on", "off"],
+    )
     enable_prefix_cache: bool = option(
         True, "do not keep request states in the prefix cache (a request whose prompt starts with a cached "
         "prompt or prompt + response resumes from its state and prefills only the rest)", flag="--no-prefix-cache",

@@ -9,7 +9,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +18,9 @@ from rnnserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM, StateSpec
-from rnnserve.engine.outputs import RequestMetrics, RequestOutput, TokenLatencies
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput, TokenLatencies, TokenLogprob
 from rnnserve.engine.prefix_cache import PrefixCache, PrefixCacheStats, TierUsage
-from rnnserve.engine.sampler import SampleResult, sample
+from rnnserve.engine.sampler import SampledTokens, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
@@ -60,6 +60,16 @@ class StepStats:
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
     latencies: TokenLatencies = field(default_factory=TokenLatencies)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model calls and sampling are queued on the device: the samples it sampled (one row each,
+    ``sampled`` holds their tokens) and the requests that failed while it was launched."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    sampled: SampledTokens | None = None
+    failed: list[SequenceGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +115,10 @@ class LLMEngine:
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.model_fingerprint = model_fingerprint(model, self.pool.specs)
         self.eos_token_id = tokenizer.eos_token_id
+        self.async_scheduling = self.config.async_scheduling == "on" or (
+            self.config.async_scheduling == "auto" and device.type == "cuda"
+        )
+        self._in_flight: LaunchedStep | None = None  # with async scheduling: the step queued before this one
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
         self._ids = itertools.count()
@@ -255,16 +269,16 @@ class LLMEngine:
         group = self.scheduler.abort(request_id)
         return group.output() if group is not None else None
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Run one engine iteration; return an output for every request that progressed (and whose
         ``output_kind`` wants one now) or failed.
 
-        ``overlap``, if given, runs once per step after the model calls and before sampling: on a GPU the
-        model's kernels are still running then (sampling waits for them), so a caller's work placed there
-        proceeds in parallel with the device (the server hands the previous step's outputs to its event loop).
+        Synchronously, a step schedules, runs the model, samples and appends the tokens. With async scheduling
+        (on CUDA by default) a step queues its model calls and sampling on the device, then processes the
+        previous step's tokens while the device computes: its outputs are that step's. The samples of the
+        previous step are in the queued one although the host does not know yet whether they finished; one
+        that did loses the token sampled for it, and its slot, already free, is written once more (its saved
+        state then includes its last token: see ``Scheduler._save_finished``).
 
         A failure while running, sampling or post-processing fails only the requests it concerns: those of
         the batch whose model call raised (their states may be half-written), or the one request whose
@@ -280,25 +294,57 @@ class LLMEngine:
             prefix_cache_hits=cache_after.hits - cache_before.hits,
             prefix_cache_hit_tokens=cache_after.hit_tokens - cache_before.hit_tokens,
         )
-        seqs, logits = self._run(batch, stats)
-        if overlap is not None:
-            overlap()
-        if seqs:
-            result = self._sample(logits, seqs)
-            stats.latencies = self.scheduler.postprocess(seqs, result.token_ids, result.logprobs, self.eos_token_id)
-            stats.generated_tokens = sum(1 for s in seqs if s.group.error is None)
+        launched = self._launch(batch, stats)
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched if launched.sampled is not None else None
+        else:
+            done = launched
+        groups = dict.fromkeys(launched.failed)
+        if done is not None:
+            groups = dict.fromkeys(self._complete(done, stats)) | groups
         self.total_prefill_tokens += stats.prefill_tokens
         stats.seconds = time.perf_counter() - start
         self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
-        return [g.output() for g in batch.groups() if g.has_output]
+        return [g.output() for g in groups if g.has_output]
+
+    def _launch(self, batch: SchedulerOutput, stats: StepStats) -> LaunchedStep:
+        """Run the batch's model calls and sample its rows, without waiting for the device."""
+        launched = LaunchedStep()
+        launched.seqs, logits = self._run(batch, stats, launched.failed)
+        if launched.seqs:
+            slots = [s.slot for s in launched.seqs]
+            launched.sampled = self._sample(logits, launched.seqs, launched.failed)
+            self.runner.record_sampled(slots, launched.sampled.tokens)  # type: ignore[arg-type]
+            for seq in launched.seqs:
+                seq.num_pending += 1
+        return launched
+
+    def _complete(self, launched: LaunchedStep, stats: StepStats) -> list[SequenceGroup]:
+        """Wait for a launched step's tokens and append them; returns the requests that got a token (or failed
+        while appending it). Requests that failed while the step was launched were reported then."""
+        if launched.sampled is None:
+            return []
+        token_ids, logprobs = launched.sampled.result()
+        appending = [s for s in launched.seqs if not s.finished]
+        stats.latencies = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, self.eos_token_id)
+        stats.generated_tokens = sum(1 for s in appending if s.group.error is None)
+        return list({id(s.group): s.group for s in appending}.values())
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request waits, runs, or has a token in flight (async scheduling)."""
+        in_flight = self._in_flight is not None and any(not s.finished for s in self._in_flight.seqs)
+        return self.scheduler.has_unfinished() or in_flight
 
     def _prefix_cache_stats(self) -> PrefixCacheStats:
         """A copy of the prefix cache's cumulative counts (zeros when it is off)."""
         return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
 
-    def _run(self, batch: SchedulerOutput, stats: StepStats) -> tuple[list[Sequence], torch.Tensor]:
-        """Decode, then prefill; returns the samples to sample now and their logits rows."""
+    def _run(
+        self, batch: SchedulerOutput, stats: StepStats, failed: list[SequenceGroup]
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Decode, then prefill; returns the samples to sample now and their logits rows. Requests whose model
+        call raised are failed and added to ``failed``."""
         seqs: list[Sequence] = []
         rows: list[torch.Tensor] = []
         if batch.decode:
@@ -306,15 +352,15 @@ class LLMEngine:
                 rows.append(self.runner.decode(batch.decode))
                 seqs += batch.decode
             except Exception as err:  # noqa: BLE001
-                self._fail_groups({s.group.request_id: s.group for s in batch.decode}.values(), err)
+                failed += self._fail_groups({s.group.request_id: s.group for s in batch.decode}.values(), err)
         if batch.prefill:
             try:
                 prefill_logits = self.runner.prefill(batch.prefill)
             except Exception as err:  # noqa: BLE001
-                self._fail_groups([c.group for c in batch.prefill], err)
+                failed += self._fail_groups([c.group for c in batch.prefill], err)
             else:
                 stats.prefill_tokens = sum(c.end - c.start for c in batch.prefill)
-                chunks = self._record_prompt_logprobs(batch.prefill, prefill_logits)
+                chunks = self._record_prompt_logprobs(batch.prefill, prefill_logits, failed)
                 ready = self.scheduler.complete_prefill([c for c, _ in chunks])
                 for chunk, logits in chunks:
                     if chunk.completes_prompt:
@@ -325,7 +371,7 @@ class LLMEngine:
         return seqs, rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _record_prompt_logprobs(
-        self, chunks: list[PrefillChunk], logits: list[torch.Tensor]
+        self, chunks: list[PrefillChunk], logits: list[torch.Tensor], failed: list[SequenceGroup]
     ) -> list[tuple[PrefillChunk, torch.Tensor]]:
         """Accumulate the prompt logprobs of the chunks that want them; a request whose logprobs fail fails
         alone. Returns the chunks (with their logits) whose requests go on."""
@@ -334,30 +380,35 @@ class LLMEngine:
             try:
                 chunk.group.record_prompt_logprobs(chunk.start, rows)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
-                self._fail_groups([chunk.group], err)
+                failed += self._fail_groups([chunk.group], err)
                 continue
             kept.append((chunk, rows))
         return kept
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """Sample the whole batch; if that raises, sample row by row and fail only the rows that raise."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], failed: list[SequenceGroup]) -> SampledTokens:
+        """Sample the whole batch; if that raises, sample row by row (waiting for each) and fail only the
+        requests whose rows raise (added to ``failed``)."""
         try:
             return sample(logits, seqs, self.eos_token_id)
         except Exception:  # noqa: BLE001
             logger.warning("batched sampling failed; retrying row by row to isolate the request", exc_info=True)
-        result = SampleResult([], [])
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
         for row, seq in enumerate(seqs):
             try:
-                one = sample(logits[row : row + 1], [seq], self.eos_token_id)
+                one = sample(logits[row : row + 1], [seq], self.eos_token_id).result()
             except Exception as err:  # noqa: BLE001
                 if seq.group.error is None:
-                    self._fail_groups([seq.group], err)
-                one = SampleResult([0], [None])
-            result.token_ids += one.token_ids
-            result.logprobs += one.logprobs
-        return result
+                    failed += self._fail_groups([seq.group], err)
+                one = ([0], [None])
+            token_ids += one[0]
+            logprobs += one[1]
+        return SampledTokens.from_host(token_ids, logprobs, logits.device)
 
-    def _fail_groups(self, groups: Iterable[SequenceGroup], err: BaseException) -> None:
+    def _fail_groups(self, groups: Iterable[SequenceGroup], err: BaseException) -> list[SequenceGroup]:
+        """Fail the requests (freeing their slots); returns them."""
+        groups = list(groups)
         for group in groups:
             logger.error("request %s failed: %s: %s", group.request_id, type(err).__name__, err, exc_info=err)
             self.scheduler.fail(group, err)
+        return groups

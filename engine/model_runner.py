@@ -1,6 +1,10 @@
 """Runs the model on the scheduler's batches: packs prompt chunks and decode inputs with their positions,
 returns logits.
 
+A decode step's input tokens never pass through the host: each slot's latest sampled token is kept on the
+device (:meth:`ModelRunner.record_sampled`), and the decode step reads it there, so a step can be queued
+before the host has seen the tokens of the step before it (async scheduling).
+
 On CUDA the decode step replays CUDA graphs captured at start-up (one per batch-size bucket) unless
 ``enforce_eager`` is set; prefill always runs eagerly (its shapes vary every step).
 """
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner
-from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM
+from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM, long_tensor
 from rnnserve.engine.scheduler import PrefillChunk
 from rnnserve.engine.sequence import Sequence
 from rnnserve.engine.state_pool import StatePool
@@ -23,6 +27,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        self.last_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.long, device=self.device)  # per slot
         self.graphs: CUDAGraphDecodeRunner | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, pool.num_slots)
@@ -45,13 +50,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Advance each sample's slot by its last token; logits ``[B, V]`` (valid until the next decode call)."""
-        batch = DecodeBatch.build(
-            [s.last_token_id for s in seqs],
-            [s.slot for s in seqs],  # type: ignore[misc]
-            [s.last_position for s in seqs],
-            self.device,
-        )
-        if self.graphs is not None:
-            return self.graphs(batch)
-        return self.model.decode(batch, self.pool.tensors)
+        """Advance each sample's slot by its latest sampled token (read on the device); logits ``[B, V]`` (valid
+        until the next decode call). Counts the token as fed (``Sequence.num_fed``)."""
+        slots = long_tensor([s.slot for s in seqs], self.device)  # type: ignore[misc]
+        batch = DecodeBatch(self.last_tokens[slots], slots, long_tensor([s.next_position for s in seqs], self.device))
+        logits = self.graphs(batch) if self.graphs is not None else self.model.decode(batch, self.pool.tensors)
+        for seq in seqs:
+            seq.num_fed += 1
+        return logits
+
+    @torch.inference_mode()
+    def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """Keep each slot's newly sampled token on the device for its next decode step."""
+        self.last_tokens[long_tensor(slots, self.device)] = tokens

@@ -1,25 +1,87 @@
 """Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Everything is computed for the whole batch at once; the only host transfer is the sampled token ids
-(and the requested log-probabilities). A seeded row draws its uniform number from its own generator, so
-its token depends only on its own logits, never on the other rows.
+Everything is computed for the whole batch at once, and nothing waits for the device: :func:`sample` returns
+the tokens as a device tensor (which the next decode step reads directly) and starts their copy to the host;
+the host waits only when it reads them (:meth:`SampledTokens.result`), which lets an engine queue the next step
+first. A seeded row draws its uniform number from its own generator, so its token depends only on its own
+logits, never on the other rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import TokenLogprob
 from rnnserve.engine.sequence import Sequence
 from rnnserve.kernels.row_argmax import row_argmax
 
 
-@dataclass
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory (a CPU tensor is returned as it is)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class SampledTokens:
+    """One batch's sampled tokens (``tokens [N]`` on the device) and the log-probabilities the rows asked for.
+
+    The copies to the host start when it is built; :meth:`result` waits for them (the host's one wait for the
+    device per step) and turns them into Python values, once.
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, wanted: list[int | None], logprob_parts: tuple[torch.Tensor, ...] = ()
+    ) -> None:
+        self.tokens = tokens
+        self._wanted = wanted
+        self._host = [_copy_to_host(t) for t in (tokens, *logprob_parts)]
+        self._ready: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._result: tuple[list[int], list[TokenLogprob | None]] | None = None
+
+    @classmethod
+    def from_host(
+        cls, token_ids: list[int], logprobs: list[TokenLogprob | None], device: torch.device
+    ) -> SampledTokens:
+        """Tokens already known on the host (the row-by-row path after a batch failed to sample)."""
+        sampled = cls(long_tensor(token_ids, device), [None] * len(token_ids))
+        sampled._result = (list(token_ids), list(logprobs))
+        return sampled
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``(token ids, logprobs)``, one entry per row; waits for the device the first time."""
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._result = self._to_python()
+        return self._result
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.result()[0]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        return self.result()[1]
+
+    def _to_python(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        token_list = self._host[0].tolist()
+        if len(self._host) == 1:
+            return token_list, [None] * len(token_list)
+        chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+        out: list[TokenLogprob | None] = []
+        for row, n in enumerate(self._wanted):
+            if n is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
+            out.append(TokenLogprob(token_list[row], chosen[row], top))
+        return token_list, out
 
 
 def _to_device(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +107,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.token_counts is not None]
     if not rows:
         return logits
-    index = torch.tensor(rows).to(logits.device, non_blocking=True)
+    index = long_tensor(rows, logits.device)
     sub = [seqs[i] for i in rows]
     counts = torch.stack([s.token_counts for s in sub])  # type: ignore[misc]
     seen = torch.stack([s.seen_mask for s in sub])  # type: ignore[misc]
@@ -60,20 +122,23 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> torch.Tensor:
-    """Forbid EOS and stop tokens for samples that have not reached ``min_tokens`` yet."""
+    """Forbid EOS and stop tokens for samples that have not reached ``min_tokens`` yet (counting tokens sampled
+    but not yet read on the host)."""
     vocab = logits.shape[1]
-    masked = False
+    rows: list[int] = []
+    columns: list[int] = []
     for row, seq in enumerate(seqs):
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
+        if seq.num_sampled >= seq.params.min_tokens:
             continue
         banned = [t for t in seq.params.stop_token_ids if t < vocab]
         if eos_token_id is not None and not seq.params.ignore_eos and eos_token_id < vocab:
             banned.append(eos_token_id)
-        if banned:
-            if not masked:
-                logits, masked = logits.clone(), True
-            logits[row, banned] = float("-inf")
-    return logits
+        rows += [row] * len(banned)
+        columns += banned
+    if not rows:
+        return logits
+    index = (long_tensor(rows, logits.device), long_tensor(columns, logits.device))
+    return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -105,8 +170,19 @@ def draw_uniform(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return u
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampleResult:
-    """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``."""
+def count_tokens(tokens: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Add each row's sampled token to its sample's penalty counters, on the device (so the next step's
+    penalties see it before the host has read it)."""
+    for row, seq in enumerate(seqs):
+        if seq.token_counts is not None and seq.seen_mask is not None:
+            token = tokens[row : row + 1]
+            seq.token_counts.index_add_(0, token, torch.ones(1, dtype=seq.token_counts.dtype, device=token.device))
+            seq.seen_mask.index_fill_(0, token, True)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampledTokens:
+    """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
+    without waiting for the device."""
     logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
     tokens = row_argmax(logits)
@@ -117,26 +193,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
         drawn = torch.searchsorted(cdf, u).squeeze(1).clamp_max(logits.shape[1] - 1)
         greedy = _column(seqs, "greedy", logits.device, torch.float32) > 0
         tokens = torch.where(greedy, tokens, drawn)
-    token_list = tokens.tolist()
-    return SampleResult(token_list, _logprobs(logits, seqs, tokens, token_list))
-
-
-def _logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, token_list: list[int]
-) -> list[TokenLogprob | None]:
+    count_tokens(tokens, seqs)
     wanted = [s.params.logprobs for s in seqs]
     if all(w is None for w in wanted):
-        return [None] * len(seqs)
+        return SampledTokens(tokens, wanted)
     logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-    top_n = max(w or 0 for w in wanted)
-    top_vals, top_ids = (logp.topk(top_n, dim=-1) if top_n else (logp[:, :0], tokens[:, None][:, :0]))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprob | None] = []
-    for row, n in enumerate(wanted):
-        if n is None:
-            out.append(None)
-            continue
-        top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
-        out.append(TokenLogprob(token_list[row], chosen[row], top))
-    return out
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    top_vals, top_ids = logp.topk(max(w or 0 for w in wanted), dim=-1)
+    return SampledTokens(tokens, wanted, (chosen, top_vals, top_ids))

@@ -109,7 +109,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Admit what fits, then pick this step's decode samples and prompt chunks.
 
-        Every running sample whose prompt is done decodes, every step. Prompt chunks share
+        Every running sample whose prompt is done decodes, every step (with async scheduling, also one whose
+        latest token the host has not read yet, unless that token is its last by ``max_tokens``). Prompt chunks share
         ``max_num_batched_tokens``: prompts that finish within one chunk go first (shortest first, so a short
         prompt's first token never waits for a long prompt), then the oldest prompt, then the others by
         remaining length; at most ``max_num_partial_prefills`` prompts end the step unfinished. While samples
@@ -118,7 +119,13 @@ class Scheduler:
         :meth:`record_step`), so running streams keep most of their rate.
         """
         out = SchedulerOutput()
-        out.decode = [s for g in self.running.values() if g.prefill_done for s in g.seqs if not s.finished]
+        out.decode = [
+            s
+            for g in self.running.values()
+            if g.prefill_done
+            for s in g.seqs
+            if not s.finished and s.num_sampled < s.params.max_tokens  # not one whose last token is in flight
+        ]
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             self._admit(self.waiting.popleft())
         prompts = [g for g in self.running.values() if not g.prefill_done]
@@ -214,12 +221,14 @@ class Scheduler:
         eos_token_id: int | None,
     ) -> TokenLatencies:
         """Append each sample's new token and free the slots of samples that finished. Samples already
-        finished (their request failed this step) are skipped; a sample whose stop handling raises fails its
-        request alone. Returns the token latencies of the requests that got a token."""
+        finished (their request failed or was aborted since, or, with async scheduling, it finished in the step
+        before) are skipped; a sample whose stop handling raises fails its request alone. Returns the token
+        latencies of the requests that got a token."""
         now = time.monotonic()
         latencies = TokenLatencies()
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             group = seq.group
+            seq.num_pending -= 1
             if seq.finished:
                 continue
             try:
@@ -244,17 +253,19 @@ class Scheduler:
         return latencies
 
     def _save_finished(self, seq: Sequence) -> None:
-        """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state (which has
-        consumed the prompt and every output token but the last) in the prefix cache, and hand it to the
-        request if it asked for it."""
+        """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state in the prefix
+        cache, and hand it to the request if it asked for it. The state has consumed the prompt and every output
+        token but the last, or, when async scheduling had already queued the next step with this sample (which
+        then feeds it the last token too), every output token; the copies are queued behind that step."""
         if seq.finish_reason not in ("stop", "length") or seq.slot is None:
             return
         group = seq.group
-        consumed = group.prompt_token_ids + seq.output_token_ids[:-1]
+        consumed = group.prompt_token_ids + seq.output_token_ids[: seq.num_fed]
         if self.prefix_cache is not None and group.cacheable:
             self.prefix_cache.store(consumed, self.pool.tensors, seq.slot)
         if group.return_state:
-            group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, seq.output_token_ids[-1:])
+            pending = seq.output_token_ids[seq.num_fed :]
+            group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, pending)
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""

@@ -9,6 +9,7 @@ from functools import cached_property
 
 import torch
 
+from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
@@ -24,6 +25,8 @@ class Sequence:
         self.index = index
         self.slot: int | None = None
         self.output_token_ids: list[int] = []
+        self.num_pending = 0  # tokens sampled on the device and not yet appended (at most one: async scheduling)
+        self.num_fed = 0  # output tokens the slot's state has consumed, or will once the queued steps ran
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -41,13 +44,14 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1]
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, including one the host has not read yet."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
-    def last_position(self) -> int:
-        """Position of :attr:`last_token_id` in the sequence (the token the next decode step feeds)."""
-        return len(self.group.prompt_token_ids) + len(self.output_token_ids) - 1
+    def next_position(self) -> int:
+        """Position (in the whole sequence) of the output token that the next decode step feeds."""
+        return len(self.group.prompt_token_ids) + self.num_fed
 
     def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
         """Create the seeded generator and penalty counters (constant size: one vocab-sized row)."""
@@ -58,16 +62,14 @@ class Sequence:
         if params.uses_penalties:
             self.token_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             self.seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            prompt = torch.tensor(self.group.prompt_token_ids, dtype=torch.long, device=device)
-            self.seen_mask[prompt.clamp(0, vocab_size - 1)] = True
+            prompt = long_tensor(self.group.prompt_token_ids, device)
+            self.seen_mask.index_fill_(0, prompt.clamp(0, vocab_size - 1), True)
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None, eos_token_id: int | None) -> None:
-        """Record a sampled token, update text and decide whether the sample is finished."""
+        """Record a sampled token, update text and decide whether the sample is finished (the penalty counters
+        were updated on the device when it was sampled)."""
         params = self.params
         self.output_token_ids.append(token_id)
-        if self.token_counts is not None and self.seen_mask is not None and token_id < self.token_counts.numel():
-            self.token_counts[token_id] += 1
-            self.seen_mask[token_id] = True
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob.logprob

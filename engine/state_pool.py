@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.models.base import StateSpec, long_tensor
 
 
 class OutOfSlotsError(RuntimeError):
@@ -87,7 +87,7 @@ class StatePool:
         if count > len(self._free):
             raise OutOfSlotsError(f"asked for {count} slots, {len(self._free)} free")
         slots = [self._free.pop() for _ in range(count)]
-        self.reset(torch.tensor(slots, dtype=torch.long))
+        self.reset(long_tensor(slots, self.device))
         return slots
 
     def free(self, slots: list[int]) -> None:
@@ -114,6 +114,6 @@ class StatePool:
 
     def copy(self, src: int, dst: list[int]) -> None:
         """Fork: copy slot ``src``'s state into every slot of ``dst``."""
-        index = torch.tensor(dst, dtype=torch.long, device=self.device)
+        index = long_tensor(dst, self.device)
         for tensor in self.tensors.values():
             tensor[index] = tensor[src].clone()

@@ -48,6 +48,23 @@ _TABLES_ATTR = "_rnnserve_host_tables"
 _BOUNDS = object()  # the key of the host copy of cu_seqlens itself
 
 
+def int64_table(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """Host ints as an int64 tensor on ``device``, copied without waiting for the device (a blocking copy
+    would wait for every kernel queued before it)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def with_host_bounds(cu_seqlens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """``cu_seqlens`` with ``bounds`` (the host values it was copied from) attached as its host copy, so that
+    :func:`per_cu_seqlens` never reads it back: a batch built on the host then never waits for the device."""
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    setattr(cu_seqlens, _TABLES_ATTR, (version, {_BOUNDS: list(bounds)}))
+    return cu_seqlens
+
+
 def per_cu_seqlens(cu_seqlens: torch.Tensor, key: Hashable, build: Callable[[list[int]], T]) -> T:
     """``build(cu_seqlens.tolist())``, computed once per ``cu_seqlens`` tensor and ``key``.
 

@@ -228,10 +228,6 @@ class AsyncEngine:
         self._consumers: dict[str, Submission] = {}
         self._thread = thread or EngineThread()
         self._loop_done: Future[None] | None = None  # the step loop's, while it runs
-        # On a GPU the model runs asynchronously: a step's outputs wait for the next step's launch (see _step).
-        # On CPU the model call is the computation itself, so waiting would only delay every token by a step.
-        self.overlap_outputs = engine.device.type != "cpu"
-        self._held: list[RequestOutput] = []  # the last step's outputs, until the next step's model is launched
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
         load = engine.load()
@@ -416,16 +412,12 @@ class AsyncEngine:
         self.metrics.set_load(self.engine.load())
 
     def _step(self) -> bool:
-        """One engine step; False if the step itself raised.
-
-        A step's outputs reach the event loop in one batch. With ``overlap_outputs`` (a GPU) that happens during
-        the next step, once its model has been launched (``LLMEngine.step``'s ``overlap``), or at once when no
-        step follows: the event loop then streams them while the device computes, instead of holding the GIL
-        while this thread prepares and launches the next step."""
+        """One engine step, whose outputs reach the event loop in one batch; False if the step itself raised.
+        With async scheduling (a GPU) the step returns once the next one is queued on the device, so the event
+        loop streams these outputs while the device computes."""
         try:
-            outputs = self.engine.step(self._deliver_held) if self.overlap_outputs else self.engine.step()
+            outputs = self.engine.step()
         except Exception as err:
-            self._deliver_held()
             logger.exception("engine step failed; failing every in-flight request")
             self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
             return False
@@ -433,16 +425,9 @@ class AsyncEngine:
         self.metrics.observe_step(self.engine.last_step, outputs)
         self.metrics.set_load(load)
         self.stat_logger.record(self.engine.last_step, load)
-        self._held = outputs
-        if not (self.overlap_outputs and self.engine.has_unfinished_requests()):
-            self._deliver_held()
+        if outputs:
+            self._post(self._route, outputs)
         return True
-
-    def _deliver_held(self) -> None:
-        """Hand the outputs held from the previous step to the event loop."""
-        if self._held:
-            self._post(self._route, self._held)
-            self._held = []
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None:

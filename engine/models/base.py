@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.kernels.backend import int64_table, with_host_bounds
 
 StateTensors = Mapping[str, torch.Tensor]
 
@@ -67,10 +68,7 @@ class ModelConfig:
 
 def long_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """Host ints -> an int64 tensor on ``device``, copied without waiting for the device."""
-    host = torch.tensor(list(values), dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return int64_table(list(values), device)
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ class PrefillBatch:
             positions.extend(range(start, start + length))
         return cls(
             input_ids=long_tensor([t for c in token_lists for t in c], device),
-            cu_seqlens=long_tensor(offsets, device),
+            cu_seqlens=with_host_bounds(long_tensor(offsets, device), offsets),
             slot_ids=long_tensor(slots, device),
             positions=long_tensor(positions, device),
             starts=starts,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.backend import per_cu_seqlens, unit_stride_last
+from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 # Segments of a long sequence scanned in parallel (H200, scan_tune: 512 beat 256 and 1024 at 1 x 16384 and
@@ -236,7 +236,7 @@ def _build_segment_table(
             sequences.append(b)
             firsts.append(first)
         not_last.extend(range(first, len(starts) - 1))
-    table = torch.tensor(starts + ends + sequences + firsts + not_last, dtype=torch.int64, device=device)
+    table = int64_table(starts + ends + sequences + firsts + not_last, device)
     num_segments = len(starts)
     return table[: 4 * num_segments], table[4 * num_segments :], num_segments
 

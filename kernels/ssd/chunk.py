@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.backend import per_cu_seqlens, unit_stride_last
+from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
 
 MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
 
@@ -252,7 +252,7 @@ def _build_chunk_table(
             starts.append(s)
             ends.append(min(s + chunk_size, bounds[b + 1]))
         firsts.append(len(starts))
-    table = torch.tensor(starts + ends + firsts, dtype=torch.int64, device=device)
+    table = int64_table(starts + ends + firsts, device)
     return table[: len(starts)], table[len(starts) : 2 * len(starts)], table[2 * len(starts) :]
 
 

@@ -21,7 +21,7 @@ def tiny_model(architecture: str, seed: int = 0, **overrides: int) -> torch.nn.M
     return model.eval().requires_grad_(False)
 
 
-def make_engine(architecture: str = "mingru", **config: int | None) -> LLMEngine:
+def make_engine(architecture: str = "mingru", **config: object) -> LLMEngine:
     defaults: dict = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
     defaults.update(config)
     return LLMEngine(tiny_model(architecture), ByteTokenizer(), EngineConfig(**defaults))

@@ -1,4 +1,5 @@
-"""A failure while processing one request fails that request alone; the others finish as if it never ran."""
+"""A failure while processing one request fails that request alone; the others finish as if it never ran (with
+the synchronous engine and with async scheduling, where a step's tokens are read while the next step runs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rnnserve.engine.sequence import Sequence
 from tests.engine.conftest import make_engine, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SCHEDULING = pytest.mark.parametrize("scheduling", ["off", "on"])
 
 
 def reference(prompts: list[str]) -> dict[str, list[int]]:
@@ -28,7 +30,8 @@ def run_with_victim(engine: LLMEngine, prompts: list[str]) -> dict:
     return final
 
 
-def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+@SCHEDULING
+def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch, scheduling: str) -> None:
     prompts = ["alpha", "victim", "gamma"]
     expected = reference(prompts)
     real_sample = llm_engine.sample
@@ -39,7 +42,7 @@ def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) 
         return real_sample(logits, seqs, eos)
 
     monkeypatch.setattr(llm_engine, "sample", sample)
-    final = run_with_victim(make_engine(), prompts)
+    final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)
     assert final["victim"].error == "OverflowError: cannot convert float infinity to integer"
     assert final["victim"].outputs[0].finish_reason == "error"
     assert len(final["victim"].outputs[0].token_ids) == 3
@@ -48,7 +51,8 @@ def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) 
         assert final[p].outputs[0].token_ids == expected[p]
 
 
-def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+@SCHEDULING
+def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch, scheduling: str) -> None:
     prompts = ["alpha", "victim"]
     expected = reference(prompts)
     real_append = Sequence.append_token
@@ -59,13 +63,16 @@ def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPa
         real_append(self, token_id, logprob, eos)
 
     monkeypatch.setattr(Sequence, "append_token", append_token)
-    final = run_with_victim(make_engine(), prompts)
+    final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)
     assert final["victim"].error == "ValueError: bad stop string"
     assert final["alpha"].outputs[0].token_ids == expected["alpha"]
 
 
-def test_prefill_error_fails_that_batch_and_spares_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_engine()
+@SCHEDULING
+def test_prefill_error_fails_that_batch_and_spares_running_requests(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str
+) -> None:
+    engine = make_engine(async_scheduling=scheduling)
     expected = reference(["early"])
     engine.add_request("early", GREEDY, request_id="early")
     engine.step()

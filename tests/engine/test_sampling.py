@@ -67,10 +67,11 @@ def test_presence_and_frequency_penalties_use_generated_counts() -> None:
     presence = _seq(SamplingParams(temperature=0, presence_penalty=1.5))
     frequency = _seq(SamplingParams(temperature=0, frequency_penalty=0.4))
     weak_frequency = _seq(SamplingParams(temperature=0, frequency_penalty=0.4))
+    certain_zero = torch.tensor([[9.0, 0, 0, 0, 0, 0, 0, 0]])  # each sampled token counts, before it is read
     for _ in range(3):
-        presence.append_token(0, None, None)
-        frequency.append_token(0, None, None)
-    weak_frequency.append_token(0, None, None)
+        sample(certain_zero.expand(2, -1).clone(), [presence, frequency], None)
+    sample(certain_zero.clone(), [weak_frequency], None)
+    assert presence.token_counts is not None and presence.token_counts[0] == 3
     assert sample(logits.clone(), [presence], None).token_ids == [1]
     assert sample(logits.clone(), [frequency], None).token_ids == [1]  # 3 * 0.4 > 1
     assert sample(logits.clone(), [weak_frequency], None).token_ids == [0]  # 1 * 0.4 < 1

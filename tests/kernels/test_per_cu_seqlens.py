@@ -63,3 +63,19 @@ def test_repeated_layers_build_each_table_once(triton_on_cpu, monkeypatch):
         again = selective_scan_varlen_triton(**scan, cu_seqlens=cu, segment_len=8)
     assert len(reads) == 2  # one table per kernel, not per call
     assert first[0].shape == (23, 2, 16) and again[0].shape == (23, 8)
+
+
+def test_a_prefill_batch_never_reads_its_bounds_back(monkeypatch):
+    """``PrefillBatch.build`` attaches the host offsets it copied to the device: building the tables reads no
+    tensor (on a GPU such a read would wait for every queued step, which async scheduling must not)."""
+    from rnnserve.engine.models.base import PrefillBatch
+
+    batch = PrefillBatch.build([[1, 2, 3], [4], [5, 6]], [0, 2, 1])
+
+    def no_read(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("cu_seqlens was read back")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    calls: list[list[int]] = []
+    assert per_cu_seqlens(batch.cu_seqlens, "a", _counting(calls)) == 6
+    assert calls == [[0, 3, 4, 6]]

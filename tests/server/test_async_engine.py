@@ -169,23 +169,10 @@ def test_stopping_fails_pending_requests_with_engine_dead() -> None:
     assert not bridge.running
 
 
-def test_overlapped_outputs_reach_every_stream_complete_and_in_order() -> None:
-    """With ``overlap_outputs`` (on by default on GPUs) a step's outputs are handed over during the next step,
-    after its model call: every stream still gets all of its text, and the last outputs arrive once the
-    engine has nothing left to run."""
-    app = create_app(tiny_config(max_num_seqs=4))
-    bridge = app.state.engine
-    assert bridge.overlap_outputs is False  # CPU: a step's outputs go out at its end
-    bridge.overlap_outputs = True
-    engine = bridge.engine
-    overlaps: list[bool] = []
-    real_step = engine.step
-
-    def step(overlap=None):  # type: ignore[no-untyped-def]
-        overlaps.append(overlap is not None)
-        return real_step(overlap)
-
-    engine.step = step
+def test_async_scheduling_streams_the_same_text_as_a_synchronous_engine() -> None:
+    """With async scheduling (the default on GPUs, forced on here) a step's outputs are the previous step's:
+    every stream and every whole response still gets exactly the synchronous engine's text, the last outputs
+    arrive once the engine has nothing left to run, and every slot is free at the end."""
     bodies = [{"prompt": p, "max_tokens": n, "ignore_eos": True, "temperature": 0}
               for p, n in (("a", 5), ("bb", 17), ("ccc", 9))]  # fmt: skip
 
@@ -201,11 +188,17 @@ def test_overlapped_outputs_reach_every_stream_complete_and_in_order() -> None:
 
             return whole, list(await asyncio.gather(*(stream(b) for b in bodies)))
 
-    with serve_in_thread(app) as url:
-        whole, streamed = asyncio.run(scenario(url))
+    texts = {}
+    for mode in ("off", "on"):
+        app = create_app(tiny_config(max_num_seqs=4, async_scheduling=mode))
+        engine = app.state.engine.engine
+        assert engine.async_scheduling is (mode == "on")
+        with serve_in_thread(app) as url:
+            texts[mode] = asyncio.run(scenario(url))
+        assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    whole, streamed = texts["on"]
     assert streamed == whole
-    assert overlaps and all(overlaps)
-    assert engine.pool.num_used == 0
+    assert texts["on"] == texts["off"]
 
 
 def test_the_engine_is_loaded_and_stepped_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,135 @@
+"""Async scheduling on an emulated GPU: how close do the engine and the HTTP server come to the device's rate?
+
+On a GPU a decode step's kernels run while the host does its own work. This script gives ``random:mingru-tiny``
+(CPU, one thread) such a device: each engine step's sampled tokens become readable ``--step-ms`` after the
+device is free to start that step (``EmulatedDevice``; the host waits for them with the GIL released, as a CUDA
+sync does). The device alone would deliver ``streams / step-ms``. The engine is run with async scheduling off
+(each step waits for its tokens before the host's work starts) and on (the next step is queued first), offline
+(``LLMEngine.step`` in a loop) and over HTTP (the real server in this process, ``rnnserve bench`` in another),
+alternating, and the table gives each rate and its ratio to the device's::
+
+    .venv/bin/python benchmarks/async_scheduling.py [--step-ms 5] [--streams 256] [--output-len 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.engine_throughput import generated_tokens_per_second  # noqa: E402
+from rnnserve.engine.config import EngineConfig  # noqa: E402
+from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
+from rnnserve.engine.loader import build_random  # noqa: E402
+from rnnserve.engine.sampler import SampledTokens  # noqa: E402
+from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
+from rnnserve.server.background import serve_in_thread  # noqa: E402
+
+PRESET = "mingru-tiny"
+MODES = ("off", "on")
+
+
+class EmulatedDevice:
+    """A device that runs one engine step in ``seconds``, in launch order, while the host goes on: a step's
+    tokens are ready ``seconds`` after the later of its launch and the previous step's end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.free_at = 0.0
+
+    def attach(self, engine: LLMEngine) -> LLMEngine:
+        """Make ``engine``'s sampled tokens wait for this device."""
+        sample = engine._sample
+
+        def queued_sample(*args):  # type: ignore[no-untyped-def]
+            sampled: SampledTokens = sample(*args)
+            ready = max(time.perf_counter(), self.free_at) + self.seconds
+            self.free_at = ready
+            result = sampled.result
+
+            def wait_then_result():  # type: ignore[no-untyped-def]
+                time.sleep(max(0.0, ready - time.perf_counter()))
+                return result()
+
+            sampled.result = wait_then_result  # type: ignore[method-assign]
+            return sampled
+
+        engine._sample = queued_sample  # type: ignore[method-assign]
+        return engine
+
+
+def offline_run(args: argparse.Namespace, mode: str) -> float:
+    """Generated tok/s of ``LLMEngine.step`` in a loop over ``--streams`` requests."""
+    model, tokenizer = build_random(PRESET, torch.device("cpu"), torch.float32)
+    config = EngineConfig(max_num_seqs=args.streams, max_num_batched_tokens=16 * args.streams, async_scheduling=mode)
+    engine = EmulatedDevice(args.step_ms / 1e3).attach(LLMEngine(model, tokenizer, config))
+    generated_tokens_per_second(engine, 4, 16, 4)
+    return generated_tokens_per_second(engine, args.streams, 16, args.output_len)
+
+
+def http_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
+    """``rnnserve bench`` figures against a fresh in-process server."""
+    app = create_app(ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
+                                        api_key=None, async_scheduling=mode))  # fmt: skip
+    EmulatedDevice(args.step_ms / 1e3).attach(app.state.engine.engine)
+    with serve_in_thread(app) as url:
+        command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
+                   "bench", "--url", url, "--num-prompts", str(2 * args.streams), "--concurrency", str(args.streams),
+                   "--input-len", "16", "--output-len", str(args.output_len), "--prompts", "ids", "--no-progress",
+                   "--json", str(out)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run(command, env=env, capture_output=True, check=True)
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, default=5.0, help="emulated device time per step (default: 5)")
+    parser.add_argument("--streams", type=int, default=256, help="concurrent streams (default: 256)")
+    parser.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: 64)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of off/on, alternating (default: 2)")
+    parser.add_argument("--no-http", action="store_true", help="offline rows only")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the engine thread's own work, as on a GPU host; the other core runs the client
+    device_rate = args.streams / (args.step_ms / 1e3)
+    print(f"{PRESET}, {args.step_ms:g} ms emulated device step, {args.streams} streams, {args.output_len} new "
+          f"tokens: the device alone {device_rate:.0f} tok/s", flush=True)
+    offline: dict[str, list[float]] = {m: [] for m in MODES}
+    http: dict[str, list[dict]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_index in range(args.rounds):
+            for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
+                offline[mode].append(offline_run(args, mode))
+                line = f"  round {round_index + 1}, async scheduling {mode}: offline {offline[mode][-1]:.0f} tok/s"
+                if not args.no_http:
+                    figures = http_run(args, mode, Path(folder) / "bench.json")
+                    http[mode].append(figures)
+                    line += f", HTTP {figures['output_throughput']:.0f} tok/s ({figures['failed']} failed)"
+                print(line, flush=True)
+    print("\n| async scheduling | offline tok/s | offline / device | HTTP tok/s | HTTP / offline | ITL p50 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode in MODES:
+        rate = statistics.median(offline[mode])
+        cells = [mode, f"{rate:.0f}", f"{rate / device_rate:.0%}", "", "", ""]
+        if http[mode]:
+            served = statistics.median(r["output_throughput"] for r in http[mode])
+            itl = statistics.median(r["itl_ms"]["p50"] for r in http[mode])
+            cells[3:] = [f"{served:.0f}", f"{served / rate:.0%}", f"{itl:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
