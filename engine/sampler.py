@@ -102,9 +102,13 @@ def _top_k_column(seqs: list[Sequence], vocab: int, device: torch.device, dtype:
     return _to_device([float(k if 0 < k < vocab else vocab) for k in (s.params.top_k for s in seqs)], device, dtype)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties."""
-    rows = [i for i, s in enumerate(seqs) if s.token_counts is not None]
+def penalty_rows(seqs: list[Sequence]) -> list[int]:
+    """The rows whose samples use penalties (and so have counters)."""
+    return [i for i, s in enumerate(seqs) if s.token_counts is not None]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties of ``rows``."""
     if not rows:
         return logits
     index = long_tensor(rows, logits.device)
@@ -128,7 +132,8 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: i
     rows: list[int] = []
     columns: list[int] = []
     for row, seq in enumerate(seqs):
-        if seq.num_sampled >= seq.params.min_tokens:
+        min_tokens = seq.params.min_tokens
+        if not min_tokens or seq.num_sampled >= min_tokens:
             continue
         banned = [t for t in seq.params.stop_token_ids if t < vocab]
         if eos_token_id is not None and not seq.params.ignore_eos and eos_token_id < vocab:
@@ -170,20 +175,21 @@ def draw_uniform(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return u
 
 
-def count_tokens(tokens: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Add each row's sampled token to its sample's penalty counters, on the device (so the next step's
-    penalties see it before the host has read it)."""
-    for row, seq in enumerate(seqs):
-        if seq.token_counts is not None and seq.seen_mask is not None:
-            token = tokens[row : row + 1]
-            seq.token_counts.index_add_(0, token, torch.ones(1, dtype=seq.token_counts.dtype, device=token.device))
-            seq.seen_mask.index_fill_(0, token, True)
+def count_tokens(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """Add the sampled token of each of ``rows`` (those with penalties) to its sample's penalty counters, on the
+    device (so the next step's penalties see it before the host has read it)."""
+    for row in rows:
+        seq, token = seqs[row], tokens[row : row + 1]
+        assert seq.token_counts is not None and seq.seen_mask is not None
+        seq.token_counts.index_add_(0, token, torch.ones(1, dtype=seq.token_counts.dtype, device=token.device))
+        seq.seen_mask.index_fill_(0, token, True)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampledTokens:
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
     without waiting for the device."""
-    logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs)
+    rows = penalty_rows(seqs)
+    logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs, rows)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
     tokens = row_argmax(logits)
     if not all(s.params.greedy for s in seqs):
@@ -193,7 +199,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
         drawn = torch.searchsorted(cdf, u).squeeze(1).clamp_max(logits.shape[1] - 1)
         greedy = _column(seqs, "greedy", logits.device, torch.float32) > 0
         tokens = torch.where(greedy, tokens, drawn)
-    count_tokens(tokens, seqs)
+    count_tokens(tokens, seqs, rows)
     wanted = [s.params.logprobs for s in seqs]
     if all(w is None for w in wanted):
         return SampledTokens(tokens, wanted)

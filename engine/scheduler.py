@@ -119,12 +119,13 @@ class Scheduler:
         :meth:`record_step`), so running streams keep most of their rate.
         """
         out = SchedulerOutput()
-        out.decode = [
+        out.decode = [  # attributes, not properties: this runs for every sample on every step
             s
             for g in self.running.values()
-            if g.prefill_done
+            if g.num_prefilled >= len(g.prompt_token_ids)
             for s in g.seqs
-            if not s.finished and s.num_sampled < s.params.max_tokens  # not one whose last token is in flight
+            # not finished, nor one whose last token is in flight
+            if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.params.max_tokens
         ]
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             self._admit(self.waiting.popleft())
