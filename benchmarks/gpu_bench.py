@@ -8,8 +8,8 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
 - prefill tok/ms for ``1 x 16384`` and ``8 x 2048`` prompt tokens;
 - offline engine throughput (``LLMEngine.step`` with sampling and outputs, prompt 16, 256 new tokens) at
   each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step, and
-  the same load over HTTP (async scheduling) through a real ``rnnserve
-  serve`` process (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
+  the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model (skipped
+  when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
 The prefix cache is off (every request here is new, and the anchors are engines without one);
@@ -88,10 +88,12 @@ def prefill_tokens_per_ms(model, pool: StatePool, seqs: int, length: int, device
     return seqs * length / (seconds_per_step(step, device, 3) * 1e3)
 
 
-def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: int) -> float | str:
-    """Generated tok/ms of ``2 x concurrency`` streamed requests against a fresh ``rnnserve serve`` process."""
+def http_tokens_per_ms(preset: str, dtype: str, concurrency: list[int], new_tokens: int) -> dict[int, float | str]:
+    """Generated tok/ms of ``2 x c`` streamed requests at each concurrency ``c``, one after the other, against
+    one fresh ``rnnserve serve`` process (started once per model: a start builds the model and captures its
+    graphs). A failure is a string in place of the rate."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
-        return "no fastapi"
+        return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
 
     with socket.socket() as s:
@@ -100,30 +102,32 @@ def http_tokens_per_ms(preset: str, dtype: str, concurrency: int, new_tokens: in
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
                "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
-               "--max-num-seqs", str(max(concurrency, 1)), "--no-prefix-cache", "--log-level", "warning"]
+               "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
-                return f"server exited: {server.stderr.read()[-200:] if server.stderr else ''}"
+                reason = server.stderr.read()[-200:] if server.stderr else ""
+                return dict.fromkeys(concurrency, f"server exited: {reason}")
             try:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                return "server did not start"
+                return dict.fromkeys(concurrency, "server did not start")
             time.sleep(0.5)
-        # One client process parses ~20K chunks/s; on a GPU host with cores to spare, one per 32 streams.
-        processes = max(1, min(8, concurrency // 32, (os.cpu_count() or 1) // 2))
-        config = BenchConfig(url=url, num_prompts=2 * concurrency, concurrency=concurrency, input_len=PROMPT_LEN,
-                             output_len=new_tokens, progress=False, processes=processes)
-        figures = asyncio.run(benchmark(config))
-        if figures["failed"]:
-            return f"{figures['failed']} failed"
-        return figures["output_throughput"] / 1e3
+        rates: dict[int, float | str] = {}
+        for c in concurrency:
+            # One client process parses ~20K chunks/s; on a GPU host with cores to spare, one per 32 streams.
+            processes = max(1, min(8, c // 32, (os.cpu_count() or 1) // 2))
+            config = BenchConfig(url=url, num_prompts=2 * c, concurrency=c, input_len=PROMPT_LEN,
+                                 output_len=new_tokens, progress=False, processes=processes)
+            figures = asyncio.run(benchmark(config))
+            rates[c] = f"{figures['failed']} failed" if figures["failed"] else figures["output_throughput"] / 1e3
+        return rates
     finally:
         server.terminate()
         try:
@@ -213,8 +217,7 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
         torch.cuda.empty_cache()
     if http:
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        for c in sizes.concurrency:
-            rate = http_tokens_per_ms(preset, dtype_name, c, sizes.new_tokens)
+        for c, rate in http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens).items():
             cells = {"what": f"HTTP c={c}"}
             cells["tok/ms"] = f"{rate:.2f}" if isinstance(rate, float) else rate
             if isinstance(rate, float):
