@@ -14,6 +14,7 @@ import pytest
 from rnnserve import SamplingParams
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampling_params import InvalidParameterError
 from tests.engine.cache_helpers import assert_same_outputs, make_engine, random_tokens, run, token_pool
 from tests.engine.conftest import run_to_completion
 
@@ -103,6 +104,11 @@ def test_a_stopped_request_saves_the_state_its_last_step_left() -> None:
         state = out.final_state
         assert state is not None and state.history_token_ids == prompt + tokens
         assert state.pending_token_ids == ([] if mode == "on" else tokens[-1:])
+        if mode == "on":  # nothing left to prefill: an empty continuation has no logits to start from
+            with pytest.raises(InvalidParameterError, match="prompt is empty"):
+                engine.add_request([], greedy, context=state)
+        else:
+            engine.abort_request(engine.add_request([], greedy, context=state))
         history = prompt + tokens + follow_up
         expected = run(reference, [(history, greedy)])
         request_id = engine.add_request(follow_up, greedy, context=state)
