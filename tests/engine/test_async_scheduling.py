@@ -34,7 +34,8 @@ def mixed_params(rng: random.Random, engine: LLMEngine, index: int) -> SamplingP
         SamplingParams(temperature=0.8, top_p=0.9, seed=index, n=2, **common),
         SamplingParams(temperature=0, stop_token_ids=stops, min_tokens=3, **common),
         SamplingParams(temperature=1.0, seed=index, repetition_penalty=1.3, frequency_penalty=0.5, **common),
-        SamplingParams(temperature=0, stop=[engine.tokenizer.decode([t]) for t in stops[:3]], **common),
+        SamplingParams(temperature=0, stop=[engine.tokenizer.decode([t]) for t in stops[:3]], prompt_logprobs=1,
+                       **common),
         SamplingParams(temperature=0.7, top_k=5, seed=index, stop_token_ids=stops, logprobs=1, **common),
     ]
     return choices[index % len(choices)]
@@ -58,6 +59,19 @@ def staggered(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams,
     return final
 
 
+def assert_same_prompt_logprobs(out: RequestOutput, expected: RequestOutput) -> None:
+    """The same prompt tokens, ranks and alternatives, log-probabilities up to fp32 rounding (the prompt may be
+    packed with other prompts differently)."""
+    if expected.prompt_logprobs is None:
+        assert out.prompt_logprobs is None
+        return
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(expected.prompt_logprobs)
+    for got, ref in zip(out.prompt_logprobs[1:], expected.prompt_logprobs[1:], strict=True):
+        assert got is not None and ref is not None
+        assert (got.token_id, got.rank, [t for t, _ in got.top]) == (ref.token_id, ref.rank, [t for t, _ in ref.top])
+        assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_async_scheduling_generates_what_the_synchronous_engine_does(model: str) -> None:
     options = {"max_num_seqs": 6, "max_num_batched_tokens": 24}  # few slots and chunked prompts: requests queue
@@ -76,6 +90,7 @@ def test_async_scheduling_generates_what_the_synchronous_engine_does(model: str)
             (s.text, s.finish_reason) for s in expected[request_id].outputs
         ]
         assert_same_outputs([out], [expected[request_id]])
+        assert_same_prompt_logprobs(out, expected[request_id])
     reasons = {s.finish_reason for out in got.values() for s in out.outputs}
     assert reasons == {"stop", "length"}  # both ways of finishing were exercised
     assert ahead.pool.num_used == 0 and not ahead.has_unfinished_requests()
