@@ -57,11 +57,15 @@ def int64_table(values: list[int], device: torch.device | str) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place change counter; inference tensors have none and count as never changed."""
+    return -1 if t.is_inference() else t._version
+
+
 def with_host_bounds(cu_seqlens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """``cu_seqlens`` with ``bounds`` (the host values it was copied from) attached as its host copy, so that
     :func:`per_cu_seqlens` never reads it back: a batch built on the host then never waits for the device."""
-    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
-    setattr(cu_seqlens, _TABLES_ATTR, (version, {_BOUNDS: list(bounds)}))
+    setattr(cu_seqlens, _TABLES_ATTR, (_version(cu_seqlens), {_BOUNDS: list(bounds)}))
     return cu_seqlens
 
 
@@ -73,7 +77,7 @@ def per_cu_seqlens(cu_seqlens: torch.Tensor, key: Hashable, build: Callable[[lis
     waits for the device to drain its queue. The result lives on the tensor (and dies with it); an in-place
     change of a normal tensor (a new version) rebuilds it. Inference tensors have no version counter: they
     are taken as unchanged (the engine builds a new ``cu_seqlens`` per batch)."""
-    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    version = _version(cu_seqlens)
     cache = getattr(cu_seqlens, _TABLES_ATTR, None)
     if cache is None or cache[0] != version:
         cache = (version, {})
