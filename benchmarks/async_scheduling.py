@@ -5,8 +5,9 @@ On a GPU a decode step's kernels run while the host does its own work. This scri
 device is free to start that step (``EmulatedDevice``; the host waits for them with the GIL released, as a CUDA
 sync does). The device alone would deliver ``streams / step-ms``. The engine is run with async scheduling off
 (each step waits for its tokens before the host's work starts) and on (the next step is queued first), offline
-(``LLMEngine.step`` in a loop) and over HTTP (the real server in this process, ``rnnserve bench`` in another),
-alternating, and the table gives each rate and its ratio to the device's::
+(``LLMEngine.step`` in a loop) and over HTTP (the real server in this process, its engine in a thread or, with
+``engine_process``, in a process of its own; ``rnnserve bench`` in another process), alternating, and the tables
+give each rate and its ratios to the offline engine's and the device's::
 
     .venv/bin/python benchmarks/async_scheduling.py [--step-ms 5] [--streams 256] [--output-len 64] [--rounds 2]
 """
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -40,6 +42,7 @@ from rnnserve.server.background import serve_in_thread  # noqa: E402
 
 PRESET = "mingru-tiny"
 MODES = ("off", "on")
+HTTP_CONFIGS = (("off", "off"), ("on", "off"), ("on", "on"))  # (async scheduling, engine process)
 
 
 class EmulatedDevice:
@@ -80,11 +83,17 @@ def offline_run(args: argparse.Namespace, mode: str) -> float:
     return generated_tokens_per_second(engine, args.streams, 16, args.output_len)
 
 
-def http_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
-    """``rnnserve bench`` figures against a fresh in-process server."""
-    app = create_app(ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
-                                        api_key=None, async_scheduling=mode))  # fmt: skip
-    EmulatedDevice(args.step_ms / 1e3).attach(app.state.engine.engine)
+def emulated_engine(step_ms: float, config: EngineConfig) -> LLMEngine:
+    """The engine factory of the server's engine process: one torch thread, its steps on an emulated device."""
+    torch.set_num_threads(1)
+    return EmulatedDevice(step_ms / 1e3).attach(LLMEngine.from_config(config))
+
+
+def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path) -> dict:
+    """``rnnserve bench`` figures against a fresh in-process server, its engine in a thread or a process."""
+    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
+                                api_key=None, async_scheduling=mode, engine_process=engine_process)  # fmt: skip
+    app = create_app(config, engine_factory=functools.partial(emulated_engine, args.step_ms))
     with serve_in_thread(app) as url:
         command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
                    "bench", "--url", url, "--num-prompts", str(2 * args.streams), "--concurrency", str(args.streams),
@@ -108,28 +117,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PRESET}, {args.step_ms:g} ms emulated device step, {args.streams} streams, {args.output_len} new "
           f"tokens: the device alone {device_rate:.0f} tok/s", flush=True)
     offline: dict[str, list[float]] = {m: [] for m in MODES}
-    http: dict[str, list[dict]] = {m: [] for m in MODES}
+    http: dict[tuple[str, str], list[dict]] = {c: [] for c in HTTP_CONFIGS}
     with tempfile.TemporaryDirectory() as folder:
         for round_index in range(args.rounds):
             for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
                 offline[mode].append(offline_run(args, mode))
-                line = f"  round {round_index + 1}, async scheduling {mode}: offline {offline[mode][-1]:.0f} tok/s"
-                if not args.no_http:
-                    figures = http_run(args, mode, Path(folder) / "bench.json")
-                    http[mode].append(figures)
-                    line += f", HTTP {figures['output_throughput']:.0f} tok/s ({figures['failed']} failed)"
-                print(line, flush=True)
-    print("\n| async scheduling | offline tok/s | offline / device | HTTP tok/s | HTTP / offline | ITL p50 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+                print(f"  round {round_index + 1}, async scheduling {mode}: offline {offline[mode][-1]:.0f} tok/s",
+                      flush=True)  # fmt: skip
+            for mode, engine_process in HTTP_CONFIGS if round_index % 2 == 0 else HTTP_CONFIGS[::-1]:
+                if args.no_http:
+                    break
+                figures = http_run(args, mode, engine_process, Path(folder) / "bench.json")
+                http[mode, engine_process].append(figures)
+                print(f"  round {round_index + 1}, async scheduling {mode}, engine process {engine_process}: HTTP "
+                      f"{figures['output_throughput']:.0f} tok/s ({figures['failed']} failed)", flush=True)  # fmt: skip
+    print("\n| async scheduling | offline tok/s | offline / device |")
+    print("|---|---:|---:|")
+    rates = {mode: statistics.median(offline[mode]) for mode in MODES}
     for mode in MODES:
-        rate = statistics.median(offline[mode])
-        cells = [mode, f"{rate:.0f}", f"{rate / device_rate:.0%}", "", "", ""]
-        if http[mode]:
-            served = statistics.median(r["output_throughput"] for r in http[mode])
-            itl = statistics.median(r["itl_ms"]["p50"] for r in http[mode])
-            cells[3:] = [f"{served:.0f}", f"{served / rate:.0%}", f"{itl:.1f}"]
-        print("| " + " | ".join(cells) + " |")
-
+        print(f"| {mode} | {rates[mode]:.0f} | {rates[mode] / device_rate:.0%} |")
+    if args.no_http:
+        return
+    print("\n| async scheduling | engine process | HTTP tok/s | HTTP / offline | HTTP / device | ITL p50 ms |")
+    print("|---|---|---:|---:|---:|---:|")
+    for mode, engine_process in HTTP_CONFIGS:
+        served = statistics.median(r["output_throughput"] for r in http[mode, engine_process])
+        itl = statistics.median(r["itl_ms"]["p50"] for r in http[mode, engine_process])
+        print(f"| {mode} | {engine_process} | {served:.0f} | {served / rates[mode]:.0%} | {served / device_rate:.0%} "
+              f"| {itl:.1f} |")  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,9 @@ class InvalidParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # pickled whole (it crosses to the server process)
+        return type(self), (self.param, str(self))
+
 
 def as_number(param: str, value: object, integer: bool) -> int | float:
     """``value`` as an ``int`` (``integer``) or a finite ``float``; :class:`InvalidParameterError` for anything

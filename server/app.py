@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP server's app factory: the engine thread's lifespan, the request guard, error
-handlers and the routes.
+"""The OpenAI-compatible HTTP server's app factory: the engine loop's lifespan (in a thread, or in a process of
+its own: ``engine_process``), the request guard, error handlers and the routes.
 
-Build an app for any model the loader knows and drive it in-process (the engine thread starts with the
-app's lifespan, so use ``TestClient`` as a context manager)::
+Build an app for any model the loader knows and drive it in-process (the engine loop starts with the app's
+lifespan, so use ``TestClient`` as a context manager)::
 
     from fastapi.testclient import TestClient
     from rnnserve.server.app import ServerConfig, create_app
@@ -12,7 +12,7 @@ app's lifespan, so use ``TestClient`` as a context manager)::
         r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 8, "temperature": 0})
         print(r.json()["choices"][0]["text"])
 
-``create_app(config, engine=an_LLMEngine)`` serves an engine built elsewhere. Routes: ``POST
+``create_app(config, engine=an_LLMEngine)`` serves an engine built elsewhere (in this process). Routes: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``/v1/sessions`` (create, get, delete, fork, export and import
 a session's state; see docs/api.md), ``GET /v1/models``, ``POST /tokenize``, ``POST
 /detokenize``, ``GET /tokenizer_info``, ``GET /health`` (the engine thread is alive), ``GET /ready`` (requests are
@@ -34,9 +34,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.server.async_engine import AsyncEngine, EngineThread
+from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig, rnnserve_version
 from rnnserve.server.dashboard import dashboard_router
+from rnnserve.server.engine_core import EngineDriver, EngineFactory, EngineThread, ProcessDriver, ThreadDriver
 from rnnserve.server.errors import APIError
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
@@ -48,21 +49,37 @@ __all__ = ["ServerConfig", "create_app"]
 logger = logging.getLogger("rnnserve.server")
 
 
-def create_app(config: ServerConfig, engine: LLMEngine | None = None, thread: EngineThread | None = None) -> FastAPI:
+def create_app(
+    config: ServerConfig,
+    engine: LLMEngine | None = None,
+    thread: EngineThread | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> FastAPI:
     """Build the FastAPI app; raises ``ModelLoadError`` or ``ValueError`` (also for a session folder that
-    cannot be used). The engine loop runs with the app's lifespan, on ``thread``: the thread that built
-    ``engine`` when it is given, else a new one, which loads ``config.engine.model`` unless ``engine`` is given."""
-    own_thread = thread is None
-    thread = thread or EngineThread()
+    cannot be used). The engine is ``engine`` when it is given, else ``engine_factory(config.engine)`` (default
+    ``LLMEngine.from_config``), built and run in a process of its own when ``config.uses_engine_process``, else
+    on ``thread`` (the thread that built ``engine``, or a new one). The engine loop runs with the app's
+    lifespan."""
+    driver: EngineDriver
+    engine_factory = engine_factory or LLMEngine.from_config
+    if engine is None and thread is None and config.uses_engine_process:
+        driver = ProcessDriver(config.engine, engine_factory, logging.getLevelName(config.log_level.upper()))
+    else:
+        own_thread = thread is None
+        thread = thread or EngineThread()
+        try:
+            driver = ThreadDriver(engine if engine is not None else thread.call(engine_factory, config.engine), thread)
+        except BaseException:
+            if own_thread:
+                thread.close()
+            raise
     try:
-        engine = engine if engine is not None else thread.call(LLMEngine.from_config, config.engine)
-        sessions = open_session_store(config, engine) if config.sessions else None
+        sessions = open_session_store(config, driver.info) if config.sessions else None
     except BaseException:
-        if own_thread:
-            thread.close()
+        driver.stop(10.0)
         raise
-    metrics = ServerMetrics(config.model_names[0], engine.max_model_len)
-    async_engine = AsyncEngine(engine, metrics, config.max_queued_bytes, thread)
+    metrics = ServerMetrics(config.model_names[0], driver.info.max_model_len)
+    async_engine = AsyncEngine(driver, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +100,7 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None, thread: En
         max_body_bytes=config.max_body_bytes,
         read_timeout=config.request_read_timeout,
         trusted_hosts=config.trusted_hosts,
-        max_state_bytes=max_state_upload_bytes(engine.pool.bytes_per_slot, engine.max_model_len),
+        max_state_bytes=max_state_upload_bytes(driver.info.bytes_per_slot, driver.info.max_model_len),
     )
 
     @app.exception_handler(APIError)

@@ -1,43 +1,43 @@
-"""Bridge between the asyncio server and the single-threaded engine.
+"""Bridge between the asyncio server and the engine loop.
 
-The engine runs in its own thread (:class:`EngineThread`, which also loads the model) and takes commands
-(add, abort, stop) from one queue, blocking on it while it has nothing to do. Each step's outputs cross back
-to the event loop in one ``call_soon_threadsafe``, where they are routed to the :class:`Submission` that
-consumes each request; the result of an add comes back the same way, on an asyncio future. What the bridge
-knows about a request is only which submission consumes it. A request the engine fails
-(``RequestOutput.error``) fails its submission alone; if ``engine.step()`` itself raises, every in-flight
-request fails and is aborted.
+The engine loop (:class:`~rnnserve.server.engine_core.EngineCore`) runs in a thread of this process or in a
+process of its own; either way it takes commands (add, abort, stop) and reports events (an add's outcome, a
+step's outputs, aborts, failures), which are handled here on the event loop: outputs are routed to the
+:class:`Submission` that consumes each request, metrics are kept up to date. What the bridge knows about a
+request is only which submission consumes it. A request the engine fails (``RequestOutput.error``) fails its
+submission alone; if ``engine.step()`` itself raises, every in-flight request fails and is aborted; if the loop
+ends (or its process dies), every in-flight request fails and no more are taken.
 
 The bridge also bounds the memory that queued requests hold: the prompts of submissions that have not yet
-produced an output count against ``max_queued_bytes``. It keeps the Prometheus metrics up to date, logs a
-throughput line every 10 s while busy, and says whether the server is ready for requests (``/ready``).
+produced an output count against ``max_queued_bytes``. It logs a throughput line every 10 s while busy, and
+says whether the server is ready for requests (``/ready``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future, wait
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput, merge_deltas
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.server.engine_core import (
+    AbortCommand,
+    Aborted,
+    AddCommand,
+    Added,
+    EngineDriver,
+    Event,
+    Prompt,
+    StepFailed,
+    Stepped,
+)
 from rnnserve.server.metrics import ServerMetrics, StatLogger
 
-logger = logging.getLogger("rnnserve.engine")
-
-Prompt = str | list[int]
-T = TypeVar("T")
 TOKEN_ID_BYTES = 8  # what the engine holds per prompt token id, roughly
 
 
@@ -47,38 +47,11 @@ def prompt_bytes(prompts: list[Prompt]) -> int:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread is not running (shutting down or stopped)."""
+    """The engine loop is not running (shutting down, stopped, or its process died)."""
 
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone while processing it."""
-
-
-@dataclass
-class AddCommand:
-    """Add one engine request per prompt, all or none; the outcome settles ``accepted``. ``context`` and
-    ``return_state`` are passed to every ``add_request``."""
-
-    request_ids: list[str]
-    prompts: list[Prompt]
-    params: SamplingParams
-    arrival_time: float
-    accepted: asyncio.Future[None]
-    context: StateSnapshot | None = None
-    return_state: bool = False
-
-
-@dataclass
-class AbortCommand:
-    request_ids: list[str]
-
-
-@dataclass
-class StopCommand:
-    pass
-
-
-Command = AddCommand | AbortCommand | StopCommand
 
 
 class Submission:
@@ -161,87 +134,36 @@ class Submission:
             callback()
 
 
-class EngineThread:
-    """The one thread that does a server's engine work: it loads the model (:meth:`call`), then runs the step
-    loop (:meth:`submit`), so warm-up and steps run where the weights were prepared.
-
-    On CPU each thread that runs parallel torch ops gets an OpenMP team of its own. Once a second team exists
-    (e.g. that of the thread that loaded the model), libgomp's threads outnumber the cores and its workers
-    sleep between parallel regions instead of spinning: batched decode steps ran ~17% slower. A single
-    thread keeps a single team. The thread runs torch with as many threads as its creator does."""
-
-    def __init__(self, name: str = "rnnserve-engine") -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._num_threads = torch.get_num_threads()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        torch.set_num_threads(self._num_threads)
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        """Queue ``fn`` for the thread; its future holds the result or the exception."""
-        if self._closed:
-            raise RuntimeError("the engine thread is closed")
-        future: Future[T] = Future()
-
-        def job() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as err:  # noqa: BLE001 - the caller gets it from the future
-                future.set_exception(err)
-
-        self._jobs.put(job)
-        return future
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` run on the thread; blocks until it returns (or raises what it raised)."""
-        return self.submit(lambda: fn(*args)).result()
-
-    def close(self) -> None:
-        """End the thread once its queued jobs ran."""
-        self._closed = True
-        self._jobs.put(None)
-
-
 class AsyncEngine:
-    """Owns an :class:`LLMEngine` and the thread that drives it (``thread``, the one that built the engine,
-    else a new one). Public methods run on the event loop."""
+    """The server's handle on its engine, which runs where ``driver`` runs it (a thread of this process or a
+    process of its own, see :mod:`rnnserve.server.engine_core`). ``info`` describes the engine; ``engine`` is
+    the live :class:`LLMEngine` when it is in this process, else ``None``. Public methods run on the event loop."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        metrics: ServerMetrics,
-        max_queued_bytes: int | None = None,
-        thread: EngineThread | None = None,
-    ) -> None:
-        self.engine = engine
+    def __init__(self, driver: EngineDriver, metrics: ServerMetrics, max_queued_bytes: int | None = None) -> None:
+        self.driver = driver
+        self.info = driver.info
+        self.engine: LLMEngine | None = driver.engine
         self.metrics = metrics
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0
         self.draining = False
         self.stat_logger = StatLogger()
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._consumers: dict[str, Submission] = {}
-        self._thread = thread or EngineThread()
-        self._loop_done: Future[None] | None = None  # the step loop's, while it runs
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._adds: dict[int, tuple[asyncio.Future[None], SamplingParams, int]] = {}
+        self._add_ids = itertools.count()
+        self._started = False
         self._accepting = False
-        load = engine.load()
-        metrics.set_pool(load.num_slots, load.bytes_per_slot)
-        metrics.set_load(load)
+        metrics.set_pool(self.info.num_slots, self.info.bytes_per_slot)
+        metrics.set_load(self.info.load)
 
     @property
     def running(self) -> bool:
-        return self._loop_done is not None and not self._loop_done.done()
+        return self.driver.running
 
     def not_ready_reason(self) -> str | None:
         """Why the server cannot take requests now, or ``None`` when it can. An AsyncEngine exists only once
         the model is loaded and, on CPU, the fused kernels are built (``LLMEngine`` does both before it returns),
-        so what remains is the engine thread running and the server not shutting down."""
+        so what remains is the engine loop running and the server not shutting down."""
         if self.draining:
             return "the server is shutting down"
         if not self.running or not self._accepting:
@@ -249,17 +171,14 @@ class AsyncEngine:
         return None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
         self._accepting = True
-        self._loop_done = self._thread.submit(self._run)
+        self._started = True
+        self.driver.start(loop, self._handle)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine loop and wait for it (bounded), then end its thread; pending requests fail with
-        EngineDeadError. Blocks: call it off the event loop."""
-        self._commands.put(StopCommand())
-        if self._loop_done is not None:
-            wait([self._loop_done], timeout)
-        self._thread.close()
+        """Stop the engine loop and wait for it (bounded); pending requests fail with EngineDeadError. Blocks:
+        call it off the event loop."""
+        self.driver.stop(timeout)
 
     async def submit(
         self,
@@ -288,9 +207,9 @@ class AsyncEngine:
         submission = Submission(self, request_id, ids, size, params.output_kind is OutputKind.DELTA)
         self.queued_bytes += size
         self._consumers.update(dict.fromkeys(ids, submission))
-        self._commands.put(
-            AddCommand(ids, prompts, params, time.monotonic(), submission.accepted, context, return_state)
-        )
+        add_id = next(self._add_ids)
+        self._adds[add_id] = (submission.accepted, params, len(ids))
+        self.driver.send(AddCommand(add_id, ids, prompts, params, time.monotonic(), context, return_state))
         try:
             await submission.accepted
         except BaseException as err:  # rejected (nothing was added) or cancelled (abort what may have been)
@@ -308,7 +227,7 @@ class AsyncEngine:
         for request_id in unfinished:
             del self._consumers[request_id]
         if unfinished:
-            self._commands.put(AbortCommand(unfinished))
+            self.driver.send(AbortCommand(unfinished))
 
     def fail_in_flight(self, message: str) -> None:
         """Fail every in-flight submission with EngineDeadError(``message``), abort their requests and accept
@@ -320,7 +239,29 @@ class AsyncEngine:
         self.queued_bytes -= submission.queued_bytes
         submission.queued_bytes = 0
 
-    # --- event loop side: what the engine thread posts ------------------------------------------------
+    # --- what the engine loop reports, handled on the event loop --------------------------------------
+
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, Stepped):
+            self.metrics.observe_step(event.stats, event.outputs)
+            self.metrics.set_load(event.load)
+            self.stat_logger.record(event.stats, event.load)
+            if event.outputs:
+                self._route(event.outputs)
+        elif isinstance(event, Added):
+            accepted, params, count = self._adds.pop(event.add_id)
+            if event.error is None:
+                for _ in range(count):
+                    self.metrics.observe_admitted(params)
+            self.metrics.set_load(event.load)
+            self._settle(accepted, event.error)
+        elif isinstance(event, Aborted):
+            self.metrics.observe_outputs(event.finals)
+            self.metrics.set_load(event.load)
+        elif isinstance(event, StepFailed):
+            self._fail_all(RequestFailedError(event.message), False)
+        else:
+            self._fail_all(EngineDeadError(event.message), True)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -343,96 +284,11 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException, closing: bool) -> None:
         """Fail every in-flight submission and have the engine abort their requests (after a failed step,
-        this command is what the engine thread waits for; after a stop, it runs first if the thread restarts)."""
+        this command is what the engine loop waits for)."""
         failed, self._consumers = self._consumers, {}
-        self._commands.put(AbortCommand(list(failed)))
+        self.driver.send(AbortCommand(list(failed)))
         if closing:
             self._accepting = False
         for submission in set(failed.values()):
             self._dequeue(submission)
             submission.fail(error)
-
-    # --- engine thread ---------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        error = EngineDeadError("the server is shutting down")
-        try:
-            wait = True
-            while self._run_commands(wait):
-                # Wait for the next command when idle, and after a failed step (the loop answers with aborts).
-                wait = not (self.engine.has_unfinished_requests() and self._step())
-        except Exception:
-            logger.exception("engine thread crashed")
-            error = EngineDeadError("the engine stopped after an internal error")
-        finally:
-            self._post(self._fail_all, error, True)
-
-    def _run_commands(self, wait: bool) -> bool:
-        """Execute the queued commands, first waiting for one if ``wait``; False once told to stop."""
-        while True:
-            try:
-                command = self._commands.get(block=wait)
-            except queue.Empty:
-                return True
-            wait = False
-            if isinstance(command, StopCommand):
-                return False
-            if isinstance(command, AddCommand):
-                self._add(command)
-            else:
-                self._abort(command)
-
-    def _add(self, command: AddCommand) -> None:
-        error: Exception | None = None
-        added: list[str] = []
-        try:
-            for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
-                self.engine.add_request(
-                    prompt,
-                    command.params,
-                    request_id,
-                    command.arrival_time,
-                    context=command.context,
-                    return_state=command.return_state,
-                )
-                added.append(request_id)
-        except Exception as err:  # all or none: roll back the prompts already added, report the error
-            error = err
-            for request_id in added:
-                self.engine.abort_request(request_id)
-        else:
-            for _ in added:
-                self.metrics.observe_admitted(command.params)
-        self.metrics.set_load(self.engine.load())
-        self._post(self._settle, command.accepted, error)
-
-    def _abort(self, command: AbortCommand) -> None:
-        finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
-        self.metrics.observe_outputs(finals)
-        self.metrics.set_load(self.engine.load())
-
-    def _step(self) -> bool:
-        """One engine step, whose outputs reach the event loop in one batch; False if the step itself raised.
-        With async scheduling (a GPU) the step returns once the next one is queued on the device, so the event
-        loop streams these outputs while the device computes."""
-        try:
-            outputs = self.engine.step()
-        except Exception as err:
-            logger.exception("engine step failed; failing every in-flight request")
-            self._post(self._fail_all, RequestFailedError(f"{type(err).__name__}: {err}"), False)
-            return False
-        load = self.engine.load()
-        self.metrics.observe_step(self.engine.last_step, outputs)
-        self.metrics.set_load(load)
-        self.stat_logger.record(self.engine.last_step, load)
-        if outputs:
-            self._post(self._route, outputs)
-        return True
-
-    def _post(self, callback: Callable[..., None], *args: Any) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass

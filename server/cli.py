@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
-    from rnnserve.server.async_engine import EngineThread
+    from rnnserve.server.engine_core import EngineThread
     from rnnserve.server.http_server import build_server, listen_socket
 
     try:
@@ -141,35 +141,32 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     start = time.perf_counter()
-    if resolve_device(config.engine.device).type == "cpu":
-        build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
-    thread = EngineThread()  # loads and steps the engine: one OpenMP team (see EngineThread)
     try:
-        engine = thread.call(LLMEngine.from_config, config.engine)
+        if config.uses_engine_process:
+            app = create_app(config)  # the engine process loads the model (and builds its kernels)
+        else:
+            if resolve_device(config.engine.device).type == "cpu":
+                build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
+            thread = EngineThread()  # loads and steps the engine: one OpenMP team (see EngineThread)
+            app = create_app(config, thread.call(LLMEngine.from_config, config.engine), thread)
     except (ModelLoadError, ValueError) as err:
         sock.close()
         logger.error("cannot load model: %s", err)
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
-    try:
-        app = create_app(config, engine, thread)
-    except ValueError as err:
-        sock.close()
-        logger.error("%s", err)
-        return 1
     freeze_startup_heap()
-    pool = engine.pool
-    weight = next(iter(engine.model.parameters()), None)
+    info = app.state.engine.info
     logger.info(
         "serving model=%s name=%s device=%s dtype=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
-        "auth=%s url=http://%s:%d",
+        "engine=%s auth=%s url=http://%s:%d",
         config.model_path,
         ",".join(config.model_names),
-        engine.device,
-        str(weight.dtype).removeprefix("torch.") if weight is not None else "none",
-        pool.bytes_per_slot,
-        pool.num_slots,
-        pool.total_bytes,
+        info.device,
+        info.dtype,
+        info.bytes_per_slot,
+        info.num_slots,
+        info.num_slots * info.bytes_per_slot,
+        "process" if config.uses_engine_process else "thread",
         "on" if config.api_key else "off",
         config.host,
         config.port,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, option, parse_bytes
-from rnnserve.engine.loader import DEFAULT_MODEL_DIR
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR, resolve_device
 
 DEFAULT_SERVED_NAME = "rnnserve-default"
 API_KEY_ENV = "RNNSERVE_API_KEY"
@@ -101,6 +101,11 @@ class ServerConfig:
         256 << 20, "host memory for recently used sessions' states, so a conversation's next turn skips the disk "
         "read (default: 256MiB)", type=parse_bytes, metavar="BYTES",
     )
+    engine_process: str = option(
+        "auto", "run the engine in a process of its own, so that the HTTP event loop and the engine's host work "
+        "do not take turns on one Python interpreter; auto: on for CUDA (on a CPU the model step is the host's "
+        "own work, and a thread of the server's process keeps one OpenMP team)", choices=["auto", "on", "off"],
+    )
     log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
     access_log: bool = option(False, "log one line per HTTP request (uvicorn's access log)")
 
@@ -131,6 +136,13 @@ class ServerConfig:
     def model_path(self) -> str:
         """The model as given, or the embedded default model's directory."""
         return self.engine.model if self.engine.model is not None else str(DEFAULT_MODEL_DIR)
+
+    @property
+    def uses_engine_process(self) -> bool:
+        """Whether the engine runs in a process of its own (``engine_process``, auto resolved by the device)."""
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        return resolve_device(self.engine.device).type == "cuda"
 
     @property
     def trusted_hosts(self) -> tuple[frozenset[str], bool]:

@@ -86,8 +86,8 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.sessions = sessions
-        self.tokenizer: Tokenizer = engine.engine.tokenizer
-        self.vocab_size = engine.engine.model.vocab_size
+        self.tokenizer: Tokenizer = engine.info.tokenizer
+        self.vocab_size = engine.info.vocab_size
         self.created = int(time.time())
         self.model_names = config.model_names  # resolved once: it looks at the file system
         model_dir = model_directory(config.model_path)
@@ -335,7 +335,7 @@ class OpenAIServing:
             raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err
         if not req.add_special_tokens and tokens[:1] == self.tokenizer.encode("") != []:
             tokens = tokens[1:]  # the tokenizer adds a BOS token on its own
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.info.max_model_len
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 
     def tokenizer_info(self) -> JSONResponse:
@@ -350,7 +350,7 @@ class OpenAIServing:
             "bos_token_id": tok.bos_token_id,
             "pad_token": None,
             "vocab_size": tok.vocab_size,
-            "model_max_length": self.engine.engine.max_model_len,
+            "model_max_length": self.engine.info.max_model_len,
             "chat_template": self.chat_template or DEFAULT_CHAT_TEMPLATE,
         })
 

@@ -44,8 +44,8 @@ from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.server.config import ServerConfig
+    from rnnserve.server.engine_core import EngineInfo
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -604,9 +604,9 @@ class SessionStore:
             self._cache_used -= entry[0].host_bytes
 
 
-def open_session_store(config: ServerConfig, engine: LLMEngine) -> SessionStore:
+def open_session_store(config: ServerConfig, engine: EngineInfo) -> SessionStore:
     """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used)."""
-    codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.model.vocab_size)
+    codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.vocab_size)
     directory = Path(config.session_dir).expanduser() if config.session_dir else default_session_dir(codec.fingerprint)
     return SessionStore(directory, codec, config.max_sessions, config.max_session_bytes, config.session_cache_bytes)
 

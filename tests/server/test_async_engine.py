@@ -19,8 +19,9 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.sequence import Sequence
 from rnnserve.server.app import create_app
-from rnnserve.server.async_engine import EngineDeadError, EngineThread
+from rnnserve.server.async_engine import EngineDeadError
 from rnnserve.server.background import serve_in_thread
+from rnnserve.server.engine_core import EngineThread
 from tests.server.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(90)
@@ -97,7 +98,7 @@ def test_idle_engine_thread_blocks_on_the_command_queue() -> None:
     bridge = app.state.engine
     engine = bridge.engine
     commands = RecordingQueue()
-    bridge._commands = commands
+    bridge.driver.commands = commands
     steps: list[int] = []
     real_step = engine.step
     engine.step = lambda: steps.append(1) or real_step()

@@ -1,0 +1,545 @@
+"""The engine's side of the server: the loop that drives an :class:`LLMEngine` (:class:`EngineCore`) and the
+two places it can run.
+
+* :class:`ThreadDriver`: a thread of the server's process (:class:`EngineThread`). Simple, and right on a CPU,
+  where the model step is the host's own work.
+* :class:`ProcessDriver`: a process of its own, as vLLM's engine core. On a GPU the engine's host work
+  (scheduling, sampling bookkeeping, detokenizing) and the HTTP event loop (routing outputs, one SSE write per
+  stream) both need a Python interpreter; in one process they take turns on its lock, and at a few hundred
+  streams neither keeps up with the device. The server process then only serves HTTP; the engine process only
+  steps the engine.
+
+The loop and the server speak in messages (commands in, events out), the same ones in both places; across
+processes they are pickled through a pipe. A step's outputs cross as rows of plain data
+(:class:`OutputEncoder` / :class:`OutputDecoder`: several times cheaper to pickle than dataclasses, which matters
+at a few hundred outputs per step), each carrying its request's prompt (ids, text, prompt logprobs) only the
+first time, so a long prompt is not pickled once per generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import operator
+import pickle
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+import torch
+
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
+from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("rnnserve.engine")
+
+Prompt = str | list[int]
+T = TypeVar("T")
+EngineFactory = Callable[[EngineConfig], LLMEngine]
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know about its engine, wherever the engine runs: the tokenizer, the limits,
+    the state pool and the model's identity (for sessions)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    model_fingerprint: str
+    state_specs: list[StateSpec]
+    num_slots: int
+    bytes_per_slot: int
+    device: str
+    dtype: str
+    load: EngineLoad
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        weight = next(iter(engine.model.parameters()), None)
+        return cls(
+            tokenizer=engine.tokenizer,
+            vocab_size=engine.model.vocab_size,
+            max_model_len=engine.max_model_len,
+            model_fingerprint=engine.model_fingerprint,
+            state_specs=engine.state_specs,
+            num_slots=engine.pool.num_slots,
+            bytes_per_slot=engine.pool.bytes_per_slot,
+            device=str(engine.device),
+            dtype=str(weight.dtype).removeprefix("torch.") if weight is not None else "none",
+            load=engine.load(),
+        )
+
+
+# --- commands (server -> engine) -------------------------------------------------------------------------
+
+
+@dataclass
+class AddCommand:
+    """Add one engine request per prompt, all or none; :class:`Added` with the same ``add_id`` answers it."""
+
+    add_id: int
+    request_ids: list[str]
+    prompts: list[Prompt]
+    params: SamplingParams
+    arrival_time: float
+    context: StateSnapshot | None = None
+    return_state: bool = False
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class StopCommand:
+    pass
+
+
+Command = AddCommand | AbortCommand | StopCommand
+
+
+# --- events (engine -> server) ---------------------------------------------------------------------------
+
+
+@dataclass
+class Added:
+    """The outcome of an :class:`AddCommand`: ``error`` is what ``add_request`` raised (nothing was added)."""
+
+    add_id: int
+    error: Exception | None
+    load: EngineLoad
+
+
+@dataclass
+class Aborted:
+    """Requests aborted on the server's command, with their final outputs (for metrics)."""
+
+    finals: list[RequestOutput]
+    load: EngineLoad
+
+
+@dataclass
+class Stepped:
+    """One engine step and its outputs."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats
+    load: EngineLoad
+
+
+@dataclass
+class StepFailed:
+    """``engine.step()`` raised: every in-flight request fails; the loop waits for the server's aborts."""
+
+    message: str
+
+
+@dataclass
+class Stopped:
+    """The loop ended (stopped, crashed, or its process died); ``message`` says why."""
+
+    message: str
+
+
+@dataclass
+class LoadFailed:
+    """The engine process could not build its engine."""
+
+    error: Exception
+
+
+Event = Added | Aborted | Stepped | StepFailed | Stopped
+
+
+def portable_error(error: Exception) -> Exception:
+    """``error`` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure means it cannot cross
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class EngineCore:
+    """Drives an :class:`LLMEngine`: runs the commands ``next_command(block)`` returns (``None``: none
+    queued), steps while requests are unfinished, blocks for a command when idle, and reports each outcome
+    through ``post``. One instance per engine; :meth:`run` ends with a :class:`Stopped` event."""
+
+    def __init__(
+        self, engine: LLMEngine, next_command: Callable[[bool], Command | None], post: Callable[[Event], None]
+    ) -> None:
+        self.engine = engine
+        self.next_command = next_command
+        self.post = post
+
+    def run(self) -> None:
+        message = SHUTDOWN_MESSAGE
+        try:
+            wait_for_command = True
+            while self._run_commands(wait_for_command):
+                # Wait for the next command when idle, and after a failed step (the server answers with aborts).
+                wait_for_command = not (self.engine.has_unfinished_requests() and self._step())
+        except Exception:
+            logger.exception("engine loop crashed")
+            message = "the engine stopped after an internal error"
+        finally:
+            self.post(Stopped(message))
+
+    def _run_commands(self, block: bool) -> bool:
+        """Execute the queued commands, first waiting for one if ``block``; False once told to stop."""
+        while (command := self.next_command(block)) is not None:
+            block = False
+            if isinstance(command, StopCommand):
+                return False
+            if isinstance(command, AddCommand):
+                self._add(command)
+            else:
+                finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
+                self.post(Aborted(finals, self.engine.load()))
+        return True
+
+    def _add(self, command: AddCommand) -> None:
+        error: Exception | None = None
+        added: list[str] = []
+        try:
+            for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+                self.engine.add_request(
+                    prompt,
+                    command.params,
+                    request_id,
+                    command.arrival_time,
+                    context=command.context,
+                    return_state=command.return_state,
+                )
+                added.append(request_id)
+        except Exception as err:  # all or none: roll back the prompts already added, report the error
+            error = err
+            for request_id in added:
+                self.engine.abort_request(request_id)
+        self.post(Added(command.add_id, error, self.engine.load()))
+
+    def _step(self) -> bool:
+        """One engine step, posted as one event; False if the step itself raised. With async scheduling (a GPU)
+        the step returns once the next one is queued on the device, so its outputs are streamed meanwhile."""
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            logger.exception("engine step failed; failing every in-flight request")
+            self.post(StepFailed(f"{type(err).__name__}: {err}"))
+            return False
+        self.post(Stepped(outputs, self.engine.last_step, self.engine.load()))
+        return True
+
+
+class EngineThread:
+    """The one thread that does a server's engine work: it loads the model (:meth:`call`), then runs the step
+    loop (:meth:`submit`), so warm-up and steps run where the weights were prepared.
+
+    On CPU each thread that runs parallel torch ops gets an OpenMP team of its own. Once a second team exists
+    (e.g. that of the thread that loaded the model), libgomp's threads outnumber the cores and its workers
+    sleep between parallel regions instead of spinning: batched decode steps ran ~17% slower. A single
+    thread keeps a single team. The thread runs torch with as many threads as its creator does."""
+
+    def __init__(self, name: str = "rnnserve-engine") -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._num_threads = torch.get_num_threads()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue ``fn`` for the thread; its future holds the result or the exception."""
+        if self._closed:
+            raise RuntimeError("the engine thread is closed")
+        future: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - the caller gets it from the future
+                future.set_exception(err)
+
+        self._jobs.put(job)
+        return future
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` run on the thread; blocks until it returns (or raises what it raised)."""
+        return self.submit(lambda: fn(*args)).result()
+
+    def close(self) -> None:
+        """End the thread once its queued jobs ran."""
+        self._closed = True
+        self._jobs.put(None)
+
+
+EventHandler = Callable[[Event], None]
+
+
+def post_to(loop: asyncio.AbstractEventLoop, handle: EventHandler) -> EventHandler:
+    """A ``post`` that runs ``handle(event)`` on ``loop`` (dropped once the loop is closed)."""
+
+    def post(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(handle, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    return post
+
+
+class ThreadDriver:
+    """Runs the engine loop on an :class:`EngineThread` of this process; ``engine`` is the live engine."""
+
+    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None) -> None:
+        self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self.thread = thread or EngineThread()
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._done: Future[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._done is not None and not self._done.done()
+
+    def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
+        core = EngineCore(self.engine, self._next_command, post_to(loop, handle))
+        self._done = self.thread.submit(core.run)
+
+    def _next_command(self, block: bool) -> Command | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def send(self, command: Command) -> None:
+        self.commands.put(command)
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loop and wait for it (bounded), then end the thread."""
+        self.send(StopCommand())
+        if self._done is not None:
+            wait([self._done], timeout)
+        self.thread.close()
+
+
+OutputRow = tuple  # one RequestOutput as plain data (see OutputEncoder)
+sample_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(CompletionOutput)))
+metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))
+
+
+class OutputEncoder:
+    """Engine side: a step's outputs as rows of plain data, which pickle several times faster than dataclass
+    instances, and without the prompt (text, ids, logprobs) after a request's first output."""
+
+    def __init__(self) -> None:
+        self.sent: set[str] = set()
+
+    def encode(self, outputs: list[RequestOutput]) -> list[OutputRow]:
+        rows = []
+        for out in outputs:
+            prompt = None if out.request_id in self.sent else (out.prompt, out.prompt_token_ids, out.prompt_logprobs)
+            if out.finished:
+                self.sent.discard(out.request_id)
+            else:
+                self.sent.add(out.request_id)
+            samples = [sample_fields(s) for s in out.outputs]
+            rows.append((out.request_id, prompt, samples, out.finished, metrics_fields(out.metrics), out.error,
+                         out.num_cached_tokens, out.final_state))  # fmt: skip
+        return rows
+
+    def forget(self, request_ids: list[str]) -> None:
+        self.sent.difference_update(request_ids)
+
+
+class OutputDecoder:
+    """Server side: rows back into :class:`RequestOutput` objects, each with its request's prompt (kept from
+    the request's first output until it finishes)."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, tuple[str | None, list[int], Any]] = {}
+
+    def decode(self, rows: list[OutputRow]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, prompt, samples, finished, times, error, num_cached, final_state in rows:
+            if prompt is None:
+                prompt = self.prompts[request_id]
+            if finished:
+                self.prompts.pop(request_id, None)
+            else:
+                self.prompts[request_id] = prompt
+            completions = [CompletionOutput(*sample) for sample in samples]
+            text, token_ids, logprobs = prompt
+            outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, RequestMetrics(*times),
+                                         error, logprobs, num_cached, final_state))  # fmt: skip
+        return outputs
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.prompts.pop(request_id, None)
+
+
+@dataclass
+class EncodedStep:
+    """:class:`Stepped` as it crosses between processes."""
+
+    rows: list[OutputRow]
+    stats: StepStats
+    load: EngineLoad
+
+
+def send_message(conn: Connection, message: object) -> None:
+    """Pickle ``message`` whole (tensors by value, never through shared memory) and send it."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive_message(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFactory, log_level: int) -> None:
+    """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`),
+    then run the engine loop on the commands that arrive, until told to stop or the server's end closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us itself
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    try:
+        engine = factory(config)
+    except Exception as err:  # noqa: BLE001 - reported to the server, which raises it
+        send_message(conn, LoadFailed(portable_error(err)))
+        return
+    send_message(conn, EngineInfo.of(engine))
+    freeze_startup_heap()
+    encoder = OutputEncoder()
+
+    def next_command(block: bool) -> Command | None:
+        try:
+            if not block and not conn.poll():
+                return None
+            command: Command = receive_message(conn)
+        except (EOFError, OSError):  # the server is gone
+            return StopCommand()
+        if isinstance(command, AbortCommand):
+            encoder.forget(command.request_ids)
+        return command
+
+    def post(event: Event) -> None:
+        message: object = event
+        if isinstance(event, Stepped):
+            message = EncodedStep(encoder.encode(event.outputs), event.stats, event.load)
+        elif isinstance(event, Added) and event.error is not None:
+            message = Added(event.add_id, portable_error(event.error), event.load)
+        try:
+            send_message(conn, message)
+        except OSError:  # the server is gone; the next command read ends the loop
+            pass
+
+    EngineCore(engine, next_command, post).run()
+
+
+class ProcessDriver:
+    """Runs the engine in a process of its own (spawned, so it may use CUDA), built by ``factory(config)``.
+    Construction blocks until the engine is loaded and raises what loading raised (e.g. ``ModelLoadError``)."""
+
+    engine = None  # the live engine is in the other process
+
+    def __init__(
+        self, config: EngineConfig, factory: EngineFactory | None = None, log_level: int = logging.INFO
+    ) -> None:
+        factory = factory or LLMEngine.from_config
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=run_engine_process,
+            args=(child_conn, config, factory, log_level),
+            name="rnnserve-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._stopped = False
+        self.decoder = OutputDecoder()
+        try:
+            first = receive_message(self._conn)
+        except EOFError as err:
+            self._process.join()
+            code = self._process.exitcode
+            raise RuntimeError(f"the engine process exited while loading (exit code {code})") from err
+        if isinstance(first, LoadFailed):
+            self._process.join()
+            raise first.error
+        self.info: EngineInfo = first
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        return self._reader is not None and self._reader.is_alive() and not self._stopped
+
+    def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
+        post = post_to(loop, handle)
+        self._reader = threading.Thread(target=self._read, args=(post,), name="rnnserve-engine-events", daemon=True)
+        self._reader.start()
+
+    def _read(self, post: EventHandler) -> None:
+        """Forward the engine's events to the event loop (prompts restored here, off the loop) until it stops."""
+        while True:
+            try:
+                event = receive_message(self._conn)
+            except (EOFError, OSError):
+                self._process.join(5)
+                event = Stopped(f"the engine process exited (exit code {self._process.exitcode})")
+            if isinstance(event, EncodedStep):
+                event = Stepped(self.decoder.decode(event.rows), event.stats, event.load)
+            elif isinstance(event, Aborted):
+                self.decoder.forget([out.request_id for out in event.finals])
+            elif isinstance(event, Stopped):
+                self._stopped = True
+            post(event)
+            if self._stopped:
+                return
+
+    def send(self, command: Command) -> None:
+        """Send a command; a dead engine process is not an error here (its :class:`Stopped` fails the rest)."""
+        try:
+            with self._send_lock:
+                send_message(self._conn, command)
+        except OSError:
+            pass
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loop and wait for the process (bounded; killed after that)."""
+        self.send(StopCommand())
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._process.kill()
+            self._process.join()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._conn.close()
+
+
+EngineDriver = ThreadDriver | ProcessDriver

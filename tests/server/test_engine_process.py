@@ -1,0 +1,221 @@
+"""The engine in a process of its own (``engine_process="on"``): the same answers as the engine in a thread, its
+messages cross intact (outputs as plain rows, prompts once per request, errors with their types, session
+states), and its death
+fails in-flight requests with a clear error instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import pickle
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from rnnserve.engine.loader import ModelLoadError
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.server.app import create_app
+from rnnserve.server.background import serve_in_thread
+from rnnserve.server.engine_core import (
+    EngineInfo,
+    OutputDecoder,
+    OutputEncoder,
+    ProcessDriver,
+    ThreadDriver,
+    portable_error,
+)
+from tests.server.conftest import tiny_config
+
+pytestmark = pytest.mark.timeout(180)
+
+BODIES = [
+    {"prompt": "Hello", "max_tokens": 12, "temperature": 0},
+    {"prompt": "The cat", "max_tokens": 9, "temperature": 0.8, "seed": 7, "n": 2},
+    {"prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True},
+    {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "prompt_logprobs": 1},
+    {"prompt": ["one", "two"], "max_tokens": 4, "temperature": 0, "stop": ["e"]},
+]
+VOLATILE = {"id", "created"}
+
+
+def stable(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in VOLATILE}
+
+
+def streamed_chunks(client: TestClient, body: dict) -> list[dict]:
+    response = client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    payloads = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    return [stable(json.loads(p)) for p in payloads[:-1]]
+
+
+def streamed_text(chunks: list[dict]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+def answers(engine_process: str) -> tuple[list[dict], list[dict[int, str]], dict]:
+    app = create_app(tiny_config(engine_process=engine_process))
+    assert (app.state.engine.engine is None) is (engine_process == "on")
+    with TestClient(app) as client:
+        whole = [stable(client.post("/v1/completions", json=b).json()) for b in BODIES]
+        streams = [streamed_text(streamed_chunks(client, b)) for b in BODIES]
+        chat = stable(
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+            ).json()
+        )
+    return whole, streams, chat
+
+
+@pytest.fixture(scope="module")
+def process_client() -> Iterator[TestClient]:
+    with TestClient(create_app(tiny_config(engine_process="on", max_num_seqs=2, max_waiting=1))) as client:
+        yield client
+
+
+def test_a_process_engine_answers_as_a_thread_engine() -> None:
+    whole, streams, chat = answers("on")
+    assert (whole, streams, chat) == answers("off")
+    assert all(w.get("choices") for w in whole)
+    for body, streamed in zip(whole, streams, strict=True):
+        assert {c["index"]: c["text"] for c in body["choices"]} == streamed
+
+
+def test_metrics_and_load_are_kept_by_the_server_process(process_client: TestClient) -> None:
+    before = process_client.get("/metrics").text
+    assert process_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5}).status_code == 200
+    after = process_client.get("/metrics").text
+
+    def value(text: str, name: str) -> float:
+        lines = [line for line in text.splitlines() if line.startswith(name) and not line.startswith("#")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    assert value(after, "rnnserve_generation_tokens_total") == value(before, "rnnserve_generation_tokens_total") + 5
+    assert value(after, "rnnserve_request_success_total") == value(before, "rnnserve_request_success_total") + 1
+    assert value(after, "rnnserve_state_slots_total") == 2
+    assert value(after, "rnnserve_state_slots_used") == 0
+    assert process_client.get("/ready").status_code == 200
+
+
+def test_errors_raised_in_the_engine_process_keep_their_status(process_client: TestClient) -> None:
+    bad_token = process_client.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2})
+    assert bad_token.status_code == 400
+    assert bad_token.json()["error"]["param"] == "prompt"
+
+
+def test_sessions_carry_state_across_the_process_boundary(tmp_path: os.PathLike) -> None:
+    turns = ["Hello", " there", " again"]
+
+    def conversation(engine_process: str) -> list[str]:
+        config = tiny_config(engine_process=engine_process, session_dir=str(tmp_path / engine_process))
+        with TestClient(create_app(config)) as client:
+            session = client.post("/v1/sessions", json={}).json()["id"]
+            texts = []
+            for turn in turns:
+                body = {"prompt": turn, "max_tokens": 6, "temperature": 0, "session_id": session}
+                response = client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                texts.append(response.json()["choices"][0]["text"])
+            return texts
+
+    assert conversation("on") == conversation("off")
+
+
+def test_a_load_error_is_raised_by_create_app() -> None:
+    with pytest.raises(ModelLoadError):
+        create_app(tiny_config(model="random:no-such-preset", engine_process="on"))
+
+
+def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies() -> None:
+    app = create_app(tiny_config(engine_process="on"))
+    pid = app.state.engine.driver.pid
+
+    async def scenario(url: str) -> tuple[str, int, int, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = {"prompt": "Hi", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                os.kill(pid, signal.SIGKILL)
+                rest = [line async for line in lines]
+            health = (await http.get("/health")).status_code
+            ready = (await http.get("/ready")).status_code
+            late = (await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code
+            return "\n".join(rest), health, ready, late
+
+    with serve_in_thread(app) as url:
+        rest, health, ready, late = asyncio.run(scenario(url))
+    assert "the engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
+    assert (health, ready, late) == (503, 503, 503)
+
+
+def output(request_id: str, tokens: list[int], finished: bool = False, logprobs: bool = False) -> RequestOutput:
+    entries = [TokenLogprob(t, -0.5, [(t, -0.5), (1, -2.0)]) for t in tokens] if logprobs else []
+    sample = CompletionOutput(
+        0, "x" * len(tokens), tokens, "length" if finished else None, entries or None, -1.5, "x", tokens[-1:],
+        entries[-1:], len(tokens),
+    )  # fmt: skip
+    times = RequestMetrics(1.0, 2.0, 3.0, 4.0, 3.5, 5.0 if finished else None)
+    return RequestOutput(request_id, "prompt text", [1, 2, 3], [sample, sample], finished, times,
+                         prompt_logprobs=[None, TokenLogprob(2, -1.0, rank=3)], num_cached_tokens=2)  # fmt: skip
+
+
+def test_outputs_cross_whole_with_each_prompt_sent_once_per_request() -> None:
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    steps = [
+        [output("a", [4], logprobs=True), output("b", [5])],
+        [output("a", [4, 6], logprobs=True), output("b", [5, 7], finished=True)],
+        [output("a", [4, 6, 8], finished=True, logprobs=True), output("b", [9])],  # a new request reusing an id
+    ]
+    sent_prompts = []
+    for step in steps:
+        rows = pickle.loads(pickle.dumps(encoder.encode(step)))
+        sent_prompts.append([row[1] is not None for row in rows])
+        assert decoder.decode(rows) == step
+    assert sent_prompts == [[True, True], [False, False], [False, True]]
+    assert encoder.sent == {"b"} and set(decoder.prompts) == {"b"}
+    encoder.forget(["b"])
+    decoder.forget(["b"])
+    assert not encoder.sent and not decoder.prompts
+
+
+def test_errors_cross_with_their_types_and_fields() -> None:
+    invalid = pickle.loads(pickle.dumps(portable_error(InvalidParameterError("top_k", "must be positive"))))
+    assert isinstance(invalid, InvalidParameterError)
+    assert (invalid.param, str(invalid)) == ("top_k", "must be positive")
+    assert isinstance(pickle.loads(pickle.dumps(portable_error(QueueFullError("full")))), QueueFullError)
+
+    class Local(Exception):  # not importable by name: cannot be unpickled
+        pass
+
+    fallback = portable_error(Local("odd"))
+    assert type(fallback) is RuntimeError and str(fallback) == "Local: odd"
+
+
+def test_engine_info_describes_the_same_engine_in_both_places() -> None:
+    app = create_app(tiny_config())
+    thread_info = app.state.engine.info
+    app.state.engine.stop()
+    driver = ProcessDriver(tiny_config().engine)
+    try:
+        process_info = driver.info
+    finally:
+        driver.stop(10.0)
+    assert isinstance(app.state.engine.driver, ThreadDriver)
+    same = {f.name for f in dataclasses.fields(EngineInfo)} - {"tokenizer", "load"}
+    assert {n: getattr(process_info, n) for n in same} == {n: getattr(thread_info, n) for n in same}
+    assert process_info.tokenizer.encode("héllo") == thread_info.tokenizer.encode("héllo")
