@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -134,16 +135,33 @@ def test_serve_reexecs_only_when_the_policy_changes(monkeypatch: pytest.MonkeyPa
     assert env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env
 
 
-def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also: the served process (the same pid, re-executed) runs with the server's OpenMP spin count."""
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def child_pids(pid: int) -> set[int]:
+    return {int(c) for path in Path(f"/proc/{pid}/task").glob("*/children") for c in path.read_text().split()}
+
+
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """Also: the served process (the same pid, re-executed) runs with the server's OpenMP spin count; an engine
+    process ends with the server."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with running_server("--model", TINY, "--max-num-seqs", "3", "--drain-timeout", "20") as server:
+    flags = ("--engine-process", "on" if engine == "process" else "off")
+    with running_server("--model", TINY, "--max-num-seqs", "3", "--drain-timeout", "20", *flags) as server:
         environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
         assert b"GOMP_SPINCOUNT=10000" in environ
         [startup] = [line for line in server.log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
-        assert "state_bytes_per_slot=" in startup
+        assert "state_bytes_per_slot=" in startup and f"engine={engine}" in startup
+        children = child_pids(server.proc.pid)
+        assert bool(children) == (engine == "process")  # the engine (and multiprocessing's resource tracker)
         body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
@@ -157,6 +175,10 @@ def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatc
         texts = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert texts[-1]["finish_reason"] == "length"
         assert server.proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10  # they see the server's end of their pipes close, then exit
+        while any(alive(child) for child in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(child) for child in children)
 
 
 def test_api_key_file(tmp_path: Path) -> None:
