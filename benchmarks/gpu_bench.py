@@ -88,10 +88,12 @@ def prefill_tokens_per_ms(model, pool: StatePool, seqs: int, length: int, device
     return seqs * length / (seconds_per_step(step, device, 3) * 1e3)
 
 
-def http_tokens_per_ms(preset: str, dtype: str, concurrency: list[int], new_tokens: int) -> dict[int, float | str]:
+def http_tokens_per_ms(
+    preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto"
+) -> dict[int, float | str]:
     """Generated tok/ms of ``2 x c`` streamed requests at each concurrency ``c``, one after the other, against
-    one fresh ``rnnserve serve`` process (started once per model: a start builds the model and captures its
-    graphs). A failure is a string in place of the rate."""
+    one fresh ``rnnserve serve --engine-process ENGINE_PROCESS`` (started once per model: a start builds the model
+    and captures its graphs). A failure is a string in place of the rate."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -102,7 +104,8 @@ def http_tokens_per_ms(preset: str, dtype: str, concurrency: list[int], new_toke
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
                "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
-               "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning"]
+               "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning",
+               "--engine-process", engine_process]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -188,7 +191,8 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 
 
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
-                http: bool, profile: bool = False) -> list[Row]:
+                http: list[str], profile: bool = False) -> list[Row]:
+    """Every row of one model; ``http`` lists the ``--engine-process`` values of the HTTP rows (none: no rows)."""
     model, tokenizer = build_random(preset, device, dtype)
     with torch.inference_mode():
         rows, step_ms = model_step_rows(model, preset, device, sizes, peak, profile)
@@ -217,10 +221,12 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if http:
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        for c, rate in http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens).items():
-            cells = {"what": f"HTTP c={c}"}
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    for engine_process in http:
+        rates = http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens, engine_process)
+        for c, rate in rates.items():
+            label = f"HTTP c={c}" if engine_process == "auto" else f"HTTP c={c}, engine process {engine_process}"
+            cells = {"what": label}
             cells["tok/ms"] = f"{rate:.2f}" if isinstance(rate, float) else rate
             if isinstance(rate, float):
                 cells["vs offline"] = f"{rate / offline[c]:.0%}"
@@ -247,6 +253,8 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 64, 256])
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP rows")
+    parser.add_argument("--engine-process", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                        help="the servers' --engine-process, one set of HTTP rows each (default: auto, on for CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU, small sizes")
     parser.add_argument("--profile", action="store_true",
                         help="also print each model's kernels (one eager decode step, one prefill) by time")
@@ -270,7 +278,8 @@ def main() -> None:
     rows: list[Row] = []
     for preset in models:
         start = time.perf_counter()
-        model_rows = bench_model(preset, device, dtype, sizes, peak, http=not args.no_http, profile=args.profile)
+        http = [] if args.no_http else args.engine_process
+        model_rows = bench_model(preset, device, dtype, sizes, peak, http=http, profile=args.profile)
         print_table(model_rows)  # each model's rows as soon as they exist: a run cut short keeps them
         print(f"[{preset}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
         rows += model_rows

@@ -14,16 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_bench_smoke_prints_every_row_kind():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--models", "mamba-tiny"],
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--models", "mamba-tiny",
+         "--engine-process", "auto", "on"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     kinds = {(row[1], row[2]) for row in lines if row and row[0] == "mamba-tiny"}
     assert kinds == {("decode", "b=1"), ("decode", "b=4"), ("prefill", "1x64"), ("prefill", "2x16"),
-                     ("engine", "c=2"), ("HTTP", "c=2")}, result.stdout
+                     ("engine", "c=2"), ("HTTP", "c=2"), ("HTTP", "c=2,")}, result.stdout
     http = next(row for row in lines if row[:3] == ["mamba-tiny", "HTTP", "c=2"])
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
+    in_process = next(row for row in lines if row[:6] == ["mamba-tiny", "HTTP", "c=2,", "engine", "process", "on"])
+    assert float(in_process[6]) > 0 and in_process[7].endswith("%"), in_process
 
 
 def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
