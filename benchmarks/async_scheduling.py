@@ -25,6 +25,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -95,13 +96,18 @@ def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path
                                 api_key=None, async_scheduling=mode, engine_process=engine_process)  # fmt: skip
     app = create_app(config, engine_factory=functools.partial(emulated_engine, args.step_ms))
     with serve_in_thread(app) as url:
+        before = resource.getrusage(resource.RUSAGE_SELF)
         command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
                    "bench", "--url", url, "--num-prompts", str(2 * args.streams), "--concurrency", str(args.streams),
                    "--input-len", "16", "--output-len", str(args.output_len), "--prompts", "ids", "--no-progress",
                    "--json", str(out)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         subprocess.run(command, env=env, capture_output=True, check=True)
-    return json.loads(out.read_text())
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    figures = json.loads(out.read_text())
+    cpu_seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    figures["server_cpu_us_per_token"] = cpu_seconds / figures["total_output_tokens"] * 1e6
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,13 +144,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {mode} | {rates[mode]:.0f} | {rates[mode] / device_rate:.0%} |")
     if args.no_http:
         return
-    print("\n| async scheduling | engine process | HTTP tok/s | HTTP / offline | HTTP / device | ITL p50 ms |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| async scheduling | engine process | HTTP tok/s | HTTP / offline | HTTP / device | ITL p50 ms "
+          "| server process CPU us/token |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for mode, engine_process in HTTP_CONFIGS:
         served = statistics.median(r["output_throughput"] for r in http[mode, engine_process])
         itl = statistics.median(r["itl_ms"]["p50"] for r in http[mode, engine_process])
+        cpu = statistics.median(r["server_cpu_us_per_token"] for r in http[mode, engine_process])
         print(f"| {mode} | {engine_process} | {served:.0f} | {served / rates[mode]:.0%} | {served / device_rate:.0%} "
-              f"| {itl:.1f} |")  # fmt: skip
+              f"| {itl:.1f} | {cpu:.1f} |")  # fmt: skip
 
 if __name__ == "__main__":
     main()
