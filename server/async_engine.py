@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from rnnserve.engine.llm_engine import LLMEngine
@@ -56,7 +57,7 @@ class RequestFailedError(RuntimeError):
 
 class Submission:
     """The engine requests of one HTTP call: ``request_id`` is the call's (the response's ``id``),
-    ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue.
+    ``request_ids`` the engine's, one per prompt. Their outputs arrive, interleaved, on one queue (:meth:`put`).
 
     ``on_finished`` (optional) runs on each request's final output before :meth:`outputs` yields it (a session
     stores its state there, before the client sees the end of the answer); ``on_close`` callbacks run once,
@@ -74,25 +75,38 @@ class Submission:
         self.request_ids = request_ids
         self.queued_bytes = queued_bytes
         self.coalesce = coalesce
-        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[None] = self._loop.create_future()
         self.on_finished: Callable[[RequestOutput], Awaitable[None]] | None = None
         self.on_close: list[Callable[[], None]] = []
-        self._held: RequestOutput | BaseException | None = None  # taken from the queue but not merged
+        self._items: deque[RequestOutput | BaseException] = deque()  # what outputs() has not read yet
+        self._waiter: asyncio.Future[None] | None = None  # outputs() waits on it while _items is empty
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Queue an output, or the error that ends the submission, for :meth:`outputs` (on the event loop)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def has_queued(self) -> bool:
         """Whether an output (or error) is waiting to be read."""
-        return self._held is not None or not self.queue.empty()
+        return bool(self._items)
+
+    async def _next(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
         failed one of them, or the error that failed the whole engine (or what ``on_finished`` raised)."""
         remaining = len(self.request_ids)
         while remaining:
-            if self._held is not None:
-                item, self._held = self._held, None
-            else:
-                item = await self.queue.get()
+            item = self._items.popleft() if self._items else await self._next()
             if self.coalesce:
                 item = self._merge_queued(item)
             if isinstance(item, BaseException):
@@ -105,24 +119,24 @@ class Submission:
             yield item
 
     def _merge_queued(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException:
-        """``item`` with the outputs queued right behind it for the same request merged in; the first item that
-        cannot be merged (another request, an error) is held for the next read."""
-        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
-            following = self.queue.get_nowait()
+        """``item`` with the outputs queued right behind it for the same request merged in, up to the first
+        that cannot be (another request's, an error), which stays queued."""
+        items = self._items
+        while isinstance(item, RequestOutput) and not item.finished and items:
+            following = items[0]
             if (
                 not isinstance(following, RequestOutput)
                 or following.request_id != item.request_id
                 or following.error is not None
             ):
-                self._held = following
                 break
-            item = merge_deltas(item, following)
+            item = merge_deltas(item, items.popleft())
         return item
 
     def fail(self, error: BaseException) -> None:
         """End the submission with ``error``: before it was accepted, or mid-generation."""
         if self.accepted.done():
-            self.queue.put_nowait(error)
+            self.put(error)
         else:
             self.accepted.set_exception(error)
 
@@ -271,7 +285,7 @@ class AsyncEngine:
             self._dequeue(submission)
             if out.finished:
                 del self._consumers[out.request_id]
-            submission.queue.put_nowait(out)
+            submission.put(out)
 
     @staticmethod
     def _settle(accepted: asyncio.Future[None], error: Exception | None) -> None:

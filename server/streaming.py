@@ -47,9 +47,9 @@ def generation_error(err: Exception) -> APIError:
 _LINE_BREAK_ESCAPES = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
-def sse_data(body: dict[str, Any]) -> str:
-    """One SSE event carrying ``body`` as JSON: UTF-8 text as is, but no character a client could split on."""
-    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAK_ESCAPES)}\n\n"
+def json_text(value: Any) -> str:
+    """``value`` as JSON for an SSE event: UTF-8 text as is, but no character a client could split on."""
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_BREAK_ESCAPES)
 
 
 def sse_response(events: AsyncIterator[str], submission: Submission) -> StreamingResponse:
@@ -114,6 +114,7 @@ class Generation(ABC):
         self.prompt_tokens: dict[str, int] = {}
         self.cached_tokens: dict[str, int] = {}
         self.completion_tokens: dict[tuple[str, int], int] = {}
+        self._chunk_head: str | None = None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -175,11 +176,15 @@ class Generation(ABC):
         }
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = self.body(self.chunk_object_name, choices)
-        if self.req.include_usage:
-            options = self.req.stream_options
-            body["usage"] = self.usage() if usage is None and options and options.continuous_usage_stats else usage
-        return sse_data(body)
+        """One streamed chunk, ``data: <body as json_text>``, the body with ``choices`` (and ``usage`` when asked
+        for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
+        if self._chunk_head is None:  # '{"id": ..., "model": ..., "choices": []}' without the final '[]}'
+            self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
+        if not self.req.include_usage:
+            return f"{self._chunk_head}{json_text(choices)}}}\n\n"
+        options = self.req.stream_options
+        usage = self.usage() if usage is None and options and options.continuous_usage_stats else usage
+        return f'{self._chunk_head}{json_text(choices)}, "usage": {json_text(usage)}}}\n\n'
 
     async def events(self) -> AsyncIterator[str]:
         """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails.

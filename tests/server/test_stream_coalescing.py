@@ -44,7 +44,7 @@ class NoBridge:
 def read_all(submission: Submission, items: list) -> list:
     async def run() -> list:
         for item in items:
-            submission.queue.put_nowait(item)
+            submission.put(item)
         return [out async for out in submission.outputs()]
 
     return asyncio.run(run())
