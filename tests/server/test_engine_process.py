@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import pickle
@@ -17,6 +18,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import ModelLoadError
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import InvalidParameterError
@@ -98,15 +101,10 @@ def test_metrics_and_load_are_kept_by_the_server_process(process_client: TestCli
     before = process_client.get("/metrics").text
     assert process_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5}).status_code == 200
     after = process_client.get("/metrics").text
-
-    def value(text: str, name: str) -> float:
-        lines = [line for line in text.splitlines() if line.startswith(name) and not line.startswith("#")]
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-
-    assert value(after, "rnnserve_generation_tokens_total") == value(before, "rnnserve_generation_tokens_total") + 5
-    assert value(after, "rnnserve_request_success_total") == value(before, "rnnserve_request_success_total") + 1
-    assert value(after, "rnnserve_state_slots_total") == 2
-    assert value(after, "rnnserve_state_slots_used") == 0
+    for name, added in [("rnnserve_generation_tokens_total", 5), ("rnnserve_request_success_total", 1)]:
+        assert metric(after, name) == metric(before, name) + added
+    assert metric(after, "rnnserve_state_slots_total") == 2
+    assert metric(after, "rnnserve_state_slots_used") == 0
     assert process_client.get("/ready").status_code == 200
 
 
@@ -161,6 +159,66 @@ def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies() -> None:
         rest, health, ready, late = asyncio.run(scenario(url))
     assert "the engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
     assert (health, ready, late) == (503, 503, 503)
+
+
+def engine_failing_on_step_3(config: EngineConfig) -> LLMEngine:
+    """An engine factory for the engine process (importable there): its third step raises."""
+    engine = LLMEngine.from_config(config)
+    real_step, calls = engine.step, itertools.count(1)
+
+    def step():  # type: ignore[no-untyped-def]
+        if next(calls) == 3:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    return engine
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in a Prometheus text page."""
+    samples = [line for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+    assert samples, name
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+
+
+def metric_at(url: str, name: str) -> float:
+    return metric(httpx.get(f"{url}/metrics").text, name)
+
+
+def test_a_failed_step_in_the_engine_process_fails_its_requests_alone() -> None:
+    app = create_app(tiny_config(engine_process="on"), engine_factory=engine_failing_on_step_3)
+    with TestClient(app) as client:
+        body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
+        lines = [line for line in client.post("/v1/completions", json=body).text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "device fell over" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
+        after = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+        assert metric(client.get("/metrics").text, "rnnserve_state_slots_used") == 0
+
+
+def test_a_disconnected_stream_frees_its_slot_in_the_engine_process() -> None:
+    app = create_app(tiny_config(engine_process="on"))
+
+    async def scenario(url: str) -> tuple[float, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = {"prompt": "Hi", "max_tokens": 100_000, "ignore_eos": True, "stream": True, "n": 2}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                busy = await asyncio.to_thread(metric_at, url, "rnnserve_state_slots_used")
+        for _ in range(100):
+            if await asyncio.to_thread(metric_at, url, "rnnserve_state_slots_used") == 0:
+                break
+            await asyncio.sleep(0.05)
+        return busy, await asyncio.to_thread(metric_at, url, "rnnserve_num_requests_running")
+
+    with serve_in_thread(app) as url:
+        busy, running = asyncio.run(scenario(url))
+        assert busy == 2 and running == 0
+        assert metric_at(url, "rnnserve_state_slots_used") == 0
 
 
 def output(request_id: str, tokens: list[int], finished: bool = False, logprobs: bool = False) -> RequestOutput:
