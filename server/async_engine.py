@@ -257,9 +257,11 @@ class AsyncEngine:
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, Stepped):
-            self.metrics.observe_step(event.stats, event.outputs)
+            for stats in event.steps:
+                self.metrics.observe_step(stats)
+                self.stat_logger.record(stats, event.load)
+            self.metrics.observe_outputs(event.outputs)
             self.metrics.set_load(event.load)
-            self.stat_logger.record(event.stats, event.load)
             if event.outputs:
                 self._route(event.outputs)
         elif isinstance(event, Added):

@@ -39,7 +39,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import Tokenizer
 
@@ -49,6 +49,7 @@ Prompt = str | list[int]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
 SHUTDOWN_MESSAGE = "the server is shutting down"
+HANDLED_WAIT_S = 1.0  # the most the server's pipe reader waits for the event loop to take a step's outputs
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,11 @@ class Aborted:
 
 @dataclass
 class Stepped:
-    """One engine step and its outputs."""
+    """Engine steps and their outputs: one step, or (from an engine process) the steps that queued up while the
+    server was busy, each request's streamed outputs merged; ``steps`` has each step's stats."""
 
     outputs: list[RequestOutput]
-    stats: StepStats
+    steps: list[StepStats]
     load: EngineLoad
 
 
@@ -242,7 +244,7 @@ class EngineCore:
             logger.exception("engine step failed; failing every in-flight request")
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
-        self.post(Stepped(outputs, self.engine.last_step, self.engine.load()))
+        self.post(Stepped(outputs, [self.engine.last_step], self.engine.load()))
         return True
 
 
@@ -403,8 +405,94 @@ class EncodedStep:
     """:class:`Stepped` as it crosses between processes."""
 
     rows: list[OutputRow]
-    stats: StepStats
+    steps: list[StepStats]
     load: EngineLoad
+
+
+def merge_rows(first: OutputRow, second: OutputRow) -> OutputRow:
+    """Two consecutive delta rows of one request as one (``merge_deltas`` on rows); the prompt crosses with
+    whichever row carried it."""
+    samples = [
+        (a[0], a[1] + b[1], a[2] + b[2], b[3], a[4] + b[4] if a[4] is not None and b[4] is not None else b[4], b[5],
+         a[6] + b[6], a[7] + b[7], a[8] + b[8], b[9])  # fmt: skip
+        for a, b in zip(first[2], second[2], strict=True)
+    ]
+    return (second[0], first[1] if first[1] is not None else second[1], samples, *second[3:])
+
+
+class EventSender:
+    """The engine process's end of the pipe: the engine loop posts events here and a thread of their own encodes
+    and writes them, so the loop never waits for the server. Steps that queued up meanwhile (the server was
+    busy: its reader takes the next message once the last is handled) cross as one message, each request's
+    streamed outputs merged, so the server's work per message, not per step, sets the pace it can keep.
+
+    Rows of a request are merged while it is unfinished, unless the later one carries an error (the stream
+    reports the text before it) or the request's outputs are cumulative (``cumulative``: their ids, added by
+    the loop from its commands; ids are unique among in-flight requests)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.encoder = OutputEncoder()
+        self.cumulative: set[str] = set()
+        self.thread = threading.Thread(target=self._run, name="rnnserve-engine-sender", daemon=True)
+
+    def post(self, event: Event) -> None:
+        self.events.put(event)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.events.get()]
+            while not self.events.empty():
+                batch.append(self.events.get())
+            try:
+                for message in self.messages(batch):
+                    send_message(self.conn, message)
+            except OSError:  # the server is gone; the loop's next command read ends it
+                return
+            if isinstance(batch[-1], Stopped):
+                return
+
+    def messages(self, events: list[Event]) -> list[object]:
+        """What ``events`` cross as, in order: each run of :class:`Stepped` events as one :class:`EncodedStep`."""
+        messages: list[object] = []
+        steps: list[Stepped] = []
+        for event in events:
+            if isinstance(event, Stepped):
+                steps.append(event)
+                continue
+            if steps:
+                messages.append(self.encode_steps(steps))
+                steps = []
+            if isinstance(event, Added) and event.error is not None:
+                event = Added(event.add_id, portable_error(event.error), event.load)
+            elif isinstance(event, Aborted):
+                self.forget([out.request_id for out in event.finals])
+            messages.append(event)
+        if steps:
+            messages.append(self.encode_steps(steps))
+        return messages
+
+    def encode_steps(self, steps: list[Stepped]) -> EncodedStep:
+        rows: list[OutputRow] = []
+        open_rows: dict[str, int] = {}  # request id -> index of its row that later ones may merge into
+        for step in steps:
+            for row in self.encoder.encode(step.outputs):
+                request_id, finished, error = row[0], row[3], row[5]
+                index = open_rows.get(request_id)
+                if index is not None and error is None and request_id not in self.cumulative:
+                    rows[index] = merge_rows(rows[index], row)
+                else:
+                    open_rows[request_id] = len(rows)
+                    rows.append(row)
+                if finished:
+                    open_rows.pop(request_id, None)
+                    self.cumulative.discard(request_id)
+        return EncodedStep(rows, [stats for step in steps for stats in step.steps], steps[-1].load)
+
+    def forget(self, request_ids: list[str]) -> None:
+        self.encoder.forget(request_ids)
+        self.cumulative.difference_update(request_ids)
 
 
 def send_message(conn: Connection, message: object) -> None:
@@ -428,7 +516,8 @@ def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFa
         return
     send_message(conn, EngineInfo.of(engine))
     freeze_startup_heap()
-    encoder = OutputEncoder()
+    sender = EventSender(conn)
+    sender.thread.start()
 
     def next_command(block: bool) -> Command | None:
         try:
@@ -437,22 +526,12 @@ def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFa
             command: Command = receive_message(conn)
         except (EOFError, OSError):  # the server is gone
             return StopCommand()
-        if isinstance(command, AbortCommand):
-            encoder.forget(command.request_ids)
+        if isinstance(command, AddCommand) and command.params.output_kind is OutputKind.CUMULATIVE:
+            sender.cumulative.update(command.request_ids)
         return command
 
-    def post(event: Event) -> None:
-        message: object = event
-        if isinstance(event, Stepped):
-            message = EncodedStep(encoder.encode(event.outputs), event.stats, event.load)
-        elif isinstance(event, Added) and event.error is not None:
-            message = Added(event.add_id, portable_error(event.error), event.load)
-        try:
-            send_message(conn, message)
-        except OSError:  # the server is gone; the next command read ends the loop
-            pass
-
-    EngineCore(engine, next_command, post).run()
+    EngineCore(engine, next_command, sender.post).run()
+    sender.thread.join()
 
 
 class ProcessDriver:
@@ -479,6 +558,7 @@ class ProcessDriver:
         self._reader: threading.Thread | None = None
         self._stopped = False
         self.decoder = OutputDecoder()
+        self._handled = threading.Event()
         try:
             first = receive_message(self._conn)
         except EOFError as err:
@@ -499,12 +579,20 @@ class ProcessDriver:
         return self._reader is not None and self._reader.is_alive() and not self._stopped
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
-        post = post_to(loop, handle)
+        def handle_then_signal(event: Event) -> None:
+            try:
+                handle(event)
+            finally:
+                self._handled.set()
+
+        post = post_to(loop, handle_then_signal)
         self._reader = threading.Thread(target=self._read, args=(post,), name="rnnserve-engine-events", daemon=True)
         self._reader.start()
 
     def _read(self, post: EventHandler) -> None:
-        """Forward the engine's events to the event loop (prompts restored here, off the loop) until it stops."""
+        """Forward the engine's events to the event loop (outputs decoded here, off the loop) until it stops. The
+        next message is read once the event loop has handled a step's outputs (or after ``HANDLED_WAIT_S``):
+        steps that finish meanwhile wait in the engine process, which sends them as one."""
         while True:
             try:
                 event = receive_message(self._conn)
@@ -512,8 +600,11 @@ class ProcessDriver:
                 self._process.join(5)
                 event = Stopped(f"the engine process exited (exit code {self._process.exitcode})")
             if isinstance(event, EncodedStep):
-                event = Stepped(self.decoder.decode(event.rows), event.stats, event.load)
-            elif isinstance(event, Aborted):
+                self._handled.clear()
+                post(Stepped(self.decoder.decode(event.rows), event.steps, event.load))
+                self._handled.wait(HANDLED_WAIT_S)
+                continue
+            if isinstance(event, Aborted):
                 self.decoder.forget([out.request_id for out in event.finals])
             elif isinstance(event, Stopped):
                 self._stopped = True

@@ -237,9 +237,10 @@ class ServerMetrics:
         self.request_params_n.observe(params.n)
         self.request_params_max_tokens.observe(params.max_tokens)
 
-    def observe_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        """One engine step: its duration, batch and token counts, its token latencies (queue time and TTFT
-        at a request's first token, the inter-token latency at each later one) and its finished requests."""
+    def observe_step(self, stats: StepStats) -> None:
+        """One engine step: its duration, batch and token counts and its token latencies (queue time and TTFT
+        at a request's first token, the inter-token latency at each later one); its finished requests go to
+        :meth:`observe_outputs`."""
         self.engine_step.observe(stats.seconds)
         if stats.decode_batch_size:
             self.decode_batch_size.observe(stats.decode_batch_size)
@@ -251,7 +252,6 @@ class ServerMetrics:
         self.request_queue_time.observe_many(stats.latencies.queue)
         self.time_to_first_token.observe_many(stats.latencies.first_token)
         self.inter_token_latency.observe_many(stats.latencies.inter_token)
-        self.observe_outputs(outputs)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
         """The finished requests among ``outputs``: their end-to-end, prefill, decode and inference times, token

@@ -258,7 +258,8 @@ def test_prometheus_counters_and_gauges_follow_the_cache() -> None:
         engine.add_request(prompt + extra, GREEDY)
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            metrics.observe_step(engine.last_step, outputs)
+            metrics.observe_step(engine.last_step)
+            metrics.observe_outputs(outputs)
             metrics.set_load(engine.load())
     page = metrics.render().decode()
     stats = engine.prefix_cache.stats

@@ -19,18 +19,22 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.llm_engine import LLMEngine, StepStats
 from rnnserve.engine.loader import ModelLoadError
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, merge_deltas
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
+    Added,
+    EncodedStep,
     EngineInfo,
+    EventSender,
     OutputDecoder,
     OutputEncoder,
     ProcessDriver,
+    Stepped,
     ThreadDriver,
     portable_error,
 )
@@ -99,7 +103,8 @@ def test_a_process_engine_answers_as_a_thread_engine() -> None:
 
 def test_metrics_and_load_are_kept_by_the_server_process(process_client: TestClient) -> None:
     before = process_client.get("/metrics").text
-    assert process_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5}).status_code == 200
+    body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True}  # sampled: an early EOS would end it short
+    assert process_client.post("/v1/completions", json=body).status_code == 200
     after = process_client.get("/metrics").text
     for name, added in [("rnnserve_generation_tokens_total", 5), ("rnnserve_request_success_total", 1)]:
         assert metric(after, name) == metric(before, name) + added
@@ -249,6 +254,44 @@ def test_outputs_cross_whole_with_each_prompt_sent_once_per_request() -> None:
     encoder.forget(["b"])
     decoder.forget(["b"])
     assert not encoder.sent and not decoder.prompts
+
+
+def step(*outputs: RequestOutput) -> Stepped:
+    return Stepped(list(outputs), [StepStats(generated_tokens=len(outputs))], None)  # type: ignore[arg-type]
+
+
+def crossed(sender: EventSender, decoder: OutputDecoder, events: list) -> list:
+    """What the server's reader makes of ``events`` sent in one batch."""
+    messages = pickle.loads(pickle.dumps(sender.messages(events)))
+    return [Stepped(decoder.decode(m.rows), m.steps, m.load) if isinstance(m, EncodedStep) else m for m in messages]
+
+
+def test_steps_that_queued_up_cross_as_one_with_each_requests_deltas_merged() -> None:
+    sender, decoder = EventSender(None), OutputDecoder()  # type: ignore[arg-type]
+    a1, a2, a3 = output("a", [4], logprobs=True), output("a", [6], logprobs=True), output("a", [8], finished=True)
+    b1, b2 = output("b", [5]), output("b", [7])
+    [merged] = crossed(sender, decoder, [step(a1, b1), step(a2, b2), step(a3)])
+    assert [s.generated_tokens for s in merged.steps] == [2, 2, 1]
+    assert merged.outputs == [merge_deltas(merge_deltas(a1, a2), a3), merge_deltas(b1, b2)]
+    assert merged.outputs[1].prompt_token_ids == [1, 2, 3]  # the prompt crossed with the first row
+    # Later: b's prompt is not sent again; an event between steps keeps its place; an error is not merged.
+    added = Added(7, None, None)  # type: ignore[arg-type]
+    failed = dataclasses.replace(output("b", [9], finished=True), error="boom")
+    b3 = output("b", [8])
+    messages = crossed(sender, decoder, [step(b3), added, step(output("b", [1])), step(failed)])
+    assert [type(m) for m in messages] == [Stepped, Added, Stepped]
+    assert messages[0].outputs == [b3] and [o.error for o in messages[2].outputs] == [None, "boom"]
+    assert not sender.encoder.sent and not decoder.prompts
+
+
+def test_finished_and_cumulative_requests_are_not_merged() -> None:
+    sender, decoder = EventSender(None), OutputDecoder()  # type: ignore[arg-type]
+    done, again = output("a", [4], finished=True), output("a", [5])  # an id reused after its request finished
+    sender.cumulative.add("c")
+    c1, c2 = output("c", [1, 2]), output("c", [1, 2, 3], finished=True)
+    [merged] = crossed(sender, decoder, [step(done, c1), step(again, c2)])
+    assert merged.outputs == [done, c1, again, c2]
+    assert not sender.cumulative
 
 
 def test_errors_cross_with_their_types_and_fields() -> None:
