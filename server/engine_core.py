@@ -450,6 +450,10 @@ class EventSender:
                     send_message(self.conn, message)
             except OSError:  # the server is gone; the loop's next command read ends it
                 return
+            except Exception:  # never a silent hang: the server sees the pipe close and fails what is in flight
+                logger.exception("the engine process cannot send its events")
+                self.conn.close()
+                return
             if isinstance(batch[-1], Stopped):
                 return
 
