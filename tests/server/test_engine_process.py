@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -292,6 +293,17 @@ def test_finished_and_cumulative_requests_are_not_merged() -> None:
     [merged] = crossed(sender, decoder, [step(done, c1), step(again, c2)])
     assert merged.outputs == [done, c1, again, c2]
     assert not sender.cumulative
+
+
+def test_a_sender_that_fails_closes_the_pipe_instead_of_hanging_the_server() -> None:
+    server_end, engine_end = multiprocessing.Pipe()
+    sender = EventSender(engine_end)
+    sender.thread.start()
+    sender.post(Stepped(None, [], None))  # type: ignore[arg-type]  # outputs that cannot be encoded
+    sender.thread.join(10)
+    assert not sender.thread.is_alive()
+    with pytest.raises(EOFError):
+        server_end.recv_bytes()
 
 
 def test_errors_cross_with_their_types_and_fields() -> None:
