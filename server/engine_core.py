@@ -13,7 +13,8 @@ The loop and the server speak in messages (commands in, events out), the same on
 processes they are pickled through a pipe. A step's outputs cross as rows of plain data
 (:class:`OutputEncoder` / :class:`OutputDecoder`: several times cheaper to pickle than dataclasses, which matters
 at a few hundred outputs per step), each carrying its request's prompt (ids, text, prompt logprobs) only the
-first time, so a long prompt is not pickled once per generated token.
+first time, so a long prompt is not pickled once per generated token. The engine process's
+:class:`EventSender` merges the steps that queue up while the server is busy into one message.
 """
 
 from __future__ import annotations
