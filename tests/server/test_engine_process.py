@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from rnnserve.engine.loader import ModelLoadError
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, merge_deltas
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
@@ -332,3 +334,19 @@ def test_engine_info_describes_the_same_engine_in_both_places() -> None:
     same = {f.name for f in dataclasses.fields(EngineInfo)} - {"tokenizer", "load"}
     assert {n: getattr(process_info, n) for n in same} == {n: getattr(thread_info, n) for n in same}
     assert process_info.tokenizer.encode("héllo") == thread_info.tokenizer.encode("héllo")
+
+
+def test_a_hugging_face_tokenizer_crosses_to_the_server_process(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    config = {"eos_token": "</s>", "chat_template": "{{ messages[0]['content'] }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    crossed = pickle.loads(pickle.dumps(tokenizer))
+    assert crossed.encode("hello world") == tokenizer.encode("hello world") == [1, 2]
+    assert crossed.decode([2, 1]) == "world hello" and crossed.vocab_size == 4
+    assert (crossed.eos_token_id, crossed.chat_template) == (3, config["chat_template"])
+
