@@ -7,7 +7,8 @@ sync does). The device alone would deliver ``streams / step-ms``. The engine is 
 (each step waits for its tokens before the host's work starts) and on (the next step is queued first), offline
 (``LLMEngine.step`` in a loop) and over HTTP (the real server in this process, its engine in a thread or, with
 ``engine_process``, in a process of its own; ``rnnserve bench`` in another process), alternating, and the tables
-give each rate and its ratios to the offline engine's and the device's::
+give each rate, its ratios to the offline engine's and the device's, and the serving process's CPU time per
+generated token (which, with the engine in a thread, includes the engine's host work)::
 
     .venv/bin/python benchmarks/async_scheduling.py [--step-ms 5] [--streams 256] [--output-len 64] [--rounds 2]
 """
