@@ -39,7 +39,7 @@ import torch
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
 from rnnserve.engine.models.base import StateSpec
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import Tokenizer
@@ -410,17 +410,6 @@ class EncodedStep:
     load: EngineLoad
 
 
-def merge_rows(first: OutputRow, second: OutputRow) -> OutputRow:
-    """Two consecutive delta rows of one request as one (``merge_deltas`` on rows); the prompt crosses with
-    whichever row carried it."""
-    samples = [
-        (a[0], a[1] + b[1], a[2] + b[2], b[3], a[4] + b[4] if a[4] is not None and b[4] is not None else b[4], b[5],
-         a[6] + b[6], a[7] + b[7], a[8] + b[8], b[9])  # fmt: skip
-        for a, b in zip(first[2], second[2], strict=True)
-    ]
-    return (second[0], first[1] if first[1] is not None else second[1], samples, *second[3:])
-
-
 class EventSender:
     """The engine process's end of the pipe: the engine loop posts events here and a thread of their own encodes
     and writes them, so the loop never waits for the server. Steps that queued up meanwhile (the server was
@@ -479,21 +468,20 @@ class EventSender:
         return messages
 
     def encode_steps(self, steps: list[Stepped]) -> EncodedStep:
-        rows: list[OutputRow] = []
-        open_rows: dict[str, int] = {}  # request id -> index of its row that later ones may merge into
+        outputs: list[RequestOutput] = []
+        open_outputs: dict[str, int] = {}  # request id -> index of its output that later ones may merge into
         for step in steps:
-            for row in self.encoder.encode(step.outputs):
-                request_id, finished, error = row[0], row[3], row[5]
-                index = open_rows.get(request_id)
-                if index is not None and error is None and request_id not in self.cumulative:
-                    rows[index] = merge_rows(rows[index], row)
+            for out in step.outputs:
+                index = open_outputs.get(out.request_id)
+                if index is not None and out.error is None and out.request_id not in self.cumulative:
+                    outputs[index] = merge_deltas(outputs[index], out)
                 else:
-                    open_rows[request_id] = len(rows)
-                    rows.append(row)
-                if finished:
-                    open_rows.pop(request_id, None)
-                    self.cumulative.discard(request_id)
-        return EncodedStep(rows, [stats for step in steps for stats in step.steps], steps[-1].load)
+                    open_outputs[out.request_id] = len(outputs)
+                    outputs.append(out)
+                if out.finished:
+                    open_outputs.pop(out.request_id, None)
+                    self.cumulative.discard(out.request_id)
+        return EncodedStep(self.encoder.encode(outputs), [st for step in steps for st in step.steps], steps[-1].load)
 
     def forget(self, request_ids: list[str]) -> None:
         self.encoder.forget(request_ids)
