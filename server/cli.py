@@ -108,10 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
+    from rnnserve.engine.llm_engine import freeze_startup_heap
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
-    from rnnserve.server.engine_core import EngineThread
     from rnnserve.server.http_server import build_server, listen_socket
 
     try:
@@ -142,13 +141,9 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: sys.exit(0))
     start = time.perf_counter()
     try:
-        if config.uses_engine_process:
-            app = create_app(config)  # the engine process loads the model (and builds its kernels)
-        else:
-            if resolve_device(config.engine.device).type == "cpu":
-                build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
-            thread = EngineThread()  # loads and steps the engine: one OpenMP team (see EngineThread)
-            app = create_app(config, thread.call(LLMEngine.from_config, config.engine), thread)
+        if not config.uses_engine_process and resolve_device(config.engine.device).type == "cpu":
+            build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
+        app = create_app(config)  # the engine's thread (one OpenMP team, see EngineThread) or process loads it
     except (ModelLoadError, ValueError) as err:
         sock.close()
         logger.error("cannot load model: %s", err)
