@@ -114,7 +114,8 @@ class Generation(ABC):
         self.prompt_tokens: dict[str, int] = {}
         self.cached_tokens: dict[str, int] = {}
         self.completion_tokens: dict[tuple[str, int], int] = {}
-        self._chunk_head: str | None = None
+        # Every chunk's body without its end: '{"id": ..., "model": ..., "choices": []}' less the final '[]}'.
+        self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -178,8 +179,6 @@ class Generation(ABC):
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         """One streamed chunk, ``data: <body as json_text>``, the body with ``choices`` (and ``usage`` when asked
         for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
-        if self._chunk_head is None:  # '{"id": ..., "model": ..., "choices": []}' without the final '[]}'
-            self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
         if not self.req.include_usage:
             return f"{self._chunk_head}{json_text(choices)}}}\n\n"
         options = self.req.stream_options
