@@ -1,6 +1,6 @@
-"""What the launch-tuning scripts (``scan_tune.py``, ``ssd_tune.py``, ``conv_tune.py``) share: their one option,
-``--smoke`` (tiny sizes on CPU under Triton's interpreter, the CI check that they keep working), and the device
-it selects."""
+"""What the launch-tuning scripts (``scan_tune.py``, ``ssd_tune.py``, ``conv_tune.py``, ``decode_tune.py``) share:
+their one option, ``--smoke`` (tiny sizes on CPU under Triton's interpreter, the CI check that they keep working),
+and the device it selects."""
 
 from __future__ import annotations
 

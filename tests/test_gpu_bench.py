@@ -1,4 +1,4 @@
-"""``make gpu-bench`` and the scan tuners stay runnable without a GPU: their CPU smoke modes measure every row kind
+"""``make gpu-bench`` and the launch tuners stay runnable without a GPU: their CPU smoke modes measure every row kind
 (HTTP included) and every choice."""
 
 from __future__ import annotations
@@ -60,3 +60,10 @@ def test_conv_tune_smoke_times_each_choice_on_both_shapes():
     assert sorted((row[1], row[2]) for row in rows) == [("1x40", "(16,"), ("1x40", "default"), ("2x16", "(16,"),
                                                         ("2x16", "default")], result.stdout
     assert all(float(row[-2]) > 0 for row in rows), result.stdout
+
+
+def test_decode_tune_smoke_times_the_op_by_op_step_and_each_choice():
+    result, rows = _tune_smoke("decode_tune")
+    names = sorted((row[0], row[1]) for row in rows)
+    assert names == [(f"b={b}", name) for b in (1, 3) for name in ("(8,2,4096,4)", "default", "op")], result.stdout
+    assert all(float(row[-1]) < 1e-4 for row in rows), result.stdout  # the stack's logits == the op-by-op step's

@@ -29,7 +29,12 @@ from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weight
 from rnnserve.engine.quantize import Int8Linear
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.mamba_decode import mamba_decode_stack, mamba_mixer_decode, mamba_mixer_decode_applies
+from rnnserve.kernels.mamba_decode import (
+    mamba_decode_stack,
+    mamba_decode_triton_applies,
+    mamba_mixer_decode,
+    mamba_mixer_decode_applies,
+)
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 
 
@@ -143,12 +148,18 @@ class MambaMixer(nn.Module):
 
     def fused_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
         """Whether :meth:`decode` runs the fused per-layer CPU op (float projections only)."""
-        return self.fused_weights() and self.stack_decode_applies(h, conv_pool, ssm_pool)
+        return self.fused_weights() and not self.config.bcdt_rms_norm and mamba_mixer_decode_applies(
+            h, conv_pool, ssm_pool
+        )
 
     def stack_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
-        """Whether this mixer's step can run in the one-op stack (float or int8 projections), not for
-        FalconMamba's extra norms."""
-        return not self.config.bcdt_rms_norm and mamba_mixer_decode_applies(h, conv_pool, ssm_pool)
+        """Whether this mixer's step can run in the one-op stack: on CPU with float or int8 projections, on a
+        GPU (small batches) with float ones; not for FalconMamba's extra norms."""
+        if self.config.bcdt_rms_norm:
+            return False
+        if mamba_decode_triton_applies(h, conv_pool, ssm_pool):
+            return self.fused_weights()
+        return mamba_mixer_decode_applies(h, conv_pool, ssm_pool)
 
     def fused_decode_weights(self) -> tuple[torch.Tensor | None, ...]:
         """The fused ops' per-layer arguments: ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
@@ -212,8 +223,8 @@ class MambaLM(MixerStackLM):
     def _decode_layers(
         self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
-        """On CPU, every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`),
-        with float or ``--quantize int8`` projections."""
+        """Every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`): on CPU
+        with float or ``--quantize int8`` projections, on a GPU the Triton stack for small batches."""
         layers = self.backbone.layers
         conv, ssm = state["conv"], state["ssm"]
         if not (mamba_decode_ops.STACK_ENABLED and layers[0].mixer.stack_decode_applies(normed, conv[:, 0], ssm[:, 0])):

@@ -3,13 +3,15 @@
 ``naive.py`` is the reference, composed from the other ops' references; ``mamba_decode_cpu.cpp`` runs the
 whole step as one fused CPU op that chains the CPU kernels of ``skinny_linear``, ``gemv``, ``causal_conv1d`` and
 ``selective_scan`` (and ATen GEMMs, chosen as :func:`rnnserve.engine.models.layers.matmul_t` chooses them)
-without returning to Python between them. Off CPU the model runs its op-by-op step, which reaches the Triton
-kernels; there is no Triton kernel of the whole step.
+without returning to Python between them.
 
 :func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
-norm) in one op, saving the model's per-layer dispatches; it also takes weight-only int8 projections
+norm) in one op, saving the model's per-layer dispatches; on CPU it also takes weight-only int8 projections
 (``--quantize int8``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` CPU kernel, as the
-quantized model's op-by-op step does. ``STACK_ENABLED`` is read on every call:
+quantized model's op-by-op step does. On a GPU, decode batches of up to :data:`TRITON_MAX_ROWS` sequences with
+float projections run ``fused_recurrent.py``: three Triton kernels per layer instead of the op-by-op step's
+eight launches (batch-1 decode is the weight stream plus a launch and a tail per kernel); larger batches run
+the op-by-op step, whose GEMMs suit them. ``STACK_ENABLED`` is read on every call:
 ``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
 (``benchmarks/cpu_decode.py`` compares both).
 """
@@ -22,11 +24,13 @@ from collections.abc import Sequence
 import torch
 
 from rnnserve.kernels import gemv
+from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.gemv import row_limit
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 
-MAX_STATE = 64  # the fused selective-scan kernel's d_state limit
+MAX_STATE = 64  # the fused selective-scan kernels' d_state limit
+TRITON_MAX_ROWS = 8  # decode batches up to this size run the Triton stack; larger ones the op-by-op step (GEMMs)
 STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
 
 
@@ -45,6 +49,22 @@ def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_poo
         and d_state <= MAX_STATE
         and not torch.is_grad_enabled()
         and use_cpu_kernel(h)
+    )
+
+
+def mamba_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+    """Whether :func:`mamba_decode_stack` runs the Triton stack for ``normed [B, d_model]`` and layer 0's pool
+    views (the caller checks that the projections are float: the Triton stack takes no int8 ones)."""
+    return (
+        use_triton(normed)
+        and normed.dim() == 2
+        and 1 <= normed.shape[0] <= TRITON_MAX_ROWS
+        and conv_pool.dtype == torch.float32
+        and conv_pool.stride(-1) == 1
+        and ssm_pool.dtype == torch.float32
+        and ssm_pool.stride(-1) == 1
+        and ssm_pool.shape[-1] <= MAX_STATE
+        and not torch.is_grad_enabled()
     )
 
 
@@ -121,7 +141,8 @@ def mamba_decode_stack(
     ssm_pool: torch.Tensor,
     slot_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """All layers of a decode step in one CPU op; returns the final norm's output ``[B, d_model]``.
+    """All layers of a decode step in one CPU op (on a GPU: the Triton stack); returns the final norm's output
+    ``[B, d_model]``.
 
     ``normed``/``stream``: the first block's input and the residual stream; ``norm_weights[i]``: block
     ``i + 1``'s norm weight, the last one the final norm's (the final norm keeps the stream's precision, see
@@ -132,8 +153,13 @@ def mamba_decode_stack(
     per-row scale ``[N]`` of an int8 weight ``[N, K]`` (:class:`~rnnserve.engine.quantize.Int8Linear`);
     ``dt_proj_weight`` is always in the model's dtype. ``conv_pool [N, L, Di, K-1]`` and ``ssm_pool [N, L, Di,
     Ns]``: the whole pools, advanced in place at rows ``slot_ids``. Callers check
-    :func:`mamba_mixer_decode_applies` on layer 0's pool views and ``STACK_ENABLED`` first.
+    :func:`mamba_mixer_decode_applies` (or :func:`mamba_decode_triton_applies`) on layer 0's pool views and
+    ``STACK_ENABLED`` first.
     """
+    if use_triton(normed):
+        from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
+
+        return mamba_decode_stack_triton(normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool, slot_ids)
     in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, a, d, out_w, out_b, in_s, x_s, out_s = (
         list(column) for column in zip(*layers, strict=True)
     )
@@ -164,4 +190,12 @@ def mamba_decode_stack(
     )
 
 
-__all__ = ["MAX_STATE", "STACK_ENABLED", "mamba_decode_stack", "mamba_mixer_decode", "mamba_mixer_decode_applies"]
+__all__ = [
+    "MAX_STATE",
+    "STACK_ENABLED",
+    "TRITON_MAX_ROWS",
+    "mamba_decode_stack",
+    "mamba_decode_triton_applies",
+    "mamba_mixer_decode",
+    "mamba_mixer_decode_applies",
+]

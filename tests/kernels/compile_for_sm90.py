@@ -39,6 +39,12 @@ from rnnserve.kernels.gated_rms_norm.fused import _gated_rms_norm_kernel
 from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
 from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
+from rnnserve.kernels.mamba_decode import fused_recurrent as mamba_decode
+from rnnserve.kernels.mamba_decode.fused_recurrent import (
+    _mamba_in_proj_kernel,
+    _mamba_out_proj_kernel,
+    _mamba_ssm_kernel,
+)
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.residual_rms_norm.fused import _residual_rms_norm_kernel
 from rnnserve.kernels.selective_scan.chunk import _segment_state_kernel, _selective_scan_varlen_kernel
@@ -67,7 +73,12 @@ _SSD_370M = {"heads": 32, "head_dim": 64, "d_state": 128, "heads_per_group": 32,
              "stride_C_t": 2304, "stride_C_g": 128, "stride_h0_slot": 262144, "stride_h0_h": 8192,
              "stride_ht_slot": 262144, "stride_ht_h": 8192, "stride_slot": 48 * 262144, "stride_state_h": 8192,
              "stride_state_p": 128, "stride_x_b": 2304, "stride_B_b": 2304, "stride_C_b": 2304}
+# mamba-370m's decode stack: d_model 1024, d_inner 2048, x_proj rows 64 + 2 x 16, conv and SSM pools of 48 layers.
+_MAMBA_370M_DECODE = {"d_model": 1024, "d_inner": 2048, "n_proj": 96, "stride_conv_slot": 48 * 2048 * 3,
+                      "stride_conv_d": 3, "n_blocks": 128, "dt_rank": 64, "d_state": 16,
+                      "stride_ssm_slot": 48 * 2048 * 16, "stride_ssm_d": 16, "n_in": 2048, "n_out": 1024}
 LAUNCH_INTS = {
+    **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
     **dict.fromkeys(["_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
                      "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
     "_gated_rms_norm_kernel": {"width": 2048, "stride_y": 2048, "stride_z": 4384, "stride_out": 2048},
@@ -109,6 +120,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     configs.append((_gated_rms_norm_kernel, {"y_ptr": "*fp32", "z_ptr": act, "weight_ptr": act, "out_ptr": act,
                                              "inv_width": "fp32", "eps": "fp32"}, {"BN": 2048}, 8))
     configs += _mamba_configs(act)
+    configs += _mamba_decode_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)
     configs += _int8_linear_configs(act)
@@ -148,6 +160,29 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
         (_ssd_chunk_scan_kernel, ssd, {"HAS_D": True, "CB_IN_MEMORY": True, **dots, "BP": 64}, 4),
         (_ssd_state_update_kernel, ssd, {"HAS_D": True, "BP": 16, "BN": 128}, 4),
     ]
+
+
+def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """The Triton Mamba-1 decode stack at mamba-370m sizes, batch 1 and the largest batch it takes."""
+    f32 = "*fp32"
+    types = {"x_ptr": act, "stream_ptr": f32, "delta_ptr": act, "norm_w_ptr": act, "new_stream_ptr": f32,
+             "w_ptr": act, "bias_ptr": act, "conv_pool_ptr": f32, "conv_w_ptr": f32, "conv_b_ptr": f32,
+             "slot_ids_ptr": "*i64", "x_proj_w_ptr": act, "xc_ptr": act, "z_ptr": act, "partial_ptr": f32,
+             "dt_w_ptr": act, "dt_bias_ptr": f32, "A_ptr": f32, "D_ptr": f32, "ssm_pool_ptr": f32, "y_ptr": act,
+             "out_ptr": act, "eps": "fp32"}
+    configs = []
+    for rows in (1, mamba_decode.MAX_ROWS):
+        block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
+        configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
+                                                       "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
+                                                       "BE": block_e, "BKC": 4}, mamba_decode.NUM_WARPS))
+        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
+        configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
+                                                                          "BO": block_o, "BK": block_k},
+                        mamba_decode.NUM_WARPS))
+    configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS},
+                    mamba_decode.SSM_WARPS))
+    return configs
 
 
 def _based_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:

@@ -28,7 +28,7 @@ MODELS = {
 WRAPPERS = {
     "mamba": [
         ("rnnserve.kernels.selective_scan.chunk", "selective_scan_varlen_triton"),
-        ("rnnserve.kernels.selective_scan.fused_recurrent", "selective_state_update_triton"),
+        ("rnnserve.kernels.mamba_decode.fused_recurrent", "mamba_decode_stack_triton"),
     ],
     "mamba2": [
         ("rnnserve.kernels.ssd.chunk", "ssd_scan_varlen_triton"),

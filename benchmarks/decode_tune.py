@@ -1,0 +1,125 @@
+"""Launch choices for the Triton Mamba-1 decode stack (``kernels/mamba_decode/fused_recurrent.py``) on this device.
+
+Times a whole decode step of ``random:mamba-370m`` (bf16, a CUDA graph per batch size, 48 layers and the LM head)
+at batch 1 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS GEMMs and one Triton kernel per
+other op), then the stack at each choice of (in_proj rows per program, out_proj rows per program, product tile,
+warps). Prints ms per step, the ratio to the op-by-op step measured in the same run, the share of the HBM
+roofline (weight and state bytes over the device-to-device copy bandwidth measured here) and the largest
+difference of the logits from the op-by-op step's, best first, with the module's default marked. ``--smoke``
+runs two choices on ``mamba-tiny`` in fp32 on CPU (Triton interpreter, eager).
+
+    python benchmarks/decode_tune.py
+    TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import contextlib  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.decode import copy_bandwidth, seconds_per_step, weight_bytes  # noqa: E402
+from benchmarks.tune import device_name, tuning_device  # noqa: E402
+from rnnserve.engine.loader import build_random  # noqa: E402
+from rnnserve.engine.models.base import DecodeBatch  # noqa: E402
+from rnnserve.engine.state_pool import StatePool  # noqa: E402
+from rnnserve.kernels import mamba_decode as mamba_decode_ops  # noqa: E402
+from rnnserve.kernels.backend import force_triton  # noqa: E402
+from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
+
+KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS")
+DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
+# Around the default, one knob at a time, then the pairs that trade program count against step length.
+CHOICES = sorted({DEFAULT, *((rows, DEFAULT[1], DEFAULT[2], DEFAULT[3]) for rows in (4, 8, 32, 64)),
+                  *((DEFAULT[0], rows, DEFAULT[2], DEFAULT[3]) for rows in (1, 2, 8, 16)),
+                  *((DEFAULT[0], DEFAULT[1], tile, DEFAULT[3]) for tile in (4096, 16384)),
+                  *((DEFAULT[0], DEFAULT[1], DEFAULT[2], warps) for warps in (4, 16)),
+                  (8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4)})
+
+
+@contextlib.contextmanager
+def launch_choice(choice: tuple[int, ...] | None) -> Iterator[None]:
+    """The stack with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
+    saved = (mamba_decode_ops.STACK_ENABLED, *(getattr(fused_recurrent, name) for name in KNOBS))
+    mamba_decode_ops.STACK_ENABLED = choice is not None
+    for name, value in zip(KNOBS, choice or saved[1:], strict=True):
+        setattr(fused_recurrent, name, value)
+    try:
+        yield
+    finally:
+        mamba_decode_ops.STACK_ENABLED = saved[0]
+        for name, value in zip(KNOBS, saved[1:], strict=True):
+            setattr(fused_recurrent, name, value)
+
+
+def step_function(model, pool: StatePool, batch: DecodeBatch, graphed: bool) -> Callable[[], torch.Tensor]:
+    """One decode step on ``pool`` (states reset to the same values before timing): a CUDA-graph replay, or the
+    eager call."""
+    if not graphed:
+        return lambda: model.decode(batch, pool.tensors)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model.decode(batch, pool.tensors)  # compiles this choice's kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.decode(batch, pool.tensors)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return logits
+
+    return replay
+
+
+def main() -> None:
+    smoke, device = tuning_device(__doc__.splitlines()[0])
+    preset, dtype, batches, steps = ("mamba-tiny", torch.float32, [1, 3], 1) if smoke else (
+        "mamba-370m", torch.bfloat16, [1, 8], 50)
+    choices = [DEFAULT, (8, 2, 4096, 4)] if smoke else CHOICES
+    model, _ = build_random(preset, device, dtype)
+    weights = weight_bytes(model)
+    peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
+    print(f"{device_name(device)}: {preset} decode step, {str(dtype).removeprefix('torch.')}; per choice "
+          f"({', '.join(KNOBS)}): ms/step, vs op by op, HBM roofline at {peak / 1e9:.0f} GB/s, max |logits diff|",
+          flush=True)
+    with torch.inference_mode(), force_triton(True) if smoke else contextlib.nullcontext():
+        for batch_size in batches:
+            pool = StatePool(model.state_spec(), num_slots=batch_size + 1, device=device)
+            start = {name: torch.randn_like(t) * 0.1 for name, t in pool.tensors.items()}
+            ids = torch.randint(0, model.vocab_size, (batch_size,)).tolist()
+            batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
+            roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
+            results, baseline_ms, baseline_logits = [], 0.0, None
+            for choice in [None, *choices]:
+                with launch_choice(choice):
+                    for name, t in pool.tensors.items():
+                        t.copy_(start[name])
+                    step = step_function(model, pool, batch, graphed=not smoke)
+                    for name, t in pool.tensors.items():
+                        t.copy_(start[name])
+                    logits = step().clone()
+                    ms = seconds_per_step(step, device, steps) * 1e3
+                if choice is None:
+                    baseline_ms, baseline_logits = ms, logits
+                    name = "op by op"
+                else:
+                    name = ("default " if choice == DEFAULT else "") + "(" + ",".join(map(str, choice)) + ")"
+                diff = (logits - baseline_logits).abs().max().item()
+                results.append((ms, name, diff))
+            for ms, name, diff in sorted(results):
+                print(f"b={batch_size:<3d} {name:26s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
+                      f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

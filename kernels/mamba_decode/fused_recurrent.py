@@ -1,0 +1,298 @@
+"""Triton decode step of a whole Mamba-1 stack for small batches: three kernels per layer, state in place.
+
+At batch 1 a decode step streams the weights once; op by op a layer is eight small launches (norm, in_proj,
+conv, x_proj, dt_proj, scan, cast, out_proj), each paying a launch and a tail. Here a layer is three:
+
+1. ``_mamba_in_proj_kernel``, one program per ``BO`` rows of in_proj: the previous layer's residual add and this
+   layer's RMSNorm (recomputed per program from the ``[B, d_model]`` stream, which is small), the in_proj rows
+   as a GEMV, and for ``x`` rows the causal conv update on the slots' conv tails, SiLU, and the program's share
+   of x_proj (``x_proj[:, block] @ x[block]``, one partial sum per program); ``z`` rows are stored.
+2. ``_mamba_ssm_kernel``, one program per (sequence, ``BC`` channels): sums the x_proj partials into
+   ``(dt, B, C)``, applies dt_proj to its channels, advances the slot's ``[BC, N]`` state rows (read once,
+   written once) and emits ``y = (C . h + D x) * silu(z)``.
+3. ``_mamba_out_proj_kernel``: out_proj as a GEMV.
+
+Each rounding of the op-by-op step (:func:`~rnnserve.kernels.mamba_decode.naive.mamba_mixer_decode_ref` with
+:func:`~rnnserve.kernels.residual_rms_norm.naive.residual_rms_norm_ref`) happens at the same point in the same
+dtype: the normed input, the projections' outputs, the conv output and ``y`` in the weights' dtype, the stream
+in its own. Products accumulate in fp32 as broadcast multiply-and-sum (no ``tl.dot``: with at most
+:data:`MAX_ROWS` rows, tensor-core tiles would be mostly padding, and the weight stream is the cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS as MAX_ROWS
+from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
+from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
+
+# Launch choices, set without a GPU to measure them (benchmarks/mamba_decode_tune.py sweeps them on one): a GEMV
+# program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
+# so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs, one or two
+# steps of 16 KB each).
+TILE = 8192  # elements of a program's multiply-and-sum product per loop step
+IN_PROJ_ROWS = 16  # in_proj rows a program (at most; a power of two dividing d_inner)
+OUT_PROJ_ROWS = 4
+SSM_CHANNELS = 64
+NUM_WARPS = 8  # the GEMV kernels'
+SSM_WARPS = 4
+
+
+@triton.jit
+def _mamba_in_proj_kernel(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr,
+    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    first = pid * BO
+    wdtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, BB)
+    row_ok = rows < batch
+    outs = first + tl.arange(0, BO)
+    ks = tl.arange(0, BK)
+    if HAS_NORM:
+        sdtype = stream_ptr.dtype.element_ty
+        squares = tl.zeros([BB], dtype=tl.float32)
+        writes_stream = (rows * 0 + pid) == 0  # program 0 stores the new stream
+        for k0 in range(0, d_model, BK):
+            cols = k0 + ks
+            ok = row_ok[:, None] & (cols < d_model)[None, :]
+            offs = rows[:, None] * d_model + cols[None, :]
+            s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
+            s = (s + d).to(sdtype)
+            tl.store(new_stream_ptr + offs, s, mask=ok & writes_stream[:, None])
+            normed_in = s.to(wdtype).to(tl.float32)
+            squares += tl.sum(normed_in * normed_in, axis=1)
+        rstd = tl.rsqrt(squares / d_model + eps)
+    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    for k0 in range(0, d_model, BK):
+        cols = k0 + ks
+        ok = row_ok[:, None] & (cols < d_model)[None, :]
+        offs = rows[:, None] * d_model + cols[None, :]
+        if HAS_NORM:
+            s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
+            s = (s + d).to(sdtype).to(wdtype).to(tl.float32)
+            y = (s * rstd[:, None]).to(wdtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + cols, mask=cols < d_model, other=0.0).to(tl.float32)
+            x = (nw[None, :] * y).to(wdtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + outs[:, None] * d_model + cols[None, :], mask=(cols < d_model)[None, :], other=0.0)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs).to(tl.float32)[None, :]
+    acc = acc.to(wdtype).to(tl.float32)  # in_proj's output in the weights' dtype
+    if first < d_inner:
+        # Depthwise conv over [tail, x], then SiLU; the tail shifts x in. Channels = these in_proj rows.
+        taps = tl.arange(0, BKC)
+        slots = tl.load(slot_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        tail_ptrs = (conv_pool_ptr + slots[:, None, None] * stride_conv_slot
+                     + outs[None, :, None].to(tl.int64) * stride_conv_d + taps[None, None, :])
+        ok3 = row_ok[:, None, None] & (outs < d_inner)[None, :, None]
+        window = tl.load(tail_ptrs, mask=ok3 & (taps < K - 1)[None, None, :], other=0.0)
+        window += tl.where((taps == K - 1)[None, None, :], acc[:, :, None], 0.0)
+        shifted = tl.load(tail_ptrs + 1, mask=ok3 & (taps < K - 2)[None, None, :], other=0.0)
+        shifted += tl.where((taps == K - 2)[None, None, :], acc[:, :, None], 0.0)
+        cw = tl.load(conv_w_ptr + outs[:, None] * K + taps[None, :], mask=(taps < K)[None, :], other=0.0)
+        xc = tl.sum(window * cw[None, :, :], axis=2)
+        if HAS_CONV_BIAS:
+            xc += tl.load(conv_b_ptr + outs)[None, :]
+        xc = xc * tl.sigmoid(xc)
+        xc = xc.to(wdtype)  # the conv's output in the activations' dtype
+        tl.store(xc_ptr + rows[:, None] * d_inner + outs[None, :], xc, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread has read the tails before any overwrites them
+        tl.store(tail_ptrs, shifted, mask=ok3 & (taps < K - 1)[None, None, :])
+        xc = xc.to(tl.float32)
+        es = tl.arange(0, BE)
+        for e0 in range(0, n_proj, BE):
+            e = e0 + es
+            wx = tl.load(x_proj_w_ptr + e[:, None] * d_inner + outs[None, :], mask=(e < n_proj)[:, None], other=0.0)
+            part = tl.sum(xc[:, None, :] * wx.to(tl.float32)[None, :, :], axis=2)
+            tl.store(partial_ptr + (pid * batch + rows[:, None]) * n_proj + e[None, :], part,
+                     mask=row_ok[:, None] & (e < n_proj)[None, :])
+    else:
+        tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], acc.to(wdtype), mask=row_ok[:, None])
+
+
+@triton.jit
+def _mamba_ssm_kernel(
+    partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
+    batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d,
+    BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    chans = tl.program_id(1) * BC + tl.arange(0, BC)
+    chan_ok = chans < d_inner
+    wdtype = dt_w_ptr.dtype.element_ty
+    n_proj = dt_rank + 2 * d_state
+    ranks = tl.arange(0, BR)
+    states = tl.arange(0, BN)
+    state_ok = states < d_state
+    dt_low = tl.zeros([BR], dtype=tl.float32)
+    B = tl.zeros([BN], dtype=tl.float32)
+    C = tl.zeros([BN], dtype=tl.float32)
+    for p0 in range(0, n_blocks, BP):
+        blocks = p0 + tl.arange(0, BP)
+        base = partial_ptr + (blocks[:, None] * batch + b) * n_proj
+        block_ok = (blocks < n_blocks)[:, None]
+        dt_low += tl.sum(tl.load(base + ranks[None, :], mask=block_ok & (ranks < dt_rank)[None, :], other=0.0), 0)
+        B += tl.sum(tl.load(base + dt_rank + states[None, :], mask=block_ok & state_ok[None, :], other=0.0), 0)
+        C += tl.sum(tl.load(base + dt_rank + d_state + states[None, :], mask=block_ok & state_ok[None, :],
+                            other=0.0), 0)
+    # x_proj's and dt_proj's outputs in the weights' dtype, as the op-by-op step rounds them.
+    dt_low = dt_low.to(wdtype).to(tl.float32)
+    B = B.to(wdtype).to(tl.float32)
+    C = C.to(wdtype).to(tl.float32)
+    dt_w = tl.load(dt_w_ptr + chans[:, None] * dt_rank + ranks[None, :],
+                   mask=chan_ok[:, None] & (ranks < dt_rank)[None, :], other=0.0)
+    dt = tl.sum(dt_w.to(tl.float32) * dt_low[None, :], axis=1).to(wdtype).to(tl.float32)
+    dt = softplus_f32(dt + tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0))
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    ok = chan_ok[:, None] & state_ok[None, :]
+    state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
+    A = tl.load(A_ptr + chans[:, None] * d_state + states[None, :], mask=ok, other=0.0)
+    x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    h = tl.load(state_ptrs, mask=ok, other=0.0)
+    h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
+    tl.store(state_ptrs, h, mask=ok)
+    y = tl.sum(h * C[None, :], axis=1) + x * tl.load(D_ptr + chans, mask=chan_ok, other=0.0)
+    z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + b * d_inner + chans, (y * z * tl.sigmoid(z)).to(wdtype), mask=chan_ok)
+
+
+@triton.jit
+def _mamba_out_proj_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
+):
+    outs = tl.program_id(0) * BO + tl.arange(0, BO)
+    out_ok = outs < n_out
+    rows = tl.arange(0, BB)
+    row_ok = rows < batch
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    for k0 in range(0, n_in, BK):
+        cols = k0 + ks
+        col_ok = cols < n_in
+        x = tl.load(x_ptr + rows[:, None] * n_in + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * n_in + cols[None, :], mask=out_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & out_ok[None, :])
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) -> tuple[int, int, int]:
+    """``(BO, BK, BE)`` of :func:`_mamba_in_proj_kernel`: :data:`IN_PROJ_ROWS` in_proj rows a program (a power of
+    two that divides ``d_inner``, so no program straddles x and z), the K step filling :data:`TILE` and the x_proj
+    step half of it (a full one spills at 8 rows on sm_90)."""
+    block_o = min(IN_PROJ_ROWS, d_inner & -d_inner)
+    budget = max(16, TILE // (batch_block * block_o))
+    return block_o, min(_pow2(d_model), budget), min(_pow2(n_proj), max(16, budget // 2))
+
+
+def out_proj_blocks(batch_block: int, n_in: int) -> tuple[int, int]:
+    """``(BO, BK)`` of :func:`_mamba_out_proj_kernel`: :data:`OUT_PROJ_ROWS` output rows a program (many
+    programs for a short output), the K step filling :data:`TILE`."""
+    block_o = OUT_PROJ_ROWS
+    return block_o, min(_pow2(n_in), max(16, TILE // (batch_block * block_o)))
+
+
+def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, K] @ weight[N, K].T + bias`` for at most :data:`MAX_ROWS` contiguous rows, in ``x``'s dtype."""
+    batch, n_in = x.shape
+    n_out = weight.shape[0]
+    out = torch.empty(batch, n_out, dtype=x.dtype, device=x.device)
+    batch_block = _pow2(batch)
+    block_o, block_k = out_proj_blocks(batch_block, n_in)
+    _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
+        x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
+        HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def mamba_decode_stack_triton(
+    normed: torch.Tensor,
+    stream: torch.Tensor,
+    norm_weights: Sequence[torch.Tensor],
+    eps: float,
+    layers: Sequence[Sequence[torch.Tensor | None]],
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Every layer of a decode step of at most :data:`MAX_ROWS` sequences; returns the final norm's output.
+
+    Same contract as :func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack` with float projections (the
+    int8 scales must be None): ``normed``/``stream`` the first block's input and the residual stream,
+    ``norm_weights[i]`` block ``i + 1``'s norm and last the final one, ``conv_pool [N, L, Di, K-1]`` and
+    ``ssm_pool [N, L, Di, Ns]`` fp32 with unit stride on their last dimension (``ssm_pool`` also on ``Di``'s
+    rows), advanced in place at rows ``slot_ids``.
+    """
+    batch, d_model = normed.shape
+    if not 1 <= batch <= MAX_ROWS:
+        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
+    first = layers[0]
+    dtype, device = first[0].dtype, normed.device
+    d_inner, width = first[2].shape
+    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
+    n_proj = dt_rank + 2 * d_state
+    batch_block = _pow2(batch)
+    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    x_blocks = d_inner // block_o
+    block_c = min(SSM_CHANNELS, _pow2(d_inner))
+    block_r, block_n = _pow2(dt_rank), _pow2(d_state)
+    block_p = min(_pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
+    slot_ids = slot_ids.long().contiguous()
+    xc = torch.empty(batch, d_inner, dtype=dtype, device=device)
+    z = torch.empty_like(xc)
+    y = torch.empty_like(xc)
+    partial = torch.empty(x_blocks, batch, n_proj, dtype=torch.float32, device=device)
+    streams = (torch.empty_like(stream), torch.empty_like(stream))
+    normed = normed.contiguous()
+    stream = stream.contiguous()
+    delta = None
+    if any(scale is not None for layer in layers for scale in layer[11:]):
+        raise ValueError("the Triton decode stack takes float projections only")
+    for i, layer in enumerate(layers):
+        in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = (
+            None if t is None else t.contiguous() for t in layer[:11]
+        )
+        conv, ssm = conv_pool[:, i], ssm_pool[:, i]
+        new_stream = streams[i % 2]
+        _mamba_in_proj_kernel[(2 * d_inner // block_o,)](
+            normed, stream, delta if delta is not None else normed, norm_weights[i - 1], new_stream, in_w,
+            in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
+            x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
+            HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
+            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=_pow2(width), num_warps=NUM_WARPS,
+        )
+        if delta is not None:
+            stream = new_stream
+        _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
+            partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
+            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, num_warps=SSM_WARPS,
+        )
+        delta = mamba_out_proj_triton(y, out_w, out_b)
+    normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
+    return normed
+
+
+__all__ = ["MAX_ROWS", "mamba_decode_stack_triton", "mamba_out_proj_triton"]
