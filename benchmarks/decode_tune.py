@@ -1,12 +1,13 @@
-"""Launch choices for the Triton Mamba-1 decode stack (``kernels/mamba_decode/fused_recurrent.py``) on this device.
+"""Launch choices for the Triton Mamba-1 / Mamba-2 decode stacks (``kernels/mamba_decode/fused_recurrent.py``,
+``kernels/mamba2_decode/fused_recurrent.py``) on this device.
 
-Times a whole decode step of ``random:mamba-370m`` (bf16, a CUDA graph per batch size, 48 layers and the LM head)
-at batch 1 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS GEMMs and one Triton kernel per
-other op), then the stack at each choice of (in_proj rows per program, out_proj rows per program, product tile,
-warps). Prints ms per step, the ratio to the op-by-op step measured in the same run, the share of the HBM
-roofline (weight and state bytes over the device-to-device copy bandwidth measured here) and the largest
-difference of the logits from the op-by-op step's, best first, with the module's default marked. ``--smoke``
-runs two choices on ``mamba-tiny`` in fp32 on CPU (Triton interpreter, eager).
+Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (bf16, a CUDA graph per batch size,
+48 layers and the LM head) at batch 1 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS GEMMs
+and one kernel per other op), then the stack at each choice of (in_proj rows per program, out_proj rows per
+program, product tile, warps), which both stacks share. Prints ms per step, the ratio to the op-by-op step
+measured in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy
+bandwidth measured here) and the largest difference of the logits from the op-by-op step's, best first, with
+the default marked. ``--smoke`` runs two choices on the tiny presets in fp32 on CPU (Triton interpreter, eager).
 
     python benchmarks/decode_tune.py
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
@@ -31,6 +32,7 @@ from benchmarks.tune import device_name, tuning_device  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import DecodeBatch  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
+from rnnserve.kernels import mamba2_decode as mamba2_decode_ops  # noqa: E402
 from rnnserve.kernels import mamba_decode as mamba_decode_ops  # noqa: E402
 from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
@@ -49,13 +51,13 @@ CHOICES = sorted({DEFAULT, *((rows, DEFAULT[1], DEFAULT[2], DEFAULT[3]) for rows
 def launch_choice(choice: tuple[int, ...] | None) -> Iterator[None]:
     """The stack with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
     saved = (mamba_decode_ops.STACK_ENABLED, *(getattr(fused_recurrent, name) for name in KNOBS))
-    mamba_decode_ops.STACK_ENABLED = choice is not None
+    mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = choice is not None
     for name, value in zip(KNOBS, choice or saved[1:], strict=True):
         setattr(fused_recurrent, name, value)
     try:
         yield
     finally:
-        mamba_decode_ops.STACK_ENABLED = saved[0]
+        mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = saved[0]
         for name, value in zip(KNOBS, saved[1:], strict=True):
             setattr(fused_recurrent, name, value)
 
@@ -81,44 +83,55 @@ def step_function(model, pool: StatePool, batch: DecodeBatch, graphed: bool) -> 
     return replay
 
 
-def main() -> None:
-    smoke, device = tuning_device(__doc__.splitlines()[0])
-    preset, dtype, batches, steps = ("mamba-tiny", torch.float32, [1, 3], 1) if smoke else (
-        "mamba-370m", torch.bfloat16, [1, 8], 50)
-    choices = [DEFAULT, (8, 2, 4096, 4)] if smoke else CHOICES
+def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: list[int], choices: list,
+               steps: int, peak: float) -> None:
+    """Time the op-by-op step and each choice of one model at each batch size; print one line per choice."""
+    smoke = device.type != "cuda"
     model, _ = build_random(preset, device, dtype)
     weights = weight_bytes(model)
+    for batch_size in batches:
+        pool = StatePool(model.state_spec(), num_slots=batch_size + 1, device=device)
+        start = {name: torch.randn_like(t) * 0.1 for name, t in pool.tensors.items()}
+        ids = torch.randint(0, model.vocab_size, (batch_size,)).tolist()
+        batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
+        roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
+        results, baseline_ms, baseline_logits = [], 0.0, None
+        for choice in [None, *choices]:
+            with launch_choice(choice):
+                for name, t in pool.tensors.items():
+                    t.copy_(start[name])
+                step = step_function(model, pool, batch, graphed=not smoke)
+                for name, t in pool.tensors.items():
+                    t.copy_(start[name])
+                logits = step().clone()
+                ms = seconds_per_step(step, device, steps) * 1e3
+            if choice is None:
+                baseline_ms, baseline_logits = ms, logits
+                name = "op by op"
+            else:
+                name = ("default " if choice == DEFAULT else "") + "(" + ",".join(map(str, choice)) + ")"
+            diff = (logits - baseline_logits).abs().max().item()
+            results.append((ms, name, diff))
+        for ms, name, diff in sorted(results):
+            print(f"{preset:12s} b={batch_size:<3d} {name:26s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
+                  f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    smoke, device = tuning_device(__doc__.splitlines()[0])
+    presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [2], 1) if smoke else (
+        ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 8], 50)
+    choices = [DEFAULT, (8, 2, 4096, 4)] if smoke else CHOICES
     peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
-    print(f"{device_name(device)}: {preset} decode step, {str(dtype).removeprefix('torch.')}; per choice "
+    print(f"{device_name(device)}: decode step, {str(dtype).removeprefix('torch.')}; per choice "
           f"({', '.join(KNOBS)}): ms/step, vs op by op, HBM roofline at {peak / 1e9:.0f} GB/s, max |logits diff|",
           flush=True)
     with torch.inference_mode(), force_triton(True) if smoke else contextlib.nullcontext():
-        for batch_size in batches:
-            pool = StatePool(model.state_spec(), num_slots=batch_size + 1, device=device)
-            start = {name: torch.randn_like(t) * 0.1 for name, t in pool.tensors.items()}
-            ids = torch.randint(0, model.vocab_size, (batch_size,)).tolist()
-            batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
-            roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
-            results, baseline_ms, baseline_logits = [], 0.0, None
-            for choice in [None, *choices]:
-                with launch_choice(choice):
-                    for name, t in pool.tensors.items():
-                        t.copy_(start[name])
-                    step = step_function(model, pool, batch, graphed=not smoke)
-                    for name, t in pool.tensors.items():
-                        t.copy_(start[name])
-                    logits = step().clone()
-                    ms = seconds_per_step(step, device, steps) * 1e3
-                if choice is None:
-                    baseline_ms, baseline_logits = ms, logits
-                    name = "op by op"
-                else:
-                    name = ("default " if choice == DEFAULT else "") + "(" + ",".join(map(str, choice)) + ")"
-                diff = (logits - baseline_logits).abs().max().item()
-                results.append((ms, name, diff))
-            for ms, name, diff in sorted(results):
-                print(f"b={batch_size:<3d} {name:26s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
-                      f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
+        for preset in presets:
+            tune_model(preset, dtype, device, batches, choices, steps, peak)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnserve.engine.models.base import ModelConfig, StateSpec, register_model, register_preset
+from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear
+from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.gated_rms_norm import gated_rms_norm
-from rnnserve.kernels.mamba2_decode import mamba2_mixer_step, mamba2_mixer_step_applies
+from rnnserve.kernels.mamba2_decode import mamba2_decode_stack, mamba2_mixer_step, mamba2_mixer_step_applies
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 
 
@@ -163,6 +164,28 @@ class Mamba2LM(MixerStackLM):
         if config.n_heads % config.n_groups:
             raise ValueError(f"n_heads {config.n_heads} is not a multiple of n_groups {config.n_groups}")
         super().__init__(config)
+
+    def _decode_layers(
+        self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
+    ) -> torch.Tensor:
+        """On a GPU, small batches with float projections run every layer in the Triton stack
+        (:func:`~rnnserve.kernels.mamba2_decode.mamba2_decode_stack`); everything else the per-layer loop."""
+        conv, ssm = state["conv"], state["ssm"]
+        layers = self.backbone.layers
+        mixers = [block.mixer for block in layers]
+        float_weights = all(m.in_proj.weight.is_floating_point() and m.out_proj.weight.is_floating_point()
+                            for m in mixers)  # fmt: skip
+        if not (mamba2_decode_ops.mamba2_decode_triton_applies(normed, conv, ssm) and float_weights):
+            return super()._decode_layers(normed, stream, slot_ids, state)
+        norms = [block.norm.weight for block in layers[1:]] + [self.backbone.norm_f.weight]
+        weights = [
+            (m.in_proj.weight, m.in_proj.bias, m.conv1d.weight[:, 0], m.conv1d.bias, m.dt_bias, m.A_log, m.D,
+             m.norm.weight, m.out_proj.weight, m.out_proj.bias)
+            for m in mixers
+        ]  # fmt: skip
+        c = self.config
+        return mamba2_decode_stack(normed, stream, norms, c.norm_eps, weights, conv, ssm, slot_ids, c.n_groups,
+                                   c.norm_eps, (c.dt_min_limit, c.dt_max_limit))  # fmt: skip
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> Mamba2Config:

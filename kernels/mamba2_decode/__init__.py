@@ -4,14 +4,64 @@ the pool, and the gated per-group RMSNorm (everything between the conv update an
 ``naive.py`` is the reference. ``mamba2_decode_cpu.cpp`` runs it as one CPU op (calling the SSD state update's
 CPU kernel) instead of about 30 PyTorch ops per layer. Off CPU, and for layouts the op does not take, the model
 runs its op-by-op step, which reaches the Triton SSD kernel on a GPU.
+
+On a GPU, decode batches of up to :data:`~rnnserve.kernels.mamba_decode.TRITON_MAX_ROWS` sequences with float
+projections run the whole stack in ``fused_recurrent.py`` (:func:`mamba2_decode_stack`): three Triton kernels a
+layer, the in_proj and out_proj GEMVs with the norms, the conv and the SSD update fused around them.
+``STACK_ENABLED`` is read on every call (``RNNSERVE_MAMBA_STACK=0`` clears it at import, as for Mamba-1).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 
+from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
+from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS
+
+STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
+
+
+def mamba2_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+    """Whether :func:`mamba2_decode_stack` runs for ``normed [B, d_model]`` and the whole pools ``conv_pool [N, L,
+    conv_dim, K-1]``, ``ssm_pool [N, L, H, P, Ns]`` (the caller checks that the projections are float)."""
+    return (
+        STACK_ENABLED
+        and use_triton(normed)
+        and normed.dim() == 2
+        and 1 <= normed.shape[0] <= TRITON_MAX_ROWS
+        and conv_pool.dtype == torch.float32
+        and conv_pool.stride(-1) == 1
+        and ssm_pool.dtype == torch.float32
+        and ssm_pool.stride(-1) == 1
+        and not torch.is_grad_enabled()
+    )
+
+
+def mamba2_decode_stack(
+    normed: torch.Tensor,
+    stream: torch.Tensor,
+    norm_weights: Sequence[torch.Tensor],
+    eps: float,
+    layers: Sequence[Sequence[torch.Tensor | None]],
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    groups: int,
+    gated_eps: float,
+    dt_limits: tuple[float, float],
+) -> torch.Tensor:
+    """Every layer of a decode step where :func:`mamba2_decode_triton_applies`; returns the final norm's output
+    (arguments: :func:`~rnnserve.kernels.mamba2_decode.fused_recurrent.mamba2_decode_stack_triton`)."""
+    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
+
+    return mamba2_decode_stack_triton(
+        normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool, slot_ids, groups, gated_eps, dt_limits
+    )
 
 
 def mamba2_mixer_step_applies(
@@ -60,4 +110,10 @@ def mamba2_mixer_step(
     return mamba2_mixer_step_ref(*args)
 
 
-__all__ = ["mamba2_mixer_step", "mamba2_mixer_step_applies"]
+__all__ = [
+    "STACK_ENABLED",
+    "mamba2_decode_stack",
+    "mamba2_decode_triton_applies",
+    "mamba2_mixer_step",
+    "mamba2_mixer_step_applies",
+]

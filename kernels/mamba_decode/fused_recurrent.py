@@ -44,24 +44,22 @@ SSM_WARPS = 4
 
 
 @triton.jit
-def _mamba_in_proj_kernel(
-    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
-    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr,
-    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
-    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
+def normed_input_times_weight(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs, out_ok, rows, row_ok,
+    d_model, eps, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    first = pid * BO
+    """``[BB, BO]`` fp32, rounded to the weights' dtype: a block's input rows times weight rows ``outs`` (+ bias).
+
+    With ``HAS_NORM`` the input is ``RMSNorm(stream + delta)`` computed here, with the rounding steps of
+    :func:`~rnnserve.kernels.residual_rms_norm.naive.residual_rms_norm_ref` (program 0 also stores the new
+    stream); else the rows of ``x_ptr``, already normed."""
     wdtype = w_ptr.dtype.element_ty
-    rows = tl.arange(0, BB)
-    row_ok = rows < batch
-    outs = first + tl.arange(0, BO)
     ks = tl.arange(0, BK)
     if HAS_NORM:
         sdtype = stream_ptr.dtype.element_ty
         squares = tl.zeros([BB], dtype=tl.float32)
-        writes_stream = (rows * 0 + pid) == 0  # program 0 stores the new stream
+        writes_stream = (rows * 0 + pid) == 0
         for k0 in range(0, d_model, BK):
             cols = k0 + ks
             ok = row_ok[:, None] & (cols < d_model)[None, :]
@@ -87,31 +85,63 @@ def _mamba_in_proj_kernel(
             x = (nw[None, :] * y).to(wdtype).to(tl.float32)
         else:
             x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + outs[:, None] * d_model + cols[None, :], mask=(cols < d_model)[None, :], other=0.0)
+        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_model + cols[None, :],
+                    mask=out_ok[:, None] & (cols < d_model)[None, :], other=0.0)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs).to(tl.float32)[None, :]
-    acc = acc.to(wdtype).to(tl.float32)  # in_proj's output in the weights' dtype
-    if first < d_inner:
-        # Depthwise conv over [tail, x], then SiLU; the tail shifts x in. Channels = these in_proj rows.
-        taps = tl.arange(0, BKC)
-        slots = tl.load(slot_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        tail_ptrs = (conv_pool_ptr + slots[:, None, None] * stride_conv_slot
-                     + outs[None, :, None].to(tl.int64) * stride_conv_d + taps[None, None, :])
-        ok3 = row_ok[:, None, None] & (outs < d_inner)[None, :, None]
-        window = tl.load(tail_ptrs, mask=ok3 & (taps < K - 1)[None, None, :], other=0.0)
-        window += tl.where((taps == K - 1)[None, None, :], acc[:, :, None], 0.0)
-        shifted = tl.load(tail_ptrs + 1, mask=ok3 & (taps < K - 2)[None, None, :], other=0.0)
-        shifted += tl.where((taps == K - 2)[None, None, :], acc[:, :, None], 0.0)
-        cw = tl.load(conv_w_ptr + outs[:, None] * K + taps[None, :], mask=(taps < K)[None, :], other=0.0)
-        xc = tl.sum(window * cw[None, :, :], axis=2)
-        if HAS_CONV_BIAS:
-            xc += tl.load(conv_b_ptr + outs)[None, :]
-        xc = xc * tl.sigmoid(xc)
-        xc = xc.to(wdtype)  # the conv's output in the activations' dtype
+        acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
+    return acc.to(wdtype).to(tl.float32)
+
+
+@triton.jit
+def conv_update(
+    new, chans, chan_ok, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+    stride_conv_d, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr,
+):
+    """The depthwise causal conv of ``new [BB, BO]`` (the newest input of channels ``chans``) over the slots'
+    tails, in fp32 (bias added, no activation); shifts ``new`` into the tails in place."""
+    taps = tl.arange(0, BKC)
+    slots = tl.load(slot_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    tail_ptrs = (conv_pool_ptr + slots[:, None, None] * stride_conv_slot
+                 + chans[None, :, None].to(tl.int64) * stride_conv_d + taps[None, None, :])
+    ok = row_ok[:, None, None] & chan_ok[None, :, None]
+    window = tl.load(tail_ptrs, mask=ok & (taps < K - 1)[None, None, :], other=0.0)
+    window += tl.where((taps == K - 1)[None, None, :], new[:, :, None], 0.0)
+    shifted = tl.load(tail_ptrs + 1, mask=ok & (taps < K - 2)[None, None, :], other=0.0)
+    shifted += tl.where((taps == K - 2)[None, None, :], new[:, :, None], 0.0)
+    cw = tl.load(conv_w_ptr + chans[:, None] * K + taps[None, :], mask=chan_ok[:, None] & (taps < K)[None, :],
+                 other=0.0)
+    out = tl.sum(window * cw.to(tl.float32)[None, :, :], axis=2)
+    if HAS_CONV_BIAS:
+        out += tl.load(conv_b_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    tl.debug_barrier()  # every thread has read the tails before any overwrites them
+    tl.store(tail_ptrs, shifted, mask=ok & (taps < K - 1)[None, None, :])
+    return out
+
+
+@triton.jit
+def _mamba_in_proj_kernel(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr,
+    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    first = pid * BO
+    wdtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, BB)
+    row_ok = rows < batch
+    outs = first + tl.arange(0, BO)
+    projected = normed_input_times_weight(
+        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs, outs < 2 * d_inner,
+        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
+    )
+    if first < d_inner:  # x rows: conv, SiLU, this block's share of x_proj
+        xc = conv_update(projected, outs, outs < d_inner, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr,
+                         conv_b_ptr, stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K, BKC)
+        xc = (xc * tl.sigmoid(xc)).to(wdtype)  # the conv's output in the activations' dtype
         tl.store(xc_ptr + rows[:, None] * d_inner + outs[None, :], xc, mask=row_ok[:, None])
-        tl.debug_barrier()  # every thread has read the tails before any overwrites them
-        tl.store(tail_ptrs, shifted, mask=ok3 & (taps < K - 1)[None, None, :])
         xc = xc.to(tl.float32)
         es = tl.arange(0, BE)
         for e0 in range(0, n_proj, BE):
@@ -121,7 +151,8 @@ def _mamba_in_proj_kernel(
             tl.store(partial_ptr + (pid * batch + rows[:, None]) * n_proj + e[None, :], part,
                      mask=row_ok[:, None] & (e < n_proj)[None, :])
     else:
-        tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], acc.to(wdtype), mask=row_ok[:, None])
+        tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], projected.to(wdtype),
+                 mask=row_ok[:, None])
 
 
 @triton.jit
@@ -194,7 +225,8 @@ def _mamba_out_proj_kernel(
              mask=row_ok[:, None] & out_ok[None, :])
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (and >= 1): a block size covering n."""
     return triton.next_power_of_2(max(int(n), 1))
 
 
@@ -204,14 +236,14 @@ def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) ->
     step half of it (a full one spills at 8 rows on sm_90)."""
     block_o = min(IN_PROJ_ROWS, d_inner & -d_inner)
     budget = max(16, TILE // (batch_block * block_o))
-    return block_o, min(_pow2(d_model), budget), min(_pow2(n_proj), max(16, budget // 2))
+    return block_o, min(pow2(d_model), budget), min(pow2(n_proj), max(16, budget // 2))
 
 
 def out_proj_blocks(batch_block: int, n_in: int) -> tuple[int, int]:
     """``(BO, BK)`` of :func:`_mamba_out_proj_kernel`: :data:`OUT_PROJ_ROWS` output rows a program (many
     programs for a short output), the K step filling :data:`TILE`."""
     block_o = OUT_PROJ_ROWS
-    return block_o, min(_pow2(n_in), max(16, TILE // (batch_block * block_o)))
+    return block_o, min(pow2(n_in), max(16, TILE // (batch_block * block_o)))
 
 
 def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -219,7 +251,7 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     batch, n_in = x.shape
     n_out = weight.shape[0]
     out = torch.empty(batch, n_out, dtype=x.dtype, device=x.device)
-    batch_block = _pow2(batch)
+    batch_block = pow2(batch)
     block_o, block_k = out_proj_blocks(batch_block, n_in)
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
@@ -254,12 +286,12 @@ def mamba_decode_stack_triton(
     d_inner, width = first[2].shape
     d_state, dt_rank = first[7].shape[1], first[5].shape[1]
     n_proj = dt_rank + 2 * d_state
-    batch_block = _pow2(batch)
+    batch_block = pow2(batch)
     block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
     x_blocks = d_inner // block_o
-    block_c = min(SSM_CHANNELS, _pow2(d_inner))
-    block_r, block_n = _pow2(dt_rank), _pow2(d_state)
-    block_p = min(_pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
+    block_c = min(SSM_CHANNELS, pow2(d_inner))
+    block_r, block_n = pow2(dt_rank), pow2(d_state)
+    block_p = min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
     slot_ids = slot_ids.long().contiguous()
     xc = torch.empty(batch, d_inner, dtype=dtype, device=device)
     z = torch.empty_like(xc)
@@ -282,7 +314,7 @@ def mamba_decode_stack_triton(
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=_pow2(width), num_warps=NUM_WARPS,
+            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), num_warps=NUM_WARPS,
         )
         if delta is not None:
             stream = new_stream

@@ -39,6 +39,12 @@ from rnnserve.kernels.gated_rms_norm.fused import _gated_rms_norm_kernel
 from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
 from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
+from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_decode
+from rnnserve.kernels.mamba2_decode.fused_recurrent import (
+    _mamba2_in_proj_kernel,
+    _mamba2_out_proj_kernel,
+    _mamba2_ssm_kernel,
+)
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba_decode
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
     _mamba_in_proj_kernel,
@@ -77,7 +83,14 @@ _SSD_370M = {"heads": 32, "head_dim": 64, "d_state": 128, "heads_per_group": 32,
 _MAMBA_370M_DECODE = {"d_model": 1024, "d_inner": 2048, "n_proj": 96, "stride_conv_slot": 48 * 2048 * 3,
                       "stride_conv_d": 3, "n_blocks": 128, "dt_rank": 64, "d_state": 16,
                       "stride_ssm_slot": 48 * 2048 * 16, "stride_ssm_d": 16, "n_in": 2048, "n_out": 1024}
+# mamba2-370m's decode stack: in_proj rows 2048 + 2304 + 32, 32 heads x 64 channels in blocks of 16.
+_MAMBA2_370M_DECODE = {"d_model": 1024, "d_inner": 2048, "conv_dim": 2304, "heads": 32, "head_dim": 64,
+                       "d_state": 128, "heads_per_group": 32, "groups": 1, "stride_conv_slot": 48 * 2304 * 3,
+                       "stride_conv_d": 3, "stride_ssm_slot": 48 * 32 * 64 * 128, "stride_ssm_h": 64 * 128,
+                       "stride_ssm_p": 128, "parts": 128, "parts_per_group": 128, "group_width": 2048}
 LAUNCH_INTS = {
+    **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
+                    _MAMBA2_370M_DECODE),
     **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
     **dict.fromkeys(["_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
                      "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
@@ -163,7 +176,8 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
 
 
 def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
-    """The Triton Mamba-1 decode stack at mamba-370m sizes, batch 1 and the largest batch it takes."""
+    """The Triton Mamba-1 and Mamba-2 decode stacks at mamba-370m / mamba2-370m sizes, batch 1 and the largest
+    batch they take."""
     f32 = "*fp32"
     types = {"x_ptr": act, "stream_ptr": f32, "delta_ptr": act, "norm_w_ptr": act, "new_stream_ptr": f32,
              "w_ptr": act, "bias_ptr": act, "conv_pool_ptr": f32, "conv_w_ptr": f32, "conv_b_ptr": f32,
@@ -182,6 +196,18 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                         mamba_decode.NUM_WARPS))
     configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS},
                     mamba_decode.SSM_WARPS))
+    types2 = {**types, "conv_w_ptr": act, "conv_b_ptr": act, "xbc_ptr": act, "dt_ptr": act, "A_log_ptr": act,
+              "D_ptr": act, "dt_bias_ptr": act, "gated_ptr": f32, "squares_ptr": f32, "dt_min": "fp32",
+              "dt_max": "fp32"}
+    for rows in (1, mamba_decode.MAX_ROWS):
+        block_o, block_k = mamba2_decode.in_proj_blocks(rows, 1024)
+        configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
+                                                         "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
+                                                         "BKC": 4}, mamba_decode.NUM_WARPS))
+        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
+        configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
+                                                          "BK": block_k, "BQ": 128, "BG": 1}, mamba_decode.NUM_WARPS))
+    configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128}, mamba_decode.SSM_WARPS))
     return configs
 
 

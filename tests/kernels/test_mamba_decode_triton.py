@@ -73,7 +73,7 @@ def assert_near(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 
 @pytest.mark.parametrize(("dtype", "stream_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])  # fmt: skip
-@pytest.mark.parametrize("batch", [1, 3, TRITON_MAX_ROWS])
+@pytest.mark.parametrize("batch", [1, 5])  # 5 rows: padded to a block of 8
 @pytest.mark.parametrize("use_bias", [False, True])
 @torch.inference_mode()
 def test_stack_matches_reference(triton_on_cpu, dtype, stream_dtype, batch, use_bias) -> None:

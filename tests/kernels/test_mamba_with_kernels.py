@@ -32,7 +32,7 @@ WRAPPERS = {
     ],
     "mamba2": [
         ("rnnserve.kernels.ssd.chunk", "ssd_scan_varlen_triton"),
-        ("rnnserve.kernels.ssd.fused_recurrent", "ssd_state_update_triton"),
+        ("rnnserve.kernels.mamba2_decode.fused_recurrent", "mamba2_decode_stack_triton"),
     ],
     "griffin": [
         ("rnnserve.kernels.sliding_window.chunk", "sliding_window_prefill_triton"),

@@ -1,0 +1,229 @@
+"""Triton decode step of a whole Mamba-2 stack for small batches: three kernels per layer, state in place.
+
+Op by op a Mamba-2 layer's decode step is about a dozen launches (norm, in_proj, conv, SiLU, the dt and A
+arithmetic, the SSD update, the gated norm, out_proj). Here it is three:
+
+1. ``_mamba2_in_proj_kernel``, one program per ``BO`` rows of in_proj: the previous layer's residual add and this
+   layer's RMSNorm, the rows as a GEMV, then by section: ``z`` rows stored, ``xBC`` rows through the causal conv
+   update on the slots' tails and SiLU, ``dt`` rows stored.
+2. ``_mamba2_ssm_kernel``, one program per (sequence, head, ``BP`` channels): ``dt = softplus(dt + dt_bias)``
+   clamped, the slot's ``[BP, N]`` state rows advanced (read once, written once), ``y = S C + D x`` gated by
+   ``silu(z)``, and the program's sum of squares of the gated ``y`` for the group norm.
+3. ``_mamba2_out_proj_kernel``: the gated group RMSNorm (statistics from the partial sums) applied on the fly
+   as out_proj's GEMV reads its input.
+
+The rounding steps are the op-by-op step's (:func:`~rnnserve.kernels.mamba2_decode.naive.mamba2_mixer_step_ref`
+between the conv and out_proj, the conv rounded to the activations' dtype before its SiLU as the op-by-op conv
+without SiLU is); the GEMV helpers, the launch choices and the batch limit are
+:mod:`rnnserve.kernels.mamba_decode.fused_recurrent`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
+from rnnserve.kernels.mamba_decode.fused_recurrent import conv_update, normed_input_times_weight
+from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
+from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
+
+SSM_CHANNELS = 16  # channels of one head a program: [16, 128] state tiles at d_state 128
+
+
+@triton.jit
+def _mamba2_in_proj_kernel(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr,
+    batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    wdtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, BB)
+    row_ok = rows < batch
+    outs = pid * BO + tl.arange(0, BO)
+    projected = normed_input_times_weight(
+        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs,
+        outs < d_inner + conv_dim + heads, rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
+    )
+    tl.store(z_ptr + rows[:, None] * d_inner + outs[None, :], projected.to(wdtype),
+             mask=row_ok[:, None] & (outs < d_inner)[None, :])
+    chans = outs - d_inner
+    is_xbc = (outs >= d_inner) & (chans < conv_dim)
+    xbc = conv_update(projected, chans, is_xbc, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr,
+                      stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K, BKC)
+    xbc = xbc.to(wdtype).to(tl.float32)  # the conv's output, then its SiLU, each in the activations' dtype
+    tl.store(xbc_ptr + rows[:, None] * conv_dim + chans[None, :], (xbc * tl.sigmoid(xbc)).to(wdtype),
+             mask=row_ok[:, None] & is_xbc[None, :])
+    dt_heads = chans - conv_dim
+    tl.store(dt_ptr + rows[:, None] * heads + dt_heads[None, :], projected.to(wdtype),
+             mask=row_ok[:, None] & ((dt_heads >= 0) & (dt_heads < heads))[None, :])
+
+
+@triton.jit
+def _mamba2_ssm_kernel(
+    xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr,
+    d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
+    stride_ssm_slot, stride_ssm_h, stride_ssm_p,
+    BP: tl.constexpr, BN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    i_p = tl.program_id(2)
+    group = head // heads_per_group
+    chans = i_p * BP + tl.arange(0, BP)
+    chan_ok = chans < head_dim
+    states = tl.arange(0, BN)
+    state_ok = states < d_state
+    row = xbc_ptr + b * conv_dim
+    x = tl.load(row + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
+    C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b * heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    dt = tl.minimum(tl.maximum(softplus_f32(dt), dt_min), dt_max)
+    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + head).to(tl.float32)) * dt)
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    ok = chan_ok[:, None] & state_ok[None, :]
+    state_ptrs = (ssm_pool_ptr + slot * stride_ssm_slot + head * stride_ssm_h + chans[:, None] * stride_ssm_p
+                  + states[None, :])
+    s = tl.load(state_ptrs, mask=ok, other=0.0)
+    s = decay * s + (dt * x)[:, None] * B[None, :]
+    tl.store(state_ptrs, s, mask=ok)
+    y = tl.sum(s * C[None, :], axis=1) + tl.load(D_ptr + head).to(tl.float32) * x
+    z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    gated = tl.where(chan_ok, y * z * tl.sigmoid(z), 0.0)
+    tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
+    parts = tl.num_programs(1) * tl.num_programs(2)
+    tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))
+
+
+@triton.jit
+def _mamba2_out_proj_kernel(
+    gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
+    group_width, eps,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
+    BG: tl.constexpr,
+):
+    wdtype = w_ptr.dtype.element_ty
+    outs = tl.program_id(0) * BO + tl.arange(0, BO)
+    out_ok = outs < d_model
+    rows = tl.arange(0, BB)
+    row_ok = rows < batch
+    # Each group's statistics from the SSM programs' sums of squares: [BB, BG].
+    part = tl.arange(0, BQ)
+    group_ids = tl.arange(0, BG)
+    squares = tl.load(squares_ptr + rows[:, None] * parts + part[None, :],
+                      mask=row_ok[:, None] & (part < parts)[None, :], other=0.0)
+    in_group = (part // parts_per_group)[:, None] == group_ids[None, :]
+    sums = tl.sum(tl.where(in_group[None, :, :], squares[:, :, None], 0.0), axis=1)
+    rstd = tl.rsqrt(sums / group_width + eps)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    for k0 in range(0, d_inner, BK):
+        cols = k0 + ks
+        col_ok = cols < d_inner
+        g = tl.load(gated_ptr + rows[:, None] * d_inner + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        of_group = (cols // group_width)[:, None] == group_ids[None, :]
+        col_rstd = tl.sum(tl.where(of_group[None, :, :], rstd[:, None, :], 0.0), axis=2)
+        normed = (g * col_rstd).to(wdtype).to(tl.float32)
+        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = (nw[None, :] * normed).to(wdtype).to(tl.float32)
+        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_inner + cols[None, :],
+                    mask=out_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * d_model + outs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & out_ok[None, :])
+
+
+def in_proj_blocks(batch_block: int, d_model: int) -> tuple[int, int]:
+    """``(BO, BK)`` of :func:`_mamba2_in_proj_kernel` (blocks may straddle the z / xBC / dt sections)."""
+    block_o = mamba1.IN_PROJ_ROWS
+    return block_o, min(mamba1.pow2(d_model), max(16, mamba1.TILE // (batch_block * block_o)))
+
+
+def mamba2_decode_stack_triton(
+    normed: torch.Tensor,
+    stream: torch.Tensor,
+    norm_weights: Sequence[torch.Tensor],
+    eps: float,
+    layers: Sequence[Sequence[torch.Tensor | None]],
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    groups: int,
+    gated_eps: float,
+    dt_limits: tuple[float, float],
+) -> torch.Tensor:
+    """Every layer of a Mamba-2 decode step of at most ``TRITON_MAX_ROWS`` sequences; returns the final norm's
+    output ``[B, d_model]``.
+
+    ``normed``/``stream``: the first block's input and the residual stream; ``norm_weights[i]``: block ``i + 1``'s
+    norm, the last one the final norm's; ``layers[i]``: ``(in_proj_weight, in_proj_bias, conv_weight [conv_dim,
+    K], conv_bias, dt_bias, A_log, D, gated_norm_weight, out_proj_weight, out_proj_bias)`` as the model holds them;
+    ``groups``, ``gated_eps`` and ``dt_limits``: the gated norm's groups and epsilon and dt's clamp.
+    ``conv_pool [N, L, conv_dim, K-1]`` and ``ssm_pool [N, L, H, P, Ns]`` fp32, unit stride on the last
+    dimension, advanced in place at rows ``slot_ids``.
+    """
+    batch, d_model = normed.shape
+    if not 1 <= batch <= mamba1.MAX_ROWS:
+        raise ValueError(f"the Triton decode stack takes 1 to {mamba1.MAX_ROWS} rows, got {batch}")
+    heads, head_dim, d_state = ssm_pool.shape[2:]
+    d_inner = heads * head_dim
+    dtype, device = layers[0][0].dtype, normed.device
+    conv_dim, width = layers[0][2].shape[0], layers[0][2].shape[-1]
+    n_out = d_inner + conv_dim + heads
+    batch_block = mamba1.pow2(batch)
+    block_o, block_k = in_proj_blocks(batch_block, d_model)
+    block_p = min(SSM_CHANNELS, mamba1.pow2(head_dim))
+    p_blocks = triton.cdiv(head_dim, block_p)
+    parts = heads * p_blocks
+    out_block_o, out_block_k = mamba1.out_proj_blocks(batch_block, d_inner)
+    slot_ids = slot_ids.long().contiguous()
+    z = torch.empty(batch, d_inner, dtype=dtype, device=device)
+    xbc = torch.empty(batch, conv_dim, dtype=dtype, device=device)
+    dt = torch.empty(batch, heads, dtype=dtype, device=device)
+    gated = torch.empty(batch, d_inner, dtype=torch.float32, device=device)
+    squares = torch.empty(batch, parts, dtype=torch.float32, device=device)
+    streams = (torch.empty_like(stream), torch.empty_like(stream))
+    normed, stream = normed.contiguous(), stream.contiguous()
+    delta = None
+    for i, layer in enumerate(layers):
+        in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, gated_w, out_w, out_b = (
+            None if t is None else t.contiguous() for t in layer
+        )
+        conv, ssm = conv_pool[:, i], ssm_pool[:, i]
+        new_stream = streams[i % 2]
+        _mamba2_in_proj_kernel[(triton.cdiv(n_out, block_o),)](
+            normed, stream, delta if delta is not None else normed, norm_weights[i - 1], new_stream, in_w,
+            in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
+            z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
+            HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
+            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), num_warps=mamba1.NUM_WARPS,
+        )
+        if delta is not None:
+            stream = new_stream
+        _mamba2_ssm_kernel[(batch, heads, p_blocks)](
+            xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, d_inner, conv_dim, heads, head_dim,
+            d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
+            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), num_warps=mamba1.SSM_WARPS,
+        )
+        delta = torch.empty(batch, d_model, dtype=dtype, device=device)
+        _mamba2_out_proj_kernel[(triton.cdiv(d_model, out_block_o),)](
+            gated, squares, gated_w, out_w, out_b if out_b is not None else out_w, delta, batch, d_inner, d_model,
+            parts, parts // groups, d_inner // groups, gated_eps,
+            HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
+            BG=mamba1.pow2(groups), num_warps=mamba1.NUM_WARPS,
+        )
+    normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
+    return normed
+
+
+__all__ = ["mamba2_decode_stack_triton"]
