@@ -10,11 +10,10 @@ from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
-from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS
-from tests.kernels.kernel_cases import count_calls
+from tests.kernels.kernel_cases import count_calls, twin_pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -38,10 +37,7 @@ def test_stack_equals_op_by_op_step(monkeypatch, architecture, dtype, batch) -> 
     model.init_weights(torch.Generator().manual_seed(0))
     model = model.to("cuda", dtype).eval()
     calls = count_calls(monkeypatch, [wrapper])
-    pools = [StatePool(model.state_spec(), 16, device="cuda") for _ in range(2)]
-    for pool in pools:
-        for tensor in pool.tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    pools = twin_pools(model, 16, "cuda")
     slots = (torch.randperm(15)[:batch] + 1).tolist()
     for step in range(3):
         decode = DecodeBatch.build(torch.randint(0, 512, (batch,)).tolist(), slots, [step] * batch, "cuda")

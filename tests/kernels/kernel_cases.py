@@ -7,6 +7,9 @@ import importlib
 import pytest
 import torch
 
+from rnnserve.engine.models.base import RecurrentLM
+from rnnserve.engine.state_pool import StatePool
+
 # Lengths 1..67: single tokens, multiples of the chunk sizes under test (16, 32, 64) and odd remainders.
 LENGTHS = [5, 1, 67, 16, 33, 2, 64]
 
@@ -37,3 +40,12 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, wrappers: list[tuple[str, str]]
 
         monkeypatch.setattr(module, name, spy)
     return calls
+
+
+def twin_pools(model: RecurrentLM, num_slots: int, device: str | torch.device = "cpu") -> list[StatePool]:
+    """Two state pools for ``model`` holding the same random non-zero states (one per path compared)."""
+    pools = [StatePool(model.state_spec(), num_slots, device=device) for _ in range(2)]
+    for pool in pools:
+        for tensor in pool.tensors.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    return pools

@@ -10,13 +10,12 @@ import torch.nn.functional as F
 
 from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
-from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
 from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS
 from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
-from tests.kernels.kernel_cases import count_calls
+from tests.kernels.kernel_cases import count_calls, twin_pools
 from tests.kernels.test_mamba_decode_triton import assert_near
 
 # Two heads' channels per SSM program block (head_dim 32 = 2 x 16), two B/C groups, and an in_proj of 324 rows,
@@ -109,10 +108,7 @@ def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatc
     model.init_weights(torch.Generator().manual_seed(0))
     calls = count_calls(monkeypatch, [("rnnserve.kernels.mamba2_decode.fused_recurrent", "mamba2_decode_stack_triton"),
                                       ("rnnserve.kernels.ssd.fused_recurrent", "ssd_state_update_triton")])  # fmt: skip
-    pools = [StatePool(model.state_spec(), batch + 3) for _ in range(2)]
-    for pool in pools:
-        for tensor in pool.tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    pools = twin_pools(model, batch + 3)
     slots = (torch.randperm(batch + 2, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
     decode = DecodeBatch.build(list(range(batch)), slots, [4] * batch)
     stacked = model.decode(decode, pools[0].tensors)

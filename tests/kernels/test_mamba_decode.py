@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
-from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.mamba_decode import mamba_mixer_decode, mamba_mixer_decode_applies
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
+from tests.kernels.kernel_cases import twin_pools
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 
@@ -94,10 +94,7 @@ def test_model_fused_step_equals_its_op_by_op_step(dtype: torch.dtype, batch: in
     """The fused op picks every GEMM path as the model's ``matmul_t`` does: the same numbers, bit for bit."""
     model = tiny_mamba(dtype, use_bias)
     mixer = model.backbone.layers[0].mixer
-    pools = [StatePool(model.state_spec(), batch + 5) for _ in range(2)]
-    for pool in pools:  # the same non-zero states in both
-        for tensor in pool.tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    pools = twin_pools(model, batch + 5)
     slot_ids = torch.randperm(batch + 4, generator=torch.Generator().manual_seed(2))[:batch] + 1
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():

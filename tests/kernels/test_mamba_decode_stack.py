@@ -13,7 +13,7 @@ from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.cpu_extension import cpu_ops
-from tests.kernels.kernel_cases import count_calls
+from tests.kernels.kernel_cases import count_calls, twin_pools
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 
@@ -57,10 +57,7 @@ def test_stack_equals_layer_loop(
         quantize_model(model, "int8")
         mixer = model.backbone.layers[0].mixer
         assert all(isinstance(layer, Int8Linear) for layer in (mixer.in_proj, mixer.x_proj, mixer.out_proj))
-    pools = [StatePool(model.state_spec(), batch + 5) for _ in range(2)]
-    for pool in pools:  # the same non-zero states in both
-        for tensor in pool.tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    pools = twin_pools(model, batch + 5)
     slots = (torch.randperm(batch + 4, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
     module = "rnnserve.engine.models.mamba"
     calls = count_calls(monkeypatch, [(module, "mamba_decode_stack"), (module, "mamba_mixer_decode")])

@@ -7,12 +7,11 @@ import torch
 
 from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
-from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS, mamba_decode_triton_applies
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
-from tests.kernels.kernel_cases import count_calls
+from tests.kernels.kernel_cases import count_calls, twin_pools
 
 D_MODEL, D_INNER, D_STATE, DT_RANK, WIDTH, LAYERS = 48, 96, 16, 3, 4, 3
 
@@ -111,10 +110,7 @@ def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatc
     calls = count_calls(monkeypatch, [("rnnserve.kernels.mamba_decode.fused_recurrent", "mamba_decode_stack_triton"),
                                       ("rnnserve.kernels.selective_scan.fused_recurrent",
                                        "selective_state_update_triton")])  # fmt: skip
-    pools = [StatePool(model.state_spec(), batch + 3) for _ in range(2)]
-    for pool in pools:
-        for tensor in pool.tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    pools = twin_pools(model, batch + 3)
     slots = (torch.randperm(batch + 2, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
     decode = DecodeBatch.build(list(range(batch)), slots, [4] * batch)
     assert mamba_decode_triton_applies(torch.zeros(batch, D_MODEL), pools[0].tensors["conv"][:, 0],
