@@ -5,7 +5,7 @@ the pool, and the gated per-group RMSNorm (everything between the conv update an
 CPU kernel) instead of about 30 PyTorch ops per layer. Off CPU, and for layouts the op does not take, the model
 runs its op-by-op step, which reaches the Triton SSD kernel on a GPU.
 
-On a GPU, decode batches of up to :data:`~rnnserve.kernels.mamba_decode.TRITON_MAX_ROWS` sequences with float
+On a GPU, decode batches of up to 8 sequences (``mamba_decode.fused_recurrent.MAX_ROWS``) with float
 projections run the whole stack in ``fused_recurrent.py`` (:func:`mamba2_decode_stack`): three Triton kernels a
 layer, the in_proj and out_proj GEMVs with the norms, the conv and the SSD update fused around them.
 ``STACK_ENABLED`` is read on every call (``RNNSERVE_MAMBA_STACK=0`` clears it at import, as for Mamba-1).
@@ -21,7 +21,6 @@ import torch
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
-from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS
 
 STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
 
@@ -29,17 +28,11 @@ STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
 def mamba2_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
     """Whether :func:`mamba2_decode_stack` runs for ``normed [B, d_model]`` and the whole pools ``conv_pool [N, L,
     conv_dim, K-1]``, ``ssm_pool [N, L, H, P, Ns]`` (the caller checks that the projections are float)."""
-    return (
-        STACK_ENABLED
-        and use_triton(normed)
-        and normed.dim() == 2
-        and 1 <= normed.shape[0] <= TRITON_MAX_ROWS
-        and conv_pool.dtype == torch.float32
-        and conv_pool.stride(-1) == 1
-        and ssm_pool.dtype == torch.float32
-        and ssm_pool.stride(-1) == 1
-        and not torch.is_grad_enabled()
-    )
+    if not (STACK_ENABLED and use_triton(normed)):
+        return False
+    from rnnserve.kernels.mamba_decode.fused_recurrent import stack_applies
+
+    return stack_applies(normed, conv_pool, ssm_pool)
 
 
 def mamba2_decode_stack(

@@ -162,7 +162,7 @@ def mamba2_decode_stack_triton(
     gated_eps: float,
     dt_limits: tuple[float, float],
 ) -> torch.Tensor:
-    """Every layer of a Mamba-2 decode step of at most ``TRITON_MAX_ROWS`` sequences; returns the final norm's
+    """Every layer of a Mamba-2 decode step of at most ``MAX_ROWS`` (8) sequences; returns the final norm's
     output ``[B, d_model]``.
 
     ``normed``/``stream``: the first block's input and the residual stream; ``norm_weights[i]``: block ``i + 1``'s

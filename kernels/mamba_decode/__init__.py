@@ -8,7 +8,7 @@ without returning to Python between them.
 :func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
 norm) in one op, saving the model's per-layer dispatches; on CPU it also takes weight-only int8 projections
 (``--quantize int8``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` CPU kernel, as the
-quantized model's op-by-op step does. On a GPU, decode batches of up to :data:`TRITON_MAX_ROWS` sequences with
+quantized model's op-by-op step does. On a GPU, decode batches of up to 8 sequences (``fused_recurrent.MAX_ROWS``) with
 float projections run ``fused_recurrent.py``: three Triton kernels per layer instead of the op-by-op step's
 eight launches (batch-1 decode is the weight stream plus a launch and a tail per kernel); larger batches run
 the op-by-op step, whose GEMMs suit them. ``STACK_ENABLED`` is read on every call:
@@ -30,7 +30,6 @@ from rnnserve.kernels.gemv import row_limit
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 
 MAX_STATE = 64  # the fused selective-scan kernels' d_state limit
-TRITON_MAX_ROWS = 8  # decode batches up to this size run the Triton stack; larger ones the op-by-op step (GEMMs)
 STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
 
 
@@ -55,17 +54,11 @@ def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_poo
 def mamba_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
     """Whether :func:`mamba_decode_stack` runs the Triton stack for ``normed [B, d_model]`` and layer 0's pool
     views (the caller checks that the projections are float: the Triton stack takes no int8 ones)."""
-    return (
-        use_triton(normed)
-        and normed.dim() == 2
-        and 1 <= normed.shape[0] <= TRITON_MAX_ROWS
-        and conv_pool.dtype == torch.float32
-        and conv_pool.stride(-1) == 1
-        and ssm_pool.dtype == torch.float32
-        and ssm_pool.stride(-1) == 1
-        and ssm_pool.shape[-1] <= MAX_STATE
-        and not torch.is_grad_enabled()
-    )
+    if not use_triton(normed) or ssm_pool.shape[-1] > MAX_STATE:
+        return False
+    from rnnserve.kernels.mamba_decode.fused_recurrent import stack_applies
+
+    return stack_applies(normed, conv_pool, ssm_pool)
 
 
 def mamba_mixer_decode(
@@ -193,7 +186,6 @@ def mamba_decode_stack(
 __all__ = [
     "MAX_STATE",
     "STACK_ENABLED",
-    "TRITON_MAX_ROWS",
     "mamba_decode_stack",
     "mamba_decode_triton_applies",
     "mamba_mixer_decode",

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS as MAX_ROWS
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
@@ -35,6 +34,7 @@ from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 # program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
 # so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs, one or two
 # steps of 16 KB each).
+MAX_ROWS = 8  # decode batches up to this size run the stacks; larger ones the op-by-op step (GEMMs)
 TILE = 8192  # elements of a program's multiply-and-sum product per loop step
 IN_PROJ_ROWS = 16  # in_proj rows a program (at most; a power of two dividing d_inner)
 OUT_PROJ_ROWS = 4
@@ -223,6 +223,20 @@ def _mamba_out_proj_kernel(
         acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & out_ok[None, :])
+
+
+def stack_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
+    """Whether a Triton decode stack (this one or Mamba-2's) takes ``normed [B, d_model]`` of 1 to
+    :data:`MAX_ROWS` rows and these fp32 pools (unit stride on their last dimension), with gradients off."""
+    return (
+        normed.dim() == 2
+        and 1 <= normed.shape[0] <= MAX_ROWS
+        and conv_pool.dtype == torch.float32
+        and conv_pool.stride(-1) == 1
+        and ssm_pool.dtype == torch.float32
+        and ssm_pool.stride(-1) == 1
+        and not torch.is_grad_enabled()
+    )
 
 
 def pow2(n: int) -> int:

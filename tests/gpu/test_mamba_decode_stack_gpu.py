@@ -12,7 +12,7 @@ from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
-from rnnserve.kernels.mamba_decode import TRITON_MAX_ROWS
+from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from tests.kernels.kernel_cases import count_calls, twin_pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -29,7 +29,7 @@ MODELS = {
 
 @pytest.mark.parametrize("architecture", sorted(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 5, TRITON_MAX_ROWS])
+@pytest.mark.parametrize("batch", [1, 5, MAX_ROWS])
 @torch.inference_mode()
 def test_stack_equals_op_by_op_step(monkeypatch, architecture, dtype, batch) -> None:
     build, wrapper, switch = MODELS[architecture]
@@ -55,7 +55,7 @@ def test_stack_equals_op_by_op_step(monkeypatch, architecture, dtype, batch) -> 
 
 @pytest.mark.parametrize("preset", ["random:mamba-tiny", "random:mamba2-tiny"])
 def test_engine_graphs_equal_eager_and_batched_equals_alone_at_small_batches(preset: str) -> None:
-    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(TRITON_MAX_ROWS - 2)]
+    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(MAX_ROWS - 2)]
     params = SamplingParams(temperature=0, max_tokens=32)
     graphs = LLM(preset, device="cuda", dtype="float32", max_num_seqs=8).generate(prompts, params)
     eager = LLM(preset, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=True)
