@@ -123,7 +123,7 @@ def _mamba2_out_proj_kernel(
     sums = tl.sum(tl.where(in_group[None, :, :], squares[:, :, None], 0.0), axis=1)
     rstd = tl.rsqrt(sums / group_width + eps)
     ks = tl.arange(0, BK)
-    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(0, d_inner, BK):
         cols = k0 + ks
         col_ok = cols < d_inner
@@ -136,7 +136,8 @@ def _mamba2_out_proj_kernel(
         x = (nw[None, :] * normed).to(wdtype).to(tl.float32)
         w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_inner + cols[None, :],
                     mask=out_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * d_model + outs[None, :], acc.to(out_ptr.dtype.element_ty),

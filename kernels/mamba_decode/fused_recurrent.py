@@ -71,7 +71,7 @@ def normed_input_times_weight(
             normed_in = s.to(wdtype).to(tl.float32)
             squares += tl.sum(normed_in * normed_in, axis=1)
         rstd = tl.rsqrt(squares / d_model + eps)
-    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(0, d_model, BK):
         cols = k0 + ks
         ok = row_ok[:, None] & (cols < d_model)[None, :]
@@ -87,7 +87,8 @@ def normed_input_times_weight(
             x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_model + cols[None, :],
                     mask=out_ok[:, None] & (cols < d_model)[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
     return acc.to(wdtype).to(tl.float32)
@@ -211,14 +212,15 @@ def _mamba_out_proj_kernel(
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     ks = tl.arange(0, BK)
-    acc = tl.zeros([BB, BO], dtype=tl.float32)
+    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(0, n_in, BK):
         cols = k0 + ks
         col_ok = cols < n_in
         x = tl.load(x_ptr + rows[:, None] * n_in + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         w = tl.load(w_ptr + outs[:, None].to(tl.int64) * n_in + cols[None, :], mask=out_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], acc.to(out_ptr.dtype.element_ty),
