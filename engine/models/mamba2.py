@@ -171,11 +171,11 @@ class Mamba2LM(MixerStackLM):
         """On a GPU, small batches with float projections run every layer in the Triton stack
         (:func:`~rnnserve.kernels.mamba2_decode.mamba2_decode_stack`); everything else the per-layer loop."""
         conv, ssm = state["conv"], state["ssm"]
+        if not mamba2_decode_ops.mamba2_decode_triton_applies(normed, conv, ssm):  # checked first: it is cheap
+            return super()._decode_layers(normed, stream, slot_ids, state)
         layers = self.backbone.layers
         mixers = [block.mixer for block in layers]
-        float_weights = all(m.in_proj.weight.is_floating_point() and m.out_proj.weight.is_floating_point()
-                            for m in mixers)  # fmt: skip
-        if not (mamba2_decode_ops.mamba2_decode_triton_applies(normed, conv, ssm) and float_weights):
+        if not all(m.in_proj.weight.is_floating_point() and m.out_proj.weight.is_floating_point() for m in mixers):
             return super()._decode_layers(normed, stream, slot_ids, state)
         norms = [block.norm.weight for block in layers[1:]] + [self.backbone.norm_f.weight]
         weights = [
