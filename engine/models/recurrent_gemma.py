@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.base import (
@@ -50,7 +49,8 @@ from rnnserve.engine.models.layers import (
     scatter_slots,
 )
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_scan_step
+from rnnserve.kernels.diag_linear_scan import diag_linear_scan
+from rnnserve.kernels.rg_lru import rg_lru_coefficients, rg_lru_step
 
 
 @dataclass
@@ -90,20 +90,15 @@ class RGLRU(nn.Module):
         self.recurrent_gate_weight = nn.Parameter(torch.empty(heads, width, width))
         self.recurrent_gate_bias = nn.Parameter(torch.empty(heads, width))
 
-    def _gate(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        heads, width, _ = weight.shape
-        blocks = x.reshape(-1, heads, width).transpose(0, 1)
-        return torch.sigmoid(torch.baddbmm(bias[:, None, :], blocks, weight).transpose(0, 1).reshape(x.shape))
+    def gate_weights(self) -> tuple[torch.Tensor, ...]:
+        """``(input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param)``,
+        as :mod:`rnnserve.kernels.rg_lru` takes them."""
+        return (self.input_gate_weight, self.input_gate_bias, self.recurrent_gate_weight, self.recurrent_gate_bias,
+                self.recurrent_param)  # fmt: skip
 
     def coefficients(self, x: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, D]``, ``first [N]`` (token starts its sequence) -> recurrence ``a, b`` in fp32."""
-        input_gate = self._gate(x, self.input_gate_weight, self.input_gate_bias)
-        recurrent_gate = self._gate(x, self.recurrent_gate_weight, self.recurrent_gate_bias)
-        log_a = -8.0 * recurrent_gate * F.softplus(self.recurrent_param)
-        multiplier = torch.where(first[:, None], 1.0, torch.sqrt(1 - torch.exp(2 * log_a)))
-        b = (x * input_gate) * multiplier.to(x.dtype)
-        a = torch.where(first[:, None], 0.0, torch.exp(log_a))
-        return a.float(), b.float()
+        return rg_lru_coefficients(x, first, *self.gate_weights())
 
 
 class RecurrentBlock(nn.Module):
@@ -144,9 +139,7 @@ class RecurrentBlock(nn.Module):
         u = causal_conv1d_update(
             linear(self.linear_x, x), conv_pool, self.conv_1d.weight[:, 0], self.conv_1d.bias, slot_ids
         )
-        a, b = self.rg_lru.coefficients(u, first)
-        h = diag_scan_step(a, b, lru_pool, slot_ids)
-        return linear(self.linear_out, h.to(x.dtype) * y)
+        return linear(self.linear_out, rg_lru_step(u, y, first, *self.rg_lru.gate_weights(), lru_pool, slot_ids))
 
 
 class LocalAttention(nn.Module):

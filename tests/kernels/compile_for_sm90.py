@@ -53,6 +53,8 @@ from rnnserve.kernels.mamba_decode.fused_recurrent import (
 )
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.residual_rms_norm.fused import _residual_rms_norm_kernel
+from rnnserve.kernels.rg_lru.fused_recurrent import CHANNELS as RG_LRU_CHANNELS
+from rnnserve.kernels.rg_lru.fused_recurrent import _rg_lru_step_kernel
 from rnnserve.kernels.selective_scan.chunk import _segment_state_kernel, _selective_scan_varlen_kernel
 from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
 from rnnserve.kernels.sliding_window.chunk import _prefill_warps, _ring_write_kernel, _sw_prefill_kernel
@@ -89,6 +91,7 @@ _MAMBA2_370M_DECODE = {"d_model": 1024, "d_inner": 2048, "conv_dim": 2304, "head
                        "stride_conv_d": 3, "stride_ssm_slot": 48 * 32 * 64 * 128, "stride_ssm_h": 64 * 128,
                        "stride_ssm_p": 128, "parts": 128, "parts_per_group": 128, "group_width": 2048}
 LAUNCH_INTS = {
+    "_rg_lru_step_kernel": {"width": 128, "dim": 1024, "stride_x": 1024, "stride_y": 1024, "stride_slot": 12 * 1024},
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
                     _MAMBA2_370M_DECODE),
     **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
@@ -133,6 +136,10 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     configs.append((_gated_rms_norm_kernel, {"y_ptr": "*fp32", "z_ptr": act, "weight_ptr": act, "out_ptr": act,
                                              "inv_width": "fp32", "eps": "fp32"}, {"BN": 2048}, 8))
     configs += _mamba_configs(act)
+    # hawk-100m's RG-LRU: 8 heads of 128 channels.
+    configs.append((_rg_lru_step_kernel, {"x_ptr": act, "y_ptr": act, "first_ptr": "*i1", "wi_ptr": act, "bi_ptr": act,
+                                          "wr_ptr": act, "br_ptr": act, "param_ptr": act, "pool_ptr": f32,
+                                          "slot_ids_ptr": i64, "out_ptr": act}, {"BW": 128, "BC": RG_LRU_CHANNELS}, 4))
     configs += _mamba_decode_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)

@@ -38,6 +38,7 @@ WRAPPERS = {
         ("rnnserve.kernels.sliding_window.chunk", "sliding_window_prefill_triton"),
         ("rnnserve.kernels.sliding_window.fused_recurrent", "sliding_window_decode_triton"),
         ("rnnserve.kernels.diag_linear_scan.chunk", "diag_scan_varlen_triton"),
+        ("rnnserve.kernels.rg_lru.fused_recurrent", "rg_lru_step_triton"),
     ],
 }
 
