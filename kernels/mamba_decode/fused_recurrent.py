@@ -30,7 +30,7 @@ import triton.language as tl
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
-# Launch choices, set without a GPU to measure them (benchmarks/mamba_decode_tune.py sweeps them on one): a GEMV
+# Launch choices, set without a GPU to measure them (benchmarks/decode_tune.py sweeps them on one): a GEMV
 # program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
 # so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs, one or two
 # steps of 16 KB each).
@@ -207,23 +207,16 @@ def _mamba_out_proj_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
 ):
-    outs = tl.program_id(0) * BO + tl.arange(0, BO)
+    pid = tl.program_id(0)
+    outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
     rows = tl.arange(0, BB)
     row_ok = rows < batch
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
-    for k0 in range(0, n_in, BK):
-        cols = k0 + ks
-        col_ok = cols < n_in
-        x = tl.load(x_ptr + rows[:, None] * n_in + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * n_in + cols[None, :], mask=out_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], acc.to(out_ptr.dtype.element_ty),
+    projected = normed_input_times_weight(
+        x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, bias_ptr, pid, outs, out_ok, rows, row_ok, n_in, 0.0, False,
+        HAS_BIAS, BB, BO, BK,
+    )
+    tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], projected.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & out_ok[None, :])
 
 
@@ -297,6 +290,8 @@ def mamba_decode_stack_triton(
     batch, d_model = normed.shape
     if not 1 <= batch <= MAX_ROWS:
         raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
+    if any(scale is not None for layer in layers for scale in layer[11:]):
+        raise ValueError("the Triton decode stack takes float projections only")
     first = layers[0]
     dtype, device = first[0].dtype, normed.device
     d_inner, width = first[2].shape
@@ -317,8 +312,6 @@ def mamba_decode_stack_triton(
     normed = normed.contiguous()
     stream = stream.contiguous()
     delta = None
-    if any(scale is not None for layer in layers for scale in layer[11:]):
-        raise ValueError("the Triton decode stack takes float projections only")
     for i, layer in enumerate(layers):
         in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = (
             None if t is None else t.contiguous() for t in layer[:11]
@@ -343,4 +336,4 @@ def mamba_decode_stack_triton(
     return normed
 
 
-__all__ = ["MAX_ROWS", "mamba_decode_stack_triton", "mamba_out_proj_triton"]
+__all__ = ["MAX_ROWS", "mamba_decode_stack_triton"]

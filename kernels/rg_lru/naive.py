@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rnnserve.kernels.diag_linear_scan import diag_scan_step
+
 
 def block_diagonal_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``sigmoid(x W + b)`` with ``W [H, w, w]`` block-diagonal over ``x [N, H * w]``."""
@@ -60,6 +62,4 @@ def rg_lru_step_ref(
     a, b = rg_lru_coefficients(
         x, first, input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param
     )
-    h = a * pool[slot_ids] + b
-    pool[slot_ids] = h
-    return h.to(x.dtype) * y
+    return diag_scan_step(a, b, pool, slot_ids).to(x.dtype) * y
