@@ -6,7 +6,6 @@ with serve_in_thread(create_app(ServerConfig.build(model="random:mingru-tiny")))
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,15 +14,15 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from rnnserve.server.http_server import listen_socket
+
 
 @contextmanager
 def serve_in_thread(
     app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0
 ) -> Iterator[str]:
     """Serve ``app`` on ``host:port`` (0 = a free port) until the block exits; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listen_socket(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="rnnserve-http", daemon=True

@@ -101,7 +101,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     Binding before the model loads finds a busy port at once; until the server runs, connections are refused.
     Raises OSError (e.g. the address is in use)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP by name: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
+    # response on a kept-alive connection waits ~40 ms (Nagle's algorithm against the client's delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
         sock.bind((host, port))
