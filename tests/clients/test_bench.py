@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from rnnserve.clients.bench import BenchConfig, benchmark, summarize
 from rnnserve.server import cli
+from rnnserve.server.background import serve_in_thread
 from tests.server.conftest import API_KEY
 
 pytestmark = pytest.mark.timeout(90)
@@ -65,3 +68,31 @@ def test_bench_reports_failures(live_url: str, capsys: pytest.CaptureFixture[str
             "--model", "x", "--no-progress"]  # fmt: skip
     assert cli.main(argv) == 1
     assert "HTTP 401" in capsys.readouterr().out
+
+
+def test_bench_keeps_one_connection_per_concurrent_request() -> None:
+    """Each stream is read to its end and its connection reused: a connection per request would make the server
+    under test pay a TCP handshake per request (and hide its keep-alive behaviour)."""
+    app = FastAPI()
+    client_ports: list[int] = []
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    def completions(request: Request) -> StreamingResponse:
+        assert request.client is not None
+        client_ports.append(request.client.port)
+        chunk = {"choices": [{"index": 0, "text": "a"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+        events = [chunk, chunk, usage]
+        body = [f"data: {json.dumps(event)}\n\n" for event in events] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(body), media_type="text/event-stream")
+
+    with serve_in_thread(app) as url:
+        config = BenchConfig(url=url, num_prompts=12, concurrency=3, input_len=4, output_len=2, prompts="ids",
+                             progress=False)  # fmt: skip
+        figures = asyncio.run(benchmark(config))
+    assert figures["completed"] == 12 and figures["total_output_tokens"] == 24
+    assert len(client_ports) == 12 and len(set(client_ports)) <= 3
