@@ -142,8 +142,8 @@ async def chat_turn(http: httpx.AsyncClient, body: dict) -> tuple[float, str]:
             await response.aread()
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
         async for data in sse_data(response):
-            if data == "[DONE]":
-                break
+            if data == "[DONE]":  # read on to the body's end: a response left unread closes its connection
+                continue
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
