@@ -19,11 +19,13 @@ from rnnserve.server.http_server import listen_socket
 
 @contextmanager
 def serve_in_thread(
-    app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0, http: str = "auto", loop: str = "auto"
 ) -> Iterator[str]:
-    """Serve ``app`` on ``host:port`` (0 = a free port) until the block exits; yields the base URL."""
+    """Serve ``app`` on ``host:port`` (0 = a free port) until the block exits; yields the base URL. ``http``
+    (auto, httptools, h11) and ``loop`` (auto, uvloop, asyncio) pick uvicorn's implementations."""
     sock = listen_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=http, loop=loop)
+    server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="rnnserve-http", daemon=True
     )

@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import freeze_startup_heap
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
-    from rnnserve.server.http_server import build_server, listen_socket
+    from rnnserve.server.http_server import build_server, http_stack, listen_socket
 
     try:
         config = ServerConfig.from_args(args)
@@ -153,7 +153,7 @@ def serve(args: argparse.Namespace) -> int:
     info = app.state.engine.info
     logger.info(
         "serving model=%s name=%s device=%s dtype=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
-        "engine=%s auth=%s url=http://%s:%d",
+        "engine=%s http=%s auth=%s url=http://%s:%d",
         config.model_path,
         ",".join(config.model_names),
         info.device,
@@ -162,6 +162,7 @@ def serve(args: argparse.Namespace) -> int:
         info.num_slots,
         info.num_slots * info.bytes_per_slot,
         "process" if config.uses_engine_process else "thread",
+        http_stack(config.http),
         "on" if config.api_key else "off",
         config.host,
         config.port,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,10 @@ class ServerConfig:
         "do not take turns on one Python interpreter; auto: on for CUDA (on a CPU the model step is the host's "
         "own work, and a thread of the server's process keeps one OpenMP team)", choices=["auto", "on", "off"],
     )
+    http: str = option(
+        "auto", "HTTP/1.1 implementation: httptools (C parser; about a third less server CPU per streamed token) "
+        "or h11 (pure Python); auto: httptools when installed", choices=["auto", "httptools", "h11"],
+    )
     log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
     access_log: bool = option(False, "log one line per HTTP request (uvicorn's access log)")
 
@@ -113,6 +118,8 @@ class ServerConfig:
         if self.api_key_file is not None:
             self.api_key = read_api_key(self.api_key_file)
         self.api_key = self.api_key or None
+        if self.http == "httptools" and importlib.util.find_spec("httptools") is None:
+            raise ValueError("--http httptools needs the httptools package (pip install httptools)")
 
     @classmethod
     def build(cls, **options: Any) -> ServerConfig:

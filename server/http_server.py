@@ -1,20 +1,24 @@
-"""The uvicorn server ``rnnserve serve`` runs: uvicorn's h11 protocol with a deadline for request heads, and a
-shutdown that ends the generations still running at the drain timeout with a 503 instead of cutting them."""
+"""The uvicorn server ``rnnserve serve`` runs: uvicorn's httptools (or h11) protocol with a deadline for request
+heads, and a shutdown that ends the generations still running at the drain timeout with a 503 instead of cutting
+them."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.errors import APIError
 
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers; h11's default limit, applied to httptools as well
 DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
 
 
@@ -28,20 +32,24 @@ def raw_error_response(error: APIError, reason: str) -> bytes:
     return head.encode() + body
 
 
-class HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: a connection that has not sent a whole request head within
+class HeadDeadline(asyncio.Protocol):
+    """Added to one of uvicorn's HTTP/1.1 protocols: a connection that has not sent a whole request head within
     ``read_timeout`` seconds of opening (or of its last response) is closed, with a 408 if it sent part of one.
     (uvicorn alone keeps such connections forever; the request body's deadline is the app's ``RequestGuard``.)"""
 
     read_timeout = 30.0
     _head_deadline: asyncio.TimerHandle | None = None
+    # uvicorn's protocols have these:
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: object | None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_head_deadline()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._arm_head_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -49,25 +57,90 @@ class HeadTimeoutProtocol(H11Protocol):
         if self._head_deadline is not None:
             self._head_deadline.cancel()
 
+    def partial_head(self) -> bool:
+        """Whether part of a request head has arrived (and not the rest)."""
+        raise NotImplementedError
+
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
         self._head_deadline = self.loop.call_later(self.read_timeout, self._head_timed_out, self.cycle)
 
-    def _head_timed_out(self, cycle: RequestResponseCycle | None) -> None:
+    def _head_timed_out(self, cycle: Any) -> None:
         """Close the connection if no request has started since ``cycle`` (the one current when armed) ended."""
         started = self.cycle is not cycle or (cycle is not None and not cycle.response_complete)
         if started or self.transport.is_closing():
             return
-        if self.conn.trailing_data[0]:  # part of a request head arrived
+        if self.partial_head():
             message = f"the request head did not arrive within {self.read_timeout:g} s"
             self.transport.write(raw_error_response(APIError(408, message, code="request_timeout"), "Request Timeout"))
         self.transport.close()
 
 
-def head_timeout_protocol(read_timeout: float) -> type[HeadTimeoutProtocol]:
-    """A :class:`HeadTimeoutProtocol` class with this deadline (uvicorn instantiates the class itself)."""
-    return type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"read_timeout": read_timeout})
+class H11HeadDeadline(HeadDeadline, H11Protocol):
+    """uvicorn's pure-Python h11 protocol with the head deadline."""
+
+    def partial_head(self) -> bool:
+        return bool(self.conn.trailing_data[0])
+
+
+def httptools_protocol() -> type[HeadDeadline] | None:
+    """uvicorn's httptools protocol with the head deadline; None without the ``httptools`` package."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class HttpToolsHeadDeadline(HeadDeadline, HttpToolsProtocol):
+        """uvicorn's httptools (C parser) protocol with the head deadline: a head has begun between the
+        parser's message-begin and headers-complete callbacks."""
+
+        _head_begun = False
+        _awaiting_head = True
+        _head_bytes = 0
+
+        def data_received(self, data: bytes) -> None:
+            """Feed the parser; a head past MAX_HEAD_BYTES gets a 400 and the connection closes (h11 has this
+            limit built in; httptools would buffer a head of any size)."""
+            if self._awaiting_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.send_400_response("Request head too large.")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_begun = True
+
+        def on_headers_complete(self) -> None:
+            self._head_begun = self._awaiting_head = False
+            self._head_bytes = 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._awaiting_head = True
+
+        def partial_head(self) -> bool:
+            return self._head_begun
+
+    return HttpToolsHeadDeadline
+
+
+def http_protocol(implementation: str, read_timeout: float) -> type[HeadDeadline]:
+    """The protocol class uvicorn instantiates per connection: ``implementation`` (auto, httptools or h11) with
+    a head deadline of ``read_timeout`` seconds; h11 when httptools is not installed (the config checks that
+    an explicit httptools is)."""
+    fast = None if implementation == "h11" else httptools_protocol()
+    base = fast or H11HeadDeadline
+    return type(base.__name__, (base,), {"read_timeout": read_timeout})
+
+
+def http_stack(implementation: str) -> str:
+    """What :func:`build_server` runs for ``implementation``: the protocol and the event loop, e.g.
+    ``httptools+uvloop`` (uvicorn takes uvloop when it is installed)."""
+    protocol = "h11" if issubclass(http_protocol(implementation, 1.0), H11Protocol) else "httptools"
+    return f"{protocol}+{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}"
 
 
 class DrainingServer(uvicorn.Server):
@@ -119,7 +192,7 @@ def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
         app,
         host=config.host,
         port=config.port,
-        http=head_timeout_protocol(config.request_read_timeout),
+        http=http_protocol(config.http, config.request_read_timeout),
         log_level=config.log_level,
         timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
         limit_concurrency=config.limit_concurrency,

@@ -1,5 +1,6 @@
-"""Against a real ``rnnserve serve``: slow and stalled clients are cut off by the read timeout while others are
-served, queued prompts are bounded in bytes, and the guard's Host / Content-Type / API-key-file checks."""
+"""Against a real ``rnnserve serve``, on each HTTP implementation (httptools, h11): slow and stalled clients are cut
+off by the read timeout while others are served, request heads and queued prompts are bounded in bytes, kept-alive
+connections answer at once, and the guard's Host / Content-Type / API-key-file checks."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ STALLED = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     key_file = tmp_path_factory.mktemp("secret") / "key"
     key_file.write_text(KEY + "\n")
     flags = ["--model", TINY, "--max-num-seqs", "1", "--request-read-timeout", str(READ_TIMEOUT),
-             "--keep-alive-timeout", "1", "--max-queued-bytes", "1000", "--api-key-file", str(key_file)]  # fmt: skip
+             "--keep-alive-timeout", "1", "--max-queued-bytes", "1000", "--api-key-file", str(key_file),
+             "--http", request.param]  # fmt: skip
     with running_server(*flags, env={"RNNSERVE_API_KEY": ""}) as process:
         yield process
 
@@ -121,3 +123,23 @@ def test_kept_alive_connections_answer_without_nagle_delay(server: ServerProcess
             assert client.get("/v1/models").status_code == 200
             times.append(time.perf_counter() - start)
     assert sorted(times)[len(times) // 2] < 0.03, times
+
+
+def test_request_heads_are_bounded(server: ServerProcess) -> None:
+    """A head that grows past 16 KiB gets a 400 and its connection is closed, whether its excess comes as many
+    headers or as one long one; the server keeps serving. (A head that arrives whole in one read of the socket is
+    parsed: asyncio reads at most 256 KiB at a time.)"""
+    many = "".join(f"X-Filler-{i}: {'v' * 100}\r\n" for i in range(200))
+    one = f"X-Filler: {'v' * 40000}\r\n"
+    for filler in (many, one):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            head = f"GET /health HTTP/1.1\r\nHost: localhost\r\n{filler}\r\n".encode()
+            try:
+                for start in range(0, len(head), 4096):
+                    sock.sendall(head[start : start + 4096])
+                    time.sleep(0.02)  # one read each
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed before the whole head went out: the answer is already waiting
+            answer = read_until_closed(sock, time.monotonic() + 15)
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert httpx.get(f"{server.url}/health").status_code == 200
