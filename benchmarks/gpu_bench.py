@@ -88,6 +88,15 @@ def prefill_tokens_per_ms(model, pool: StatePool, seqs: int, length: int, device
     return seqs * length / (seconds_per_step(step, device, 3) * 1e3)
 
 
+def served_by() -> str:
+    """``; HTTP <protocol>+<loop>`` as ``rnnserve serve`` runs here; empty without fastapi/uvicorn."""
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        return ""
+    from rnnserve.server.http_server import http_stack
+
+    return f"; HTTP {http_stack('auto')}"
+
+
 def http_tokens_per_ms(
     preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto"
 ) -> dict[int, float | str]:
@@ -274,7 +283,7 @@ def main() -> None:
     peak = copy_bandwidth(device, (16 if args.smoke else 1024) * 2**20)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}: copy bandwidth {peak / 1e9:.0f} GB/s; weights {dtype}, states fp32; "
-          f"torch {torch.__version__}; prompt {PROMPT_LEN}, {sizes.new_tokens} new tokens")
+          f"torch {torch.__version__}; prompt {PROMPT_LEN}, {sizes.new_tokens} new tokens{served_by()}")
     rows: list[Row] = []
     for preset in models:
         start = time.perf_counter()

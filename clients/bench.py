@@ -82,6 +82,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float | None = None
     latency: float = 0.0
+    chunks: int = 0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -235,6 +236,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
         return result
     result.latency = time.perf_counter() - start
     result.output_tokens = result.output_tokens or chunks
+    result.chunks = chunks
     result.ok = result.ttft is not None
     if not result.ok:
         result.error = "the stream ended without any chunk"
@@ -379,6 +381,7 @@ def report(config: BenchConfig, model: str, results: list[RequestResult], durati
         "failures": dict(Counter(failure_cause(r.error) for r in results if r.error).most_common()),
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
+        "total_chunks": sum(r.chunks for r in ok),
         "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0.0,
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
