@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -150,7 +150,10 @@ class OpenAIServing:
         ``turn``, the state after the answer is stored before its end is sent, and the session is given back
         when the response ends, however it ends."""
         try:
-            submission = await self.submit(f"{generation.id_prefix}-{uuid.uuid4().hex}", prompts, params, turn)
+            # 128 random bits, not uuid4: its os.urandom call releases the GIL, and with the engine in a thread
+            # each request then waited for the engine to hand the GIL back.
+            response_id = f"{generation.id_prefix}-{random.getrandbits(128):032x}"
+            submission = await self.submit(response_id, prompts, params, turn)
         except BaseException:
             if turn is not None:
                 turn.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -40,6 +41,15 @@ def test_completion_non_streaming(client: TestClient) -> None:
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert 0 <= body["usage"].pop("prompt_tokens_details")["cached_tokens"] < 5  # the last one is always prefilled
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+
+
+def test_response_ids_are_distinct_and_random(client: TestClient) -> None:
+    body = {"prompt": "Hi", "max_tokens": 1}
+    ids = {client.post("/v1/completions", json=body).json()["id"] for _ in range(5)}
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 1}).json()["id"]  # fmt: skip
+    assert len(ids) == 5 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids), ids
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", chat), chat
 
 
 def test_completion_streaming_matches_non_streaming(client: TestClient) -> None:
