@@ -91,23 +91,33 @@ def emulated_engine(step_ms: float, config: EngineConfig) -> LLMEngine:
     return EmulatedDevice(step_ms / 1e3).attach(LLMEngine.from_config(config))
 
 
+def cpu_seconds_while(command: list[str]) -> float:
+    """Run ``command`` (``PYTHONPATH`` set to this checkout); this process's CPU seconds meanwhile."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def bench_figures(url: str, out: Path, requests: int, concurrency: int, output_len: int) -> dict:
+    """``rnnserve bench`` (another process, prompts of 16 token ids) against ``url``: its figures, and as
+    ``cpu_s`` this process's CPU seconds (the server's, when it serves in this process) meanwhile."""
+    command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
+               "bench", "--url", url, "--num-prompts", str(requests), "--concurrency", str(concurrency),
+               "--input-len", "16", "--output-len", str(output_len), "--prompts", "ids", "--no-progress",
+               "--json", str(out)]  # fmt: skip
+    cpu_s = cpu_seconds_while(command)
+    return {**json.loads(out.read_text()), "cpu_s": cpu_s}
+
+
 def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path) -> dict:
     """``rnnserve bench`` figures against a fresh in-process server, its engine in a thread or a process."""
     config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
                                 api_key=None, async_scheduling=mode, engine_process=engine_process)  # fmt: skip
     app = create_app(config, engine_factory=functools.partial(emulated_engine, args.step_ms))
     with serve_in_thread(app) as url:
-        before = resource.getrusage(resource.RUSAGE_SELF)
-        command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
-                   "bench", "--url", url, "--num-prompts", str(2 * args.streams), "--concurrency", str(args.streams),
-                   "--input-len", "16", "--output-len", str(args.output_len), "--prompts", "ids", "--no-progress",
-                   "--json", str(out)]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run(command, env=env, capture_output=True, check=True)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-    figures = json.loads(out.read_text())
-    cpu_seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    figures["server_cpu_us_per_token"] = cpu_seconds / figures["total_output_tokens"] * 1e6
+        figures = bench_figures(url, out, 2 * args.streams, args.streams, args.output_len)
+    figures["server_cpu_us_per_token"] = figures["cpu_s"] / figures["total_output_tokens"] * 1e6
     return figures
 
 

@@ -32,19 +32,16 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import AsyncIterator  # noqa: E402
 
-import httpx  # noqa: E402
 import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 
-from benchmarks.async_scheduling import PRESET, emulated_engine  # noqa: E402
+from benchmarks.async_scheduling import PRESET, bench_figures, cpu_seconds_while, emulated_engine  # noqa: E402
+from rnnserve.clients.bench import BenchConfig, Connections  # noqa: E402
 from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
@@ -52,18 +49,10 @@ STACKS = (("h11", "asyncio"), ("httptools", "asyncio"), ("h11", "uvloop"), ("htt
 
 
 def bench(url: str, out: Path, requests: int, concurrency: int, output_len: int) -> dict:
-    """``rnnserve bench`` (another process) against ``url``; its figures and this process's CPU seconds."""
-    command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
-               "bench", "--url", url, "--num-prompts", str(requests), "--concurrency", str(concurrency),
-               "--input-len", "16", "--output-len", str(output_len), "--prompts", "ids", "--no-progress",
-               "--json", str(out)]  # fmt: skip
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True)
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    figures = json.loads(out.read_text())
+    """:func:`bench_figures` against ``url``; every request must succeed."""
+    figures = bench_figures(url, out, requests, concurrency, output_len)
     if figures["failed"]:
         raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
-    figures["cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return figures
 
 
@@ -86,36 +75,27 @@ def bare_app(chunks: int, step_s: float) -> FastAPI:
     return app
 
 
-async def read_streams(url: str, requests: int, concurrency: int) -> int:
-    """Client side of the bare load: ``requests`` streams, ``concurrency`` kept-alive connections; bytes read."""
-    clients = asyncio.Queue()
-    for _ in range(concurrency):
-        clients.put_nowait(httpx.AsyncClient(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)))
-    total = 0
+async def read_streams(url: str, requests: int, concurrency: int) -> None:
+    """Client side of the bare load: ``requests`` streams read to their end over ``concurrency`` kept-alive
+    connections (``rnnserve bench``'s)."""
+    connections = Connections(BenchConfig(url=url), concurrency)
 
     async def one() -> None:
-        nonlocal total
-        client = await clients.get()
-        async with client.stream("POST", f"{url}/stream") as response:
-            async for data in response.aiter_bytes():
-                total += len(data)
-        clients.put_nowait(client)
+        async with connections.borrow() as client, client.stream("POST", "/stream") as response:
+            async for _ in response.aiter_bytes():
+                pass
 
-    await asyncio.gather(*(one() for _ in range(requests)))
-    while not clients.empty():
-        await clients.get_nowait().aclose()
-    return total
+    try:
+        await asyncio.gather(*(one() for _ in range(requests)))
+    finally:
+        await connections.aclose()
 
 
 def run_bare(args: argparse.Namespace, http: str, loop: str) -> float:
     """The bare stack's CPU per chunk written, in microseconds."""
     requests = 2 * args.streams
     with serve_in_thread(bare_app(args.output_len, args.step_ms / 1e3), http=http, loop=loop) as url:
-        command = [sys.executable, __file__, "--read-streams", url, str(requests), str(args.streams)]
-        before = resource.getrusage(resource.RUSAGE_SELF)
-        subprocess.run(command, capture_output=True, check=True)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        cpu_s = cpu_seconds_while([sys.executable, __file__, "--read-streams", url, str(requests), str(args.streams)])
     return cpu_s / (requests * (args.output_len + 1)) * 1e6
 
 
