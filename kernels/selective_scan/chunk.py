@@ -1,16 +1,16 @@
 """Triton varlen prefill for Mamba-1's selective scan: the recurrence token by token, the state on chip.
 
 One program owns ``BD`` channels of one segment of a sequence and keeps their ``[BD, N]`` state in registers.
-Triton lays that state out as it reads the state rows (``N``-contiguous): at 32 channels on one warp, ``N``
-spreads over 16 lanes and each thread holds one state entry of 16 channels, so ``y = C . h`` is a four-step
-shuffle reduction (64 shuffles per token in the compiled sm_90 loop). A channel-per-thread layout (``A`` and
-the states read channel-contiguous, the initial states copied transposed) compiles to no shuffles and 6% fewer
-instructions in this loop, but 18% more in the segment-state loop (16 broadcast loads of ``B`` per token);
-unmeasured on a GPU, so not taken. Per token it discretises ``dt`` (bias, softplus), updates
-``h <- exp(dt A) h + dt B x`` (as ``exp2`` of ``dt`` times ``A log2 e``, scaled once by the wrapper), reads out
-``y = C . h + D x`` gated by ``silu(z)``, and stores ``y`` in the output dtype; the next token's inputs are
-loaded before this one's update. The initial state is read from, and the final state written to,
-the sequence's pool slot (or a plain ``[B, Di, N]`` tensor).
+Triton lays that state out as it reads the state rows (``N``-contiguous; at a real launch the strides and
+``d_state`` are multiples of 16, so the loads are vectorised): at 32 channels on one warp and N 16, each thread
+holds 4 channels x 4 state entries, and ``y = C . h`` is 3 in-thread adds and a two-step shuffle reduction per
+channel (8 shuffles per token in the compiled sm_90 loop). Per token it discretises ``dt`` (bias, softplus),
+updates ``h <- exp(dt A) h + dt B x``, reads out ``y = C . h + D x`` gated by ``silu(z)``, and stores ``y`` in
+the output dtype; the next token's inputs are loaded before this one's update. Both kernels take ``exp(dt A)``
+as ``exp2`` of ``dt`` times ``A log2 e`` (scaled once by the wrapper): ``exp`` costs a multiply and a
+denormal-range fix-up per state entry (the segment-state loop: 216 instructions per token with ``exp``, 152
+with ``exp2``). The initial state is read from, and the final state written to, the sequence's pool slot (or a
+plain ``[B, Di, N]`` tensor).
 
 Walked whole, one long prompt gives only ``Di / BD`` programs, each as long as the prompt. The wrapper cuts
 sequences longer than ``segment_len`` into segments scanned in parallel, in two launches:
@@ -98,7 +98,7 @@ def _discretise(dt, x, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.const
 def _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state, HAS_DT_BIAS: tl.constexpr, BD: tl.constexpr,
                    BN: tl.constexpr):
     """Program ``i_d``'s channels: ``(offs_d, offs_n, mask_d, mask_n, mask_dn, A [BD, BN] fp32, dt bias [BD])``
-    (``A`` as the kernel is given it: the scan kernel's is scaled by log2 e)."""
+    (``A`` as the wrapper passes it, scaled by log2 e)."""
     offs_d = i_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     mask_d = offs_d < dim
@@ -146,7 +146,7 @@ def _segment_state_kernel(
             x_ptr, dt_ptr, B_ptr, B_ptr, x_ptr, tl.minimum(t + 1, eos - 1), stride_x, stride_dt, stride_B, 0, 0,
             offs_d, offs_n, mask_d, mask_n, False, False,
         )
-        state = tl.exp(dt[:, None] * A) * state + u[:, None] * B[None, :]
+        state = tl.exp2(dt[:, None] * A) * state + u[:, None] * B[None, :]
         dt_sum += dt
     tl.store(seg_state_ptr + state_offs, state, mask=mask_dn)
     tl.store(seg_dt_ptr + i_s * dim + offs_d, dt_sum, mask=mask_d)
@@ -280,8 +280,7 @@ def selective_scan_varlen_triton(
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     z = None if z is None else unit_stride_last(z)
     A = A.float().contiguous()
-    # The scan kernel takes exp(dt A) as exp2(dt A log2 e): one multiply less per state entry and token. (The
-    # segment-state kernel keeps exp: with exp2 ptxas gave it 144 registers instead of 125.)
+    # Both kernels take exp(dt A) as exp2(dt A log2 e) (see the module docstring).
     A_log2 = A * LOG2_E
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()
@@ -313,7 +312,7 @@ def selective_scan_varlen_triton(
         seg_start = torch.empty_like(seg_state) if initial_state is not None else seg_state
         seg_dt = torch.empty(num_segments, dim, dtype=torch.float32, device=x.device)
         _segment_state_kernel[(state_segments.numel(), blocks)](
-            x, dt, dt_bias_arg, A, B, cu_seqlens, table, num_segments, state_segments, h0, slots_arg,
+            x, dt, dt_bias_arg, A_log2, B, cu_seqlens, table, num_segments, state_segments, h0, slots_arg,
             seg_state, seg_dt, seg_start, dim, d_state, x.stride(0), dt.stride(0), B.stride(0),
             h0.stride(0), h0.stride(1), **flags,
         )
