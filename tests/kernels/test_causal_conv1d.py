@@ -53,6 +53,21 @@ def test_varlen_reads_a_strided_initial_state_without_bias(triton_on_cpu):
     torch.testing.assert_close(final, final_ref)
 
 
+def test_varlen_reads_tails_in_tiles_without_a_sequence_start(triton_on_cpu):
+    """Only a tile with one of a sequence's first K-1 tokens reads tails: a sequence that starts in a tile's
+    last row has its next tokens' taps in the following tile, which holds no sequence start."""
+    gen = torch.Generator().manual_seed(4)
+    lengths = [15, 40, 30]  # the second sequence starts at row 15, the last row of the first 16-row tile
+    cu = cu_seqlens_of(lengths)
+    x = torch.randn(sum(lengths), CHANNELS, generator=gen)
+    weight, bias = _params(4, torch.float32)
+    h0 = torch.randn(len(lengths), CHANNELS, 3, generator=gen)
+    y, final = causal_conv1d_varlen(x, weight, bias, cu, h0)
+    y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, bias, cu, h0)
+    torch.testing.assert_close(y, y_ref, **_tolerance(torch.float32))
+    torch.testing.assert_close(final, final_ref)
+
+
 def test_varlen_reads_strided_rows_in_place_and_fuses_silu(triton_on_cpu):
     """Mamba passes ``x``, a column slice of its in_proj output: rows are read with their stride, not copied."""
     gen = torch.Generator().manual_seed(3)
