@@ -48,10 +48,10 @@ _TABLES_ATTR = "_rnnserve_host_tables"
 _BOUNDS = object()  # the key of the host copy of cu_seqlens itself
 
 
-def int64_table(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """Host ints as an int64 tensor on ``device``, copied without waiting for the device (a blocking copy
-    would wait for every kernel queued before it)."""
-    host = torch.tensor(values, dtype=torch.int64)
+def int64_table(values: list[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host ints (a list or a CPU tensor) as an int64 tensor on ``device``, copied without waiting for the
+    device (a blocking copy would wait for every kernel queued before it)."""
+    host = torch.as_tensor(values, dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.backend import unit_stride_last
+from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -85,6 +85,18 @@ def _conv_final_state_kernel(
     tl.store(out_ptrs, tail, mask=mask_c[:, None] & mask_k[None, :])
 
 
+def _sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each packed token's sequence index (int64), built once per ``cu_seqlens`` tensor (a model's layers share
+    it) from its host copy: no per-layer kernels, and no wait for the device in the engine, which attaches the
+    host copy."""
+
+    def build(bounds: list[int]) -> torch.Tensor:
+        lengths = torch.tensor(bounds).diff()
+        return int64_table(torch.repeat_interleave(torch.arange(lengths.numel()), lengths), cu_seqlens.device)
+
+    return per_cu_seqlens(cu_seqlens, "conv_sequence_ids", build)
+
+
 def causal_conv1d_varlen_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,8 +124,7 @@ def causal_conv1d_varlen_triton(
     x, weight = unit_stride_last(x), weight.contiguous()
     if initial_state is not None and initial_state.stride(-1) != 1:
         initial_state = initial_state.contiguous()
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
+    seq_idx = _sequence_ids(cu_seqlens)
     y = torch.empty(total, channels, dtype=x.dtype, device=x.device)
     final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
     h0 = initial_state if initial_state is not None else final_state
