@@ -5,7 +5,8 @@ table of chunks is built once on the host from ``cu_seqlens``, and a sequence's 
 No kernel holds an ``[L, L]`` tile: the chunk is tiled in blocks of ``BM`` output rows and ``BK`` source
 tokens, and every tile masks the rows past its chunk's end.
 
-1. ``_ssd_chunk_cumsum_kernel``: per (chunk, block of heads), the decay prefix ``cum_l = sum_{s<=l} dt_s A``;
+1. ``_ssd_chunk_cumsum_kernel``: per (chunk, block of heads), the decay prefix ``cum_l = sum_{s<=l} dt_s A``
+   (stored in base 2, times log2 e, so that every ``exp`` below is an ``exp2``);
 2. ``_ssd_chunk_cb_kernel``: per (chunk, group), the lower-triangular ``[BM, BK]`` blocks of ``C_l . B_s``,
    shared by every head of the group (optional: the output kernel can recompute them per head instead);
 3. ``_ssd_chunk_state_kernel``: per (chunk, head, channel block, state block), the chunk's own end state
@@ -34,6 +35,7 @@ import triton.language as tl
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
 
 MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -131,7 +133,7 @@ def _ssd_chunk_state_kernel(
         offs_k = k + tl.arange(0, BK)
         mask_k = offs_k < length
         dt = tl.load(dt_base + offs_k * stride_dt, mask=mask_k, other=0.0).to(tl.float32)
-        weight = dt * tl.exp(cum_end - tl.load(cum_base + offs_k))  # [BK]
+        weight = dt * tl.exp2(cum_end - tl.load(cum_base + offs_k))  # [BK]
         x = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :],
                     mask=mask_k[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
         B = tl.load(B_base + offs_k[:, None] * stride_B_t + offs_n[None, :],
@@ -169,7 +171,7 @@ def _ssd_state_passing_kernel(
         chunk = states_ptr + (c * heads + i_h) * state_size + offs
         own = upcoming
         upcoming = tl.load(chunk + step, mask=offs < tl.where(c + 1 < last, state_size, 0), other=0.0)
-        decay = tl.exp(tl.load(cum_ptr + (c * heads + i_h) * L + L - 1))
+        decay = tl.exp2(tl.load(cum_ptr + (c * heads + i_h) * L + L - 1))
         tl.store(chunk, state, mask=mask)  # the chunk's own state is replaced by the state entering it
         state = decay * state + own
     tl.store(ht_ptr + row * stride_ht_slot + i_h * stride_ht_h + offs, state, mask=mask)
@@ -213,7 +215,7 @@ def _ssd_chunk_scan_kernel(
             incoming_t = tl.load(state_base + offs_p[None, :] * d_state + offs_n[:, None],
                                  mask=mask_n[:, None] & mask_p[None, :], other=0.0)
             acc += tl.dot(C.to(tl.float32), incoming_t, input_precision=PRECISION)
-        acc *= tl.exp(cum_m)[:, None]
+        acc *= tl.exp2(cum_m)[:, None]
         for k in range(0, tl.minimum(i_m * BM + BM, length), BK):
             offs_k = k + tl.arange(0, BK)
             mask_k = offs_k < length
@@ -223,7 +225,7 @@ def _ssd_chunk_scan_kernel(
                 cb = _cb_block(C_base, B_base, offs_m, offs_k, mask_m, mask_k, d_state, stride_C_t, stride_B_t,
                                DOT_DTYPE, PRECISION, BM, BK, BN)
             dt = tl.load(dt_base + offs_k * stride_dt, mask=mask_k, other=0.0).to(tl.float32)
-            decay = tl.exp(tl.minimum(cum_m[:, None] - tl.load(cum_base + offs_k)[None, :], 0.0)) * dt[None, :]
+            decay = tl.exp2(tl.minimum(cum_m[:, None] - tl.load(cum_base + offs_k)[None, :], 0.0)) * dt[None, :]
             scores = tl.where(offs_m[:, None] >= offs_k[None, :], cb * decay, 0.0)
             x = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :],
                         mask=mask_k[:, None] & mask_p[None, :], other=0.0)
@@ -303,7 +305,9 @@ def ssd_scan_varlen_triton(
     batch = cu_seqlens.numel() - 1
     device = x.device
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
-    A = A.float().contiguous()
+    # The decay prefixes are kept in base 2 (cum times log2 e) and every decay is an exp2: tl.exp adds a multiply
+    # and a denormal-range fix-up per element (sm_90: the output kernel's source loop 363 -> 293 SASS instructions).
+    A_log2 = A.float().contiguous() * LOG2_E
     D = None if D is None else D.float().contiguous()
     state_size = head_dim * d_state
     if slot_ids is not None:
@@ -331,7 +335,7 @@ def ssd_scan_varlen_triton(
     launch = dict(PRECISION=precision, L=chunk_size, BK=block_k, num_warps=num_warps, num_stages=num_stages)
     if num_chunks:
         _ssd_chunk_cumsum_kernel[(triton.cdiv(heads, 16), num_chunks)](
-            dt, A, chunk_start, chunk_end, cum, heads, dt.stride(0), L=chunk_size, BH=16,
+            dt, A_log2, chunk_start, chunk_end, cum, heads, dt.stride(0), L=chunk_size, BH=16,
         )
         _ssd_chunk_state_kernel[(heads * blocks_p * triton.cdiv(d_state, state_block_n), num_chunks)](
             x, dt, B, chunk_start, chunk_end, cum, states, heads, head_dim, d_state, heads // groups,
@@ -353,7 +357,7 @@ def ssd_scan_varlen_triton(
                 DOT_DTYPE=dot_dtype, BM=block_m, BN=block_n, **launch,
             )
         _ssd_chunk_scan_kernel[(heads * blocks_p * (chunk_size // block_m), num_chunks)](
-            x, dt, B, C, D if D is not None else A, chunk_start, chunk_end, cum, cb, states, y,
+            x, dt, B, C, D if D is not None else A_log2, chunk_start, chunk_end, cum, cb, states, y,
             heads, head_dim, d_state, heads // groups, groups,
             x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
             HAS_D=D is not None, CB_IN_MEMORY=precompute_cb, DOT_DTYPE=dot_dtype, BM=block_m, BP=block_p,
