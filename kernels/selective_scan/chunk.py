@@ -9,7 +9,7 @@ updates ``h <- exp(dt A) h + dt B x``, reads out ``y = C . h + D x`` gated by ``
 the output dtype; the next token's inputs are loaded before this one's update. Both kernels take ``exp(dt A)``
 as ``exp2`` of ``dt`` times ``A log2 e`` (scaled once by the wrapper): ``exp`` costs a multiply and a
 denormal-range fix-up per state entry (the segment-state loop: 216 instructions per token with ``exp``, 152
-with ``exp2``; 133, and the scan loop 219, with :func:`softplus_f32`'s polynomial ``log1p``). The initial state
+with ``exp2``; 133 with :func:`softplus_f32`'s polynomial ``log1p``; the scan loop is 214). The initial state
 is read from, and the final state written to, the sequence's pool slot (or a plain ``[B, Di, N]`` tensor).
 
 Walked whole, one long prompt gives only ``Di / BD`` programs, each as long as the prompt. The wrapper cuts
@@ -36,7 +36,7 @@ from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 # 8 x 2048); 32 channels in one warp per program (64 over 2 warps: 5% slower; loops unrolled by 2-8 tokens
 # instead of the prefetch: 12-30% slower).
 SEGMENT_LEN = 512
-LOG2_E = 1.4426950408889634
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 BLOCK_D = 32
 NUM_WARPS = 1
 
@@ -206,7 +206,7 @@ def _selective_scan_varlen_kernel(
         carry = tl.exp2(dt[:, None] * A) * carry + u[:, None] * B[None, :]
         y = tl.sum(carry * C[None, :], axis=1) + D * x
         if HAS_Z:
-            y *= z * tl.sigmoid(z)
+            y *= z / (1.0 + tl.exp2(z * -LOG2_E))  # silu(z); tl.sigmoid's exp adds a range fix-up
         tl.store(y_ptr + t * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
     ht_ptrs = ht_ptr + row * stride_ht_slot + offs_d[:, None] * stride_ht_d + offs_n[None, :]
     if SPLIT:
@@ -281,7 +281,7 @@ def selective_scan_varlen_triton(
     z = None if z is None else unit_stride_last(z)
     A = A.float().contiguous()
     # Both kernels take exp(dt A) as exp2(dt A log2 e) (see the module docstring).
-    A_log2 = A * LOG2_E
+    A_log2 = A * LOG2_E.value
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()
     y = torch.empty(total, dim, dtype=out_dtype, device=x.device)
