@@ -1,15 +1,15 @@
 """Triton varlen prefill for the causal depthwise conv1d with a state tail.
 
-A program computes ``BT`` packed tokens x ``BC`` channels. Each token's taps that reach before its sequence's
-start read the sequence's ``initial_state`` tail instead of the previous sequence. A second small kernel
-writes each sequence's final tail (its last ``K-1`` inputs, from the tail when the sequence is shorter).
-Accumulates in fp32.
+A program of ``_conv_varlen_kernel`` computes ``BT`` packed tokens x ``BC`` channels from ``x`` alone. The taps of
+a sequence's first ``K-1`` tokens reach before its start, into the sequence's ``initial_state`` tail (not the
+previous sequence); with an initial state those outputs are left to ``_conv_edges_kernel``, one small program
+per (sequence, channel block), which also writes the sequence's final tail (its last ``K-1`` inputs, from the
+initial tail when the sequence is shorter). Accumulates in fp32.
 
-sm_90, mamba-370m's launch (16 x 128 tiles on 4 warps, bf16, SiLU): the program was 1168 SASS instructions with
-initial states and 912 without; only a tile holding one of a sequence's first ``K-1`` tokens now loads tails
-(nearly every tile of a long prompt takes the 912-instruction path), and SiLU divides with ``/`` (``div.full``,
-2 ulp, before the output's rounding) instead of ``div_rn`` (an IEEE division with a slow path per element),
-which takes the path without tails to 600.
+sm_90, mamba-370m's launch (16 x 128 tiles on 4 warps, bf16, initial states, SiLU): with the tail loads in every
+tile (masked off in all but the few that hold a sequence's first tokens) the program was 1168 SASS instructions
+at 148 registers (Triton 3.9; 128 with 3.6); the tile kernel is now 600 at 60 (656 at 56 with 3.6). A branch
+around the tail loads instead cut the common path alike but took 3.6 to 168 registers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,40 @@ import triton.language as tl
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _conv_taps(x_ptr, h0_ptr, w_ptr, seq, bos, pos, cols, mask_t, mask_c, stride_x, stride_h0_b, stride_h0_c,
+               K: tl.constexpr, TAILS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """The ``[BT, BC]`` tile's sum over the ``K`` taps in fp32, tap by tap; a tap before its sequence's start
+    reads the initial-state tail (``TAILS``) or 0."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = pos - (K - 1) + j  # position of this tap's input within the sequence; < 0 reads the tail
+        w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
+        in_x = (mask_t & (src >= 0))[:, None] & mask_c[None, :]
+        x_ptrs = x_ptr + (bos + src)[:, None] * stride_x + cols[None, :]
+        tap = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
+        if TAILS:
+            in_tail = (mask_t & (src < 0))[:, None] & mask_c[None, :]
+            tail_ptrs = h0_ptr + seq[:, None] * stride_h0_b + cols[None, :] * stride_h0_c
+            tail_ptrs += (K - 1 + src)[:, None]
+            tap += tl.load(tail_ptrs, mask=in_tail, other=0.0).to(tl.float32)
+        acc += tap * w[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_output(acc, bias_ptr, cols, mask_c, out_dtype, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The tile's output from its tap sums: plus the bias, then (``SILU``) ``F.silu`` of the value rounded to
+    ``out_dtype``, as ``x / (1 + 2^(-x log2 e))`` in fp32 (``div.full``, within 2 ulp before the output's
+    rounding; ``div_rn`` is a checked IEEE division with a slow path per element)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc.to(out_dtype).to(tl.float32)
+        acc = acc / (1.0 + tl.exp2(acc * -LOG2_E))
+    return acc
 
 
 @triton.jit
@@ -37,34 +71,19 @@ def _conv_varlen_kernel(
     seq = tl.load(seq_idx_ptr + rows, mask=mask_t, other=0).to(tl.int64)
     bos = tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0).to(tl.int64)
     pos = rows - bos
-    # Only a tile holding one of a sequence's first K-1 tokens reads initial-state tails (a uniform branch).
-    reads_tail = tl.min(tl.where(mask_t, pos, K), axis=0) < K - 1
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(K):
-        src = pos - (K - 1) + j  # position of this tap's input within the sequence; < 0 reads the tail
-        w = tl.load(w_ptr + cols * K + j, mask=mask_c, other=0.0).to(tl.float32)
-        in_x = (mask_t & (src >= 0))[:, None] & mask_c[None, :]
-        x_ptrs = x_ptr + (bos + src)[:, None] * stride_x + cols[None, :]
-        tap = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
-        if HAS_H0:
-            if reads_tail:
-                in_tail = (mask_t & (src < 0))[:, None] & mask_c[None, :]
-                tail_ptrs = h0_ptr + seq[:, None] * stride_h0_b + cols[None, :] * stride_h0_c
-                tail_ptrs += (K - 1 + src)[:, None]
-                tap += tl.load(tail_ptrs, mask=in_tail, other=0.0).to(tl.float32)
-        acc += tap * w[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    if SILU:  # F.silu on the output rounded to its dtype, as x / (1 + 2^(-x log2 e)) in fp32
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = acc / (1.0 + tl.exp2(acc * -LOG2_E))
+    acc = _conv_taps(x_ptr, h0_ptr, w_ptr, seq, bos, pos, cols, mask_t, mask_c, stride_x, stride_h0_b, stride_h0_c,
+                     K, False, BT, BC)
+    acc = _conv_output(acc, bias_ptr, cols, mask_c, y_ptr.dtype.element_ty, HAS_BIAS, SILU)
+    if HAS_H0:  # a sequence's first K-1 outputs read its initial state: _conv_edges_kernel writes them
+        mask_t &= pos >= K - 1
     tl.store(y_ptr + rows[:, None] * channels + cols[None, :], acc, mask=mask_t[:, None] & mask_c[None, :])
 
 
 @triton.jit
-def _conv_final_state_kernel(
-    x_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_x, stride_h0_b, stride_h0_c,
-    K: tl.constexpr, HAS_H0: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+def _conv_edges_kernel(
+    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_x, stride_h0_b, stride_h0_c,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -73,6 +92,14 @@ def _conv_final_state_kernel(
     eos = tl.load(cu_seqlens_ptr + i_b + 1).to(tl.int64)
     k = tl.arange(0, BK)
     mask_k = k < K - 1
+    if HAS_H0:  # the sequence's first K-1 outputs, whose taps reach into the initial state
+        mask_t = mask_k & (bos + k < eos)
+        seq = tl.zeros([BK], dtype=tl.int64) + i_b
+        acc = _conv_taps(x_ptr, h0_ptr, w_ptr, seq, bos, k.to(tl.int64), cols, mask_t, mask_c, stride_x, stride_h0_b,
+                         stride_h0_c, K, True, BK, BC)
+        acc = _conv_output(acc, bias_ptr, cols, mask_c, y_ptr.dtype.element_ty, HAS_BIAS, SILU)
+        tl.store(y_ptr + (bos + k)[:, None] * channels + cols[None, :], acc, mask=mask_t[:, None] & mask_c[None, :])
+    # The final state: the sequence's last K-1 inputs, from the initial state where the sequence is shorter.
     src = (eos - bos) - (K - 1) + k
     in_x = mask_c[:, None] & (mask_k & (src >= 0))[None, :]
     x_ptrs = x_ptr + (bos + src)[None, :] * stride_x + cols[:, None]
@@ -135,8 +162,9 @@ def causal_conv1d_varlen_triton(
         stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
         BT=block_t, BC=tile_c, num_warps=num_warps,
     )
-    _conv_final_state_kernel[(batch, triton.cdiv(channels, tile_c))](
-        x, h0, final_state, cu_seqlens, channels, x.stride(0), stride_b, stride_c,
-        K=width, HAS_H0=initial_state is not None, BC=tile_c, BK=triton.next_power_of_2(width - 1),
+    _conv_edges_kernel[(batch, triton.cdiv(channels, tile_c))](
+        x, weight, bias if bias is not None else weight, h0, y, final_state, cu_seqlens, channels, x.stride(0),
+        stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
+        BC=tile_c, BK=triton.next_power_of_2(width - 1),
     )
     return y, final_state

@@ -31,7 +31,7 @@ from rnnserve.kernels.add_norm.fused import _add_norm_kernel
 from rnnserve.kernels.based.chunk import _based_chunk_kernel
 from rnnserve.kernels.based.fused_recurrent import _based_step_kernel
 from rnnserve.kernels.cached_attention.fused_recurrent import _cached_decode_attention_kernel
-from rnnserve.kernels.causal_conv1d.chunk import _conv_final_state_kernel, _conv_varlen_kernel
+from rnnserve.kernels.causal_conv1d.chunk import _conv_edges_kernel, _conv_varlen_kernel
 from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
@@ -97,7 +97,8 @@ _MAMBA_370M_SCAN = {"dim": 2048, "d_state": 16, "stride_x": 2048, "stride_dt": 2
                     "stride_C": 96, "stride_z": 4096, "stride_h0_slot": 48 * 2048 * 16, "stride_h0_d": 16,
                     "stride_ht_slot": 48 * 2048 * 16, "stride_ht_d": 16, "num_segments": 32}
 LAUNCH_INTS = {
-    "_conv_varlen_kernel": {"channels": 2048, "stride_x": 4096, "stride_h0_b": 48 * 2048 * 3, "stride_h0_c": 3},
+    **dict.fromkeys(["_conv_varlen_kernel", "_conv_edges_kernel"],
+                    {"channels": 2048, "stride_x": 4096, "stride_h0_b": 48 * 2048 * 3, "stride_h0_c": 3}),
     **dict.fromkeys(["_selective_scan_varlen_kernel", "_segment_state_kernel"], _MAMBA_370M_SCAN),
     "_rg_lru_step_kernel": {"width": 128, "dim": 1024, "stride_x": 1024, "stride_y": 1024, "stride_slot": 12 * 1024},
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
@@ -126,8 +127,8 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                         {"LOG_SPACE": log_space, "BD": 1024}, 4))
     configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True,
                                                    "BT": 16, "BC": 128}, 4))
-    configs.append((_conv_final_state_kernel, {"x_ptr": act, "h0_ptr": f32, "ht_ptr": f32, "cu_seqlens_ptr": i64},
-                    {"K": 4, "HAS_H0": True, "BC": 128, "BK": 4}, 4))
+    configs.append((_conv_edges_kernel, {**conv_ptrs, "ht_ptr": f32},
+                    {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True, "BC": 128, "BK": 4}, 4))
     configs.append((_conv_update_kernel,
                     {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "y_ptr": act},
                     {"K": 4, "HAS_BIAS": True, "SILU": True, "BC": 256, "BK": 4}, 4))

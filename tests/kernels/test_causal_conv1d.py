@@ -53,9 +53,9 @@ def test_varlen_reads_a_strided_initial_state_without_bias(triton_on_cpu):
     torch.testing.assert_close(final, final_ref)
 
 
-def test_varlen_reads_tails_in_tiles_without_a_sequence_start(triton_on_cpu):
-    """Only a tile with one of a sequence's first K-1 tokens reads tails: a sequence that starts in a tile's
-    last row has its next tokens' taps in the following tile, which holds no sequence start."""
+def test_varlen_first_outputs_of_a_sequence_across_two_tiles(triton_on_cpu):
+    """A sequence's first K-1 outputs (which read the initial state) are written apart from the tiles: one that
+    starts in a tile's last row has them in two tiles, the second of which holds no sequence start."""
     gen = torch.Generator().manual_seed(4)
     lengths = [15, 40, 30]  # the second sequence starts at row 15, the last row of the first 16-row tile
     cu = cu_seqlens_of(lengths)
