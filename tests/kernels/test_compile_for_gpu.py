@@ -31,6 +31,24 @@ def test_kernels_compile_for_sm90_without_spills():
         assert report["registers"] <= REGISTER_LIMITS.get(report["kernel"], 128), report
 
 
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="triton's NVIDIA backend tools are not installed")
+def test_sass_loops_counts_the_loop_of_a_token_walking_kernel():
+    """``benchmarks/sass_loops.py`` finds the segment-state kernel's token loop and its 16 exp2 per token (one per
+    state entry a thread holds: 4 channels x 4 entries)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_loops.py"), "_segment_state_kernel"],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| _segment_state_kernel")]
+    assert len(rows) == 1, result.stdout
+    registers, instructions, loop = (cell.strip() for cell in rows[0].split("|")[3:6])
+    assert 0 < int(registers) <= 128 and int(instructions) > 0
+    length, mufu = re.fullmatch(r"(\d+) \((\d+), \d+, \d+\)", loop).groups()
+    assert int(length) > 16 and int(mufu) >= 16
+
+
 # The SSD output kernel holds a [64, 32] score tile and a [64, 64] accumulator at 4 warps (fp32 inputs: 168); the
 # Mamba-1 prefill scan keeps a channel's state, A, and the next token's B and C in each thread (151).
 # The varlen conv's 16 x 128 tiles at 4 warps (the fastest launch on an H200, benchmarks/conv_tune.py) need ~178
