@@ -6,10 +6,11 @@ previous sequence); with an initial state those outputs are left to ``_conv_edge
 per (sequence, channel block), which also writes the sequence's final tail (its last ``K-1`` inputs, from the
 initial tail when the sequence is shorter). Accumulates in fp32.
 
-sm_90, mamba-370m's launch (16 x 128 tiles on 4 warps, bf16, initial states, SiLU): with the tail loads in every
-tile (masked off in all but the few that hold a sequence's first tokens) the program was 1168 SASS instructions
-at 148 registers (Triton 3.9; 128 with 3.6); the tile kernel is now 600 at 60 (656 at 56 with 3.6). A branch
-around the tail loads instead cut the common path alike but took 3.6 to 168 registers.
+sm_90, mamba-370m's launch (16 x 128 tiles on 4 warps, bf16, initial states, SiLU; ``benchmarks/sass_loops.py``):
+with the tail loads in every tile (masked off in all but the few that hold a sequence's first tokens) the
+program was 1168 SASS instructions at 148 registers (Triton 3.9; 1544 at 128 with 3.6); the tile kernel is now
+608 at 60 (664 at 56 with 3.6). A branch around the tail loads instead cut the common path alike but took 3.6
+to 168 registers.
 """
 
 from __future__ import annotations
