@@ -122,7 +122,9 @@ def wait_for(ready: Any, proc: subprocess.Popen, timeout: float = 45.0) -> None:
 
 
 def api(url: str, path: str, **params: Any) -> Any:
-    body = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=10).json()
+    response = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=10)
+    response.raise_for_status()  # Prometheus answers 503 "Service Unavailable" while it starts (wait_for retries)
+    body = response.json()
     assert body["status"] == "success", body
     return body["data"]
 
