@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
-
-LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+from rnnserve.kernels.selective_scan.fused_recurrent import silu_f32
 
 
 @triton.jit
@@ -48,13 +47,12 @@ def _conv_taps(x_ptr, h0_ptr, w_ptr, seq, bos, pos, cols, mask_t, mask_c, stride
 @triton.jit
 def _conv_output(acc, bias_ptr, cols, mask_c, out_dtype, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """The tile's output from its tap sums: plus the bias, then (``SILU``) ``F.silu`` of the value rounded to
-    ``out_dtype``, as ``x / (1 + 2^(-x log2 e))`` in fp32 (``div.full``, within 2 ulp before the output's
-    rounding; ``div_rn`` is a checked IEEE division with a slow path per element)."""
+    ``out_dtype``, in fp32 (:func:`silu_f32`: within 2 ulp before the output's rounding)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc.to(out_dtype).to(tl.float32)
-        acc = acc / (1.0 + tl.exp2(acc * -LOG2_E))
+        acc = silu_f32(acc)
     return acc
 
 

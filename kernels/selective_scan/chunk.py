@@ -30,13 +30,12 @@ import triton
 import triton.language as tl
 
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
-from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
+from rnnserve.kernels.selective_scan.fused_recurrent import LOG2_E, silu_f32, softplus_f32
 
 # Segments of a long sequence scanned in parallel (H200, scan_tune: 512 beat 256 and 1024 at 1 x 16384 and
 # 8 x 2048); 32 channels in one warp per program (64 over 2 warps: 5% slower; loops unrolled by 2-8 tokens
 # instead of the prefetch: 12-30% slower).
 SEGMENT_LEN = 512
-LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 BLOCK_D = 32
 NUM_WARPS = 1
 
@@ -206,7 +205,7 @@ def _selective_scan_varlen_kernel(
         carry = tl.exp2(dt[:, None] * A) * carry + u[:, None] * B[None, :]
         y = tl.sum(carry * C[None, :], axis=1) + D * x
         if HAS_Z:
-            y *= z / (1.0 + tl.exp2(z * -LOG2_E))  # silu(z); tl.sigmoid's exp adds a range fix-up
+            y *= silu_f32(z)
         tl.store(y_ptr + t * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
     ht_ptrs = ht_ptr + row * stride_ht_slot + offs_d[:, None] * stride_ht_d + offs_n[None, :]
     if SPLIT:
@@ -279,9 +278,8 @@ def selective_scan_varlen_triton(
     d_state = A.shape[1]
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     z = None if z is None else unit_stride_last(z)
-    A = A.float().contiguous()
     # Both kernels take exp(dt A) as exp2(dt A log2 e) (see the module docstring).
-    A_log2 = A * LOG2_E.value
+    A_log2 = A.float().contiguous() * LOG2_E.value
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()
     y = torch.empty(total, dim, dtype=out_dtype, device=x.device)

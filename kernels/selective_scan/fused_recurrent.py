@@ -13,6 +13,15 @@ import triton.language as tl
 
 from rnnserve.kernels.backend import unit_stride_last
 
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def silu_f32(x):
+    """``x * sigmoid(x)`` as ``x / (1 + 2^(-x log2 e))``: ``tl.sigmoid``'s ``exp`` adds a denormal-range fix-up, and
+    ``/`` is ``div.full`` (2 ulp) where ``div_rn`` is a checked IEEE division with a slow path."""
+    return x / (1.0 + tl.exp2(x * -LOG2_E))
+
 
 @triton.jit
 def softplus_f32(x):

@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
+from rnnserve.kernels.selective_scan.fused_recurrent import LOG2_E
 
 MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -307,7 +307,7 @@ def ssd_scan_varlen_triton(
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     # The decay prefixes are kept in base 2 (cum times log2 e) and every decay is an exp2: tl.exp adds a multiply
     # and a denormal-range fix-up per element (sm_90: the output kernel's source loop 363 -> 293 SASS instructions).
-    A_log2 = A.float().contiguous() * LOG2_E
+    A_log2 = A.float().contiguous() * LOG2_E.value
     D = None if D is None else D.float().contiguous()
     state_size = head_dim * d_state
     if slot_ids is not None:
