@@ -33,6 +33,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
 
 from benchmarks.engine_throughput import generated_tokens_per_second  # noqa: E402
 from rnnserve.engine.config import EngineConfig  # noqa: E402
@@ -110,12 +111,16 @@ def bench_figures(url: str, out: Path, requests: int, concurrency: int, output_l
     return {**json.loads(out.read_text()), "cpu_s": cpu_s}
 
 
+def emulated_app(streams: int, step_ms: float, async_scheduling: str, engine_process: str) -> FastAPI:
+    """The real app over :func:`emulated_engine` with ``streams`` slots, its engine in a thread or a process."""
+    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=streams, max_prompt_tokens=64, api_key=None,
+                                async_scheduling=async_scheduling, engine_process=engine_process)  # fmt: skip
+    return create_app(config, engine_factory=functools.partial(emulated_engine, step_ms))
+
+
 def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path) -> dict:
     """``rnnserve bench`` figures against a fresh in-process server, its engine in a thread or a process."""
-    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
-                                api_key=None, async_scheduling=mode, engine_process=engine_process)  # fmt: skip
-    app = create_app(config, engine_factory=functools.partial(emulated_engine, args.step_ms))
-    with serve_in_thread(app) as url:
+    with serve_in_thread(emulated_app(args.streams, args.step_ms, mode, engine_process)) as url:
         figures = bench_figures(url, out, 2 * args.streams, args.streams, args.output_len)
     figures["server_cpu_us_per_token"] = figures["cpu_s"] / figures["total_output_tokens"] * 1e6
     return figures

@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -40,9 +39,8 @@ import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 
-from benchmarks.async_scheduling import PRESET, bench_figures, cpu_seconds_while, emulated_engine  # noqa: E402
+from benchmarks.async_scheduling import PRESET, bench_figures, cpu_seconds_while, emulated_app  # noqa: E402
 from rnnserve.clients.bench import BenchConfig, Connections  # noqa: E402
-from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
 STACKS = (("h11", "asyncio"), ("httptools", "asyncio"), ("h11", "uvloop"), ("httptools", "uvloop"))
@@ -102,9 +100,7 @@ def run_bare(args: argparse.Namespace, http: str, loop: str) -> float:
 def run_stack(args: argparse.Namespace, http: str, loop: str, out: Path) -> dict[str, float]:
     """The three loads against fresh servers on ``http`` + ``loop``."""
     bare_us_per_chunk = run_bare(args, http, loop)
-    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.streams, max_prompt_tokens=64,
-                                api_key=None, async_scheduling="on", engine_process="on")  # fmt: skip
-    app = create_app(config, engine_factory=functools.partial(emulated_engine, args.step_ms))
+    app = emulated_app(args.streams, args.step_ms, async_scheduling="on", engine_process="on")
     with serve_in_thread(app, http=http, loop=loop) as url:
         bench(url, out, args.streams, args.streams, 4)  # warm-up: connections, shapes
         streams = bench(url, out, 2 * args.streams, args.streams, args.output_len)
