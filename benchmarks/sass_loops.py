@@ -25,14 +25,10 @@ os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's kernels cannot be 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import re  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from tests.kernels.compile_for_sm90 import CUOBJDUMP, NUM_STAGES, _configs, _specialize  # noqa: E402
+from tests.kernels.compile_for_sm90 import _configs, compile_sm90, cuobjdump  # noqa: E402
 
 PREFILL_KERNELS = ["_selective_scan_varlen_kernel", "_segment_state_kernel", "_conv_varlen_kernel",
                    "_conv_edges_kernel", "_ssd_chunk_state_kernel", "_ssd_chunk_scan_kernel"]  # fmt: skip
@@ -64,20 +60,9 @@ def loops(instructions: list[tuple[int, str]]) -> list[tuple[int, int, collectio
 
 def compile_report(kernel: triton.JITFunction, types: dict, constexprs: dict, num_warps: int) -> dict:
     """Registers, instruction count and loops of one kernel configuration compiled for sm_90."""
-    names = kernel.arg_names
-    signature, constexprs, attrs = _specialize(kernel, types, constexprs)
-    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)  # fmt: skip
-    options = {"num_warps": num_warps, **({"num_stages": NUM_STAGES[kernel.__name__]}
-                                          if kernel.__name__ in NUM_STAGES else {})}  # fmt: skip
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout  # fmt: skip
-    instructions = sass_instructions(sass)
+    cubin, constexprs = compile_sm90(kernel, types, constexprs, num_warps)
+    usage = cuobjdump(cubin, "-res-usage")
+    instructions = sass_instructions(cuobjdump(cubin, "-sass"))
     flags = {k: v for k, v in constexprs.items() if isinstance(v, bool)}
     return {"kernel": kernel.__name__, "flags": flags, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "instructions": len(instructions), "loops": loops(instructions)}  # fmt: skip

@@ -294,23 +294,33 @@ def _specialize(
     return signature, constexprs, {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
 
 
+def compile_sm90(
+    kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object], num_warps: int
+) -> tuple[bytes, dict[str, object]]:
+    """``(cubin, constexprs as specialized)`` of one configuration, compiled for sm_90 as a launch compiles it."""
+    names = kernel.arg_names
+    signature, constexprs, attrs = _specialize(kernel, types, constexprs)
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    options = {"num_warps": num_warps}
+    if kernel.__name__ in NUM_STAGES:
+        options["num_stages"] = NUM_STAGES[kernel.__name__]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"], constexprs
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump <flag>`` of ``cubin`` (``-res-usage``: registers and stack; ``-sass``: the machine code)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([CUOBJDUMP, flag, file.name], capture_output=True, text=True, check=True).stdout
+
+
 def main() -> None:
-    target = GPUTarget("cuda", 90, 32)
     for act in ("*fp32", "*bf16"):
         for kernel, types, constexprs, num_warps in _configs(act):
-            names = kernel.arg_names
-            signature, constexprs, attrs = _specialize(kernel, types, constexprs)
-            source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                               attrs=attrs)
-            options = {"num_warps": num_warps}
-            if kernel.__name__ in NUM_STAGES:
-                options["num_stages"] = NUM_STAGES[kernel.__name__]
-            compiled = triton.compile(source, target=target, options=options)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-                cubin.write(compiled.asm["cubin"])
-                cubin.flush()
-                usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
-                                       check=True).stdout
+            cubin, constexprs = compile_sm90(kernel, types, constexprs, num_warps)
+            usage = cuobjdump(cubin, "-res-usage")
             resources = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
             config = {"act": act, **{k: str(v) for k, v in constexprs.items()}}
             print(json.dumps({"kernel": kernel.__name__, "config": config, "registers": resources["REG"],

@@ -13,19 +13,23 @@ import pytest
 
 triton = pytest.importorskip("triton")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compile(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a compile script of this checkout outside the interpreter (whose kernels cannot be compiled)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="triton's NVIDIA backend tools are not installed")
 def test_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("compile_for_sm90.py")
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    result = _compile(Path(__file__).with_name("compile_for_sm90.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines()]
-    assert {r["kernel"] for r in reports} == _all_kernels(root / "kernels")
+    assert {r["kernel"] for r in reports} == _all_kernels(ROOT / "kernels")
     for report in reports:
         assert report["local"] == 0 and report["stack"] == 0, report
         assert report["registers"] <= REGISTER_LIMITS.get(report["kernel"], 128), report
@@ -35,11 +39,7 @@ def test_kernels_compile_for_sm90_without_spills():
 def test_sass_loops_counts_the_loop_of_a_token_walking_kernel():
     """``benchmarks/sass_loops.py`` finds the segment-state kernel's token loop and its 16 exp2 per token (one per
     state entry a thread holds: 4 channels x 4 entries)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_loops.py"), "_segment_state_kernel"],
-                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = _compile(ROOT / "benchmarks" / "sass_loops.py", "_segment_state_kernel")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| _segment_state_kernel")]
     assert len(rows) == 1, result.stdout
