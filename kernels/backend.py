@@ -44,6 +44,17 @@ def unit_stride_last(t: torch.Tensor) -> torch.Tensor:
 
 
 T = TypeVar("T")
+
+
+def on_pool_rows(
+    scan: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, slot_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scan(initial_state) -> (y, final_state)`` on rows ``slot_ids`` of a state pool, the final states written
+    back in place: ``(y, pool)``. The copy-based form of the prefill kernels' slot addressing, for the paths
+    without it."""
+    y, final = scan(pool[slot_ids])
+    pool[slot_ids] = final.to(pool.dtype)
+    return y, pool
 _TABLES_ATTR = "_rnnserve_host_tables"
 _BOUNDS = object()  # the key of the host copy of cu_seqlens itself
 

@@ -130,16 +130,17 @@ class MambaMixer(nn.Module):
         self._fp32_key = None
 
     def prefill(
-        self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, h: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
         A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         x, z = linear(self.in_proj, h).chunk(2, dim=-1)
-        x, conv_state = causal_conv1d_varlen(x, conv_weight, conv_bias, cu_seqlens, conv_state, silu=True)
+        x, _ = causal_conv1d_varlen(x, conv_weight, conv_bias, cu_seqlens, conv_pool, silu=True, slot_ids=slot_ids)
         dt, B, C = self._ssm_inputs(x)
-        y, ssm_state = selective_scan_varlen(
-            x, dt, A, B, C, cu_seqlens, D, z, ssm_state, dt_bias, True, self.config.scan_chunk_size, h.dtype
+        y, _ = selective_scan_varlen(
+            x, dt, A, B, C, cu_seqlens, D, z, ssm_pool, dt_bias, True, self.config.scan_chunk_size, h.dtype, slot_ids
         )
-        return linear(self.out_proj, y), conv_state, ssm_state
+        return linear(self.out_proj, y)
 
     def fused_weights(self) -> bool:
         """Whether the projections are plain float weights, which the per-layer fused op takes (int8 ones,

@@ -30,7 +30,7 @@ from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.gated_rms_norm import gated_rms_norm
 from rnnserve.kernels.mamba2_decode import mamba2_decode_stack, mamba2_mixer_step, mamba2_mixer_step_applies
-from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
+from rnnserve.kernels.ssd import discretize_dt, ssd_scan_varlen, ssd_state_update
 
 
 def _json_float(value: float | str | dict) -> float:
@@ -99,35 +99,34 @@ class Mamba2Mixer(nn.Module):
         return projected.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
 
     def _ssd_inputs(
-        self, xbc: torch.Tensor, dt: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``xBC [N, conv_dim]`` after the conv and its SiLU, raw ``dt [N, H]`` -> ``x [N, H, P]``, ``dt, A, B,
-        C``."""
+        self, xbc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``xBC [N, conv_dim]`` after the conv and its SiLU -> ``x [N, H, P]``, ``A [H]``, ``B, C [N, G, N]``."""
         c = self.config
         x, B, C = xbc.split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.dt_min_limit, c.dt_max_limit)
         groups = (c.n_groups, c.d_state)
         A = -torch.exp(self.A_log.float())
-        return (
-            x.unflatten(-1, (c.n_heads, c.head_dim)),
-            dt,
-            A,
-            B.unflatten(-1, groups),
-            C.unflatten(-1, groups),
-        )
+        return x.unflatten(-1, (c.n_heads, c.head_dim)), A, B.unflatten(-1, groups), C.unflatten(-1, groups)
+
+    @property
+    def _dt_limit(self) -> tuple[float, float]:
+        return self.config.dt_min_limit, self.config.dt_max_limit
 
     def prefill(
-        self, h: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, h: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
         z, xbc, dt = self._split(h)
         # The Triton conv applies F.silu's rounding in-kernel; the CPU conv kernel's SiLU rounds differently.
         fused_silu = use_triton(xbc)
-        xbc, conv_state = causal_conv1d_varlen(
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_state, silu=fused_silu
+        xbc, _ = causal_conv1d_varlen(
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_pool, silu=fused_silu, slot_ids=slot_ids
         )
-        x, dt, A, B, C = self._ssd_inputs(xbc if fused_silu else F.silu(xbc), dt)
-        y, ssm_state = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens, self.D, ssm_state, self.config.chunk_size)
-        return linear(self.out_proj, self.norm(y.flatten(1), z)), conv_state, ssm_state
+        x, A, B, C = self._ssd_inputs(xbc if fused_silu else F.silu(xbc))
+        # dt's bias, softplus and clamp happen inside the scan (in-kernel on GPUs: no elementwise launches).
+        y, _ = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens, self.D, ssm_pool, self.config.chunk_size,
+                               dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self._dt_limit, slot_ids=slot_ids)
+        return linear(self.out_proj, self.norm(y.flatten(1), z))
 
     def decode(
         self,
@@ -143,10 +142,11 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self._split(h)
         xbc = causal_conv1d_update(xbc, conv_pool, self.conv1d.weight[:, 0], self.conv1d.bias, slot_ids)
         if mamba2_mixer_step_applies(xbc, dt, z, ssm_pool, self.norm.weight):
-            limits = (self.config.dt_min_limit, self.config.dt_max_limit)
-            params = (self.dt_bias, self.A_log, self.D, self.norm.weight, self.norm.groups, self.norm.eps, *limits)
+            params = (self.dt_bias, self.A_log, self.D, self.norm.weight, self.norm.groups, self.norm.eps,
+                      *self._dt_limit)
             return linear(self.out_proj, mamba2_mixer_step(xbc, dt, z, ssm_pool, slot_ids, *params))
-        x, dt, A, B, C = self._ssd_inputs(F.silu(xbc), dt)
+        x, A, B, C = self._ssd_inputs(F.silu(xbc))
+        dt = discretize_dt(dt, self.dt_bias, dt_softplus=True, dt_limit=self._dt_limit)
         y = ssd_state_update(ssm_pool, slots, x, dt, A, B, C, self.D, slot_ids)
         return linear(self.out_proj, self.norm(y.flatten(1), z))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.backend import on_pool_rows, use_triton
 from rnnserve.kernels.causal_conv1d.torch_recurrent import causal_conv1d_update_torch
 from rnnserve.kernels.causal_conv1d.torch_varlen import causal_conv1d_varlen_torch
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
@@ -24,16 +24,22 @@ def causal_conv1d_varlen(
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     silu: bool = False,
+    slot_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``x [T, C]``, ``weight [C, K]`` -> ``(y [T, C], final_state [B, C, K-1])``, ``y`` SiLU'd when
     ``silu``.
 
-    Each sequence continues from its ``initial_state [B, C, K-1]`` tail (zeros when ``None``).
+    Each sequence continues from its ``initial_state [B, C, K-1]`` tail (zeros when ``None``). With ``slot_ids``
+    ``initial_state`` is an fp32 state pool ``[num_slots, C, K-1]`` whose rows ``slot_ids`` are read and
+    overwritten in place (the Triton kernel addresses them directly); the pool is returned as the final state.
     """
     if use_triton(x):
         from rnnserve.kernels.causal_conv1d.chunk import causal_conv1d_varlen_triton
 
-        return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state, silu)
+        return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state, silu, slot_ids)
+    if slot_ids is not None:
+        return on_pool_rows(lambda h0: causal_conv1d_varlen(x, weight, bias, cu_seqlens, h0, silu), initial_state,
+                            slot_ids)
     if _fused_cpu(x, weight) and (initial_state is None or initial_state.stride(-1) == 1):
         return torch.ops.rnnserve.causal_conv1d_varlen(
             x,

@@ -80,11 +80,16 @@ def _conv_varlen_kernel(
 
 @triton.jit
 def _conv_edges_kernel(
-    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, ht_ptr, cu_seqlens_ptr, channels, stride_x, stride_h0_b, stride_h0_c,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, ht_ptr, cu_seqlens_ptr, slot_ids_ptr, channels, stride_x, stride_h0_b,
+    stride_h0_c, stride_ht_b, stride_ht_c,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, SILU: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
+    if HAS_SLOTS:  # the states are pool rows: the initial tail is read from, the final one written to, its slot
+        row = tl.load(slot_ids_ptr + i_b).to(tl.int64)
+    else:
+        row = i_b.to(tl.int64)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_c = cols < channels
     bos = tl.load(cu_seqlens_ptr + i_b).to(tl.int64)
@@ -93,7 +98,7 @@ def _conv_edges_kernel(
     mask_k = k < K - 1
     if HAS_H0:  # the sequence's first K-1 outputs, whose taps reach into the initial state
         mask_t = mask_k & (bos + k < eos)
-        seq = tl.zeros([BK], dtype=tl.int64) + i_b
+        seq = tl.zeros([BK], dtype=tl.int64) + row
         acc = _conv_taps(x_ptr, h0_ptr, w_ptr, seq, bos, k.to(tl.int64), cols, mask_t, mask_c, stride_x, stride_h0_b,
                          stride_h0_c, K, True, BK, BC)
         acc = _conv_output(acc, bias_ptr, cols, mask_c, y_ptr.dtype.element_ty, HAS_BIAS, SILU)
@@ -105,9 +110,11 @@ def _conv_edges_kernel(
     tail = tl.load(x_ptrs, mask=in_x, other=0.0).to(tl.float32)
     if HAS_H0:
         in_tail = mask_c[:, None] & (mask_k & (src < 0))[None, :]
-        tail_ptrs = h0_ptr + i_b * stride_h0_b + cols[:, None] * stride_h0_c + (K - 1 + src)[None, :]
+        tail_ptrs = h0_ptr + row * stride_h0_b + cols[:, None] * stride_h0_c + (K - 1 + src)[None, :]
         tail += tl.load(tail_ptrs, mask=in_tail, other=0.0).to(tl.float32)
-    out_ptrs = ht_ptr + i_b * channels * (K - 1) + cols[:, None] * (K - 1) + k[None, :]
+        # With slots the final tail overwrites the initial one: every thread's reads of it come first.
+        tl.debug_barrier()
+    out_ptrs = ht_ptr + row * stride_ht_b + cols[:, None] * stride_ht_c + k[None, :]
     tl.store(out_ptrs, tail, mask=mask_c[:, None] & mask_k[None, :])
 
 
@@ -130,11 +137,16 @@ def causal_conv1d_varlen_triton(
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     silu: bool = False,
+    slot_ids: torch.Tensor | None = None,
     block_t: int = 16,
     block_c: int = 128,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, C]``, ``weight [C, K]``, ``initial_state [B, C, K-1]`` -> ``(y [T, C], final [B, C, K-1])``.
+
+    With ``slot_ids`` ``initial_state`` is a pool ``[num_slots, C, K-1]`` (fp32, unit stride on the tail; a
+    per-layer view of a larger pool is fine) whose rows ``slot_ids`` are read and overwritten in place; the pool
+    is returned as ``final``.
 
     ``x`` may have strided rows (a split of a projection: read in place). ``y`` (contiguous) has ``x``'s dtype
     (with ``silu``: ``F.silu`` of that rounded output), the final state is fp32. ``block_t`` tokens x
@@ -148,11 +160,17 @@ def causal_conv1d_varlen_triton(
         raise ValueError("causal_conv1d needs a kernel width >= 2")
     batch = cu_seqlens.numel() - 1
     x, weight = unit_stride_last(x), weight.contiguous()
-    if initial_state is not None and initial_state.stride(-1) != 1:
-        initial_state = initial_state.contiguous()
+    if slot_ids is not None:
+        if initial_state is None or initial_state.dtype != torch.float32 or initial_state.stride(-1) != 1:
+            raise ValueError("slot_ids needs an fp32 state pool with a unit-stride tail")
+        final_state = initial_state
+        slot_ids = slot_ids.long().contiguous()
+    else:
+        if initial_state is not None and initial_state.stride(-1) != 1:
+            initial_state = initial_state.contiguous()
+        final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
     seq_idx = _sequence_ids(cu_seqlens)
     y = torch.empty(total, channels, dtype=x.dtype, device=x.device)
-    final_state = torch.empty(batch, channels, width - 1, dtype=torch.float32, device=x.device)
     h0 = initial_state if initial_state is not None else final_state
     stride_b, stride_c = (h0.stride(0), h0.stride(1)) if initial_state is not None else (0, 0)
     tile_c = min(triton.next_power_of_2(channels), block_c)
@@ -162,8 +180,10 @@ def causal_conv1d_varlen_triton(
         BT=block_t, BC=tile_c, num_warps=num_warps,
     )
     _conv_edges_kernel[(batch, triton.cdiv(channels, tile_c))](
-        x, weight, bias if bias is not None else weight, h0, y, final_state, cu_seqlens, channels, x.stride(0),
-        stride_b, stride_c, K=width, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-        BC=tile_c, BK=triton.next_power_of_2(width - 1),
+        x, weight, bias if bias is not None else weight, h0, y, final_state, cu_seqlens,
+        slot_ids if slot_ids is not None else cu_seqlens, channels, x.stride(0), stride_b, stride_c,
+        final_state.stride(0), final_state.stride(1), K=width, HAS_BIAS=bias is not None,
+        HAS_H0=initial_state is not None, HAS_SLOTS=slot_ids is not None, SILU=silu, BC=tile_c,
+        BK=triton.next_power_of_2(width - 1),
     )
     return y, final_state

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.backend import on_pool_rows, use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked
 from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
@@ -50,15 +50,26 @@ def selective_scan_varlen(
     dt_softplus: bool = False,
     chunk_size: int = 32,
     out_dtype: torch.dtype = torch.float32,
+    slot_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen selective scan; same contract as
     :func:`~rnnserve.kernels.selective_scan.naive.selective_scan_ref`, with ``y`` rounded to ``out_dtype``
-    (computed in fp32 either way). ``chunk_size`` applies to the PyTorch path only."""
+    (computed in fp32 either way). ``chunk_size`` applies to the PyTorch path only. With ``slot_ids``
+    ``initial_state`` is an fp32 state pool ``[num_slots, Di, N]`` whose rows ``slot_ids`` are read and
+    overwritten in place; the pool is returned as the final state."""
     if use_triton(x):
         from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 
         return selective_scan_varlen_triton(
-            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, out_dtype=out_dtype
+            x, dt, A, B, C, cu_seqlens, D, z, initial_state, dt_bias, dt_softplus, slot_ids, out_dtype=out_dtype
+        )
+    if slot_ids is not None:
+        return on_pool_rows(
+            lambda h0: selective_scan_varlen(
+                x, dt, A, B, C, cu_seqlens, D, z, h0, dt_bias, dt_softplus, chunk_size, out_dtype
+            ),
+            initial_state,
+            slot_ids,
         )
     if not _fused(x, A):
         y, final = selective_scan_chunked(

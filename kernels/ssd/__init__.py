@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.backend import on_pool_rows, use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.ssd.naive import discretize_dt
 from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
 from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
 
@@ -27,15 +28,28 @@ def ssd_scan_varlen(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    slot_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed varlen SSD prefill; same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`.
+    """Packed varlen SSD prefill; same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref` on
+    ``discretize_dt(dt, dt_bias, dt_softplus, dt_limit)`` (the Triton kernels discretise ``dt`` in-kernel).
+    With ``slot_ids`` ``initial_state`` is an fp32 state pool ``[num_slots, H, P, N]`` whose rows ``slot_ids``
+    are read and overwritten in place; the pool is returned as the final state.
 
     ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 256-token chunks (any chunk
     size gives the same result up to rounding)."""
     if use_triton(x):
         from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
 
-        return ssd_scan_varlen_triton(x, dt, A, B, C, cu_seqlens, D, initial_state)
+        return ssd_scan_varlen_triton(x, dt, A, B, C, cu_seqlens, D, initial_state, slot_ids=slot_ids,
+                                      dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    if slot_ids is not None:
+        return on_pool_rows(lambda h0: ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, D, h0, chunk_size),
+                            initial_state, slot_ids)
     return ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, D, initial_state, chunk_size)
 
 
@@ -84,4 +98,4 @@ def _cpu_op_applies(
     )
 
 
-__all__ = ["ssd_scan_varlen", "ssd_state_update"]
+__all__ = ["discretize_dt", "ssd_scan_varlen", "ssd_state_update"]

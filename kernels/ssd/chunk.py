@@ -5,8 +5,10 @@ table of chunks is built once on the host from ``cu_seqlens``, and a sequence's 
 No kernel holds an ``[L, L]`` tile: the chunk is tiled in blocks of ``BM`` output rows and ``BK`` source
 tokens, and every tile masks the rows past its chunk's end.
 
-1. ``_ssd_chunk_cumsum_kernel``: per (chunk, block of heads), the decay prefix ``cum_l = sum_{s<=l} dt_s A``
-   (stored in base 2, times log2 e, so that every ``exp`` below is an ``exp2``);
+1. ``_ssd_chunk_cumsum_kernel``: per (chunk, block of heads), the discretised ``dt`` (optionally
+   ``softplus(dt + dt_bias)`` clamped to ``dt_limit``, stored in fp32 for the kernels below) and the decay
+   prefix ``cum_l = sum_{s<=l} dt_s A`` (stored in base 2, times log2 e, so that every ``exp`` below is an
+   ``exp2``);
 2. ``_ssd_chunk_cb_kernel``: per (chunk, group), the lower-triangular ``[BM, BK]`` blocks of ``C_l . B_s``,
    shared by every head of the group (optional: the output kernel can recompute them per head instead);
 3. ``_ssd_chunk_state_kernel``: per (chunk, head, channel block, state block), the chunk's own end state
@@ -33,15 +35,17 @@ import triton
 import triton.language as tl
 
 from rnnserve.kernels.backend import int64_table, per_cu_seqlens, unit_stride_last
-from rnnserve.kernels.selective_scan.fused_recurrent import LOG2_E
+from rnnserve.kernels.selective_scan.fused_recurrent import LOG2_E, softplus_f32
 
 MAX_CHUNKS = 65535  # the chunk index is the launch grid's second axis
 
 
 @triton.jit
 def _ssd_chunk_cumsum_kernel(
-    dt_ptr, A_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, heads, stride_dt,
-    L: tl.constexpr, BH: tl.constexpr,
+    dt_ptr, dt_bias_ptr, A_ptr, chunk_start_ptr, chunk_end_ptr, cum_ptr, dt_out_ptr, heads, stride_dt,
+    dt_min, dt_max,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_LIMIT: tl.constexpr, L: tl.constexpr,
+    BH: tl.constexpr,
 ):
     i_hb = tl.program_id(0)
     i_c = tl.program_id(1).to(tl.int64)
@@ -50,9 +54,19 @@ def _ssd_chunk_cumsum_kernel(
     offs_l = tl.arange(0, L)
     offs_h = i_hb * BH + tl.arange(0, BH)
     mask_h = offs_h < heads
+    mask = (offs_l < length)[:, None] & mask_h[None, :]
     dt = tl.load(dt_ptr + start * stride_dt + offs_l[:, None] * stride_dt + offs_h[None, :],
-                 mask=(offs_l < length)[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0)
+                 mask=mask, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, :]
+    if DT_SOFTPLUS:
+        dt = softplus_f32(dt)
+    if DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = tl.where(mask, dt, 0.0)
+    # The discretised dt, read by the chunk-state and output kernels.
+    tl.store(dt_out_ptr + (start + offs_l[:, None]) * heads + offs_h[None, :], dt, mask=mask)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32) * LOG2_E
     cum = tl.cumsum(dt * A[None, :], axis=0)  # constant past the chunk's end, so cum[L - 1] is the chunk's decay
     tl.store(cum_ptr + i_c * heads * L + offs_h[None, :] * L + offs_l[:, None], cum, mask=mask_h[None, :])
 
@@ -276,6 +290,9 @@ def ssd_scan_varlen_triton(
     chunk_size: int = 256,
     slot_ids: torch.Tensor | None = None,
     *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
     block_m: int = 64,
     block_k: int = 32,
     block_p: int = 64,
@@ -305,10 +322,9 @@ def ssd_scan_varlen_triton(
     batch = cu_seqlens.numel() - 1
     device = x.device
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
-    # The decay prefixes are kept in base 2 (cum times log2 e) and every decay is an exp2: tl.exp adds a multiply
-    # and a denormal-range fix-up per element (sm_90: the output kernel's source loop 363 -> 293 SASS instructions).
-    A_log2 = A.float().contiguous() * LOG2_E.value
-    D = None if D is None else D.float().contiguous()
+    A, D = A.contiguous(), None if D is None else D.contiguous()
+    dt_min, dt_max = dt_limit
+    has_limit = dt_min > 0.0 or dt_max < float("inf")
     state_size = head_dim * d_state
     if slot_ids is not None:
         if initial_state is None or initial_state.dtype != torch.float32 or not initial_state[0].is_contiguous():
@@ -323,6 +339,7 @@ def ssd_scan_varlen_triton(
     if num_chunks > MAX_CHUNKS:
         raise ValueError(f"{num_chunks} chunks of {chunk_size} tokens exceed {MAX_CHUNKS}: split the batch")
     y = torch.empty(total, heads, head_dim, dtype=torch.float32, device=device)
+    dt_out = torch.empty(total, heads, dtype=torch.float32, device=device)
     cum = torch.empty(num_chunks, heads, chunk_size, dtype=torch.float32, device=device)
     # Each chunk's own end state, replaced in place by the state entering the chunk.
     states = torch.empty(num_chunks, heads, head_dim, d_state, dtype=torch.float32, device=device)
@@ -335,11 +352,13 @@ def ssd_scan_varlen_triton(
     launch = dict(PRECISION=precision, L=chunk_size, BK=block_k, num_warps=num_warps, num_stages=num_stages)
     if num_chunks:
         _ssd_chunk_cumsum_kernel[(triton.cdiv(heads, 16), num_chunks)](
-            dt, A_log2, chunk_start, chunk_end, cum, heads, dt.stride(0), L=chunk_size, BH=16,
+            dt, dt_bias if dt_bias is not None else A, A, chunk_start, chunk_end, cum, dt_out, heads, dt.stride(0),
+            float(dt_min), float(dt_max), HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+            DT_LIMIT=has_limit, L=chunk_size, BH=16,
         )
         _ssd_chunk_state_kernel[(heads * blocks_p * triton.cdiv(d_state, state_block_n), num_chunks)](
-            x, dt, B, chunk_start, chunk_end, cum, states, heads, head_dim, d_state, heads // groups,
-            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), BP=block_p, BN=state_block_n,
+            x, dt_out, B, chunk_start, chunk_end, cum, states, heads, head_dim, d_state, heads // groups,
+            x.stride(0), x.stride(1), heads, B.stride(0), B.stride(1), BP=block_p, BN=state_block_n,
             **launch,
         )
     block = _block(512, state_size)
@@ -357,9 +376,9 @@ def ssd_scan_varlen_triton(
                 DOT_DTYPE=dot_dtype, BM=block_m, BN=block_n, **launch,
             )
         _ssd_chunk_scan_kernel[(heads * blocks_p * (chunk_size // block_m), num_chunks)](
-            x, dt, B, C, D if D is not None else A_log2, chunk_start, chunk_end, cum, cb, states, y,
+            x, dt_out, B, C, D if D is not None else A, chunk_start, chunk_end, cum, cb, states, y,
             heads, head_dim, d_state, heads // groups, groups,
-            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+            x.stride(0), x.stride(1), heads, B.stride(0), B.stride(1), C.stride(0), C.stride(1),
             HAS_D=D is not None, CB_IN_MEMORY=precompute_cb, DOT_DTYPE=dot_dtype, BM=block_m, BP=block_p,
             BN=block_n, **launch,
         )

@@ -19,6 +19,24 @@ def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.repeat_interleave(num_heads // t.shape[-2], dim=-2)
 
 
+def discretize_dt(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """The Mamba-2 block's step sizes in fp32: ``clamp(softplus(dt + dt_bias), *dt_limit)``, each part optional
+    (the clamp only when ``dt_limit`` is not ``(0, inf)``)."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    if dt_limit != (0.0, float("inf")):
+        dt = dt.clamp(*dt_limit)
+    return dt
+
+
 def ssd_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,

@@ -104,8 +104,10 @@ LAUNCH_INTS = {
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
                     _MAMBA2_370M_DECODE),
     **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
-    **dict.fromkeys(["_ssd_chunk_cumsum_kernel", "_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel",
-                     "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
+    **dict.fromkeys(["_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel",
+                     "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
+    # The cumsum kernel reads the raw dt columns of in_proj's [T, 4384] output.
+    "_ssd_chunk_cumsum_kernel": {**_SSD_370M, "stride_dt": 4384},
     "_gated_rms_norm_kernel": {"width": 2048, "stride_y": 2048, "stride_z": 4384, "stride_out": 2048},
 }
 
@@ -182,11 +184,13 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
         (_segment_state_kernel, ss, {"HAS_H0": True, "HAS_SLOTS": True, "HAS_DT_BIAS": True, "DT_SOFTPLUS": True,
                                      "BD": 32, "BN": 16}, 1),
         (_selective_state_update_kernel, ss, {**flags, "BD": 128, "BN": 16}, 4),
-        (_ssd_chunk_cumsum_kernel, ssd, {"L": 256, "BH": 16}, 4),
+        (_ssd_chunk_cumsum_kernel, {**ssd, "dt_ptr": act, "dt_bias_ptr": act, "dt_out_ptr": f32, "dt_min": "fp32",
+                                    "dt_max": "fp32"},
+         {"HAS_DT_BIAS": True, "DT_SOFTPLUS": True, "DT_LIMIT": False, "L": 256, "BH": 16}, 4),
         (_ssd_chunk_cb_kernel, ssd, dots, 4),
         (_ssd_chunk_state_kernel, ssd, {**chunked, "BP": 64, "BN": 64}, 4),
         (_ssd_state_passing_kernel, ssd, {"HAS_H0": True, "HAS_SLOTS": True, "L": 256, "BLOCK": 512}, 4),
-        (_ssd_chunk_scan_kernel, ssd, {"HAS_D": True, "CB_IN_MEMORY": True, **dots, "BP": 64}, 4),
+        (_ssd_chunk_scan_kernel, {**ssd, "D_ptr": act}, {"HAS_D": True, "CB_IN_MEMORY": True, **dots, "BP": 64}, 4),
         (_ssd_state_update_kernel, ssd, {"HAS_D": True, "BP": 16, "BN": 128}, 4),
     ]
 

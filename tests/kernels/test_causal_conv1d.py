@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rnnserve.kernels.backend import force_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
@@ -51,6 +52,31 @@ def test_varlen_reads_a_strided_initial_state_without_bias(triton_on_cpu):
     y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, None, cu, pool[:, 1])
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(final, final_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "copies"])
+def test_varlen_reads_and_writes_pool_slots(triton_on_cpu, dtype, triton):
+    """With slot ids the states are rows of one layer's pool view, out of order: read there and overwritten in
+    place (a 1-token sequence's final tail is mostly its initial one), every other row untouched. The Triton
+    kernel addresses the rows; the other paths gather and scatter copies."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 2, 40, 7]
+    cu = cu_seqlens_of(lengths)
+    x = torch.randn(sum(lengths), CHANNELS, generator=gen).to(dtype)
+    weight, bias = _params(4, dtype)
+    pool = torch.randn(9, 2, CHANNELS, 3, generator=gen)
+    before = pool.clone()
+    slots = slot_ids_for(len(lengths), 9, seed=6)
+    with force_triton(triton):
+        y, returned = causal_conv1d_varlen(x, weight, bias, cu, pool[:, 1], silu=True, slot_ids=slots)
+    y_ref, final_ref = causal_conv1d_varlen_ref(x, weight, bias, cu, before[:, 1][slots])
+    assert returned.data_ptr() == pool[:, 1].data_ptr()
+    torch.testing.assert_close(y, F.silu(y_ref), **_tolerance(dtype))
+    torch.testing.assert_close(pool[:, 1][slots], final_ref)
+    untouched = torch.ones(9, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
 
 
 def test_varlen_first_outputs_of_a_sequence_across_two_tiles(triton_on_cpu):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rnnserve.kernels.backend import force_triton
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 from rnnserve.kernels.selective_scan.naive import selective_scan_ref, selective_state_update_ref
@@ -71,6 +72,26 @@ def test_prefill_reads_and_writes_pool_slots(triton_on_cpu):
     y_ref, final_ref = selective_scan_ref(**args, cu_seqlens=cu, initial_state=before[:, 1][slots], dt_softplus=True)
     assert returned.data_ptr() == pool[:, 1].data_ptr()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "copies"])
+def test_public_scan_on_pool_slots(triton_on_cpu, triton):
+    """selective_scan_varlen with slot ids, as the model calls it: both paths leave the same pool."""
+    args = _inputs(sum(LENGTHS), torch.bfloat16, seed=3)
+    cu = cu_seqlens_of(LENGTHS)
+    pool = torch.randn(NUM_SLOTS, 2, D_INNER, D_STATE)
+    before = pool.clone()
+    slots = slot_ids_for(len(LENGTHS), NUM_SLOTS, seed=7)
+    with force_triton(triton):
+        y, returned = selective_scan_varlen(**args, cu_seqlens=cu, initial_state=pool[:, 1], dt_softplus=True,
+                                            out_dtype=torch.bfloat16, slot_ids=slots)
+    y_ref, final_ref = selective_scan_ref(**args, cu_seqlens=cu, initial_state=before[:, 1][slots], dt_softplus=True)
+    assert returned.data_ptr() == pool[:, 1].data_ptr() and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rnnserve.kernels.backend import force_triton
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
-from rnnserve.kernels.ssd.naive import ssd_scan_ref
+from rnnserve.kernels.ssd.naive import discretize_dt, ssd_scan_ref
 from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
 
@@ -59,6 +60,32 @@ def test_varlen_prefill_matches_reference(triton_on_cpu, dtype, lengths, launch,
     torch.testing.assert_close(final, final_ref, rtol=atol, atol=atol)
 
 
+@pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.05, 0.6)], ids=["no-limit", "limit"])
+def test_prefill_discretises_dt_in_kernel(triton_on_cpu, dt_limit):
+    """Raw dt with Mamba-2's bias, softplus and clamp == the reference on the discretised dt; the Triton and the
+    PyTorch paths of ssd_scan_varlen agree. A, D and dt_bias in bf16 are read as fp32."""
+    lengths = [70, 1, 33]
+    args = _inputs(sum(lengths), torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    args["dt"] = torch.randn(sum(lengths), HEADS, generator=gen) * 3  # softplus's whole range, negative too
+    args["A"], args["D"] = args["A"].bfloat16(), args["D"].bfloat16()
+    dt_bias = torch.randn(HEADS, generator=gen).bfloat16()
+    cu = cu_seqlens_of(lengths)
+    h0 = torch.randn(len(lengths), HEADS, HEAD_DIM, D_STATE)
+    options = {"dt_bias": dt_bias, "dt_softplus": True, "dt_limit": dt_limit}
+    y, final = ssd_scan_varlen_triton(**args, cu_seqlens=cu, initial_state=h0, chunk_size=32, **options)
+    discrete = {**args, "dt": discretize_dt(args["dt"], **options), "A": args["A"].float(), "D": args["D"].float()}
+    y_ref, final_ref = ssd_scan_ref(**discrete, cu_seqlens=cu, initial_state=h0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
+    if dt_limit[0] > 0:
+        assert discrete["dt"].min() == dt_limit[0] and discrete["dt"].max() == dt_limit[1]  # the clamp acts
+    with force_triton(False):
+        y_torch, final_torch = ssd_scan_varlen(**args, cu_seqlens=cu, initial_state=h0, **options)
+    torch.testing.assert_close(y_torch, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final_torch, final_ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("lengths, launch", [(LENGTHS, {}), (TILED_LENGTHS, TILED)], ids=["default", "tiled"])
 def test_prefill_reads_and_writes_pool_slots(triton_on_cpu, lengths, launch):
     args = _inputs(sum(lengths), torch.float32, seed=1)
@@ -75,6 +102,29 @@ def test_prefill_reads_and_writes_pool_slots(triton_on_cpu, lengths, launch):
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, :2], before[:, :2])
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "copies"])
+def test_public_scan_on_pool_slots(triton_on_cpu, triton):
+    """ssd_scan_varlen with slot ids and raw dt, as the Mamba-2 block calls it: both paths leave the same pool."""
+    lengths = [40, 1, 9]
+    args = _inputs(sum(lengths), torch.float32, seed=8)
+    cu = cu_seqlens_of(lengths)
+    pool = torch.randn(NUM_SLOTS, 2, HEADS, HEAD_DIM, D_STATE)
+    before = pool.clone()
+    slots = slot_ids_for(len(lengths), NUM_SLOTS, seed=9)
+    dt_bias = torch.randn(HEADS)
+    with force_triton(triton):
+        y, returned = ssd_scan_varlen(**args, cu_seqlens=cu, initial_state=pool[:, 1], chunk_size=16, dt_bias=dt_bias,
+                                      dt_softplus=True, slot_ids=slots)
+    discrete = {**args, "dt": discretize_dt(args["dt"], dt_bias, dt_softplus=True)}
+    y_ref, final_ref = ssd_scan_ref(**discrete, cu_seqlens=cu, initial_state=before[:, 1][slots])
+    assert returned.data_ptr() == pool[:, 1].data_ptr()
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
 
 
 def test_prefill_without_initial_state(triton_on_cpu):

@@ -15,7 +15,7 @@ from torch import nn
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM, StateTensors
 from rnnserve.engine.models.layers.linear import linear
 from rnnserve.engine.models.layers.norms import RMSNorm
-from rnnserve.engine.models.layers.slots import gather_slots, scatter_slots, slot_index
+from rnnserve.engine.models.layers.slots import slot_index
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
 
 
@@ -38,12 +38,12 @@ class MixerStackLM(RecurrentLM):
     """A stack of pre-norm residual mixer blocks with ``conv`` and ``ssm`` states ``[n_layers, ...]``.
 
     Shared by Mamba-1 and Mamba-2: subclasses set ``mixer`` and ``state_spec``. A mixer module is built from
-    the config and runs one layer: ``prefill(h, cu_seqlens, conv_state, ssm_state) -> (out, conv, ssm)`` on
-    packed normed rows and the sequences' states (the final states are written back here), and
-    ``decode(h, slot_ids, slots, conv_pool, ssm_pool) -> out`` for one token per sequence, updating this
-    layer's pool views in place (``slots``: :func:`~rnnserve.engine.models.layers.slots.slot_index`). The
-    config provides ``vocab_size``, ``d_model``, ``n_layers``, ``norm_eps``, ``tie_embeddings`` and
-    ``residual_in_fp32``.
+    the config and runs one layer on this layer's pool views, reading the sequences' states from and writing
+    them back to their slots in place: ``prefill(h, cu_seqlens, slot_ids, conv_pool, ssm_pool) -> out`` on
+    packed normed rows (the Triton kernels address the slots themselves: no gathered copies of the states),
+    and ``decode(h, slot_ids, slots, conv_pool, ssm_pool) -> out`` for one token per sequence (``slots``:
+    :func:`~rnnserve.engine.models.layers.slots.slot_index`). The config provides ``vocab_size``, ``d_model``,
+    ``n_layers``, ``norm_eps``, ``tie_embeddings`` and ``residual_in_fp32``.
     """
 
     mixer: type[nn.Module]
@@ -80,9 +80,7 @@ class MixerStackLM(RecurrentLM):
         layers = self.backbone.layers
         normed, stream = self._add_norm(self._stream(batch.input_ids), None, 0)
         for i, block in enumerate(layers):
-            pools = state["conv"][:, i], state["ssm"][:, i]
-            out, *final = block.mixer.prefill(normed, batch.cu_seqlens, *gather_slots(pools, batch.slot_ids))
-            scatter_slots(pools, batch.slot_ids, final)
+            out = block.mixer.prefill(normed, batch.cu_seqlens, batch.slot_ids, state["conv"][:, i], state["ssm"][:, i])
             if i + 1 < len(layers):
                 normed, stream = self._add_norm(stream, out, i + 1)
         rows = batch.logit_rows  # only these rows need the final norm and logits
