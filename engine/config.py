@@ -82,6 +82,13 @@ class EngineConfig:
         "prompt within --long-prefill-token-threshold is prefilled at once); 1: no limit",
         type=float, metavar="FRACTION",
     )
+    decoded_prompt_tokens: int | None = option(
+        None, "while samples decode, a prompt with at most this many tokens left joins the decode step, one "
+        "token a step, instead of a prefill call: on a GPU a prefill call costs tens of ms of kernel launches "
+        "for a 48-layer model whatever its size, a decode step one CUDA-graph replay for every running sample "
+        "(default: 32 where decode replays CUDA graphs, else 0: CPUs prefill short prompts cheaply)",
+        metavar="TOKENS",
+    )
     max_model_len: int | None = option(
         None, "most tokens per sequence, prompt + max_tokens; beyond it a request gets 400 (default: the "
         f"model's limit, else {DEFAULT_MAX_MODEL_LEN})", metavar="TOKENS",
@@ -141,6 +148,8 @@ class EngineConfig:
         for name in ("prefix_cache_memory", "prefix_cache_host_memory"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decoded_prompt_tokens is not None and self.decoded_prompt_tokens < 0:
+            raise ValueError(f"decoded_prompt_tokens must be >= 0, got {self.decoded_prompt_tokens}")
         if not 0.0 < self.prefill_time_share <= 1.0:
             raise ValueError(f"prefill_time_share must be in (0, 1], got {self.prefill_time_share}")
         if None not in (self.max_model_len, self.max_prompt_tokens) and self.max_prompt_tokens > self.max_model_len:

@@ -32,6 +32,9 @@ from rnnserve.kernels.cpu_extension import build_cpu_extension
 logger = logging.getLogger(__name__)
 
 MIN_SNAPSHOT_TOKENS = 16  # shorter sequences are cheaper to prefill again than to keep a whole state for
+# Where decode replays CUDA graphs: a 48-layer Mamba's prefill call costs ~35 ms of host launches, its decode step
+# 1-12 ms however many samples it carries, so up to ~32 prompt tokens ride the decode steps for less.
+DECODED_PROMPT_TOKENS = 32
 
 
 def freeze_startup_heap() -> None:
@@ -111,7 +114,10 @@ class LLMEngine:
                 self.config.prefix_cache_host_memory,
                 min_tokens=min(MIN_SNAPSHOT_TOKENS, self.config.prefix_cache_interval),
             )
-        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache)
+        decoded_prompt_tokens = self.config.decoded_prompt_tokens
+        if decoded_prompt_tokens is None:
+            decoded_prompt_tokens = DECODED_PROMPT_TOKENS if self.runner.graphs is not None else 0
+        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache, decoded_prompt_tokens)
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.model_fingerprint = model_fingerprint(model, self.pool.specs)
         self.eos_token_id = tokenizer.eos_token_id
@@ -347,26 +353,34 @@ class LLMEngine:
         call raised are failed and added to ``failed``."""
         seqs: list[Sequence] = []
         rows: list[torch.Tensor] = []
-        if batch.decode:
+        if batch.decode or batch.decoded_prompts:
             try:
-                rows.append(self.runner.decode(batch.decode))
-                seqs += batch.decode
+                logits = self.runner.decode(batch.decode, batch.decoded_prompts)
             except Exception as err:  # noqa: BLE001
-                failed += self._fail_groups({s.group.request_id: s.group for s in batch.decode}.values(), err)
+                groups = [s.group for s in batch.decode] + [c.group for c in batch.decoded_prompts]
+                failed += self._fail_groups({g.request_id: g for g in groups}.values(), err)
+            else:
+                rows.append(logits[: len(batch.decode)])
+                seqs += batch.decode
+                stats.prefill_tokens += len(batch.decoded_prompts)
+                seqs += self.scheduler.complete_prefill(batch.decoded_prompts)
+                for row, chunk in enumerate(batch.decoded_prompts, len(batch.decode)):
+                    if chunk.completes_prompt:  # the prompt's last token: its logits give the first output token
+                        rows.append(logits[row : row + 1].expand(len(chunk.group.seqs), -1))
         if batch.prefill:
             try:
                 prefill_logits = self.runner.prefill(batch.prefill)
             except Exception as err:  # noqa: BLE001
                 failed += self._fail_groups([c.group for c in batch.prefill], err)
             else:
-                stats.prefill_tokens = sum(c.end - c.start for c in batch.prefill)
+                stats.prefill_tokens += sum(c.end - c.start for c in batch.prefill)
                 chunks = self._record_prompt_logprobs(batch.prefill, prefill_logits, failed)
                 ready = self.scheduler.complete_prefill([c for c, _ in chunks])
                 for chunk, logits in chunks:
                     if chunk.completes_prompt:
                         rows.append(logits[-1:].expand(len(chunk.group.seqs), -1))
                 seqs += ready
-        if not rows:
+        if not seqs:
             return [], torch.empty(0)
         return seqs, rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -3,7 +3,8 @@ returns logits.
 
 A decode step's input tokens never pass through the host: each slot's latest sampled token is kept on the
 device (:meth:`ModelRunner.record_sampled`), and the decode step reads it there, so a step can be queued
-before the host has seen the tokens of the step before it (async scheduling).
+before the host has seen the tokens of the step before it (async scheduling). A prompt fed through the decode
+step (``EngineConfig.decoded_prompt_tokens``) has its token written to its slot's entry first.
 
 On CUDA the decode step replays CUDA graphs captured at start-up (one per batch-size bucket) unless
 ``enforce_eager`` is set; prefill always runs eagerly (its shapes vary every step).
@@ -49,11 +50,18 @@ class ModelRunner:
         return list(logits.split([c.end - c.start if every else 1 for c, every in zip(chunks, flags, strict=True)]))
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Advance each sample's slot by its latest sampled token (read on the device); logits ``[B, V]`` (valid
-        until the next decode call). Counts the token as fed (``Sequence.num_fed``)."""
-        slots = long_tensor([s.slot for s in seqs], self.device)  # type: ignore[misc]
-        batch = DecodeBatch(self.last_tokens[slots], slots, long_tensor([s.next_position for s in seqs], self.device))
+    def decode(self, seqs: list[Sequence], prompts: list[PrefillChunk] | None = None) -> torch.Tensor:
+        """Advance each sample's slot by its latest sampled token (read on the device), and each one-token
+        prompt chunk's first slot by that prompt token; logits ``[len(seqs) + len(prompts), V]`` in that order
+        (valid until the next decode call). Counts the samples' tokens as fed (``Sequence.num_fed``)."""
+        prompts = prompts or []
+        slot_ids: list[int] = [s.slot for s in seqs] + [c.group.seqs[0].slot for c in prompts]  # type: ignore[misc]
+        slots = long_tensor(slot_ids, self.device)
+        positions = [s.next_position for s in seqs] + [c.start for c in prompts]
+        if prompts:  # the prompt token takes the place of a sampled one
+            tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
+            self.last_tokens[slots[len(seqs) :]] = long_tensor(tokens, self.device)
+        batch = DecodeBatch(self.last_tokens[slots], slots, long_tensor(positions, self.device))
         logits = self.graphs(batch) if self.graphs is not None else self.model.decode(batch, self.pool.tensors)
         for seq in seqs:
             seq.num_fed += 1

@@ -50,15 +50,17 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: prompt chunks to prefill and samples to decode."""
+    """One step's work: prompt chunks to prefill, samples to decode, and prompt tokens that join the decode step
+    (one-token chunks, after the samples' rows)."""
 
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    decoded_prompts: list[PrefillChunk] = field(default_factory=list)
 
     def groups(self) -> list[SequenceGroup]:
         """The requests this step touches, each once, decode first."""
         seen = {id(s.group): s.group for s in self.decode}
-        seen.update((id(c.group), c.group) for c in self.prefill)
+        seen.update((id(c.group), c.group) for c in self.decoded_prompts + self.prefill)
         return list(seen.values())
 
 
@@ -72,7 +74,12 @@ class Scheduler:
     DECODE_TIME_SMOOTHING = 0.25  # weight of the newest decode-only step in the decode-time estimate
 
     def __init__(
-        self, pool: StatePool, vocab_size: int, config: EngineConfig, prefix_cache: PrefixCache | None = None
+        self,
+        pool: StatePool,
+        vocab_size: int,
+        config: EngineConfig,
+        prefix_cache: PrefixCache | None = None,
+        decoded_prompt_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
@@ -82,6 +89,7 @@ class Scheduler:
         self.max_num_partial_prefills = config.max_num_partial_prefills
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.prefill_time_share = config.prefill_time_share
+        self.decoded_prompt_tokens = decoded_prompt_tokens
         self.max_waiting = config.max_waiting
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}
@@ -117,6 +125,11 @@ class Scheduler:
         decode, a prompt gets at most ``long_prefill_token_threshold`` tokens per step, and a longer prompt
         only advances while prefill has taken less than ``prefill_time_share`` of the engine's time (see
         :meth:`record_step`), so running streams keep most of their rate.
+
+        While samples decode, a prompt with at most ``decoded_prompt_tokens`` left (and no prompt logprobs
+        wanted) instead feeds its next token to the decode step: where a prefill call costs more than the
+        decode steps it would replace (a GPU's launch-bound prefill against a CUDA-graph replay), arrivals
+        then never stall the running streams.
         """
         out = SchedulerOutput()
         out.decode = [  # attributes, not properties: this runs for every sample on every step
@@ -130,9 +143,20 @@ class Scheduler:
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             self._admit(self.waiting.popleft())
         prompts = [g for g in self.running.values() if not g.prefill_done]
+        if out.decode and self.decoded_prompt_tokens:
+            out.decoded_prompts = [
+                PrefillChunk(g, g.num_prefilled, g.num_prefilled + 1) for g in prompts if self._decodes_prompt(g)
+            ]
+            fed = {id(c.group) for c in out.decoded_prompts}
+            prompts = [g for g in prompts if id(g) not in fed]
         if prompts:
             out.prefill = self._prefill_chunks(prompts, decoding=bool(out.decode))
         return out
+
+    def _decodes_prompt(self, group: SequenceGroup) -> bool:
+        """Whether ``group``'s next prompt token joins this step's decode batch."""
+        left = len(group.prompt_token_ids) - group.num_prefilled
+        return left <= self.decoded_prompt_tokens and group.prompt_logprobs is None
 
     def _prefill_chunks(self, prompts: list[SequenceGroup], decoding: bool) -> list[PrefillChunk]:
         budget = self.max_num_batched_tokens
