@@ -2,9 +2,11 @@
 ``kernels/mamba2_decode/fused_recurrent.py``) on this device.
 
 Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (bf16, a CUDA graph per batch size,
-48 layers and the LM head) at batch 1 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS GEMMs
-and one kernel per other op), then the stack at each choice of (in_proj rows per program, out_proj rows per
-program, product tile, warps), which both stacks share. Prints ms per step, the ratio to the op-by-op step
+48 layers and the LM head) at batch 1, 2, 4 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS
+GEMMs and one kernel per other op), then the stack (at every batch it takes, whatever the models'
+``STACK_MAX_BATCH``) at each choice of (in_proj rows per program, out_proj rows per program, product tile, warps),
+which both stacks share, at batch 1 and 8, and at the default choice at 2 and 4 (where the stack and the op-by-op
+step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op step
 measured in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy
 bandwidth measured here) and the largest difference of the logits from the op-by-op step's, best first, with
 the default marked. ``--smoke`` runs two choices on the tiny presets in fp32 on CPU (Triton interpreter, eager).
@@ -47,17 +49,24 @@ CHOICES = sorted({DEFAULT, *((rows, DEFAULT[1], DEFAULT[2], DEFAULT[3]) for rows
                   (8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4)})
 
 
+SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
+
+
 @contextlib.contextmanager
 def launch_choice(choice: tuple[int, ...] | None) -> Iterator[None]:
     """The stack with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
     saved = (mamba_decode_ops.STACK_ENABLED, *(getattr(fused_recurrent, name) for name in KNOBS))
+    max_batches = mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH
     mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = choice is not None
+    # Every batch the stacks take, also those the models leave to the op-by-op step (which this script times).
+    mamba_decode_ops.STACK_MAX_BATCH = mamba2_decode_ops.STACK_MAX_BATCH = fused_recurrent.MAX_ROWS
     for name, value in zip(KNOBS, choice or saved[1:], strict=True):
         setattr(fused_recurrent, name, value)
     try:
         yield
     finally:
         mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = saved[0]
+        mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH = max_batches
         for name, value in zip(KNOBS, saved[1:], strict=True):
             setattr(fused_recurrent, name, value)
 
@@ -96,7 +105,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
         batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
         roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
         results, baseline_ms, baseline_logits = [], 0.0, None
-        for choice in [None, *choices]:
+        for choice in [None, *(choices if batch_size in SWEPT_BATCHES else [DEFAULT])]:
             with launch_choice(choice):
                 for name, t in pool.tensors.items():
                     t.copy_(start[name])
@@ -122,8 +131,8 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
 
 def main() -> None:
     smoke, device = tuning_device(__doc__.splitlines()[0])
-    presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [2], 1) if smoke else (
-        ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 8], 50)
+    presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [1], 1) if smoke else (
+        ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 2, 4, 8], 50)
     choices = [DEFAULT, (8, 2, 4096, 4)] if smoke else CHOICES
     peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
     print(f"{device_name(device)}: decode step, {str(dtype).removeprefix('torch.')}; per choice "

@@ -5,10 +5,11 @@ the pool, and the gated per-group RMSNorm (everything between the conv update an
 CPU kernel) instead of about 30 PyTorch ops per layer. Off CPU, and for layouts the op does not take, the model
 runs its op-by-op step, which reaches the Triton SSD kernel on a GPU.
 
-On a GPU, decode batches of up to 8 sequences (``mamba_decode.fused_recurrent.MAX_ROWS``) with float
-projections run the whole stack in ``fused_recurrent.py`` (:func:`mamba2_decode_stack`): three Triton kernels a
-layer, the in_proj and out_proj GEMVs with the norms, the conv and the SSD update fused around them.
-``STACK_ENABLED`` is read on every call (``RNNSERVE_MAMBA_STACK=0`` clears it at import, as for Mamba-1).
+On a GPU, decode batches of up to ``STACK_MAX_BATCH`` sequences with float projections run the whole stack in
+``fused_recurrent.py`` (:func:`mamba2_decode_stack`): three Triton kernels a layer, the in_proj and out_proj GEMVs
+with the norms, the conv and the SSD update fused around them (the kernels take up to
+``mamba_decode.fused_recurrent.MAX_ROWS``, 8). ``STACK_ENABLED`` and ``STACK_MAX_BATCH`` are read on every call
+(``RNNSERVE_MAMBA_STACK=0`` clears the first at import, as for Mamba-1).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
 
 STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
+# H100, mamba2-370m (benchmarks/decode_tune.py, 2026-11-27): the stack 1.93x the op-by-op step at batch 1,
+# 0.93x at batch 8; the stack's time grows ~0.2 ms a row, the op-by-op step's ~0.05, so they cross near 7.
+STACK_MAX_BATCH = 4
 
 
 def mamba2_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
@@ -32,7 +36,7 @@ def mamba2_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, 
         return False
     from rnnserve.kernels.mamba_decode.fused_recurrent import stack_applies
 
-    return stack_applies(normed, conv_pool, ssm_pool)
+    return normed.shape[0] <= STACK_MAX_BATCH and stack_applies(normed, conv_pool, ssm_pool)
 
 
 def mamba2_decode_stack(
@@ -105,6 +109,7 @@ def mamba2_mixer_step(
 
 __all__ = [
     "STACK_ENABLED",
+    "STACK_MAX_BATCH",
     "mamba2_decode_stack",
     "mamba2_decode_triton_applies",
     "mamba2_mixer_step",

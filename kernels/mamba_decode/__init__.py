@@ -8,10 +8,11 @@ without returning to Python between them.
 :func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
 norm) in one op, saving the model's per-layer dispatches; on CPU it also takes weight-only int8 projections
 (``--quantize int8``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` CPU kernel, as the
-quantized model's op-by-op step does. On a GPU, decode batches of up to 8 sequences (``fused_recurrent.MAX_ROWS``) with
+quantized model's op-by-op step does. On a GPU, decode batches of up to ``STACK_MAX_BATCH`` sequences with
 float projections run ``fused_recurrent.py``: three Triton kernels per layer instead of the op-by-op step's
 eight launches (batch-1 decode is the weight stream plus a launch and a tail per kernel); larger batches run
-the op-by-op step, whose GEMMs suit them. ``STACK_ENABLED`` is read on every call:
+the op-by-op step, whose GEMMs suit them (the kernels take up to ``fused_recurrent.MAX_ROWS``, 8).
+``STACK_ENABLED`` and ``STACK_MAX_BATCH`` are read on every call:
 ``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
 (``benchmarks/cpu_decode.py`` compares both).
 """
@@ -31,6 +32,9 @@ from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 
 MAX_STATE = 64  # the fused selective-scan kernels' d_state limit
 STACK_ENABLED = os.environ.get("RNNSERVE_MAMBA_STACK", "1") != "0"
+# H100, mamba-370m (benchmarks/decode_tune.py, 2026-11-27): the stack 1.32x the op-by-op step at batch 1,
+# 0.66x at batch 8; the stack's time grows ~0.16 ms a row, the op-by-op step's ~0.007, so they cross near 3.
+STACK_MAX_BATCH = 2
 
 
 def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
@@ -58,7 +62,7 @@ def mamba_decode_triton_applies(normed: torch.Tensor, conv_pool: torch.Tensor, s
         return False
     from rnnserve.kernels.mamba_decode.fused_recurrent import stack_applies
 
-    return stack_applies(normed, conv_pool, ssm_pool)
+    return normed.shape[0] <= STACK_MAX_BATCH and stack_applies(normed, conv_pool, ssm_pool)
 
 
 def mamba_mixer_decode(
@@ -186,6 +190,7 @@ def mamba_decode_stack(
 __all__ = [
     "MAX_STATE",
     "STACK_ENABLED",
+    "STACK_MAX_BATCH",
     "mamba_decode_stack",
     "mamba_decode_triton_applies",
     "mamba_mixer_decode",

@@ -34,7 +34,7 @@ from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 # program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
 # so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs, one or two
 # steps of 16 KB each).
-MAX_ROWS = 8  # decode batches up to this size run the stacks; larger ones the op-by-op step (GEMMs)
+MAX_ROWS = 8  # the most rows the stacks take (the models use them up to their packages' STACK_MAX_BATCH)
 TILE = 8192  # elements of a program's multiply-and-sum product per loop step
 IN_PROJ_ROWS = 16  # in_proj rows a program (at most; a power of two dividing d_inner)
 OUT_PROJ_ROWS = 4

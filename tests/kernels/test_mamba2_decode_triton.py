@@ -13,7 +13,6 @@ from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
-from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
 from tests.kernels.kernel_cases import count_calls, twin_pools
 from tests.kernels.test_mamba_decode_triton import assert_near
@@ -97,10 +96,10 @@ def test_stack_matches_reference(triton_on_cpu, dtype, stream_dtype, batch, use_
     assert torch.equal(args["conv_pool"][untouched], conv_before[untouched])
 
 
-@pytest.mark.parametrize("batch", [2, MAX_ROWS + 1])
+@pytest.mark.parametrize("batch", [2, 5])
 @torch.inference_mode()
 def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatch, batch) -> None:
-    """With Triton, a decode batch of at most MAX_ROWS runs the stack (logits and states == the op-by-op
+    """With Triton, a decode batch of at most STACK_MAX_BATCH runs the stack (logits and states == the op-by-op
     Triton step); a larger one, or ``STACK_ENABLED`` cleared, the op-by-op step."""
     config = Mamba2Config(vocab_size=64, d_model=D_MODEL, n_layers=2, n_heads=HEADS, head_dim=HEAD_DIM,
                           d_state=D_STATE, n_groups=GROUPS, use_bias=True, dt_max_limit=0.08)  # fmt: skip
@@ -114,7 +113,7 @@ def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatc
     stacked = model.decode(decode, pools[0].tensors)
     monkeypatch.setattr(mamba2_decode_ops, "STACK_ENABLED", False)
     looped = model.decode(decode, pools[1].tensors)
-    small = batch <= MAX_ROWS
+    small = batch <= mamba2_decode_ops.STACK_MAX_BATCH
     assert calls == {"mamba2_decode_stack_triton": int(small), "ssd_state_update_triton": 2 * (2 - small)}
     torch.testing.assert_close(stacked, looped, rtol=1e-4, atol=1e-4)
     for name in pools[0].tensors:

@@ -9,7 +9,6 @@ from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.mamba_decode import mamba_decode_triton_applies
-from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 from rnnserve.kernels.residual_rms_norm.naive import residual_rms_norm_ref
 from tests.kernels.kernel_cases import count_calls, twin_pools
@@ -100,10 +99,10 @@ def test_stack_matches_reference(triton_on_cpu, dtype, stream_dtype, batch, use_
     assert torch.equal(args["conv_pool"][untouched], conv_before[untouched])  # other slots keep their states
 
 
-@pytest.mark.parametrize("batch", [2, MAX_ROWS + 1])
+@pytest.mark.parametrize("batch", [2, 3])
 @torch.inference_mode()
 def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatch, batch) -> None:
-    """With Triton, a decode batch of at most MAX_ROWS runs the stack (logits and states == the op-by-op
+    """With Triton, a decode batch of at most STACK_MAX_BATCH runs the stack (logits and states == the op-by-op
     Triton step); a larger one, or ``STACK_ENABLED`` cleared, the op-by-op step."""
     config = MambaConfig(vocab_size=64, d_model=D_MODEL, n_layers=2, d_inner=D_INNER, dt_rank=DT_RANK, use_bias=True)
     model = MambaLM(config).eval()
@@ -114,12 +113,12 @@ def test_model_decode_runs_the_stack_for_small_batches(triton_on_cpu, monkeypatc
     pools = twin_pools(model, batch + 3)
     slots = (torch.randperm(batch + 2, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
     decode = DecodeBatch.build(list(range(batch)), slots, [4] * batch)
+    small = batch <= mamba_decode_ops.STACK_MAX_BATCH
     assert mamba_decode_triton_applies(torch.zeros(batch, D_MODEL), pools[0].tensors["conv"][:, 0],
-                                       pools[0].tensors["ssm"][:, 0]) == (batch <= MAX_ROWS)  # fmt: skip
+                                       pools[0].tensors["ssm"][:, 0]) == small  # fmt: skip
     stacked = model.decode(decode, pools[0].tensors)
     monkeypatch.setattr(mamba_decode_ops, "STACK_ENABLED", False)
     looped = model.decode(decode, pools[1].tensors)
-    small = batch <= MAX_ROWS
     assert calls == {"mamba_decode_stack_triton": int(small), "selective_state_update_triton": 2 * (2 - small)}
     torch.testing.assert_close(stacked, looped, rtol=1e-4, atol=1e-4)
     for name in pools[0].tensors:
