@@ -316,14 +316,21 @@ async def drive_in_processes(
                         seed=config.seed + i)  # fmt: skip
         shares.append((share, model, prompts[i::count]))
     loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = await asyncio.gather(*(loop.run_in_executor(pool, drive_alone, *share) for share in shares))
+    context = multiprocessing.get_context("spawn")
+    # The processes start their loads together: each imports its modules first (about a second), and one that
+    # started late would stretch the run from the first start to the last end with fewer requests in flight.
+    with context.Manager() as manager, ProcessPoolExecutor(count, mp_context=context) as pool:
+        barrier = manager.Barrier(count)
+        runs = await asyncio.gather(*(loop.run_in_executor(pool, drive_alone, *share, barrier) for share in shares))
     return [r for results, _, _ in runs for r in results], min(r[1] for r in runs), max(r[2] for r in runs)
 
 
-def drive_alone(config: BenchConfig, model: str, prompts: list[str | list[int]]) -> tuple[list[RequestResult], float,
-                                                                                             float]:
-    """One client process's share of the load (see :func:`drive_in_processes`)."""
+def drive_alone(
+    config: BenchConfig, model: str, prompts: list[str | list[int]], barrier: Any
+) -> tuple[list[RequestResult], float, float]:
+    """One client process's share of the load (see :func:`drive_in_processes`), started once every process has
+    reached ``barrier``."""
+    barrier.wait(timeout=300)  # a process that died instead breaks the barrier rather than hanging the others
     return asyncio.run(drive(model, prompts, config))
 
 
