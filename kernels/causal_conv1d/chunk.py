@@ -56,7 +56,7 @@ def _conv_output(acc, bias_ptr, cols, mask_c, out_dtype, HAS_BIAS: tl.constexpr,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total"])  # the batch's token count: one build for every batch, not three
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, h0_ptr, y_ptr, cu_seqlens_ptr, seq_idx_ptr, total, channels, stride_x,
     stride_h0_b, stride_h0_c,

@@ -110,7 +110,7 @@ def _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state, HAS_DT_BIAS: tl.conste
     return offs_d, offs_n, mask_d, mask_n, mask_dn, A, dt_bias
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # varies by batch: one build for every batch
 def _segment_state_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, cu_seqlens_ptr, seg_ptr, num_segments, state_segments_ptr,
     h0_ptr, slot_ids_ptr, seg_state_ptr, seg_dt_ptr, seg_start_ptr,
@@ -151,7 +151,7 @@ def _segment_state_kernel(
     tl.store(seg_dt_ptr + i_s * dim + offs_d, dt_sum, mask=mask_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # varies by batch: one build for every batch
 def _selective_scan_varlen_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, y_ptr, cu_seqlens_ptr,
     h0_ptr, ht_ptr, slot_ids_ptr, seg_ptr, num_segments, seg_state_ptr, seg_dt_ptr, seg_start_ptr,

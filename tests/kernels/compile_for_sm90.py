@@ -90,15 +90,16 @@ _MAMBA2_370M_DECODE = {"d_model": 1024, "d_inner": 2048, "conv_dim": 2304, "head
                        "d_state": 128, "heads_per_group": 32, "groups": 1, "stride_conv_slot": 48 * 2304 * 3,
                        "stride_conv_d": 3, "stride_ssm_slot": 48 * 32 * 64 * 128, "stride_ssm_h": 64 * 128,
                        "stride_ssm_p": 128, "parts": 128, "parts_per_group": 128, "group_width": 2048}
-# mamba-370m's prefill conv reads x, a column slice of in_proj's [T, 4096] output, and tails [B, 48 layers, 2048, 3]
-# (gathered from the pool). Its scan: x (the conv output) and dt [T, 2048], z a column slice of in_proj's [T, 4096]
-# output, B and C slices of x_proj's [T, 96], states [slots, 48 layers, 2048, 16], 32 segments of 512 tokens.
+# mamba-370m's prefill conv reads x, a column slice of in_proj's [T, 4096] output, and its tails in place in the
+# pool [slots, 48 layers, 2048, 3]. Its scan: x (the conv output) and dt [T, 2048], z a column slice of in_proj's
+# [T, 4096] output, B and C slices of x_proj's [T, 96], states [slots, 48 layers, 2048, 16].
 _MAMBA_370M_SCAN = {"dim": 2048, "d_state": 16, "stride_x": 2048, "stride_dt": 2048, "stride_B": 96,
                     "stride_C": 96, "stride_z": 4096, "stride_h0_slot": 48 * 2048 * 16, "stride_h0_d": 16,
-                    "stride_ht_slot": 48 * 2048 * 16, "stride_ht_d": 16, "num_segments": 32}
+                    "stride_ht_slot": 48 * 2048 * 16, "stride_ht_d": 16}
 LAUNCH_INTS = {
     **dict.fromkeys(["_conv_varlen_kernel", "_conv_edges_kernel"],
-                    {"channels": 2048, "stride_x": 4096, "stride_h0_b": 48 * 2048 * 3, "stride_h0_c": 3}),
+                    {"channels": 2048, "stride_x": 4096, "stride_h0_b": 48 * 2048 * 3, "stride_h0_c": 3,
+                     "stride_ht_b": 48 * 2048 * 3, "stride_ht_c": 3}),
     **dict.fromkeys(["_selective_scan_varlen_kernel", "_segment_state_kernel"], _MAMBA_370M_SCAN),
     "_rg_lru_step_kernel": {"width": 128, "dim": 1024, "stride_x": 1024, "stride_y": 1024, "stride_slot": 12 * 1024},
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
@@ -129,8 +130,9 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                         {"LOG_SPACE": log_space, "BD": 1024}, 4))
     configs.append((_conv_varlen_kernel, conv_ptrs, {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True,
                                                    "BT": 16, "BC": 128}, 4))
-    configs.append((_conv_edges_kernel, {**conv_ptrs, "ht_ptr": f32},
-                    {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "SILU": True, "BC": 128, "BK": 4}, 4))
+    configs.append((_conv_edges_kernel, {**conv_ptrs, "ht_ptr": f32, "slot_ids_ptr": i64},
+                    {"K": 4, "HAS_BIAS": True, "HAS_H0": True, "HAS_SLOTS": True, "SILU": True, "BC": 128, "BK": 4},
+                    4))
     configs.append((_conv_update_kernel,
                     {"x_ptr": act, "w_ptr": act, "bias_ptr": act, "state_ptr": f32, "slot_ids_ptr": i64, "y_ptr": act},
                     {"K": 4, "HAS_BIAS": True, "SILU": True, "BC": 256, "BK": 4}, 4))
