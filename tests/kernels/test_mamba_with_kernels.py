@@ -10,7 +10,9 @@ from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaConfig, RecurrentGemmaLM
 from rnnserve.engine.state_pool import StatePool
+from rnnserve.kernels import mamba2_decode, mamba_decode
 from rnnserve.kernels.backend import force_triton
+from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from tests.kernels.kernel_cases import count_calls
 
 VOCAB = 64
@@ -46,6 +48,8 @@ WRAPPERS = {
 @pytest.mark.parametrize("architecture", sorted(MODELS))
 def test_logits_and_states_match_reference(triton_on_cpu, monkeypatch, architecture):
     calls = count_calls(monkeypatch, WRAPPERS[architecture])
+    for stack in (mamba_decode, mamba2_decode):  # the decode stacks at this 3-row batch too
+        monkeypatch.setattr(stack, "STACK_MAX_BATCH", MAX_ROWS)
     model: RecurrentLM = MODELS[architecture]().eval()
     model.init_weights(torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
