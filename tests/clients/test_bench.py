@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,11 @@ def test_bench_keeps_one_connection_per_concurrent_request() -> None:
         figures = asyncio.run(benchmark(config))
     assert figures["completed"] == 12 and figures["total_output_tokens"] == 24
     assert len(client_ports) == 12 and len(set(client_ports)) <= 3
+
+
+def test_the_load_generator_imports_without_torch() -> None:
+    """Each of ``--processes`` client processes imports this module: with torch (through ``rnnserve``'s engine
+    exports) that took ~3 s of CPU per process."""
+    code = "import sys, rnnserve.clients.bench; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
