@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rnnserve.engine.models.layers.norms import rms_normalize
+from rnnserve.kernels.residual_rms_norm.naive import rms_normalize
 
 
 def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:

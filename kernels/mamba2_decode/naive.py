@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rnnserve.engine.models.layers.norms import rms_normalize
+from rnnserve.kernels.residual_rms_norm.naive import rms_normalize
 from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
 
 

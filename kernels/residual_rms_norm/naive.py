@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, computed and returned in fp32."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def residual_rms_norm_ref(
     stream: torch.Tensor,
     delta: torch.Tensor | None,

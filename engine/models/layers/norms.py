@@ -6,12 +6,7 @@ import torch
 from torch import nn
 
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, computed and returned in fp32."""
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+from rnnserve.kernels.residual_rms_norm.naive import rms_normalize
 
 
 def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
