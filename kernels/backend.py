@@ -43,9 +43,6 @@ def unit_stride_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-T = TypeVar("T")
-
-
 def on_pool_rows(
     scan: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, slot_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +52,9 @@ def on_pool_rows(
     y, final = scan(pool[slot_ids])
     pool[slot_ids] = final.to(pool.dtype)
     return y, pool
+
+
+T = TypeVar("T")
 _TABLES_ATTR = "_rnnserve_host_tables"
 _BOUNDS = object()  # the key of the host copy of cu_seqlens itself
 

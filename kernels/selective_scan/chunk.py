@@ -7,7 +7,7 @@ holds 4 channels x 4 state entries, and ``y = C . h`` is 3 in-thread adds and a 
 channel (8 shuffles per token in the compiled sm_90 loop). Per token it discretises ``dt`` (bias, softplus),
 updates ``h <- exp(dt A) h + dt B x``, reads out ``y = C . h + D x`` gated by ``silu(z)``, and stores ``y`` in
 the output dtype; the next token's inputs are loaded before this one's update. Both kernels take ``exp(dt A)``
-as ``exp2`` of ``dt`` times ``A log2 e`` (scaled once by the wrapper): ``exp`` costs a multiply and a
+as ``exp2`` of ``dt`` times ``A log2 e`` (scaled once per program, as A is loaded): ``exp`` costs a multiply and a
 denormal-range fix-up per state entry (the segment-state loop: 216 instructions per token with ``exp``, 152
 with ``exp2``; 133 with :func:`softplus_f32`'s polynomial ``log1p``; the scan loop is 214). The initial state
 is read from, and the final state written to, the sequence's pool slot (or a plain ``[B, Di, N]`` tensor).
@@ -97,13 +97,13 @@ def _discretise(dt, x, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.const
 def _channel_block(A_ptr, dt_bias_ptr, i_d, dim, d_state, HAS_DT_BIAS: tl.constexpr, BD: tl.constexpr,
                    BN: tl.constexpr):
     """Program ``i_d``'s channels: ``(offs_d, offs_n, mask_d, mask_n, mask_dn, A [BD, BN] fp32, dt bias [BD])``
-    (``A`` as the wrapper passes it, scaled by log2 e)."""
+    (``A`` scaled by log2 e: both kernels take exp(dt A) as exp2(dt A log2 e))."""
     offs_d = i_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     mask_d = offs_d < dim
     mask_n = offs_n < d_state
     mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + offs_d[:, None] * d_state + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + offs_d[:, None] * d_state + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32) * LOG2_E
     dt_bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         dt_bias = tl.load(dt_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -278,8 +278,7 @@ def selective_scan_varlen_triton(
     d_state = A.shape[1]
     x, dt, B, C = unit_stride_last(x), unit_stride_last(dt), unit_stride_last(B), unit_stride_last(C)
     z = None if z is None else unit_stride_last(z)
-    # Both kernels take exp(dt A) as exp2(dt A log2 e) (see the module docstring).
-    A_log2 = A.float().contiguous() * LOG2_E.value
+    A = A.contiguous()  # read as fp32 and scaled by log2 e in-kernel
     D = None if D is None else D.float().contiguous()
     dt_bias = None if dt_bias is None else dt_bias.float().contiguous()
     y = torch.empty(total, dim, dtype=out_dtype, device=x.device)
@@ -310,12 +309,12 @@ def selective_scan_varlen_triton(
         seg_start = torch.empty_like(seg_state) if initial_state is not None else seg_state
         seg_dt = torch.empty(num_segments, dim, dtype=torch.float32, device=x.device)
         _segment_state_kernel[(state_segments.numel(), blocks)](
-            x, dt, dt_bias_arg, A_log2, B, cu_seqlens, table, num_segments, state_segments, h0, slots_arg,
+            x, dt, dt_bias_arg, A, B, cu_seqlens, table, num_segments, state_segments, h0, slots_arg,
             seg_state, seg_dt, seg_start, dim, d_state, x.stride(0), dt.stride(0), B.stride(0),
             h0.stride(0), h0.stride(1), **flags,
         )
     _selective_scan_varlen_kernel[(num_segments, blocks)](
-        x, dt, dt_bias_arg, A_log2, B, C, D if D is not None else x, z if z is not None else x, y, cu_seqlens, h0,
+        x, dt, dt_bias_arg, A, B, C, D if D is not None else x, z if z is not None else x, y, cu_seqlens, h0,
         final, slots_arg, table, num_segments, seg_state, seg_dt, seg_start,
         dim, d_state, x.stride(0), dt.stride(0), B.stride(0), C.stride(0), z.stride(0) if z is not None else 0,
         h0.stride(0), h0.stride(1), final.stride(0), final.stride(1),
