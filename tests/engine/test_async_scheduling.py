@@ -72,6 +72,17 @@ def assert_same_prompt_logprobs(out: RequestOutput, expected: RequestOutput) -> 
         assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
 
 
+def assert_same_requests(got: dict[str, RequestOutput], expected: dict[str, RequestOutput]) -> None:
+    """The same requests with the same text, finish reasons, tokens, logprobs and prompt logprobs."""
+    assert sorted(got) == sorted(expected)
+    for request_id, out in got.items():
+        assert [(s.text, s.finish_reason) for s in out.outputs] == [
+            (s.text, s.finish_reason) for s in expected[request_id].outputs
+        ]
+        assert_same_outputs([out], [expected[request_id]])
+        assert_same_prompt_logprobs(out, expected[request_id])
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_async_scheduling_generates_what_the_synchronous_engine_does(model: str) -> None:
     options = {"max_num_seqs": 6, "max_num_batched_tokens": 24}  # few slots and chunked prompts: requests queue
@@ -84,13 +95,7 @@ def test_async_scheduling_generates_what_the_synchronous_engine_does(model: str)
         for i in range(18)
     ]
     expected, got = staggered(sync, requests), staggered(ahead, requests)
-    assert sorted(got) == sorted(expected)
-    for request_id, out in got.items():
-        assert [(s.text, s.finish_reason) for s in out.outputs] == [
-            (s.text, s.finish_reason) for s in expected[request_id].outputs
-        ]
-        assert_same_outputs([out], [expected[request_id]])
-        assert_same_prompt_logprobs(out, expected[request_id])
+    assert_same_requests(got, expected)
     reasons = {s.finish_reason for out in got.values() for s in out.outputs}
     assert reasons == {"stop", "length"}  # both ways of finishing were exercised
     assert ahead.pool.num_used == 0 and not ahead.has_unfinished_requests()

@@ -14,7 +14,7 @@ from rnnserve import SamplingParams
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.scheduler import SchedulerOutput
 from tests.engine.cache_helpers import MODELS, assert_same_outputs, make_engine, random_tokens, run
-from tests.engine.test_async_scheduling import assert_same_prompt_logprobs, mixed_params, staggered
+from tests.engine.test_async_scheduling import assert_same_requests, mixed_params, staggered
 
 
 def count_fed_tokens(engine: LLMEngine) -> dict[str, int]:
@@ -44,14 +44,7 @@ def test_fed_prompts_generate_what_prefilled_prompts_do(model: str, async_schedu
         (random_tokens(rng, prefilled, rng.randint(1, 30)), mixed_params(rng, prefilled, i), rng.randint(0, 12))
         for i in range(18)
     ]
-    expected, got = staggered(prefilled, requests), staggered(fed, requests)
-    assert sorted(got) == sorted(expected)
-    for request_id, out in got.items():
-        assert [(s.text, s.finish_reason) for s in out.outputs] == [
-            (s.text, s.finish_reason) for s in expected[request_id].outputs
-        ]
-        assert_same_outputs([out], [expected[request_id]])
-        assert_same_prompt_logprobs(out, expected[request_id])
+    assert_same_requests(staggered(fed, requests), staggered(prefilled, requests))
     wants_prompt_logprobs = {f"r{i}" for i, (_, params, _) in enumerate(requests) if params.prompt_logprobs}
     assert fed_tokens and not wants_prompt_logprobs & set(fed_tokens)
     fed_lengths = {len(prompt) for i, (prompt, _, _) in enumerate(requests) if f"r{i}" in fed_tokens}

@@ -21,6 +21,16 @@ def cu_seqlens_of(lengths: list[int], device: str | torch.device = "cpu") -> tor
     return torch.tensor(offsets, dtype=torch.int64, device=device)
 
 
+def assert_other_rows_untouched(pool: torch.Tensor, before: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+    """``pool [slots, layers, ...]`` equals ``before`` outside rows ``slots`` of layer ``layer``: a prefill on one
+    layer's view wrote its sequences' slots and nothing else."""
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    other_layers = [i for i in range(pool.shape[1]) if i != layer]
+    assert torch.equal(pool[untouched], before[untouched])
+    assert torch.equal(pool[:, other_layers], before[:, other_layers])
+
+
 def slot_ids_for(batch: int, num_slots: int, seed: int = 0) -> torch.Tensor:
     """Distinct slots out of order with gaps (``num_slots`` > ``batch``)."""
     gen = torch.Generator().manual_seed(seed)

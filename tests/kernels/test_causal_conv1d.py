@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from rnnserve.kernels.backend import force_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
+from tests.kernels.kernel_cases import LENGTHS, assert_other_rows_untouched, cu_seqlens_of, slot_ids_for
 
 CHANNELS = 20  # not a power of two: exercises the channel mask
 
@@ -74,9 +74,7 @@ def test_varlen_reads_and_writes_pool_slots(triton_on_cpu, dtype, triton):
     assert returned.data_ptr() == pool[:, 1].data_ptr()
     torch.testing.assert_close(y, F.silu(y_ref), **_tolerance(dtype))
     torch.testing.assert_close(pool[:, 1][slots], final_ref)
-    untouched = torch.ones(9, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert_other_rows_untouched(pool, before, slots, 1)
 
 
 def test_varlen_first_outputs_of_a_sequence_across_two_tiles(triton_on_cpu):

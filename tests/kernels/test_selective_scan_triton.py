@@ -9,7 +9,7 @@ from rnnserve.kernels.backend import force_triton
 from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
 from rnnserve.kernels.selective_scan.chunk import selective_scan_varlen_triton
 from rnnserve.kernels.selective_scan.naive import selective_scan_ref, selective_state_update_ref
-from tests.kernels.kernel_cases import cu_seqlens_of, slot_ids_for
+from tests.kernels.kernel_cases import assert_other_rows_untouched, cu_seqlens_of, slot_ids_for
 
 D_INNER, D_STATE, NUM_SLOTS = 20, 16, 12  # channels not a power of two: exercises the mask
 LENGTHS = [5, 1, 35, 16]  # under, at and over the 16-token chunk, several chunks with a remainder
@@ -73,9 +73,7 @@ def test_prefill_reads_and_writes_pool_slots(triton_on_cpu):
     assert returned.data_ptr() == pool[:, 1].data_ptr()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
-    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert_other_rows_untouched(pool, before, slots, 1)
 
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "copies"])
@@ -93,9 +91,7 @@ def test_public_scan_on_pool_slots(triton_on_cpu, triton):
     assert returned.data_ptr() == pool[:, 1].data_ptr() and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), y_ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
-    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert_other_rows_untouched(pool, before, slots, 1)
 
 
 @pytest.mark.parametrize("segment_len, pool", [(16, True), (8, False), (32, True), (0, False)])

@@ -10,7 +10,7 @@ from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
 from rnnserve.kernels.ssd.naive import discretize_dt, ssd_scan_ref
 from rnnserve.kernels.ssd.torch_recurrent import ssd_state_update_torch
-from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
+from tests.kernels.kernel_cases import LENGTHS, assert_other_rows_untouched, cu_seqlens_of, slot_ids_for
 
 HEADS, HEAD_DIM, GROUPS, D_STATE, NUM_SLOTS = 4, 24, 2, 48, 12  # d_state spans two 32-wide blocks
 
@@ -99,9 +99,7 @@ def test_prefill_reads_and_writes_pool_slots(triton_on_cpu, lengths, launch):
     assert returned.data_ptr() == pool[:, 2].data_ptr()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[:, 2][slots], final_ref, rtol=1e-4, atol=1e-4)
-    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, :2], before[:, :2])
+    assert_other_rows_untouched(pool, before, slots, 2)
 
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "copies"])
@@ -122,9 +120,7 @@ def test_public_scan_on_pool_slots(triton_on_cpu, triton):
     assert returned.data_ptr() == pool[:, 1].data_ptr()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[:, 1][slots], final_ref, rtol=1e-4, atol=1e-4)
-    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert_other_rows_untouched(pool, before, slots, 1)
 
 
 def test_prefill_without_initial_state(triton_on_cpu):
