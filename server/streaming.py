@@ -237,7 +237,10 @@ class Generation(ABC):
 
     @abstractmethod
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
-        """The streamed choice for one sample's progress this step, or None when there is nothing to send."""
+        """The streamed choice for one sample's progress this step, or None when there is nothing to send. A
+        step that produced tokens sends a choice even when their text is held back (a character split across
+        tokens) or empty (special tokens): as vLLM does, a client then sees every step that advanced its
+        stream, so the time to first token and the gaps between tokens it measures are the engine's."""
 
     @abstractmethod
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
@@ -318,7 +321,9 @@ class CompletionStream(Generation):
                 text = self.prompt_text(out) + text
                 entries = self.echoed_entries(out) + entries
         wants_logprobs = self.params.logprobs is not None and entries
-        news = text or sample.finished or wants_logprobs or (first and self.req.prompt_logprobs is not None)
+        new_tokens = bool(sample.new_token_ids) and not self.req.echo_only
+        opening_logprobs = first and self.req.prompt_logprobs is not None
+        news = text or new_tokens or sample.finished or wants_logprobs or opening_logprobs
         return self.choice(out, index, text, sample, self.logprobs(index, entries), first) if news else None
 
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
@@ -360,7 +365,7 @@ class ChatStream(Generation):
 
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         index = self.choice_index(out, sample)
-        delta = {"content": sample.text_delta} if sample.text_delta else {}
+        delta = {"content": sample.text_delta} if sample.text_delta or sample.new_token_ids else {}
         wants_logprobs = self.params.logprobs is not None and sample.new_logprobs
         if not delta and not sample.finished and not wants_logprobs:
             return None
