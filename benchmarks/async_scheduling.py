@@ -31,6 +31,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
@@ -50,15 +51,27 @@ HTTP_CONFIGS = (("off", "off"), ("on", "off"), ("on", "on"))  # (async schedulin
 
 class EmulatedDevice:
     """A device that runs one engine step in ``seconds``, in launch order, while the host goes on: a step's
-    tokens are ready ``seconds`` after the later of its launch and the previous step's end."""
+    tokens are ready ``seconds`` after the later of its launch and the previous step's end. A prefill call
+    also keeps the engine's host busy for ``prefill_seconds`` before it returns (a GPU prefill's kernel
+    launches: tens of ms for a 48-layer model, whatever the prompts' lengths), as a sleep: on a GPU host the
+    engine's process has a core of its own."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, prefill_seconds: float = 0.0) -> None:
         self.seconds = seconds
+        self.prefill_seconds = prefill_seconds
         self.free_at = 0.0
 
     def attach(self, engine: LLMEngine) -> LLMEngine:
-        """Make ``engine``'s sampled tokens wait for this device."""
+        """Make ``engine``'s sampled tokens wait for this device, and its prefill calls for their launches."""
         sample = engine._sample
+        prefill = engine.runner.prefill
+
+        def launched_prefill(*args):  # type: ignore[no-untyped-def]
+            time.sleep(self.prefill_seconds)
+            return prefill(*args)
+
+        if self.prefill_seconds:
+            engine.runner.prefill = launched_prefill  # type: ignore[method-assign]
 
         def queued_sample(*args):  # type: ignore[no-untyped-def]
             sampled: SampledTokens = sample(*args)
@@ -86,10 +99,11 @@ def offline_run(args: argparse.Namespace, mode: str) -> float:
     return generated_tokens_per_second(engine, args.streams, 16, args.output_len)
 
 
-def emulated_engine(step_ms: float, config: EngineConfig) -> LLMEngine:
-    """The engine factory of the server's engine process: one torch thread, its steps on an emulated device."""
+def emulated_engine(step_ms: float, config: EngineConfig, prefill_ms: float = 0.0) -> LLMEngine:
+    """The engine factory of the server's engine process: one torch thread, its steps on an emulated device
+    (:class:`EmulatedDevice`)."""
     torch.set_num_threads(1)
-    return EmulatedDevice(step_ms / 1e3).attach(LLMEngine.from_config(config))
+    return EmulatedDevice(step_ms / 1e3, prefill_ms / 1e3).attach(LLMEngine.from_config(config))
 
 
 def cpu_seconds_while(command: list[str]) -> float:
@@ -111,11 +125,14 @@ def bench_figures(url: str, out: Path, requests: int, concurrency: int, output_l
     return {**json.loads(out.read_text()), "cpu_s": cpu_s}
 
 
-def emulated_app(streams: int, step_ms: float, async_scheduling: str, engine_process: str) -> FastAPI:
-    """The real app over :func:`emulated_engine` with ``streams`` slots, its engine in a thread or a process."""
+def emulated_app(
+    streams: int, step_ms: float, async_scheduling: str, engine_process: str, prefill_ms: float = 0.0, **engine: Any
+) -> FastAPI:
+    """The real app over :func:`emulated_engine` with ``streams`` slots, its engine in a thread or a process;
+    ``engine``: more engine options (``EngineConfig`` fields)."""
     config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=streams, max_prompt_tokens=64, api_key=None,
-                                async_scheduling=async_scheduling, engine_process=engine_process)  # fmt: skip
-    return create_app(config, engine_factory=functools.partial(emulated_engine, step_ms))
+                                async_scheduling=async_scheduling, engine_process=engine_process, **engine)  # fmt: skip
+    return create_app(config, engine_factory=functools.partial(emulated_engine, step_ms, prefill_ms=prefill_ms))
 
 
 def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path) -> dict:
