@@ -99,10 +99,12 @@ def served_by() -> str:
 
 def http_tokens_per_ms(
     preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto"
-) -> dict[int, float | str]:
+) -> dict[int, tuple[float, str] | str]:
     """Generated tok/ms of ``2 x c`` streamed requests at each concurrency ``c``, one after the other, against
     one fresh ``rnnserve serve --engine-process ENGINE_PROCESS`` (started once per model: a start builds the model
-    and captures its graphs). A failure is a string in place of the rate."""
+    and captures its graphs), each with its client-side latencies: time to first token (p50, p99) and tokens
+    per streamed chunk (above 1 when the server writes several steps at once). A failure is a string in place
+    of the pair."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -131,14 +133,20 @@ def http_tokens_per_ms(
             if time.monotonic() > deadline:
                 return dict.fromkeys(concurrency, "server did not start")
             time.sleep(0.5)
-        rates: dict[int, float | str] = {}
+        rates: dict[int, tuple[float, str] | str] = {}
         for c in concurrency:
             # One client process parses ~20K chunks/s; on a GPU host with cores to spare, one per 32 streams.
             processes = max(1, min(8, c // 32, (os.cpu_count() or 1) // 2))
             config = BenchConfig(url=url, num_prompts=2 * c, concurrency=c, input_len=PROMPT_LEN,
                                  output_len=new_tokens, progress=False, processes=processes)
             figures = asyncio.run(benchmark(config))
-            rates[c] = f"{figures['failed']} failed" if figures["failed"] else figures["output_throughput"] / 1e3
+            if figures["failed"]:
+                rates[c] = f"{figures['failed']} failed"
+                continue
+            ttft = figures["ttft_ms"]
+            per_chunk = figures["total_output_tokens"] / max(1, figures["total_chunks"])
+            detail = f"TTFT p50 {ttft['p50']:.0f} / p99 {ttft['p99']:.0f} ms, {per_chunk:.1f} tok/chunk"
+            rates[c] = (figures["output_throughput"] / 1e3, detail)
         return rates
     finally:
         server.terminate()
@@ -236,9 +244,12 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
         for c, rate in rates.items():
             label = f"HTTP c={c}" if engine_process == "auto" else f"HTTP c={c}, engine process {engine_process}"
             cells = {"what": label}
-            cells["tok/ms"] = f"{rate:.2f}" if isinstance(rate, float) else rate
-            if isinstance(rate, float):
-                cells["vs offline"] = f"{rate / offline[c]:.0%}"
+            if isinstance(rate, str):
+                cells["tok/ms"] = rate
+            else:
+                cells["tok/ms"] = f"{rate[0]:.2f}"
+                cells["vs offline"] = f"{rate[0] / offline[c]:.0%}"
+                cells["client"] = rate[1]
             rows.append(Row(preset, cells))
     if preset in PAPER_TABLE_1:
         name, prefill, generate = PAPER_TABLE_1[preset]
@@ -247,7 +258,7 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
 
 
 def print_table(rows: list[Row]) -> None:
-    columns = ["model", "what", "tok/ms", "ms/step", "HBM roofline", "vs model step", "vs offline"]
+    columns = ["model", "what", "tok/ms", "ms/step", "HBM roofline", "vs model step", "vs offline", "client"]
     cells = [[row.model, *(row.cells.get(c, "") for c in columns[1:])] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

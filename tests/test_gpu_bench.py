@@ -25,6 +25,8 @@ def test_gpu_bench_smoke_prints_every_row_kind():
                      ("engine", "c=2"), ("HTTP", "c=2"), ("HTTP", "c=2,")}, result.stdout
     http = next(row for row in lines if row[:3] == ["mamba-tiny", "HTTP", "c=2"])
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
+    assert http[5:7] == ["TTFT", "p50"] and float(http[7]) > 0, http
+    assert http[-1] == "tok/chunk" and float(http[-2]) >= 1.0, http  # the client's view of the same run
     in_process = next(row for row in lines if row[:6] == ["mamba-tiny", "HTTP", "c=2,", "engine", "process", "on"])
     assert float(in_process[6]) > 0 and in_process[7].endswith("%"), in_process
 
