@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
+from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 
 
@@ -35,14 +37,26 @@ def _prompt(seed: int, length: int, vocab: int) -> list[int]:
     return torch.randint(0, min(vocab, 256), (length,), generator=g).tolist()
 
 
-def generated_tokens_per_second(engine: LLMEngine, concurrency: int, prompt_len: int, new_tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
+def generated_tokens_per_second(
+    engine: LLMEngine,
+    concurrency: int,
+    prompt_len: int,
+    new_tokens: int,
+    output_kind: OutputKind = OutputKind.FINAL_ONLY,
+    consume: Callable[[list[RequestOutput]], object] | None = None,
+) -> float:
+    """Generated tok/s of ``concurrency`` greedy requests stepped to their end; ``output_kind`` is what each
+    request reads (``DELTA``: a stream's per-step outputs) and ``consume``, if given, takes every step's outputs
+    (e.g. encoding them as the engine process does for the server)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request(_prompt(i, prompt_len, engine.model.vocab_size), params)
     generated = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
+        if consume is not None:
+            consume(outputs)
         generated += engine.last_step.generated_tokens
     return generated / (time.perf_counter() - start)
 

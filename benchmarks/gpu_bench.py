@@ -34,6 +34,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
+import pickle  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -49,8 +50,11 @@ from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E40
 from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch  # noqa: E402
+from rnnserve.engine.outputs import RequestOutput  # noqa: E402
+from rnnserve.engine.sampling_params import OutputKind  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
 from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
+from rnnserve.server.engine_core import OutputEncoder  # noqa: E402
 
 DEFAULT_MODELS = [
     "mamba-370m", "mamba2-370m", "hawk-100m", "mingru-100m", "based-360m", "lattice-110m", "tmlt-wt103",
@@ -207,6 +211,20 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
     return rows, step_ms
 
 
+def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: int) -> float:
+    """Generated tok/s of ``concurrency`` streams' worth of engine work: every request reads each step's
+    outputs (``DELTA``), encoded and pickled as the engine process sends them to the server (there on a thread
+    of its own, which shares the engine loop's interpreter lock). Against the ``engine`` row (outputs only at
+    the end), this is the engine's part of serving streams; the HTTP rows add the server's."""
+    encoder = OutputEncoder()
+
+    def send(outputs: list[RequestOutput]) -> None:
+        pickle.dumps(encoder.encode(outputs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    generated_tokens_per_second(engine, concurrency, PROMPT_LEN, 4, OutputKind.DELTA, send)
+    return generated_tokens_per_second(engine, concurrency, PROMPT_LEN, new_tokens, OutputKind.DELTA, send)
+
+
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
                 http: list[str], profile: bool = False) -> list[Row]:
     """Every row of one model; ``http`` lists the ``--engine-process`` values of the HTTP rows (none: no rows)."""
@@ -232,6 +250,12 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
             rows.append(Row(preset, cells))
             if mode == "auto":
                 offline[c] = rate
+            if mode == "auto" and c == max(sizes.concurrency):
+                rate = streamed_tokens_per_second(engine, c, sizes.new_tokens) / 1e3
+                cells = {"what": f"engine c={c}, streamed", "tok/ms": f"{rate:.2f}"}
+                if c in step_ms:
+                    cells["vs model step"] = f"{rate / (c / step_ms[c]):.0%}"
+                rows.append(Row(preset, cells))
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -22,7 +22,9 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     lines = [line.split() for line in result.stdout.splitlines()]
     kinds = {(row[1], row[2]) for row in lines if row and row[0] == "mamba-tiny"}
     assert kinds == {("decode", "b=1"), ("decode", "b=4"), ("prefill", "1x64"), ("prefill", "2x16"),
-                     ("engine", "c=2"), ("HTTP", "c=2"), ("HTTP", "c=2,")}, result.stdout
+                     ("engine", "c=2"), ("engine", "c=2,"), ("HTTP", "c=2"), ("HTTP", "c=2,")}, result.stdout
+    streamed = next(row for row in lines if row[:4] == ["mamba-tiny", "engine", "c=2,", "streamed"])
+    assert float(streamed[4]) > 0, streamed
     http = next(row for row in lines if row[:3] == ["mamba-tiny", "HTTP", "c=2"])
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
     assert http[5:7] == ["TTFT", "p50"] and float(http[7]) > 0, http
