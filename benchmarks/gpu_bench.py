@@ -7,9 +7,12 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   the device-to-device copy bandwidth measured in the same run;
 - prefill tok/ms for ``1 x 16384`` and ``8 x 2048`` prompt tokens;
 - offline engine throughput (``LLMEngine.step`` with sampling and outputs, prompt 16, 256 new tokens) at
-  each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step, and
-  the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model (skipped
-  when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
+  each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step; at the
+  largest concurrency also ``streamed``: every request reads each step's output, encoded as the engine process
+  sends it to the server (the engine's part of serving streams);
+- the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, with the
+  client's time to first token and tokens per chunk (skipped when fastapi/uvicorn are not importable: carry
+  their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
 The prefix cache is off (every request here is new, and the anchors are engines without one);
