@@ -27,7 +27,8 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.async_scheduling import PRESET, bench_figures, emulated_app  # noqa: E402
+from benchmarks.async_scheduling import PRESET, emulated_app  # noqa: E402
+from benchmarks.http_stack import bench  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
 
@@ -37,11 +38,8 @@ def served(args: argparse.Namespace, decoded_prompt_tokens: int, out: Path) -> d
     app = emulated_app(args.concurrency, args.step_ms, "on", "on", prefill_ms=args.prefill_ms,
                        decoded_prompt_tokens=decoded_prompt_tokens)  # fmt: skip
     with serve_in_thread(app) as url:
-        bench_figures(url, out, args.concurrency, args.concurrency, 2)  # warm-up: connections, first shapes
-        figures = bench_figures(url, out, args.requests, args.concurrency, args.output_len)
-    if figures["failed"]:
-        raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
-    return figures
+        bench(url, out, args.concurrency, args.concurrency, 2)  # warm-up: connections, first shapes
+        return bench(url, out, args.requests, args.concurrency, args.output_len)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,34 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rnnserve.server.streaming import ChatStream, CompletionStream, Generation
-from tests.server.test_stream_batching import QueuedSubmission
+from tests.server.test_stream_batching import QueuedSubmission, step_output
 
 EOS = ByteTokenizer().eos_token_id
 # A step per token: EOS (ignored, no text), the two bytes of "é" (the first held back), "x", then EOS again.
 STEPS = [(EOS, ""), (0xC3, ""), (0xA9, "é"), (ord("x"), "x"), (EOS, "")]
 
 
-def step_output(token_id: int, text: str, last: bool) -> RequestOutput:
-    sample = CompletionOutput(
-        index=0,
-        text="",
-        token_ids=[],
-        finish_reason="length" if last else None,
-        logprobs=None,
-        cumulative_logprob=0.0,
-        text_delta=text,
-        new_token_ids=[token_id],
-    )
-    return RequestOutput("r0", "p", [1], [sample], last, RequestMetrics(0.0))
-
-
 def queued_steps() -> QueuedSubmission:
-    return QueuedSubmission([step_output(t, text, i == len(STEPS) - 1) for i, (t, text) in enumerate(STEPS)])
+    return QueuedSubmission([step_output(text, t, i == len(STEPS) - 1) for i, (t, text) in enumerate(STEPS)])
 
 
 def streamed_choices(stream: Generation) -> list[dict]:
@@ -67,7 +52,7 @@ def test_chat_stream_sends_a_chunk_per_step_with_tokens() -> None:
 
 def test_echo_only_stream_sends_no_chunk_for_its_hidden_token() -> None:
     """``echo`` with ``max_tokens=0``: the one token the engine samples is not the client's, nor is its step."""
-    submission = QueuedSubmission([step_output(ord("x"), "x", True)])
+    submission = QueuedSubmission([step_output("x", ord("x"), True)])
     request = CompletionRequest(prompt="p", stream=True, echo=True, max_tokens=0)
     stream = CompletionStream(ByteTokenizer(), submission, request, "m", SamplingParams(max_tokens=1))
 
