@@ -215,10 +215,10 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 
 
 def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: int) -> float:
-    """Generated tok/s of ``concurrency`` streams' worth of engine work: every request reads each step's
-    outputs (``DELTA``), encoded and pickled as the engine process sends them to the server (there on a thread
-    of its own, which shares the engine loop's interpreter lock). Against the ``engine`` row (outputs only at
-    the end), this is the engine's part of serving streams; the HTTP rows add the server's."""
+    """Generated tok/s of ``concurrency`` streams' worth of engine work for a server that takes every step's
+    outputs: each request reads each step's outputs (``DELTA``), encoded and pickled as the engine process
+    sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays to serve
+    streams; a server that falls behind gets several steps' outputs collected at once, for less."""
     encoder = OutputEncoder()
 
     def send(outputs: list[RequestOutput]) -> None:

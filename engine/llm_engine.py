@@ -125,6 +125,7 @@ class LLMEngine:
             self.config.async_scheduling == "auto" and device.type == "cuda"
         )
         self._in_flight: LaunchedStep | None = None  # with async scheduling: the step queued before this one
+        self._uncollected: dict[SequenceGroup, None] = {}  # requests that progressed in steps run with collect=False
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
         self._ids = itertools.count()
@@ -273,11 +274,17 @@ class LLMEngine:
         """Abort a request in any phase; its slots are free when this returns. Returns its final output, or
         ``None`` for an unknown (or already finished) request."""
         group = self.scheduler.abort(request_id)
-        return group.output() if group is not None else None
+        if group is None:
+            return None
+        self._uncollected.pop(group, None)
+        return group.output()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, collect: bool = True) -> list[RequestOutput]:
         """Run one engine iteration; return an output for every request that progressed (and whose
-        ``output_kind`` wants one now) or failed.
+        ``output_kind`` wants one now) or failed, since this step or the steps before it run with ``collect``
+        false: those return nothing and leave their outputs to the next collection (:meth:`collect_outputs`).
+        A consumer that falls behind the engine so has each request's progress over several steps built once
+        (``DELTA`` outputs hold what the steps added together), instead of one output per step.
 
         Synchronously, a step schedules, runs the model, samples and appends the tokens. With async scheduling
         (on CUDA by default) a step queues its model calls and sampling on the device, then processes the
@@ -312,6 +319,17 @@ class LLMEngine:
         stats.seconds = time.perf_counter() - start
         self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
+        self._uncollected.update(groups)
+        return self.collect_outputs() if collect else []
+
+    @property
+    def has_uncollected_outputs(self) -> bool:
+        """Whether a step run with ``collect`` false left outputs for :meth:`collect_outputs`."""
+        return bool(self._uncollected)
+
+    def collect_outputs(self) -> list[RequestOutput]:
+        """The outputs of the requests that progressed or failed since the last collection (see :meth:`step`)."""
+        groups, self._uncollected = self._uncollected, {}
         return [g.output() for g in groups if g.has_output]
 
     def _launch(self, batch: SchedulerOutput, stats: StepStats) -> LaunchedStep:

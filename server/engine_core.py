@@ -13,8 +13,8 @@ The loop and the server speak in messages (commands in, events out), the same on
 processes they are pickled through a pipe. A step's outputs cross as rows of plain data
 (:class:`OutputEncoder` / :class:`OutputDecoder`: several times cheaper to pickle than dataclasses, which matters
 at a few hundred outputs per step), each carrying its request's prompt (ids, text, prompt logprobs) only the
-first time, so a long prompt is not pickled once per generated token. The engine process's
-:class:`EventSender` merges the steps that queue up while the server is busy into one message.
+first time, so a long prompt is not pickled once per generated token. The loop posts a step's outputs only
+once the server handled the previous ones (:class:`EngineCore`), so a busy server gets fewer, larger messages.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
 from rnnserve.engine.models.base import StateSpec
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
-from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import Tokenizer
 
@@ -50,7 +50,6 @@ Prompt = str | list[int]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
 SHUTDOWN_MESSAGE = "the server is shutting down"
-HANDLED_WAIT_S = 1.0  # the most the server's pipe reader waits for the event loop to take a step's outputs
 
 
 @dataclass(frozen=True)
@@ -108,11 +107,16 @@ class AbortCommand:
 
 
 @dataclass
+class HandledCommand:
+    """The server handled the last :class:`Stepped`: the engine loop may post the next."""
+
+
+@dataclass
 class StopCommand:
     pass
 
 
-Command = AddCommand | AbortCommand | StopCommand
+Command = AddCommand | AbortCommand | HandledCommand | StopCommand
 
 
 # --- events (engine -> server) ---------------------------------------------------------------------------
@@ -137,8 +141,8 @@ class Aborted:
 
 @dataclass
 class Stepped:
-    """Engine steps and their outputs: one step, or (from an engine process) the steps that queued up while the
-    server was busy, each request's streamed outputs merged; ``steps`` has each step's stats."""
+    """Engine steps and their outputs: one step, or the steps run while the server handled the previous
+    :class:`Stepped` (each request's output then covers them all); ``steps`` has each step's stats."""
 
     outputs: list[RequestOutput]
     steps: list[StepStats]
@@ -181,7 +185,14 @@ def portable_error(error: Exception) -> Exception:
 class EngineCore:
     """Drives an :class:`LLMEngine`: runs the commands ``next_command(block)`` returns (``None``: none
     queued), steps while requests are unfinished, blocks for a command when idle, and reports each outcome
-    through ``post``. One instance per engine; :meth:`run` ends with a :class:`Stopped` event."""
+    through ``post``. One instance per engine; :meth:`run` ends with a :class:`Stopped` event.
+
+    Outputs flow with one message in flight: after posting a :class:`Stepped`, the loop builds the next one
+    only once the server says (:class:`HandledCommand`) that it handled the last. Steps run meanwhile collect
+    nothing; the next collection builds each request's output once for all of them (``LLMEngine.step``). So a
+    server that falls behind the device costs the engine one output per request per message, not per step,
+    and its streams send several tokens a chunk, instead of the engine slowing down to build and send outputs
+    that queue up."""
 
     def __init__(
         self, engine: LLMEngine, next_command: Callable[[bool], Command | None], post: Callable[[Event], None]
@@ -189,14 +200,22 @@ class EngineCore:
         self.engine = engine
         self.next_command = next_command
         self.post = post
+        self.unhandled = False  # a Stepped was posted and the server has not handled it yet
+        self.steps: list[StepStats] = []  # the stats of the steps not posted yet
 
     def run(self) -> None:
         message = SHUTDOWN_MESSAGE
         try:
             wait_for_command = True
             while self._run_commands(wait_for_command):
-                # Wait for the next command when idle, and after a failed step (the server answers with aborts).
-                wait_for_command = not (self.engine.has_unfinished_requests() and self._step())
+                # Wait for the next command when idle, after a failed step (the server answers with aborts), and
+                # while the last steps' outputs wait for the server to handle the previous ones.
+                if self.engine.has_unfinished_requests():
+                    wait_for_command = not self._step()
+                else:
+                    if self._has_unposted() and not self.unhandled:
+                        self._post_outputs()
+                    wait_for_command = True
         except Exception:
             logger.exception("engine loop crashed")
             message = "the engine stopped after an internal error"
@@ -209,7 +228,9 @@ class EngineCore:
             block = False
             if isinstance(command, StopCommand):
                 return False
-            if isinstance(command, AddCommand):
+            if isinstance(command, HandledCommand):
+                self.unhandled = False
+            elif isinstance(command, AddCommand):
                 self._add(command)
             else:
                 finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
@@ -237,16 +258,29 @@ class EngineCore:
         self.post(Added(command.add_id, error, self.engine.load()))
 
     def _step(self) -> bool:
-        """One engine step, posted as one event; False if the step itself raised. With async scheduling (a GPU)
-        the step returns once the next one is queued on the device, so its outputs are streamed meanwhile."""
+        """One engine step, its outputs posted now or (while the server has not handled the last ones) with a
+        later step's; False if the step itself raised. With async scheduling (a GPU) the step returns once the
+        next one is queued on the device, so its outputs are built and sent meanwhile."""
         try:
-            outputs = self.engine.step()
+            self.engine.step(collect=False)
         except Exception as err:
             logger.exception("engine step failed; failing every in-flight request")
+            if self._has_unposted():  # what earlier steps finished still reaches its clients
+                self._post_outputs()
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
-        self.post(Stepped(outputs, [self.engine.last_step], self.engine.load()))
+        self.steps.append(self.engine.last_step)
+        if not self.unhandled:
+            self._post_outputs()
         return True
+
+    def _has_unposted(self) -> bool:
+        return bool(self.steps) or self.engine.has_uncollected_outputs
+
+    def _post_outputs(self) -> None:
+        steps, self.steps = self.steps, []
+        self.unhandled = True
+        self.post(Stepped(self.engine.collect_outputs(), steps, self.engine.load()))
 
 
 class EngineThread:
@@ -310,6 +344,19 @@ def post_to(loop: asyncio.AbstractEventLoop, handle: EventHandler) -> EventHandl
     return post
 
 
+def acknowledging(handle: EventHandler, send: Callable[[Command], None]) -> EventHandler:
+    """``handle`` that, once it handled a :class:`Stepped`, tells the engine loop so (see :class:`EngineCore`)."""
+
+    def handle_then_acknowledge(event: Event) -> None:
+        try:
+            handle(event)
+        finally:
+            if isinstance(event, Stepped):
+                send(HandledCommand())
+
+    return handle_then_acknowledge
+
+
 class ThreadDriver:
     """Runs the engine loop on an :class:`EngineThread` of this process; ``engine`` is the live engine."""
 
@@ -325,7 +372,7 @@ class ThreadDriver:
         return self._done is not None and not self._done.done()
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
-        core = EngineCore(self.engine, self._next_command, post_to(loop, handle))
+        core = EngineCore(self.engine, self._next_command, post_to(loop, acknowledging(handle, self.send)))
         self._done = self.thread.submit(core.run)
 
     def _next_command(self, block: bool) -> Command | None:
@@ -411,81 +458,31 @@ class EncodedStep:
 
 
 class EventSender:
-    """The engine process's end of the pipe: the engine loop posts events here and a thread of their own encodes
-    and writes them, so the loop never waits for the server. Steps that queued up meanwhile (the server was
-    busy: its reader takes the next message once the last is handled) cross as one message, each request's
-    streamed outputs merged, so the server's work per message, not per step, sets the pace it can keep.
-
-    Rows of a request are merged while it is unfinished, unless the later one carries an error (the stream
-    reports the text before it) or the request's outputs are cumulative (``cumulative``: their ids, added by
-    the loop from its commands; ids are unique among in-flight requests)."""
+    """The engine process's end of the pipe: each event the engine loop posts crosses as one message, sent
+    before ``post`` returns (a :class:`Stepped` as an :class:`EncodedStep`, an error as one the server can
+    unpickle). A closed pipe is ignored (the server is gone: the loop's next command read ends it); an event
+    that cannot be encoded raises, so the loop stops and says so instead of leaving the server waiting."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.encoder = OutputEncoder()
-        self.cumulative: set[str] = set()
-        self.thread = threading.Thread(target=self._run, name="rnnserve-engine-sender", daemon=True)
 
     def post(self, event: Event) -> None:
-        self.events.put(event)
+        message = self.message(event)
+        try:
+            send_message(self.conn, message)
+        except OSError:
+            pass
 
-    def _run(self) -> None:
-        while True:
-            batch = [self.events.get()]
-            while not self.events.empty():
-                batch.append(self.events.get())
-            try:
-                for message in self.messages(batch):
-                    send_message(self.conn, message)
-            except OSError:  # the server is gone; the loop's next command read ends it
-                return
-            except Exception:  # never a silent hang: the server sees the pipe close and fails what is in flight
-                logger.exception("the engine process cannot send its events")
-                self.conn.close()
-                return
-            if isinstance(batch[-1], Stopped):
-                return
-
-    def messages(self, events: list[Event]) -> list[object]:
-        """What ``events`` cross as, in order: each run of :class:`Stepped` events as one :class:`EncodedStep`."""
-        messages: list[object] = []
-        steps: list[Stepped] = []
-        for event in events:
-            if isinstance(event, Stepped):
-                steps.append(event)
-                continue
-            if steps:
-                messages.append(self.encode_steps(steps))
-                steps = []
-            if isinstance(event, Added) and event.error is not None:
-                event = Added(event.add_id, portable_error(event.error), event.load)
-            elif isinstance(event, Aborted):
-                self.forget([out.request_id for out in event.finals])
-            messages.append(event)
-        if steps:
-            messages.append(self.encode_steps(steps))
-        return messages
-
-    def encode_steps(self, steps: list[Stepped]) -> EncodedStep:
-        outputs: list[RequestOutput] = []
-        open_outputs: dict[str, int] = {}  # request id -> index of its output that later ones may merge into
-        for step in steps:
-            for out in step.outputs:
-                index = open_outputs.get(out.request_id)
-                if index is not None and out.error is None and out.request_id not in self.cumulative:
-                    outputs[index] = merge_deltas(outputs[index], out)
-                else:
-                    open_outputs[out.request_id] = len(outputs)
-                    outputs.append(out)
-                if out.finished:
-                    open_outputs.pop(out.request_id, None)
-                    self.cumulative.discard(out.request_id)
-        return EncodedStep(self.encoder.encode(outputs), [st for step in steps for st in step.steps], steps[-1].load)
-
-    def forget(self, request_ids: list[str]) -> None:
-        self.encoder.forget(request_ids)
-        self.cumulative.difference_update(request_ids)
+    def message(self, event: Event) -> object:
+        """What ``event`` crosses as."""
+        if isinstance(event, Stepped):
+            return EncodedStep(self.encoder.encode(event.outputs), event.steps, event.load)
+        if isinstance(event, Added) and event.error is not None:
+            return Added(event.add_id, portable_error(event.error), event.load)
+        if isinstance(event, Aborted):
+            self.encoder.forget([out.request_id for out in event.finals])
+        return event
 
 
 def send_message(conn: Connection, message: object) -> None:
@@ -509,8 +506,6 @@ def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFa
         return
     send_message(conn, EngineInfo.of(engine))
     freeze_startup_heap()
-    sender = EventSender(conn)
-    sender.thread.start()
 
     def next_command(block: bool) -> Command | None:
         try:
@@ -519,12 +514,9 @@ def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFa
             command: Command = receive_message(conn)
         except (EOFError, OSError):  # the server is gone
             return StopCommand()
-        if isinstance(command, AddCommand) and command.params.output_kind is OutputKind.CUMULATIVE:
-            sender.cumulative.update(command.request_ids)
         return command
 
-    EngineCore(engine, next_command, sender.post).run()
-    sender.thread.join()
+    EngineCore(engine, next_command, EventSender(conn).post).run()
 
 
 class ProcessDriver:
@@ -551,7 +543,6 @@ class ProcessDriver:
         self._reader: threading.Thread | None = None
         self._stopped = False
         self.decoder = OutputDecoder()
-        self._handled = threading.Event()
         try:
             first = receive_message(self._conn)
         except EOFError as err:
@@ -572,20 +563,12 @@ class ProcessDriver:
         return self._reader is not None and self._reader.is_alive() and not self._stopped
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
-        def handle_then_signal(event: Event) -> None:
-            try:
-                handle(event)
-            finally:
-                self._handled.set()
-
-        post = post_to(loop, handle_then_signal)
+        post = post_to(loop, acknowledging(handle, self.send))
         self._reader = threading.Thread(target=self._read, args=(post,), name="rnnserve-engine-events", daemon=True)
         self._reader.start()
 
     def _read(self, post: EventHandler) -> None:
-        """Forward the engine's events to the event loop (outputs decoded here, off the loop) until it stops. The
-        next message is read once the event loop has handled a step's outputs (or after ``HANDLED_WAIT_S``):
-        steps that finish meanwhile wait in the engine process, which sends them as one."""
+        """Forward the engine's events to the event loop (outputs decoded here, off the loop) until it stops."""
         while True:
             try:
                 event = receive_message(self._conn)
@@ -593,9 +576,7 @@ class ProcessDriver:
                 self._process.join(5)
                 event = Stopped(f"the engine process exited (exit code {self._process.exitcode})")
             if isinstance(event, EncodedStep):
-                self._handled.clear()
                 post(Stepped(self.decoder.decode(event.rows), event.steps, event.load))
-                self._handled.wait(HANDLED_WAIT_S)
                 continue
             if isinstance(event, Aborted):
                 self.decoder.forget([out.request_id for out in event.finals])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from rnnserve.engine.llm import LLM
-from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.outputs import CompletionOutput, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from tests.engine.conftest import make_engine
 
@@ -108,3 +108,63 @@ def test_llm_generate_reads_final_outputs_and_leaves_the_params_alone() -> None:
     (out,) = llm.generate([[1, 2, 3]], params)
     assert params.output_kind is OutputKind.CUMULATIVE
     assert out.finished and len(out.outputs[0].token_ids) == 9 == out.outputs[0].num_tokens
+
+
+
+def collect_every(kind: OutputKind, every: int) -> tuple[dict[str, list[RequestOutput]], int]:
+    """Every output of two requests, the steps collecting every ``every``-th time; ``gone`` is aborted after
+    the sixth step (its abort's output last in its list). Returns the outputs and the number of steps."""
+    engine = make_engine()
+    params = SamplingParams(**SAMPLED, output_kind=kind)
+    engine.add_request(PROMPTS[0], params, request_id="r0")
+    engine.add_request(PROMPTS[1], params, request_id="gone")
+    outputs: dict[str, list[RequestOutput]] = defaultdict(list)
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        collected = engine.step(collect=steps % every == 0)
+        assert collected == [] or steps % every == 0
+        for out in collected:
+            outputs[out.request_id].append(out)
+        if steps == 6:
+            assert engine.has_uncollected_outputs == (every > 1)
+            aborted = engine.abort_request("gone")
+            assert aborted is not None and aborted.finished
+            outputs["gone"].append(aborted)
+    for out in engine.collect_outputs():
+        outputs[out.request_id].append(out)
+    assert not engine.has_uncollected_outputs and engine.pool.num_used == 0
+    return outputs, steps
+
+
+def joined(outputs: list[RequestOutput], index: int) -> tuple[str, list[int], list[tuple]]:
+    samples = [out.outputs[index] for out in outputs]
+    logprobs = [e for s in samples for e in s.logprobs] if samples[0].logprobs is not None else []
+    return "".join(s.text for s in samples), [t for s in samples for t in s.token_ids], logprob_values(logprobs)
+
+
+def whole(sample: CompletionOutput) -> tuple:
+    return sample.text, sample.token_ids, logprob_values(sample.logprobs or []), sample.finish_reason, sample.num_tokens
+
+
+def test_steps_that_do_not_collect_leave_each_requests_progress_to_one_output() -> None:
+    """Steps run with ``collect=False`` return nothing; the next collection builds one output per request that
+    covers them all (``DELTA``: what they added together; ``CUMULATIVE``: the whole sample; ``FINAL_ONLY``: only
+    once finished), and an aborted request's uncollected progress goes with its abort, never twice."""
+    for kind in OutputKind:
+        each_step, steps = collect_every(kind, 1)
+        every_fourth, same_steps = collect_every(kind, 4)
+        assert steps == same_steps == SAMPLED["max_tokens"]
+        for request_id in ("r0", "gone"):
+            ours, theirs = every_fourth[request_id], each_step[request_id]
+            if kind is OutputKind.DELTA:
+                for index in range(SAMPLED["n"]):
+                    assert joined(ours, index) == joined(theirs, index)
+                assert max(len(out.outputs[0].new_token_ids) for out in ours) == 4
+            else:  # the whole samples (their deltas are what each collection added, so they differ)
+                assert [whole(s) for s in ours[-1].outputs] == [whole(s) for s in theirs[-1].outputs]
+        if kind is OutputKind.DELTA:
+            assert len(every_fourth["r0"]) == steps // 4 and len(each_step["r0"]) == steps
+            assert len(every_fourth["gone"]) == 2  # after the fourth step, then the abort's (steps 5 and 6)
+        elif kind is OutputKind.FINAL_ONLY:
+            assert len(every_fourth["r0"]) == 1 and len(every_fourth["gone"]) == 1

@@ -101,7 +101,7 @@ def test_idle_engine_thread_blocks_on_the_command_queue() -> None:
     bridge.driver.commands = commands
     steps: list[int] = []
     real_step = engine.step
-    engine.step = lambda: steps.append(1) or real_step()
+    engine.step = lambda collect=True: steps.append(1) or real_step(collect)
 
     async def generate(request_id: str) -> None:
         submission = await bridge.submit(request_id, ["Hello"], SamplingParams(max_tokens=4))
@@ -214,9 +214,9 @@ def test_the_engine_is_loaded_and_stepped_on_one_thread(monkeypatch: pytest.Monk
         engine = real_from_config(cls, config)
         real_step = engine.step
 
-        def step(*args):  # type: ignore[no-untyped-def]
+        def step(*args, **kwargs):  # type: ignore[no-untyped-def]
             stepped_on.add(threading.get_ident())
-            return real_step(*args)
+            return real_step(*args, **kwargs)
 
         engine.step = step
         return engine

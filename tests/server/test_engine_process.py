@@ -23,13 +23,14 @@ from fastapi.testclient import TestClient
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine, StepStats
 from rnnserve.engine.loader import ModelLoadError
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, merge_deltas
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import InvalidParameterError
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
+    Aborted,
     Added,
     EncodedStep,
     EngineInfo,
@@ -174,10 +175,10 @@ def engine_failing_on_step_3(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine.from_config(config)
     real_step, calls = engine.step, itertools.count(1)
 
-    def step():  # type: ignore[no-untyped-def]
+    def step(collect: bool = True):  # type: ignore[no-untyped-def]
         if next(calls) == 3:
             raise RuntimeError("device fell over")
-        return real_step()
+        return real_step(collect)
 
     engine.step = step  # type: ignore[method-assign]
     return engine
@@ -259,53 +260,36 @@ def test_outputs_cross_whole_with_each_prompt_sent_once_per_request() -> None:
     assert not encoder.sent and not decoder.prompts
 
 
-def step(*outputs: RequestOutput) -> Stepped:
-    return Stepped(list(outputs), [StepStats(generated_tokens=len(outputs))], None)  # type: ignore[arg-type]
+def test_each_event_crosses_as_one_message_with_outputs_as_rows() -> None:
+    server_end, engine_end = multiprocessing.Pipe()
+    sender, decoder = EventSender(engine_end), OutputDecoder()
+    a1, b1 = output("a", [4], logprobs=True), output("b", [5])
+    stats = [StepStats(generated_tokens=2), StepStats(generated_tokens=1)]
+    sender.post(Stepped([a1, b1], stats, None))  # type: ignore[arg-type]
+    message = pickle.loads(server_end.recv_bytes())
+    assert isinstance(message, EncodedStep) and message.steps == stats
+    assert decoder.decode(message.rows) == [a1, b1]
+
+    class Local(Exception):  # cannot be unpickled by the server
+        pass
+
+    sender.post(Added(3, Local("odd"), None))  # type: ignore[arg-type]
+    added = pickle.loads(server_end.recv_bytes())
+    assert isinstance(added.error, RuntimeError) and str(added.error) == "Local: odd"
+    assert sender.encoder.sent == {"a", "b"}
+    sender.post(Aborted([output("a", [6], finished=True)], None))  # type: ignore[arg-type]
+    assert isinstance(pickle.loads(server_end.recv_bytes()), Aborted) and sender.encoder.sent == {"b"}
 
 
-def crossed(sender: EventSender, decoder: OutputDecoder, events: list) -> list:
-    """What the server's reader makes of ``events`` sent in one batch."""
-    messages = pickle.loads(pickle.dumps(sender.messages(events)))
-    return [Stepped(decoder.decode(m.rows), m.steps, m.load) if isinstance(m, EncodedStep) else m for m in messages]
-
-
-def test_steps_that_queued_up_cross_as_one_with_each_requests_deltas_merged() -> None:
-    sender, decoder = EventSender(None), OutputDecoder()  # type: ignore[arg-type]
-    a1, a2, a3 = output("a", [4], logprobs=True), output("a", [6], logprobs=True), output("a", [8], finished=True)
-    b1, b2 = output("b", [5]), output("b", [7])
-    [merged] = crossed(sender, decoder, [step(a1, b1), step(a2, b2), step(a3)])
-    assert [s.generated_tokens for s in merged.steps] == [2, 2, 1]
-    assert merged.outputs == [merge_deltas(merge_deltas(a1, a2), a3), merge_deltas(b1, b2)]
-    assert merged.outputs[1].prompt_token_ids == [1, 2, 3]  # the prompt crossed with the first row
-    # Later: b's prompt is not sent again; an event between steps keeps its place; an error is not merged.
-    added = Added(7, None, None)  # type: ignore[arg-type]
-    failed = dataclasses.replace(output("b", [9], finished=True), error="boom")
-    b3 = output("b", [8])
-    messages = crossed(sender, decoder, [step(b3), added, step(output("b", [1])), step(failed)])
-    assert [type(m) for m in messages] == [Stepped, Added, Stepped]
-    assert messages[0].outputs == [b3] and [o.error for o in messages[2].outputs] == [None, "boom"]
-    assert not sender.encoder.sent and not decoder.prompts
-
-
-def test_finished_and_cumulative_requests_are_not_merged() -> None:
-    sender, decoder = EventSender(None), OutputDecoder()  # type: ignore[arg-type]
-    done, again = output("a", [4], finished=True), output("a", [5])  # an id reused after its request finished
-    sender.cumulative.add("c")
-    c1, c2 = output("c", [1, 2]), output("c", [1, 2, 3], finished=True)
-    [merged] = crossed(sender, decoder, [step(done, c1), step(again, c2)])
-    assert merged.outputs == [done, c1, again, c2]
-    assert not sender.cumulative
-
-
-def test_a_sender_that_fails_closes_the_pipe_instead_of_hanging_the_server() -> None:
+def test_an_event_that_cannot_be_encoded_raises_and_a_closed_pipe_does_not() -> None:
+    """An encoding failure reaches the engine loop, which stops and reports it (never a silent hang); a
+    closed pipe means the server is gone, which the loop learns from its next command read."""
     server_end, engine_end = multiprocessing.Pipe()
     sender = EventSender(engine_end)
-    sender.thread.start()
-    sender.post(Stepped(None, [], None))  # type: ignore[arg-type]  # outputs that cannot be encoded
-    sender.thread.join(10)
-    assert not sender.thread.is_alive()
-    with pytest.raises(EOFError):
-        server_end.recv_bytes()
+    with pytest.raises(TypeError):
+        sender.post(Stepped(None, [], None))  # type: ignore[arg-type]
+    server_end.close()
+    sender.post(Stepped([output("a", [4])], [], None))  # type: ignore[arg-type]
 
 
 def test_errors_cross_with_their_types_and_fields() -> None:

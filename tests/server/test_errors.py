@@ -194,11 +194,11 @@ def test_engine_failure_ends_the_stream_with_an_error_and_frees_slots() -> None:
     real_step = engine.step
     calls = {"n": 0}
 
-    def failing_step():  # type: ignore[no-untyped-def]
+    def failing_step(collect: bool = True):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fell over")
-        return real_step()
+        return real_step(collect)
 
     engine.step = failing_step
     with TestClient(app) as client:

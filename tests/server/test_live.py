@@ -156,9 +156,9 @@ def test_abort_frees_slots_before_the_next_engine_step() -> None:
     steps: list[int] = []
     real_step = engine.step
 
-    def counting_step():  # type: ignore[no-untyped-def]
+    def counting_step(collect: bool = True):  # type: ignore[no-untyped-def]
         steps.append(engine.pool.num_used)
-        return real_step()
+        return real_step(collect)
 
     engine.step = counting_step
 

@@ -1,0 +1,107 @@
+"""The engine loop's flow of outputs: one :class:`Stepped` in flight, the steps run meanwhile collected into
+the next one, nothing lost or repeated, whatever pace the server keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.server.engine_core import (
+    AbortCommand,
+    AddCommand,
+    Added,
+    Command,
+    EngineCore,
+    Event,
+    HandledCommand,
+    StepFailed,
+    Stepped,
+    StopCommand,
+    Stopped,
+)
+from tests.engine.conftest import make_engine
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=OutputKind.DELTA)
+
+
+def scripted(blocking: list[Command], polled: Callable[[int], list[Command]]) -> Callable[[bool], Command | None]:
+    """``next_command``: a blocking read takes the next of ``blocking`` (then stops the loop); the ``k``-th
+    non-blocking poll (one per step) returns the commands ``polled(k)`` lists, one by one."""
+    polls = 0
+    pending: list[Command] = []
+
+    def next_command(block: bool) -> Command | None:
+        nonlocal polls
+        if block:
+            return blocking.pop(0) if blocking else StopCommand()
+        if not pending:
+            polls += 1
+            pending.extend(polled(polls))
+            pending.append(None)  # type: ignore[arg-type]  # the end of this poll's commands
+        return pending.pop(0)
+
+    return next_command
+
+
+def run_core(polled: Callable[[int], list[Command]]) -> list[Event]:
+    """The events of a loop that serves two requests; the server handles the last outputs when the loop is
+    idle, then stops it."""
+    engine = make_engine()
+    add = AddCommand(0, ["a", "b"], ["Once upon", "The cat"], PARAMS, 0.0)
+    events: list[Event] = []
+    EngineCore(engine, scripted([add, HandledCommand()], polled), events.append).run()
+    assert engine.pool.num_used == 0
+    return events
+
+
+def tokens_of(events: list[Event]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for event in events:
+        if isinstance(event, Stepped):
+            for out in event.outputs:
+                tokens[out.request_id] += out.outputs[0].new_token_ids
+    return tokens
+
+
+def test_a_server_that_keeps_up_gets_every_step_and_one_that_does_not_gets_them_collected() -> None:
+    keeps_up = run_core(lambda poll: [HandledCommand()])  # each step's outputs handled before the next step
+    stepped = [e for e in keeps_up if isinstance(e, Stepped)]
+    assert len(stepped) == PARAMS.max_tokens and all(len(e.steps) == 1 for e in stepped)
+
+    # Handled before every third step: the steps in between post nothing and the next message carries them all.
+    slow = run_core(lambda poll: [HandledCommand()] if poll % 3 == 0 else [])
+    stepped = [e for e in slow if isinstance(e, Stepped)]
+    assert [len(e.steps) for e in stepped] == [1, 2, 3, 3, 1]
+    assert [len(e.outputs[0].outputs[0].new_token_ids) for e in stepped] == [1, 2, 3, 3, 1]
+    assert tokens_of(slow) == tokens_of(keeps_up) and all(len(t) == 10 for t in tokens_of(slow).values())
+    assert sum(e.outputs[0].finished for e in stepped) == 1 and isinstance(slow[-1], Stopped)
+
+    # Never handled while running: the first step's outputs, then the rest once the loop is idle and told so.
+    late = run_core(lambda poll: [])
+    stepped = [e for e in late if isinstance(e, Stepped)]
+    assert [len(e.steps) for e in stepped] == [1, 9]
+    assert tokens_of(late) == tokens_of(keeps_up)
+
+
+def test_an_abort_takes_the_uncollected_progress_of_its_request() -> None:
+    """``b`` is aborted while its last steps wait for the server: they end in the abort's final output."""
+    events = run_core(lambda poll: [AbortCommand(["b"])] if poll == 4 else [])
+    [aborted] = [e for e in events if not isinstance(e, Stepped | Added | Stopped)]
+    streamed = tokens_of(events)["b"]
+    (final,) = aborted.finals  # type: ignore[union-attr]
+    assert final.outputs[0].finish_reason == "abort"
+    assert len(streamed) == 1 and len(final.outputs[0].new_token_ids) == 2  # steps 2 and 3, never posted
+    assert len(tokens_of(events)["a"]) == 10
+
+
+def test_a_failed_step_first_posts_what_earlier_steps_left() -> None:
+    engine = make_engine()
+    engine.add_request("Once upon", PARAMS, "a")
+    events: list[Event] = []
+    core = EngineCore(engine, lambda block: StopCommand() if block else None, events.append)
+    core.unhandled = True  # the server has not handled the last outputs
+    assert core._step() and core._step() and events == []
+    engine.scheduler.schedule = None  # type: ignore[assignment, method-assign]  # the next step raises
+    assert not core._step()
+    assert [type(e) for e in events] == [Stepped, StepFailed]
+    assert len(events[0].steps) == 2 and len(events[0].outputs[0].outputs[0].new_token_ids) == 2  # type: ignore[union-attr]
