@@ -1,13 +1,13 @@
 """Launch choices for the Triton Mamba-1 / Mamba-2 decode stacks (``kernels/mamba_decode/fused_recurrent.py``,
-``kernels/mamba2_decode/fused_recurrent.py``) on this device.
+``kernels/mamba2_decode/fused_recurrent.py``) on this device, programmatic dependent launch among them.
 
 Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (bf16, a CUDA graph per batch size,
 48 layers and the LM head) at batch 1, 2, 4 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS
 GEMMs and one kernel per other op), then the stack (at every batch it takes, whatever the models'
-``STACK_MAX_BATCH``) at each choice of (in_proj rows per program, out_proj rows per program, product tile, warps),
-which both stacks share, at batch 1 and 8, and at the default choice at 2 and 4 (where the stack and the op-by-op
-step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op step
-measured in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy
+``STACK_MAX_BATCH``) at each choice of (in_proj rows per program, out_proj rows per program, product tile, warps,
+programmatic dependent launch), which both stacks share, at batch 1 and 8, and at the default choice at 2 and 4
+(where the stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op
+step measured in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy
 bandwidth measured here) and the largest difference of the logits from the op-by-op step's, best first, with
 the default marked. ``--smoke`` runs two choices on the tiny presets in fp32 on CPU (Triton interpreter, eager).
 
@@ -39,14 +39,17 @@ from rnnserve.kernels import mamba_decode as mamba_decode_ops  # noqa: E402
 from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
-KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS")
+KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS", "LAUNCH_PDL")
 DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
-# Around the default, one knob at a time, then the pairs that trade program count against step length.
-CHOICES = sorted({DEFAULT, *((rows, DEFAULT[1], DEFAULT[2], DEFAULT[3]) for rows in (4, 8, 32, 64)),
-                  *((DEFAULT[0], rows, DEFAULT[2], DEFAULT[3]) for rows in (1, 2, 8, 16)),
-                  *((DEFAULT[0], DEFAULT[1], tile, DEFAULT[3]) for tile in (4096, 16384)),
-                  *((DEFAULT[0], DEFAULT[1], DEFAULT[2], warps) for warps in (4, 16)),
-                  (8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4)})
+# Around the default, one knob at a time, then the pairs that trade program count against step length; all with
+# the default's launch, and the default and those pairs also with programmatic dependent launch switched.
+_PAIRS = ((8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))
+_SHAPES = {DEFAULT[:4], *((rows, *DEFAULT[1:4]) for rows in (4, 8, 32, 64)),
+           *((DEFAULT[0], rows, *DEFAULT[2:4]) for rows in (1, 2, 8, 16)),
+           *((*DEFAULT[:2], tile, DEFAULT[3]) for tile in (4096, 16384)),
+           *((*DEFAULT[:3], warps) for warps in (4, 16)), *_PAIRS}
+CHOICES = sorted({*((*shape, DEFAULT[4]) for shape in _SHAPES),
+                  *((*shape, not DEFAULT[4]) for shape in (DEFAULT[:4], *_PAIRS))})
 
 
 SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
@@ -133,7 +136,7 @@ def main() -> None:
     smoke, device = tuning_device(__doc__.splitlines()[0])
     presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [1], 1) if smoke else (
         ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 2, 4, 8], 50)
-    choices = [DEFAULT, (8, 2, 4096, 4)] if smoke else CHOICES
+    choices = [DEFAULT, (8, 2, 4096, 4, False)] if smoke else CHOICES  # the interpreter has no dependent launch
     peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
     print(f"{device_name(device)}: decode step, {str(dtype).removeprefix('torch.')}; per choice "
           f"({', '.join(KNOBS)}): ms/step, vs op by op, HBM roofline at {peak / 1e9:.0f} GB/s, max |logits diff|",

@@ -70,5 +70,5 @@ def test_decode_tune_smoke_times_the_op_by_op_step_and_each_choice():
     result, rows = _tune_smoke("decode_tune")
     names = sorted((row[0], row[1], row[2]) for row in rows)
     assert names == [(model, f"b={b}", name) for model in ("mamba-tiny", "mamba2-tiny") for b in (1,)
-                     for name in ("(8,2,4096,4)", "default", "op")], result.stdout
+                     for name in ("(8,2,4096,4,False)", "default", "op")], result.stdout
     assert all(float(row[-1]) < 1e-4 for row in rows), result.stdout  # the stack's logits == the op-by-op step's

@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
-from rnnserve.kernels.mamba_decode.fused_recurrent import conv_update, normed_input_times_weight
+from rnnserve.kernels.mamba_decode.fused_recurrent import (
+    conv_update,
+    l2_lines,
+    normed_input_times_weight,
+    overlap_previous_kernel,
+    wait_for_previous_kernel,
+)
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
@@ -40,9 +46,14 @@ def _mamba2_in_proj_kernel(
     conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr,
     batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
-    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if PDL:
+        n_out = d_inner + conv_dim + heads
+        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * d_model, (tl.minimum(pid * BO + BO, n_out) - pid * BO)
+                                * d_model, LINES)
     wdtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -70,7 +81,7 @@ def _mamba2_ssm_kernel(
     xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr,
     d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
     stride_ssm_slot, stride_ssm_h, stride_ssm_p,
-    BP: tl.constexpr, BN: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -80,21 +91,27 @@ def _mamba2_ssm_kernel(
     chan_ok = chans < head_dim
     states = tl.arange(0, BN)
     state_ok = states < d_state
-    row = xbc_ptr + b * conv_dim
-    x = tl.load(row + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
-    C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + b * heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
-    dt = tl.minimum(tl.maximum(softplus_f32(dt), dt_min), dt_max)
-    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + head).to(tl.float32)) * dt)
+    # What no earlier kernel of this step writes first (parameters, the slot's state rows), then the rest.
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
+    D = tl.load(D_ptr + head).to(tl.float32)
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ok = chan_ok[:, None] & state_ok[None, :]
     state_ptrs = (ssm_pool_ptr + slot * stride_ssm_slot + head * stride_ssm_h + chans[:, None] * stride_ssm_p
                   + states[None, :])
     s = tl.load(state_ptrs, mask=ok, other=0.0)
+    if PDL:
+        wait_for_previous_kernel()
+    row = xbc_ptr + b * conv_dim
+    x = tl.load(row + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
+    C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b * heads + head).to(tl.float32) + dt_bias
+    dt = tl.minimum(tl.maximum(softplus_f32(dt), dt_min), dt_max)
+    decay = tl.exp(A * dt)
     s = decay * s + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, s, mask=ok)
-    y = tl.sum(s * C[None, :], axis=1) + tl.load(D_ptr + head).to(tl.float32) * x
+    y = tl.sum(s * C[None, :], axis=1) + D * x
     z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
     gated = tl.where(chan_ok, y * z * tl.sigmoid(z), 0.0)
     tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
@@ -107,10 +124,14 @@ def _mamba2_out_proj_kernel(
     gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
     group_width, eps,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
-    BG: tl.constexpr,
+    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    if PDL:
+        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * d_inner,
+                                (tl.minimum(pid * BO + BO, d_model) - pid * BO) * d_inner, LINES)
     wdtype = w_ptr.dtype.element_ty
-    outs = tl.program_id(0) * BO + tl.arange(0, BO)
+    outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < d_model
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -207,21 +228,24 @@ def mamba2_decode_stack_triton(
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
             z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), num_warps=mamba1.NUM_WARPS,
+            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=mamba1.LAUNCH_PDL,
+            LINES=l2_lines(in_w, block_o), num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
         )
         if delta is not None:
             stream = new_stream
         _mamba2_ssm_kernel[(batch, heads, p_blocks)](
             xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, d_inner, conv_dim, heads, head_dim,
             d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
-            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), num_warps=mamba1.SSM_WARPS,
+            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=mamba1.LAUNCH_PDL, num_warps=mamba1.SSM_WARPS,
+            launch_pdl=mamba1.LAUNCH_PDL,
         )
         delta = torch.empty(batch, d_model, dtype=dtype, device=device)
         _mamba2_out_proj_kernel[(triton.cdiv(d_model, out_block_o),)](
             gated, squares, gated_w, out_w, out_b if out_b is not None else out_w, delta, batch, d_inner, d_model,
             parts, parts // groups, d_inner // groups, gated_eps,
             HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
-            BG=mamba1.pow2(groups), num_warps=mamba1.NUM_WARPS,
+            BG=mamba1.pow2(groups), PDL=mamba1.LAUNCH_PDL, LINES=l2_lines(out_w, out_block_o),
+            num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
         )
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
     return normed

@@ -41,6 +41,32 @@ OUT_PROJ_ROWS = 4
 SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
 SSM_WARPS = 4
+# Programmatic dependent launch (sm_90): each stack kernel may start while the one before it runs, prefetching
+# the weights (or state rows) only it reads, then waits for it (see overlap_previous_kernel). Unmeasured: on
+# when benchmarks/decode_tune.py shows it faster on a GPU.
+LAUNCH_PDL = False
+L2_LINE = tl.constexpr(128)  # bytes
+
+
+@triton.jit
+def overlap_previous_kernel(w_ptr, start, n_elements, LINES: tl.constexpr):
+    """The part of a stack kernel launched with programmatic dependent launch that overlaps the kernel before
+    it: ask L2 for ``n_elements`` contiguous weights at ``w_ptr + start`` (which only this kernel reads; one
+    line a lane, at most ``LINES`` lines), wait until the previous kernel completed (its outputs are this one's
+    inputs, and nothing it reads may be overwritten before), then let the next kernel launch."""
+    line = L2_LINE // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    offsets = tl.minimum(tl.arange(0, LINES) * line, n_elements - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + start + offsets],
+                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_kernel():
+    """:func:`overlap_previous_kernel` for a kernel that has loaded what it may read early itself."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -127,9 +153,13 @@ def _mamba_in_proj_kernel(
     batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
+    if PDL:
+        overlap_previous_kernel(w_ptr, first.to(tl.int64) * d_model, (tl.minimum(first + BO, 2 * d_inner) - first)
+                                * d_model, LINES)
     wdtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -160,7 +190,7 @@ def _mamba_in_proj_kernel(
 def _mamba_ssm_kernel(
     partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
     batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d,
-    BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     chans = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -170,6 +200,14 @@ def _mamba_ssm_kernel(
     ranks = tl.arange(0, BR)
     states = tl.arange(0, BN)
     state_ok = states < d_state
+    # The slot's state rows first (no earlier kernel of this step writes them), then what in_proj wrote. The
+    # parameters are read after: held across the partial sums' loop they would double the registers.
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    ok = chan_ok[:, None] & state_ok[None, :]
+    state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
+    h = tl.load(state_ptrs, mask=ok, other=0.0)
+    if PDL:
+        wait_for_previous_kernel()
     dt_low = tl.zeros([BR], dtype=tl.float32)
     B = tl.zeros([BN], dtype=tl.float32)
     C = tl.zeros([BN], dtype=tl.float32)
@@ -189,12 +227,8 @@ def _mamba_ssm_kernel(
                    mask=chan_ok[:, None] & (ranks < dt_rank)[None, :], other=0.0)
     dt = tl.sum(dt_w.to(tl.float32) * dt_low[None, :], axis=1).to(wdtype).to(tl.float32)
     dt = softplus_f32(dt + tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0))
-    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
-    ok = chan_ok[:, None] & state_ok[None, :]
-    state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
     A = tl.load(A_ptr + chans[:, None] * d_state + states[None, :], mask=ok, other=0.0)
     x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    h = tl.load(state_ptrs, mask=ok, other=0.0)
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, h, mask=ok)
     y = tl.sum(h * C[None, :], axis=1) + x * tl.load(D_ptr + chans, mask=chan_ok, other=0.0)
@@ -205,9 +239,13 @@ def _mamba_ssm_kernel(
 @triton.jit
 def _mamba_out_proj_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
-    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if PDL:
+        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * n_in, (tl.minimum(pid * BO + BO, n_out) - pid * BO)
+                                * n_in, LINES)
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
     rows = tl.arange(0, BB)
@@ -239,6 +277,11 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def l2_lines(weight: torch.Tensor, rows: int) -> int:
+    """``LINES`` of :func:`overlap_previous_kernel` for ``rows`` rows of ``weight`` (a power of two)."""
+    return pow2(triton.cdiv(rows * weight.shape[-1] * weight.element_size(), L2_LINE.value))
+
+
 def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) -> tuple[int, int, int]:
     """``(BO, BK, BE)`` of :func:`_mamba_in_proj_kernel`: :data:`IN_PROJ_ROWS` in_proj rows a program (a power of
     two that divides ``d_inner``, so no program straddles x and z), the K step filling :data:`TILE` and the x_proj
@@ -264,7 +307,8 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     block_o, block_k = out_proj_blocks(batch_block, n_in)
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
-        HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, num_warps=NUM_WARPS,
+        HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, PDL=LAUNCH_PDL,
+        LINES=l2_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
     )
     return out
 
@@ -323,13 +367,15 @@ def mamba_decode_stack_triton(
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), num_warps=NUM_WARPS,
+            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=LAUNCH_PDL,
+            LINES=l2_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
         )
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
             partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
-            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, num_warps=SSM_WARPS,
+            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=LAUNCH_PDL,
+            num_warps=SSM_WARPS, launch_pdl=LAUNCH_PDL,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -12,6 +12,7 @@ from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
+from rnnserve.kernels.mamba_decode import fused_recurrent
 from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from tests.kernels.kernel_cases import count_calls, twin_pools
 
@@ -52,6 +53,41 @@ def test_stack_equals_op_by_op_step(monkeypatch, architecture, dtype, batch) -> 
     for name in pools[0].tensors:
         error = (pools[0].tensors[name] - pools[1].tensors[name]).norm() / pools[1].tensors[name].norm()
         assert error < (1e-4 if dtype == torch.float32 else 1e-2), (name, error)
+
+
+@pytest.mark.parametrize("architecture", sorted(MODELS))
+@pytest.mark.parametrize("batch", [1, MAX_ROWS])
+@torch.inference_mode()
+def test_programmatic_dependent_launch_in_a_graph_changes_no_result(monkeypatch, architecture, batch) -> None:
+    """``LAUNCH_PDL``: each stack kernel may start while the one before it runs (prefetching, then waiting for
+    it). Captured in a CUDA graph and replayed, three steps equal three plain launches of the stack, logits and
+    states (fp32; the same arithmetic, so equal to rounding)."""
+    build, wrapper, switch = MODELS[architecture]
+    monkeypatch.setattr(switch, "STACK_MAX_BATCH", MAX_ROWS)
+    monkeypatch.setattr(switch, "STACK_ENABLED", True)
+    model = build()
+    model.init_weights(torch.Generator().manual_seed(0))
+    model = model.to("cuda").eval()
+    pools = twin_pools(model, 16, "cuda")
+    slots = (torch.randperm(15)[:batch] + 1).tolist()
+    decode = DecodeBatch.build(torch.randint(0, 512, (batch,)).tolist(), slots, [4] * batch, "cuda")
+    plain = [model.decode(decode, pools[1].tensors).clone() for _ in range(3)]
+    monkeypatch.setattr(fused_recurrent, "LAUNCH_PDL", True)
+    calls = count_calls(monkeypatch, [wrapper])
+    scratch = {name: t.clone() for name, t in pools[0].tensors.items()}
+    model.decode(decode, scratch)  # builds the PDL kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.decode(decode, pools[0].tensors)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(logits.clone())
+    assert calls[wrapper[1]] == 2
+    for ours, theirs in zip(replayed, plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for name in pools[0].tensors:
+        torch.testing.assert_close(pools[0].tensors[name], pools[1].tensors[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("architecture", sorted(MODELS))

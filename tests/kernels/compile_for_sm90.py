@@ -199,37 +199,48 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
 
 def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
     """The Triton Mamba-1 and Mamba-2 decode stacks at mamba-370m / mamba2-370m sizes, batch 1 and the largest
-    batch they take."""
+    batch they take, and at batch 1 also with programmatic dependent launch (``PDL``)."""
     f32 = "*fp32"
     types = {"x_ptr": act, "stream_ptr": f32, "delta_ptr": act, "norm_w_ptr": act, "new_stream_ptr": f32,
              "w_ptr": act, "bias_ptr": act, "conv_pool_ptr": f32, "conv_w_ptr": f32, "conv_b_ptr": f32,
              "slot_ids_ptr": "*i64", "x_proj_w_ptr": act, "xc_ptr": act, "z_ptr": act, "partial_ptr": f32,
              "dt_w_ptr": act, "dt_bias_ptr": f32, "A_ptr": f32, "D_ptr": f32, "ssm_pool_ptr": f32, "y_ptr": act,
              "out_ptr": act, "eps": "fp32"}
-    configs = []
-    for rows in (1, mamba_decode.MAX_ROWS):
-        block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
-        configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
-                                                       "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
-                                                       "BE": block_e, "BKC": 4}, mamba_decode.NUM_WARPS))
-        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
-        configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
-                                                                          "BO": block_o, "BK": block_k},
-                        mamba_decode.NUM_WARPS))
-    configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS},
-                    mamba_decode.SSM_WARPS))
     types2 = {**types, "conv_w_ptr": act, "conv_b_ptr": act, "xbc_ptr": act, "dt_ptr": act, "A_log_ptr": act,
               "D_ptr": act, "dt_bias_ptr": act, "gated_ptr": f32, "squares_ptr": f32, "dt_min": "fp32",
               "dt_max": "fp32"}
-    for rows in (1, mamba_decode.MAX_ROWS):
+    weight_bytes = 4 if act == "*fp32" else 2
+
+    def lines(block_o: int, row_len: int) -> int:
+        return mamba_decode.pow2(block_o * row_len * weight_bytes // mamba_decode.L2_LINE.value)
+
+    configs = []
+    gemv_warps, ssm_warps = mamba_decode.NUM_WARPS, mamba_decode.SSM_WARPS
+    for rows, pdl in ((1, False), (mamba_decode.MAX_ROWS, False), (1, True)):
+        block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
+        configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
+                                                       "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
+                                                       "BE": block_e, "BKC": 4, "PDL": pdl,
+                                                       "LINES": lines(block_o, 1024)}, gemv_warps))
+        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
+        configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
+                                                                          "BO": block_o, "BK": block_k, "PDL": pdl,
+                                                                          "LINES": lines(block_o, 2048)},
+                        gemv_warps))
         block_o, block_k = mamba2_decode.in_proj_blocks(rows, 1024)
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
-                                                         "BKC": 4}, mamba_decode.NUM_WARPS))
+                                                         "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024)},
+                        gemv_warps))
         block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
-                                                          "BK": block_k, "BQ": 128, "BG": 1}, mamba_decode.NUM_WARPS))
-    configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128}, mamba_decode.SSM_WARPS))
+                                                          "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
+                                                          "LINES": lines(block_o, 2048)}, gemv_warps))
+    for pdl in (False, True):
+        configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
+                                                   "PDL": pdl}, ssm_warps))
+        configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl},
+                        ssm_warps))
     return configs
 
 
