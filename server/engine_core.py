@@ -14,7 +14,8 @@ processes they are pickled through a pipe. A step's outputs cross as rows of pla
 (:class:`OutputEncoder` / :class:`OutputDecoder`: several times cheaper to pickle than dataclasses, which matters
 at a few hundred outputs per step), each carrying its request's prompt (ids, text, prompt logprobs) only the
 first time, so a long prompt is not pickled once per generated token. The loop posts a step's outputs only
-once the server handled the previous ones (:class:`EngineCore`), so a busy server gets fewer, larger messages.
+while the server has handled all but one of those it posted before (:class:`EngineCore`), so a busy server gets
+fewer, larger messages.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ Prompt = str | list[int]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
 SHUTDOWN_MESSAGE = "the server is shutting down"
+# Stepped events the server may hold unhandled: one it handles and the next, ready when it is done (one alone
+# would make it wait for the end of the engine's step after each).
+MAX_UNHANDLED = 2
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class AbortCommand:
 
 @dataclass
 class HandledCommand:
-    """The server handled the last :class:`Stepped`: the engine loop may post the next."""
+    """The server handled a :class:`Stepped`: the engine loop may post another."""
 
 
 @dataclass
@@ -187,12 +191,12 @@ class EngineCore:
     queued), steps while requests are unfinished, blocks for a command when idle, and reports each outcome
     through ``post``. One instance per engine; :meth:`run` ends with a :class:`Stopped` event.
 
-    Outputs flow with one message in flight: after posting a :class:`Stepped`, the loop builds the next one
-    only once the server says (:class:`HandledCommand`) that it handled the last. Steps run meanwhile collect
-    nothing; the next collection builds each request's output once for all of them (``LLMEngine.step``). So a
-    server that falls behind the device costs the engine one output per request per message, not per step,
-    and its streams send several tokens a chunk, instead of the engine slowing down to build and send outputs
-    that queue up."""
+    Outputs flow with at most :data:`MAX_UNHANDLED` messages in flight: once that many :class:`Stepped` are
+    posted, the loop builds the next one only after the server says (:class:`HandledCommand`) that it handled
+    one. Steps run meanwhile collect nothing; the next collection builds each request's output once for all of
+    them (``LLMEngine.step``). So a server that falls behind the device costs the engine one output per request
+    per message, not per step, and its streams send several tokens a chunk, instead of the engine slowing down
+    to build and send outputs that queue up."""
 
     def __init__(
         self, engine: LLMEngine, next_command: Callable[[bool], Command | None], post: Callable[[Event], None]
@@ -200,7 +204,7 @@ class EngineCore:
         self.engine = engine
         self.next_command = next_command
         self.post = post
-        self.unhandled = False  # a Stepped was posted and the server has not handled it yet
+        self.unhandled = 0  # Stepped events posted and not handled by the server yet
         self.steps: list[StepStats] = []  # the stats of the steps not posted yet
 
     def run(self) -> None:
@@ -213,7 +217,7 @@ class EngineCore:
                 if self.engine.has_unfinished_requests():
                     wait_for_command = not self._step()
                 else:
-                    if self._has_unposted() and not self.unhandled:
+                    if self._has_unposted() and self.unhandled < MAX_UNHANDLED:
                         self._post_outputs()
                     wait_for_command = True
         except Exception:
@@ -229,7 +233,7 @@ class EngineCore:
             if isinstance(command, StopCommand):
                 return False
             if isinstance(command, HandledCommand):
-                self.unhandled = False
+                self.unhandled -= 1
             elif isinstance(command, AddCommand):
                 self._add(command)
             else:
@@ -258,8 +262,8 @@ class EngineCore:
         self.post(Added(command.add_id, error, self.engine.load()))
 
     def _step(self) -> bool:
-        """One engine step, its outputs posted now or (while the server has not handled the last ones) with a
-        later step's; False if the step itself raised. With async scheduling (a GPU) the step returns once the
+        """One engine step, its outputs posted now or (while the server holds :data:`MAX_UNHANDLED` unhandled)
+        with a later step's; False if the step itself raised. With async scheduling (a GPU) the step returns once the
         next one is queued on the device, so its outputs are built and sent meanwhile."""
         try:
             self.engine.step(collect=False)
@@ -270,7 +274,7 @@ class EngineCore:
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
         self.steps.append(self.engine.last_step)
-        if not self.unhandled:
+        if self.unhandled < MAX_UNHANDLED:
             self._post_outputs()
         return True
 
@@ -279,7 +283,7 @@ class EngineCore:
 
     def _post_outputs(self) -> None:
         steps, self.steps = self.steps, []
-        self.unhandled = True
+        self.unhandled += 1
         self.post(Stepped(self.engine.collect_outputs(), steps, self.engine.load()))
 
 

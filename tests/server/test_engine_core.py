@@ -1,5 +1,5 @@
-"""The engine loop's flow of outputs: one :class:`Stepped` in flight, the steps run meanwhile collected into
-the next one, nothing lost or repeated, whatever pace the server keeps."""
+"""The engine loop's flow of outputs: at most two :class:`Stepped` in flight, the steps run meanwhile collected
+into the next one, nothing lost or repeated, whatever pace the server keeps."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.server.engine_core import (
+    MAX_UNHANDLED,
     AbortCommand,
     AddCommand,
     Added,
@@ -68,29 +69,30 @@ def test_a_server_that_keeps_up_gets_every_step_and_one_that_does_not_gets_them_
     stepped = [e for e in keeps_up if isinstance(e, Stepped)]
     assert len(stepped) == PARAMS.max_tokens and all(len(e.steps) == 1 for e in stepped)
 
-    # Handled before every third step: the steps in between post nothing and the next message carries them all.
+    # Handled before every third step: two messages in flight, then the steps in between post nothing and the
+    # next message carries them all.
     slow = run_core(lambda poll: [HandledCommand()] if poll % 3 == 0 else [])
     stepped = [e for e in slow if isinstance(e, Stepped)]
-    assert [len(e.steps) for e in stepped] == [1, 2, 3, 3, 1]
-    assert [len(e.outputs[0].outputs[0].new_token_ids) for e in stepped] == [1, 2, 3, 3, 1]
+    assert [len(e.steps) for e in stepped] == [1, 1, 1, 3, 3, 1]
+    assert [len(e.outputs[0].outputs[0].new_token_ids) for e in stepped] == [1, 1, 1, 3, 3, 1]
     assert tokens_of(slow) == tokens_of(keeps_up) and all(len(t) == 10 for t in tokens_of(slow).values())
     assert sum(e.outputs[0].finished for e in stepped) == 1 and isinstance(slow[-1], Stopped)
 
-    # Never handled while running: the first step's outputs, then the rest once the loop is idle and told so.
+    # Never handled while running: the first two steps' outputs, then the rest once the loop is idle and told so.
     late = run_core(lambda poll: [])
     stepped = [e for e in late if isinstance(e, Stepped)]
-    assert [len(e.steps) for e in stepped] == [1, 9]
+    assert [len(e.steps) for e in stepped] == [1, 1, 8]
     assert tokens_of(late) == tokens_of(keeps_up)
 
 
 def test_an_abort_takes_the_uncollected_progress_of_its_request() -> None:
-    """``b`` is aborted while its last steps wait for the server: they end in the abort's final output."""
+    """``b`` is aborted while its last step waits for the server: it ends in the abort's final output."""
     events = run_core(lambda poll: [AbortCommand(["b"])] if poll == 4 else [])
     [aborted] = [e for e in events if not isinstance(e, Stepped | Added | Stopped)]
     streamed = tokens_of(events)["b"]
     (final,) = aborted.finals  # type: ignore[union-attr]
     assert final.outputs[0].finish_reason == "abort"
-    assert len(streamed) == 1 and len(final.outputs[0].new_token_ids) == 2  # steps 2 and 3, never posted
+    assert len(streamed) == 2 and len(final.outputs[0].new_token_ids) == 1  # step 3, never posted
     assert len(tokens_of(events)["a"]) == 10
 
 
@@ -99,7 +101,7 @@ def test_a_failed_step_first_posts_what_earlier_steps_left() -> None:
     engine.add_request("Once upon", PARAMS, "a")
     events: list[Event] = []
     core = EngineCore(engine, lambda block: StopCommand() if block else None, events.append)
-    core.unhandled = True  # the server has not handled the last outputs
+    core.unhandled = MAX_UNHANDLED  # the server holds as many outputs as it may
     assert core._step() and core._step() and events == []
     engine.scheduler.schedule = None  # type: ignore[assignment, method-assign]  # the next step raises
     assert not core._step()
