@@ -30,15 +30,19 @@ from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
+    AbortCommand,
     Aborted,
     Added,
+    CommandSender,
     EncodedStep,
     EngineInfo,
     EventSender,
+    HandledCommand,
     OutputDecoder,
     OutputEncoder,
     ProcessDriver,
     Stepped,
+    StopCommand,
     ThreadDriver,
     portable_error,
 )
@@ -290,6 +294,27 @@ def test_an_event_that_cannot_be_encoded_raises_and_a_closed_pipe_does_not() -> 
         sender.post(Stepped(None, [], None))  # type: ignore[arg-type]
     server_end.close()
     sender.post(Stepped([output("a", [4])], [], None))  # type: ignore[arg-type]
+
+
+def test_commands_queued_together_cross_as_one_message_and_a_stop_ends_the_sender() -> None:
+    server_end, engine_end = multiprocessing.Pipe()
+    sender = CommandSender(server_end)
+    commands = [AbortCommand(["a"]), HandledCommand(), AbortCommand(["b", "c"])]
+    for command in commands:
+        sender.send(command)  # queued before the thread starts: one batch
+    sender.thread.start()
+    assert pickle.loads(engine_end.recv_bytes()) == commands
+    sender.send(StopCommand())
+    sender.send(AbortCommand(["late"]))
+    sender.thread.join(10)
+    assert not sender.thread.is_alive()
+    assert StopCommand() in pickle.loads(engine_end.recv_bytes())
+    engine_end.close()
+    closed = CommandSender(server_end)  # a pipe whose engine end is gone ends the thread, not the server
+    closed.thread.start()
+    closed.send(HandledCommand())
+    closed.thread.join(10)
+    assert not closed.thread.is_alive()
 
 
 def test_errors_cross_with_their_types_and_fields() -> None:
