@@ -219,8 +219,7 @@ class EngineCore:
                 if self.engine.has_unfinished_requests():
                     wait_for_command = not self._step()
                 else:
-                    if self._has_unposted() and self.unhandled < MAX_UNHANDLED:
-                        self._post_outputs()
+                    self._post_outputs_if_room()
                     wait_for_command = True
         except Exception:
             logger.exception("engine loop crashed")
@@ -276,12 +275,15 @@ class EngineCore:
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
         self.steps.append(self.engine.last_step)
-        if self.unhandled < MAX_UNHANDLED:
-            self._post_outputs()
+        self._post_outputs_if_room()
         return True
 
     def _has_unposted(self) -> bool:
         return bool(self.steps) or self.engine.has_uncollected_outputs
+
+    def _post_outputs_if_room(self) -> None:
+        if self.unhandled < MAX_UNHANDLED and self._has_unposted():
+            self._post_outputs()
 
     def _post_outputs(self) -> None:
         steps, self.steps = self.steps, []

@@ -29,10 +29,10 @@ import triton.language as tl
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
     conv_update,
-    l2_lines,
     normed_input_times_weight,
     overlap_previous_kernel,
     wait_for_previous_kernel,
+    weight_lines,
 )
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
@@ -51,9 +51,7 @@ def _mamba2_in_proj_kernel(
 ):
     pid = tl.program_id(0)
     if PDL:
-        n_out = d_inner + conv_dim + heads
-        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * d_model, (tl.minimum(pid * BO + BO, n_out) - pid * BO)
-                                * d_model, LINES)
+        overlap_previous_kernel(w_ptr, pid * BO, d_inner + conv_dim + heads, d_model, BO, LINES)
     wdtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -128,8 +126,7 @@ def _mamba2_out_proj_kernel(
 ):
     pid = tl.program_id(0)
     if PDL:
-        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * d_inner,
-                                (tl.minimum(pid * BO + BO, d_model) - pid * BO) * d_inner, LINES)
+        overlap_previous_kernel(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
     wdtype = w_ptr.dtype.element_ty
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < d_model
@@ -229,7 +226,7 @@ def mamba2_decode_stack_triton(
             z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=mamba1.LAUNCH_PDL,
-            LINES=l2_lines(in_w, block_o), num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
+            LINES=weight_lines(in_w, block_o), num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
         )
         if delta is not None:
             stream = new_stream
@@ -244,7 +241,7 @@ def mamba2_decode_stack_triton(
             gated, squares, gated_w, out_w, out_b if out_b is not None else out_w, delta, batch, d_inner, d_model,
             parts, parts // groups, d_inner // groups, gated_eps,
             HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
-            BG=mamba1.pow2(groups), PDL=mamba1.LAUNCH_PDL, LINES=l2_lines(out_w, out_block_o),
+            BG=mamba1.pow2(groups), PDL=mamba1.LAUNCH_PDL, LINES=weight_lines(out_w, out_block_o),
             num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
         )
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -49,24 +49,26 @@ L2_LINE = tl.constexpr(128)  # bytes
 
 
 @triton.jit
-def overlap_previous_kernel(w_ptr, start, n_elements, LINES: tl.constexpr):
-    """The part of a stack kernel launched with programmatic dependent launch that overlaps the kernel before
-    it: ask L2 for ``n_elements`` contiguous weights at ``w_ptr + start`` (which only this kernel reads; one
-    line a lane, at most ``LINES`` lines), wait until the previous kernel completed (its outputs are this one's
-    inputs, and nothing it reads may be overwritten before), then let the next kernel launch."""
-    line = L2_LINE // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    offsets = tl.minimum(tl.arange(0, LINES) * line, n_elements - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + start + offsets],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def wait_for_previous_kernel():
+    """Under programmatic dependent launch: wait until the previous kernel completed (its outputs are this
+    one's inputs, and nothing it reads may be overwritten before), then let the next kernel launch."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def wait_for_previous_kernel():
-    """:func:`overlap_previous_kernel` for a kernel that has loaded what it may read early itself."""
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+def overlap_previous_kernel(w_ptr, first_row, n_rows, row_len, BO: tl.constexpr, LINES: tl.constexpr):
+    """The part of a GEMV program launched with programmatic dependent launch that overlaps the kernel before
+    it: ask L2 for its weight rows ``first_row`` to ``first_row + BO`` (of ``n_rows`` rows of ``row_len``,
+    contiguous; only this kernel reads them; one line a lane, at most ``LINES`` lines), then
+    :func:`wait_for_previous_kernel`."""
+    line = L2_LINE // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    n_elements = (tl.minimum(first_row + BO, n_rows) - first_row) * row_len
+    offsets = tl.minimum(tl.arange(0, LINES) * line, n_elements - 1)
+    rows_ptr = w_ptr + first_row.to(tl.int64) * row_len
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows_ptr + offsets],
+                              dtype=tl.int32, is_pure=False, pack=1)
+    wait_for_previous_kernel()
 
 
 @triton.jit
@@ -158,8 +160,7 @@ def _mamba_in_proj_kernel(
     pid = tl.program_id(0)
     first = pid * BO
     if PDL:
-        overlap_previous_kernel(w_ptr, first.to(tl.int64) * d_model, (tl.minimum(first + BO, 2 * d_inner) - first)
-                                * d_model, LINES)
+        overlap_previous_kernel(w_ptr, first, 2 * d_inner, d_model, BO, LINES)
     wdtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -244,8 +245,7 @@ def _mamba_out_proj_kernel(
 ):
     pid = tl.program_id(0)
     if PDL:
-        overlap_previous_kernel(w_ptr, (pid * BO).to(tl.int64) * n_in, (tl.minimum(pid * BO + BO, n_out) - pid * BO)
-                                * n_in, LINES)
+        overlap_previous_kernel(w_ptr, pid * BO, n_out, n_in, BO, LINES)
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
     rows = tl.arange(0, BB)
@@ -277,9 +277,14 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def l2_lines(weight: torch.Tensor, rows: int) -> int:
-    """``LINES`` of :func:`overlap_previous_kernel` for ``rows`` rows of ``weight`` (a power of two)."""
-    return pow2(triton.cdiv(rows * weight.shape[-1] * weight.element_size(), L2_LINE.value))
+def l2_lines(rows: int, row_bytes: int) -> int:
+    """``LINES`` of :func:`overlap_previous_kernel` for ``rows`` rows of ``row_bytes`` (a power of two)."""
+    return pow2(triton.cdiv(rows * row_bytes, L2_LINE.value))
+
+
+def weight_lines(weight: torch.Tensor, rows: int) -> int:
+    """:func:`l2_lines` for ``rows`` rows of ``weight``."""
+    return l2_lines(rows, weight.shape[-1] * weight.element_size())
 
 
 def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) -> tuple[int, int, int]:
@@ -308,7 +313,7 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
         HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, PDL=LAUNCH_PDL,
-        LINES=l2_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
+        LINES=weight_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
     )
     return out
 
@@ -368,7 +373,7 @@ def mamba_decode_stack_triton(
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=LAUNCH_PDL,
-            LINES=l2_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
+            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
         )
         if delta is not None:
             stream = new_stream

@@ -212,7 +212,7 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
     weight_bytes = 4 if act == "*fp32" else 2
 
     def lines(block_o: int, row_len: int) -> int:
-        return mamba_decode.pow2(block_o * row_len * weight_bytes // mamba_decode.L2_LINE.value)
+        return mamba_decode.l2_lines(block_o, row_len * weight_bytes)
 
     configs = []
     gemv_warps, ssm_warps = mamba_decode.NUM_WARPS, mamba_decode.SSM_WARPS
