@@ -1,0 +1,231 @@
+"""The serving process's own CPU per request and per streamed chunk, without sockets, clients or an engine.
+
+The real app (``create_app``: middleware, routes, validation, submission, streaming, metrics) runs on uvloop in
+this thread, called directly through ASGI, and a scripted engine driver answers it at once: each add is accepted,
+and while requests are running, each turn of the event loop is one engine step that gives every running request
+one token (``Stepped`` events as the engine loop posts them). What remains is the server's work alone, measured
+as this thread's CPU time over many requests, so two trees (or two settings) can be compared to a few percent on
+a noisy machine, which the end-to-end HTTP benchmarks cannot do. uvicorn's protocol and the socket writes are
+not included (``benchmarks/http_stack.py`` measures those). Two loads, round after round: one-token streamed
+requests at ``--concurrency`` (CPU per request) and streams of ``--output-len`` tokens (CPU per chunk, each a
+token)::
+
+    .venv/bin/python benchmarks/server_overhead.py [--requests 256] [--concurrency 128] [--output-len 16] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runs from a checkout without installing: rnnserve finds its folders beside rnnserve/.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+os.environ["RNNSERVE_CPU_KERNELS"] = "0"  # the engine is never stepped: no need to build (or rebuild) its kernels
+
+import torch  # noqa: E402
+import uvloop  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+
+from rnnserve.engine.llm_engine import EngineLoad, StepStats, freeze_startup_heap  # noqa: E402
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
+from rnnserve.server.engine_core import (  # noqa: E402
+    AbortCommand,
+    AddCommand,
+    Added,
+    Command,
+    EngineInfo,
+    EventHandler,
+    Stepped,
+)
+
+PRESET = "mingru-tiny"
+
+
+class ScriptedDriver:
+    """An engine driver whose engine takes no time: an add is accepted on the next turn of the event loop; while
+    requests run, each turn is a step that gives all of them a token (byte ``a``), until each has the
+    ``max_tokens`` it asked for."""
+
+    engine = None
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: EventHandler | None = None
+        self._requests: dict[str, tuple[list[int], int, RequestMetrics]] = {}  # prompt, max_tokens, metrics
+        self._generated: dict[str, int] = {}
+        self._stepping = False
+
+    def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
+        self._loop, self._handle, self.running = loop, handle, True
+
+    def stop(self, timeout: float) -> None:
+        self.running = False
+
+    def send(self, command: Command) -> None:
+        assert self._loop is not None and self._handle is not None
+        if isinstance(command, AddCommand):
+            now = time.monotonic()
+            for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+                assert isinstance(prompt, list), "the benchmark sends token ids"
+                self._requests[request_id] = (prompt, command.params.max_tokens, RequestMetrics(now, now))
+                self._generated[request_id] = 0
+            self._loop.call_soon(self._handle, Added(command.add_id, None, self.info.load))
+            if not self._stepping:
+                self._stepping = True
+                self._loop.call_soon(self._step)
+        elif isinstance(command, AbortCommand):
+            for request_id in command.request_ids:
+                self._requests.pop(request_id, None)
+
+    def _step(self) -> None:
+        assert self._loop is not None and self._handle is not None
+        now = time.monotonic()
+        outputs = []
+        for request_id, (prompt, max_tokens, metrics) in list(self._requests.items()):
+            count = self._generated[request_id] + 1
+            self._generated[request_id] = count
+            finished = count >= max_tokens
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.previous_token_time, metrics.last_token_time = metrics.last_token_time, now
+            if finished:
+                metrics.finished_time = now
+                del self._requests[request_id]
+            sample = CompletionOutput(0, "a", [97], "length" if finished else None, None, 0.0, "a", [97], [], count)
+            outputs.append(RequestOutput(request_id, None, prompt, [sample], finished, metrics.copy()))
+        stats = StepStats(decode_batch_size=len(outputs), generated_tokens=len(outputs))
+        self._handle(Stepped(outputs, [stats], self.info.load))
+        self._stepping = bool(self._requests)
+        if self._stepping:
+            self._loop.call_soon(self._step)
+
+
+def scripted_app(concurrency: int) -> FastAPI:
+    """The real app with :class:`ScriptedDriver` in place of its engine (``random:`` preset ``PRESET`` on CPU
+    describes the model: tokenizer, limits, pool)."""
+    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=concurrency, engine_process="off", api_key=None)
+    app = create_app(config)
+    bridge = app.state.engine
+    bridge.driver.thread.close()
+    info = bridge.driver.info
+    bridge.driver = ScriptedDriver(EngineInfo(**{**info.__dict__, "load": EngineLoad(0, 0, concurrency, 0, 0)}))
+    return app
+
+
+async def lifespan(app: FastAPI) -> tuple[asyncio.Queue, asyncio.Task]:
+    """Start the app's lifespan; put ``lifespan.shutdown`` on the queue and await the task to end it."""
+    messages: asyncio.Queue = asyncio.Queue()
+    started = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            started.set()
+        elif message["type"].endswith("failed"):
+            raise RuntimeError(message)
+
+    await messages.put({"type": "lifespan.startup"})
+    task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, messages.get, send))
+    await started.wait()
+    return messages, task
+
+
+async def streamed_request(app: FastAPI, body: bytes) -> int:
+    """POST ``body`` to ``/v1/completions`` through ASGI; the number of SSE events received (checked to end with
+    ``[DONE]`` after a 200)."""
+    headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": headers, "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
+             "state": {}}  # fmt: skip
+    sent = False
+    disconnected = asyncio.Event()
+    status = 0
+    chunks: list[bytes] = []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    disconnected.set()
+    text = b"".join(chunks).decode()
+    if status != 200 or not text.endswith("data: [DONE]\n\n"):
+        raise RuntimeError(f"request failed: {status} {text[:200]!r}")
+    return text.count("data: ")
+
+
+async def load(app: FastAPI, requests: int, concurrency: int, output_len: int) -> tuple[float, int]:
+    """``requests`` streamed completions, ``concurrency`` at a time: this thread's CPU seconds and the events."""
+    body = json.dumps({"prompt": list(range(16)), "max_tokens": output_len, "stream": True}).encode()
+    pending = iter(range(requests))
+    events = 0
+
+    async def client() -> None:
+        nonlocal events
+        for _ in pending:
+            events += await streamed_request(app, body)
+
+    start = time.thread_time()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.thread_time() - start, events
+
+
+async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per round, CPU us per one-token request and per chunk of the streams."""
+    app = scripted_app(args.concurrency)
+    messages, task = await lifespan(app)
+    figures: dict[str, list[float]] = {"request": [], "chunk": []}
+    await load(app, args.concurrency, args.concurrency, 4)  # warm-up
+    freeze_startup_heap()  # as `rnnserve serve` does
+    for _ in range(args.rounds):
+        cpu, _ = await load(app, args.requests, args.concurrency, 1)
+        figures["request"].append(cpu / args.requests * 1e6)
+        cpu, _ = await load(app, args.concurrency, args.concurrency, args.output_len)
+        figures["chunk"].append(cpu / (args.concurrency * args.output_len) * 1e6)
+    await messages.put({"type": "lifespan.shutdown"})
+    await task
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256, help="one-token requests per round (default: 256)")
+    parser.add_argument("--concurrency", type=int, default=128, help="requests in flight (default: 128)")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens per stream (default: 16)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds (default: 20)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    figures = uvloop.run(measure(args))
+    print(f"rnnserve's app in process on uvloop, scripted engine; concurrency {args.concurrency}, {args.rounds} "
+          "rounds: the fastest round (the machine's noise only adds time), the 25th percentile, the median")
+    for name, values in (("CPU us per one-token request", figures["request"]),
+                         (f"CPU us per chunk, streams of {args.output_len} tokens", figures["chunk"])):  # fmt: skip
+        quartiles = statistics.quantiles(values, n=4)
+        print(f"{name:44s} {min(values):8.1f} {quartiles[0]:8.1f} {quartiles[1]:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
