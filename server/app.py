@@ -110,13 +110,13 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if err.status_code == 404 else None
-        return APIError(err.status_code, str(err.detail), code=code).response()
+        return APIError(err.status_code, str(err.detail), code=code, headers=err.headers).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return APIError(500, "internal server error", type="internal_error").response()
 
-    app.include_router(api_router(OpenAIServing(config, async_engine, metrics, sessions)))
+    api_router(OpenAIServing(config, async_engine, metrics, sessions), app.router)
     app.include_router(dashboard_router(metrics))
     return app

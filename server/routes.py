@@ -9,7 +9,7 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -365,9 +365,28 @@ class OpenAIServing:
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
 
-def api_router(serving: OpenAIServing) -> APIRouter:
-    """Every route of the server, bound to ``serving``."""
-    router = APIRouter()
+def add_generation_route(router: APIRouter, path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> None:
+    """Serve ``POST path`` with ``endpoint`` (which takes the request alone and parses its body itself) called
+    as Starlette calls it, without FastAPI's per-request dependency solving and exit stacks: ~50 us less of
+    the serving process's CPU per request. A FastAPI route after it, which requests never reach, lists it in
+    the OpenAPI schema all the same."""
+    router.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
+    router.add_api_route(path, endpoint, methods=["POST"])
+
+
+def api_router(serving: OpenAIServing, router: APIRouter | None = None) -> APIRouter:
+    """Every route of the server, bound to ``serving``, added to ``router`` (a new one by default). The
+    generation routes come first: a request is matched against the routes in order."""
+    router = router if router is not None else APIRouter()
+
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request, await parse_body(request, CompletionRequest))
+
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(request, await parse_body(request, ChatCompletionRequest))
+
+    add_generation_route(router, "/v1/completions", completions)
+    add_generation_route(router, "/v1/chat/completions", chat_completions)
 
     @router.get("/ready")
     async def ready() -> JSONResponse:
@@ -400,14 +419,6 @@ def api_router(serving: OpenAIServing) -> APIRouter:
     async def get_model(name: str) -> JSONResponse:
         serving.check_model(name)
         return JSONResponse(serving.model_card(name))
-
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request, await parse_body(request, CompletionRequest))
-
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat_completions(request, await parse_body(request, ChatCompletionRequest))
 
     @router.post("/v1/sessions")
     async def create_session(request: Request) -> JSONResponse:

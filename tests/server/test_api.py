@@ -109,6 +109,15 @@ def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -
     assert texts[0] == complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
 
 
+def test_streamed_usage_of_several_prompts_and_samples_equals_the_response_usage(client: TestClient) -> None:
+    body = {"prompt": ["Hello", "Hi"], "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 5, "stop": ["e"]}
+    expected = complete(client, **body)["usage"]
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    *chunks, usage_chunk, done = events(client.post("/v1/completions", json=stream).text)
+    assert done == "[DONE]" and all(c["usage"] is None for c in chunks)  # type: ignore[index]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == expected  # type: ignore[index]
+
+
 def test_seed_makes_sampling_reproducible(client: TestClient) -> None:
     params = {"prompt": "abc", "temperature": 1.0, "max_tokens": 12, "seed": 7}
     assert complete(client, **params)["choices"][0]["text"] == complete(client, **params)["choices"][0]["text"]
@@ -230,6 +239,15 @@ def test_models_tokenize_detokenize_health(client: TestClient) -> None:
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["tokens"] == list(b"User: Hi\nAssistant:")
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_generation_routes_are_in_the_schema_and_refuse_other_methods(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert list(paths["/v1/completions"]) == ["post"] and list(paths["/v1/chat/completions"]) == ["post"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = client.get(path)
+        assert response.status_code == 405 and response.headers["allow"] == "POST", response.text
+        assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
 def test_model_name_may_be_given_or_omitted(client: TestClient) -> None:
