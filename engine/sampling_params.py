@@ -36,6 +36,10 @@ class InvalidParameterError(ValueError):
 def as_number(param: str, value: object, integer: bool) -> int | float:
     """``value`` as an ``int`` (``integer``) or a finite ``float``; :class:`InvalidParameterError` for anything
     else: bools, strings, floats where an integer is expected, NaN, infinities, ints beyond the float range."""
+    if type(value) is int and integer:  # the common cases first: every request checks about fifteen fields
+        return value
+    if type(value) is float and not integer and math.isfinite(value):
+        return value
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         raise InvalidParameterError(param, f"{param} must be {'an integer' if integer else 'a number'}")
@@ -105,31 +109,46 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidParameterError("stop", "stop must be a string or a list of strings")
         seed_min, seed_max = self.SEED_RANGE
-        checks = [
-            ("n", 1 <= self.n <= self.MAX_N, f"n must be between 1 and {self.MAX_N}"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            ("top_k", -1 <= self.top_k <= INT64_MAX,
-             f"top_k must be -1 or 0 (disabled) or a positive integer up to {INT64_MAX}"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            ("repetition_penalty", self.MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
-             f"repetition_penalty must be in [{self.MIN_REPETITION_PENALTY}, 10]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            ("max_tokens", 1 <= self.max_tokens <= INT64_MAX, f"max_tokens must be between 1 and {INT64_MAX}"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
-             f"logprobs must be between 0 and {self.MAX_LOGPROBS}"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
-             f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}"),
-            ("seed", self.seed is None or seed_min <= self.seed <= seed_max,
-             f"seed must be between {seed_min} and {seed_max}"),
-            ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
-             f"stop_token_ids must be between 0 and {INT64_MAX}"),
-        ]  # fmt: skip
-        for param, ok, message in checks:
+        in_range = {
+            "n": 1 <= self.n <= self.MAX_N,
+            "temperature": 0.0 <= self.temperature <= 100.0,
+            "top_p": 0.0 < self.top_p <= 1.0,
+            "top_k": -1 <= self.top_k <= INT64_MAX,
+            "min_p": 0.0 <= self.min_p <= 1.0,
+            "repetition_penalty": self.MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+            "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
+            "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
+            "max_tokens": 1 <= self.max_tokens <= INT64_MAX,
+            "min_tokens": 0 <= self.min_tokens <= self.max_tokens,
+            "logprobs": self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+            "prompt_logprobs": self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+            "seed": self.seed is None or seed_min <= self.seed <= seed_max,
+            "stop_token_ids": all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+        }
+        for param, ok in in_range.items():
             if not ok:
-                raise InvalidParameterError(param, message)
+                raise InvalidParameterError(param, self.range_message(param))
+
+    @classmethod
+    def range_message(cls, param: str) -> str:
+        """What :meth:`validate` says when ``param`` is out of its range."""
+        seed_min, seed_max = cls.SEED_RANGE
+        return {
+            "n": f"n must be between 1 and {cls.MAX_N}",
+            "temperature": "temperature must be between 0 and 100",
+            "top_p": "top_p must be in (0, 1]",
+            "top_k": f"top_k must be -1 or 0 (disabled) or a positive integer up to {INT64_MAX}",
+            "min_p": "min_p must be in [0, 1]",
+            "repetition_penalty": f"repetition_penalty must be in [{cls.MIN_REPETITION_PENALTY}, 10]",
+            "presence_penalty": "presence_penalty must be in [-2, 2]",
+            "frequency_penalty": "frequency_penalty must be in [-2, 2]",
+            "max_tokens": f"max_tokens must be between 1 and {INT64_MAX}",
+            "min_tokens": "min_tokens must be in [0, max_tokens]",
+            "logprobs": f"logprobs must be between 0 and {cls.MAX_LOGPROBS}",
+            "prompt_logprobs": f"prompt_logprobs must be between 0 and {cls.MAX_LOGPROBS}",
+            "seed": f"seed must be between {seed_min} and {seed_max}",
+            "stop_token_ids": f"stop_token_ids must be between 0 and {INT64_MAX}",
+        }[param]
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,7 @@ class APIModel(BaseModel):
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of the fields this server ignored, nested request objects included."""
         names = [prefix + name for name in self.model_extra or {}]
-        for name in type(self).model_fields:
+        for name in sorted(self.model_fields_set):  # a nested object has unknown fields only if it was sent
             value = getattr(self, name)
             if isinstance(value, APIModel):
                 names += value.unknown_fields(f"{prefix}{name}.")

@@ -201,8 +201,11 @@ class Generation(ABC):
         try:
             for choice in self.opening_choices():
                 yield self.chunk([choice])
+            options = self.req.stream_options
+            continuous_usage = bool(self.req.include_usage and options and options.continuous_usage_stats)
             async for out in self.submission.outputs():
-                self.record(out)
+                if out.finished or continuous_usage:  # usage counts each request's last output
+                    self.record(out)
                 choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
                 if choices:
                     pending.append(self.chunk(choices))
@@ -257,12 +260,13 @@ class CompletionStream(Generation):
         super().__init__(*args)
         self.offsets: dict[int, int] = {}
         self.started: set[int] = set()
+        self.echo_only = self.req.echo_only
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
     def reported_tokens(self, sample: CompletionOutput) -> int:
-        return 0 if self.req.echo_only else sample.num_tokens
+        return 0 if self.echo_only else sample.num_tokens
 
     def echoed_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
         """The prompt's tokens and logprobs that ``echo`` with ``logprobs`` puts before the generated ones."""
@@ -271,7 +275,7 @@ class CompletionStream(Generation):
         return list(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True))
 
     def generated_entries(self, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
-        return [] if self.req.echo_only else [(e.token_id, e) for e in entries]
+        return [] if self.echo_only else [(e.token_id, e) for e in entries]
 
     def logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict | None:
         """OpenAI's completion logprobs; prompt tokens echoed with them may have no entry (the first)."""
@@ -304,7 +308,7 @@ class CompletionStream(Generation):
         self, out: RequestOutput, index: int, text: str, sample: CompletionOutput, logprobs: dict | None, first: bool
     ) -> dict:
         """A choice; the first of each index carries ``prompt_logprobs`` when they were asked for."""
-        finish = "length" if self.req.echo_only and sample.finished else sample.finish_reason
+        finish = "length" if self.echo_only and sample.finished else sample.finish_reason
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         if first and self.req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
@@ -312,8 +316,8 @@ class CompletionStream(Generation):
 
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         index = self.choice_index(out, sample)
-        text = "" if self.req.echo_only else sample.text_delta
-        entries = self.generated_entries(sample.new_logprobs)
+        text = "" if self.echo_only else sample.text_delta
+        entries = self.generated_entries(sample.new_logprobs) if self.params.logprobs is not None else []
         first = index not in self.started
         if first:
             self.started.add(index)
@@ -321,14 +325,14 @@ class CompletionStream(Generation):
                 text = self.prompt_text(out) + text
                 entries = self.echoed_entries(out) + entries
         wants_logprobs = self.params.logprobs is not None and entries
-        new_tokens = bool(sample.new_token_ids) and not self.req.echo_only
+        new_tokens = bool(sample.new_token_ids) and not self.echo_only
         opening_logprobs = first and self.req.prompt_logprobs is not None
         news = text or new_tokens or sample.finished or wants_logprobs or opening_logprobs
         return self.choice(out, index, text, sample, self.logprobs(index, entries), first) if news else None
 
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
         index = self.choice_index(out, sample)
-        text = "" if self.req.echo_only else sample.text
+        text = "" if self.echo_only else sample.text
         entries = self.generated_entries(sample.logprobs or [])
         if self.req.echo:
             text = self.prompt_text(out) + text
