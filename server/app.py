@@ -41,7 +41,7 @@ from rnnserve.server.engine_core import EngineDriver, EngineFactory, EngineThrea
 from rnnserve.server.errors import APIError
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
-from rnnserve.server.routes import OpenAIServing, api_router
+from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
 
 __all__ = ["ServerConfig", "create_app"]
@@ -117,6 +117,6 @@ def create_app(
         logger.exception("unhandled error")
         return APIError(500, "internal server error", type="internal_error").response()
 
-    api_router(OpenAIServing(config, async_engine, metrics, sessions), app.router)
+    add_api_routes(app.router, OpenAIServing(config, async_engine, metrics, sessions))
     app.include_router(dashboard_router(metrics))
     return app

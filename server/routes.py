@@ -374,10 +374,10 @@ def add_generation_route(router: APIRouter, path: str, endpoint: Callable[[Reque
     router.add_api_route(path, endpoint, methods=["POST"])
 
 
-def api_router(serving: OpenAIServing, router: APIRouter | None = None) -> APIRouter:
-    """Every route of the server, bound to ``serving``, added to ``router`` (a new one by default). The
-    generation routes come first: a request is matched against the routes in order."""
-    router = router if router is not None else APIRouter()
+def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
+    """Add every route of the server, bound to ``serving``, to ``router`` (the app's own: an included router
+    costs FastAPI another matching layer per request). The generation routes come first: a request is matched
+    against the routes in order."""
 
     async def completions(request: Request) -> Response:
         return await serving.completions(request, await parse_body(request, CompletionRequest))
@@ -457,4 +457,3 @@ def api_router(serving: OpenAIServing, router: APIRouter | None = None) -> APIRo
     async def tokenizer_info() -> JSONResponse:
         return serving.tokenizer_info()
 
-    return router
