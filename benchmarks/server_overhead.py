@@ -8,7 +8,8 @@ as this thread's CPU time over many requests, so two trees (or two settings) can
 a noisy machine, which the end-to-end HTTP benchmarks cannot do. uvicorn's protocol and the socket writes are
 not included (``benchmarks/http_stack.py`` measures those). Two loads, round after round: one-token streamed
 requests at ``--concurrency`` (CPU per request) and streams of ``--output-len`` tokens (CPU per chunk, each a
-token)::
+token), to ``/v1/completions`` (16 token ids) and to ``/v1/chat/completions`` (one user message, rendered by
+the chat template)::
 
     .venv/bin/python benchmarks/server_overhead.py [--requests 256] [--concurrency 128] [--output-len 16] [--rounds 20]
 """
@@ -28,6 +29,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 os.environ["RNNSERVE_CPU_KERNELS"] = "0"  # the engine is never stepped: no need to build (or rebuild) its kernels
 
@@ -78,8 +80,8 @@ class ScriptedDriver:
         if isinstance(command, AddCommand):
             now = time.monotonic()
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
-                assert isinstance(prompt, list), "the benchmark sends token ids"
-                self._requests[request_id] = (prompt, command.params.max_tokens, RequestMetrics(now, now))
+                token_ids = list(prompt.encode()) if isinstance(prompt, str) else prompt  # chat: rendered text
+                self._requests[request_id] = (token_ids, command.params.max_tokens, RequestMetrics(now, now))
                 self._generated[request_id] = 0
             self._loop.call_soon(self._handle, Added(command.add_id, None, self.info.load))
             if not self._stepping:
@@ -140,15 +142,26 @@ async def lifespan(app: FastAPI) -> tuple[asyncio.Queue, asyncio.Task]:
     return messages, task
 
 
-async def streamed_request(app: FastAPI, body: bytes) -> int:
-    """POST ``body`` to ``/v1/completions`` through ASGI; the number of SSE events received (checked to end with
-    ``[DONE]`` after a 200)."""
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def request_body(endpoint: str, max_tokens: int) -> bytes:
+    """A streamed request: 16 token ids for completions, one short user message for chat."""
+    if endpoint == "chat":
+        prompt: dict[str, Any] = {"messages": [{"role": "user", "content": "Say something about recurrences."}]}
+    else:
+        prompt = {"prompt": list(range(16))}
+    return json.dumps({**prompt, "max_tokens": max_tokens, "stream": True}).encode()
+
+
+async def streamed_request(app: FastAPI, path: str, body: bytes) -> int:
+    """POST ``body`` to ``path`` through ASGI; the number of SSE events received (checked to end with ``[DONE]``
+    after a 200)."""
     headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": headers, "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
-             "state": {}}  # fmt: skip
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000), "state": {}}  # fmt: skip
     sent = False
     disconnected = asyncio.Event()
     status = 0
@@ -177,34 +190,34 @@ async def streamed_request(app: FastAPI, body: bytes) -> int:
     return text.count("data: ")
 
 
-async def load(app: FastAPI, requests: int, concurrency: int, output_len: int) -> tuple[float, int]:
-    """``requests`` streamed completions, ``concurrency`` at a time: this thread's CPU seconds and the events."""
-    body = json.dumps({"prompt": list(range(16)), "max_tokens": output_len, "stream": True}).encode()
+async def load(app: FastAPI, endpoint: str, requests: int, concurrency: int, output_len: int) -> float:
+    """``requests`` streamed requests to ``endpoint``, ``concurrency`` at a time: this thread's CPU seconds."""
+    path, body = ENDPOINTS[endpoint], request_body(endpoint, output_len)
     pending = iter(range(requests))
-    events = 0
 
     async def client() -> None:
-        nonlocal events
         for _ in pending:
-            events += await streamed_request(app, body)
+            await streamed_request(app, path, body)
 
     start = time.thread_time()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.thread_time() - start, events
+    return time.thread_time() - start
 
 
-async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Per round, CPU us per one-token request and per chunk of the streams."""
+async def measure(args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
+    """Per endpoint and round, CPU us per one-token request and per chunk of the streams."""
     app = scripted_app(args.concurrency)
     messages, task = await lifespan(app)
-    figures: dict[str, list[float]] = {"request": [], "chunk": []}
-    await load(app, args.concurrency, args.concurrency, 4)  # warm-up
+    figures: dict[tuple[str, str], list[float]] = {}
+    for endpoint in ENDPOINTS:
+        await load(app, endpoint, args.concurrency, args.concurrency, 4)  # warm-up
     freeze_startup_heap()  # as `rnnserve serve` does
     for _ in range(args.rounds):
-        cpu, _ = await load(app, args.requests, args.concurrency, 1)
-        figures["request"].append(cpu / args.requests * 1e6)
-        cpu, _ = await load(app, args.concurrency, args.concurrency, args.output_len)
-        figures["chunk"].append(cpu / (args.concurrency * args.output_len) * 1e6)
+        for endpoint in ENDPOINTS:
+            cpu = await load(app, endpoint, args.requests, args.concurrency, 1)
+            figures.setdefault((endpoint, "request"), []).append(cpu / args.requests * 1e6)
+            cpu = await load(app, endpoint, args.concurrency, args.concurrency, args.output_len)
+            figures.setdefault((endpoint, "chunk"), []).append(cpu / (args.concurrency * args.output_len) * 1e6)
     await messages.put({"type": "lifespan.shutdown"})
     await task
     return figures
@@ -221,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     figures = uvloop.run(measure(args))
     print(f"rnnserve's app in process on uvloop, scripted engine; concurrency {args.concurrency}, {args.rounds} "
           "rounds: the fastest round (the machine's noise only adds time), the 25th percentile, the median")
-    for name, values in (("CPU us per one-token request", figures["request"]),
-                         (f"CPU us per chunk, streams of {args.output_len} tokens", figures["chunk"])):  # fmt: skip
+    print(f"{'CPU us':44s} {'fastest':>8s} {'p25':>8s} {'median':>8s}")
+    units = {"request": "per one-token request", "chunk": f"per chunk, streams of {args.output_len} tokens"}
+    for (endpoint, unit), values in figures.items():
+        name = f"{endpoint}: {units[unit]}"
         quartiles = statistics.quantiles(values, n=4)
         print(f"{name:44s} {min(values):8.1f} {quartiles[0]:8.1f} {quartiles[1]:8.1f}")
 
