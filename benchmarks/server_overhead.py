@@ -154,9 +154,9 @@ def request_body(endpoint: str, max_tokens: int) -> bytes:
     return json.dumps({**prompt, "max_tokens": max_tokens, "stream": True}).encode()
 
 
-async def streamed_request(app: FastAPI, path: str, body: bytes) -> int:
-    """POST ``body`` to ``path`` through ASGI; the number of SSE events received (checked to end with ``[DONE]``
-    after a 200)."""
+async def streamed_request(app: FastAPI, path: str, body: bytes) -> None:
+    """POST ``body`` to ``path`` through ASGI; raises unless the answer is a 200 whose events end with ``[DONE]``
+    and include no error."""
     headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
@@ -185,9 +185,8 @@ async def streamed_request(app: FastAPI, path: str, body: bytes) -> int:
     await app(scope, receive, send)
     disconnected.set()
     text = b"".join(chunks).decode()
-    if status != 200 or not text.endswith("data: [DONE]\n\n"):
+    if status != 200 or not text.endswith("data: [DONE]\n\n") or '"error"' in text:
         raise RuntimeError(f"request failed: {status} {text[:200]!r}")
-    return text.count("data: ")
 
 
 async def load(app: FastAPI, endpoint: str, requests: int, concurrency: int, output_len: int) -> float:
@@ -230,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=16, help="tokens per stream (default: 16)")
     parser.add_argument("--rounds", type=int, default=20, help="rounds (default: 20)")
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the table gives quartiles)")
     torch.set_num_threads(1)
     figures = uvloop.run(measure(args))
     print(f"rnnserve's app in process on uvloop, scripted engine; concurrency {args.concurrency}, {args.rounds} "
