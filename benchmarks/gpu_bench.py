@@ -11,8 +11,8 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   largest concurrency also ``streamed``: every request reads each step's output, encoded as the engine process
   sends it to the server (the engine's part of serving streams);
 - the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, with the
-  client's time to first token and tokens per chunk (skipped when fastapi/uvicorn are not importable: carry
-  their wheels, see the device notes);
+  client's time to first token and tokens per chunk and the CPU cores the serving and engine processes kept
+  busy (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
 The prefix cache is off (every request here is new, and the anchors are engines without one);
@@ -104,6 +104,26 @@ def served_by() -> str:
     return f"; HTTP {http_stack('auto')}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used so far (user + system, Linux ``/proc``); 0.0 where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux ``/proc``); none where unreadable."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(child) for child in task.read_text().split()]
+        except OSError:
+            pass
+    return children
+
+
 def http_tokens_per_ms(
     preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto"
 ) -> dict[int, tuple[float, str] | str]:
@@ -111,7 +131,8 @@ def http_tokens_per_ms(
     one fresh ``rnnserve serve --engine-process ENGINE_PROCESS`` (started once per model: a start builds the model
     and captures its graphs), each with its client-side latencies: time to first token (p50, p99) and tokens
     per streamed chunk (above 1 when the server writes several steps at once). A failure is a string in place
-    of the pair."""
+    of the pair. Beside them, the CPU cores the serving process and the engine process kept busy: either near
+    1.00 is the side HTTP waits on."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -146,13 +167,19 @@ def http_tokens_per_ms(
             processes = max(1, min(8, c // 32, (os.cpu_count() or 1) // 2))
             config = BenchConfig(url=url, num_prompts=2 * c, concurrency=c, input_len=PROMPT_LEN,
                                  output_len=new_tokens, progress=False, processes=processes)
+            engines = child_pids(server.pid)  # the engine process, when there is one
+            cpu_before = [cpu_seconds(server.pid), sum(cpu_seconds(pid) for pid in engines)]
             figures = asyncio.run(benchmark(config))
+            cpu = [cpu_seconds(server.pid) - cpu_before[0], sum(map(cpu_seconds, engines)) - cpu_before[1]]
             if figures["failed"]:
                 rates[c] = f"{figures['failed']} failed"
                 continue
             ttft = figures["ttft_ms"]
             per_chunk = figures["total_output_tokens"] / max(1, figures["total_chunks"])
-            detail = f"TTFT p50 {ttft['p50']:.0f} / p99 {ttft['p99']:.0f} ms, {per_chunk:.1f} tok/chunk"
+            busy = f"serving process {cpu[0] / figures['duration_s']:.2f} cores"
+            if engines:
+                busy += f", engine process {cpu[1] / figures['duration_s']:.2f}"
+            detail = f"TTFT p50 {ttft['p50']:.0f} / p99 {ttft['p99']:.0f} ms, {per_chunk:.1f} tok/chunk, {busy}"
             rates[c] = (figures["output_throughput"] / 1e3, detail)
         return rates
     finally:

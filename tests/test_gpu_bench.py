@@ -28,9 +28,15 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     http = next(row for row in lines if row[:3] == ["mamba-tiny", "HTTP", "c=2"])
     assert float(http[3]) > 0 and http[4].endswith("%"), http  # a rate and its ratio to offline, not a failure
     assert http[5:7] == ["TTFT", "p50"] and float(http[7]) > 0, http
-    assert http[-1] == "tok/chunk" and float(http[-2]) >= 1.0, http  # the client's view of the same run
+    chunk = http.index("tok/chunk,")
+    assert float(http[chunk - 1]) >= 1.0, http  # the client's view of the same run
+    assert http[chunk + 1 : chunk + 3] == ["serving", "process"] and float(http[chunk + 3]) > 0, http
+    assert http[chunk + 4] == "cores", http  # no engine process on CPU by default: nothing more
     in_process = next(row for row in lines if row[:6] == ["mamba-tiny", "HTTP", "c=2,", "engine", "process", "on"])
     assert float(in_process[6]) > 0 and in_process[7].endswith("%"), in_process
+    busy = " ".join(in_process[in_process.index("tok/chunk,") + 1 :])
+    serving, engine = (float(part.split()[2]) for part in busy.split(", "))
+    assert busy.startswith("serving process ") and ", engine process " in busy and serving > 0 and engine > 0, busy
 
 
 def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
