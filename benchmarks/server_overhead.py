@@ -65,8 +65,8 @@ class ScriptedDriver:
         self.running = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: EventHandler | None = None
-        self._requests: dict[str, tuple[list[int], int, RequestMetrics]] = {}  # prompt, max_tokens, metrics
-        self._generated: dict[str, int] = {}
+        # prompt, max_tokens, metrics, tokens generated so far
+        self._requests: dict[str, tuple[list[int], int, RequestMetrics, int]] = {}
         self._stepping = False
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
@@ -81,8 +81,7 @@ class ScriptedDriver:
             now = time.monotonic()
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
                 token_ids = list(prompt.encode()) if isinstance(prompt, str) else prompt  # chat: rendered text
-                self._requests[request_id] = (token_ids, command.params.max_tokens, RequestMetrics(now, now))
-                self._generated[request_id] = 0
+                self._requests[request_id] = (token_ids, command.params.max_tokens, RequestMetrics(now, now), 0)
             self._loop.call_soon(self._handle, Added(command.add_id, None, self.info.load))
             if not self._stepping:
                 self._stepping = True
@@ -95,15 +94,16 @@ class ScriptedDriver:
         assert self._loop is not None and self._handle is not None
         now = time.monotonic()
         outputs = []
-        for request_id, (prompt, max_tokens, metrics) in list(self._requests.items()):
-            count = self._generated[request_id] + 1
-            self._generated[request_id] = count
+        for request_id, (prompt, max_tokens, metrics, count) in list(self._requests.items()):
+            count += 1
             finished = count >= max_tokens
             metrics.first_token_time = metrics.first_token_time or now
             metrics.previous_token_time, metrics.last_token_time = metrics.last_token_time, now
             if finished:
                 metrics.finished_time = now
                 del self._requests[request_id]
+            else:
+                self._requests[request_id] = (prompt, max_tokens, metrics, count)
             sample = CompletionOutput(0, "a", [97], "length" if finished else None, None, 0.0, "a", [97], [], count)
             outputs.append(RequestOutput(request_id, None, prompt, [sample], finished, metrics.copy()))
         stats = StepStats(decode_batch_size=len(outputs), generated_tokens=len(outputs))

@@ -112,6 +112,11 @@ class SamplingFields(APIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk, not only in the last one."""
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]

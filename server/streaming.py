@@ -187,8 +187,7 @@ class Generation(ABC):
         for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
         if not self.req.include_usage:
             return f"{self._chunk_head}{json_text(choices)}}}\n\n"
-        options = self.req.stream_options
-        usage = self.usage() if usage is None and options and options.continuous_usage_stats else usage
+        usage = self.usage() if usage is None and self.req.continuous_usage else usage
         usage_text = "null" if usage is None else json_text(usage)
         return f'{self._chunk_head}{json_text(choices)}, "usage": {usage_text}}}\n\n'
 
@@ -201,8 +200,7 @@ class Generation(ABC):
         try:
             for choice in self.opening_choices():
                 yield self.chunk([choice])
-            options = self.req.stream_options
-            continuous_usage = bool(self.req.include_usage and options and options.continuous_usage_stats)
+            continuous_usage = self.req.continuous_usage
             async for out in self.submission.outputs():
                 if out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
