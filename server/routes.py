@@ -42,7 +42,13 @@ from rnnserve.server.protocol import (
     TokenizeRequest,
 )
 from rnnserve.server.sessions import SessionStore, SessionTurn, StoredSession, check_session_id
-from rnnserve.server.streaming import ChatStream, CompletionStream, Generation, sse_response, until_disconnect
+from rnnserve.server.streaming import (
+    ChatStream,
+    CompletionStream,
+    EventStreamResponse,
+    Generation,
+    until_disconnect,
+)
 
 ModelT = TypeVar("ModelT", bound=APIModel)
 
@@ -164,7 +170,7 @@ class OpenAIServing:
             weakref.finalize(submission, turn.release)  # also if the response is dropped before it starts
         stream = generation(self.tokenizer, submission, req, model, params)
         if req.stream:
-            return sse_response(stream.events(), submission)
+            return EventStreamResponse(stream.events(), submission)
         return JSONResponse(await until_disconnect(request, stream.collect(), submission))
 
     async def completions(self, request: Request, req: CompletionRequest) -> Response:
