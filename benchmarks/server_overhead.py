@@ -9,9 +9,15 @@ a noisy machine, which the end-to-end HTTP benchmarks cannot do. uvicorn's proto
 not included (``benchmarks/http_stack.py`` measures those). Two loads, round after round: one-token streamed
 requests at ``--concurrency`` (CPU per request) and streams of ``--output-len`` tokens (CPU per chunk, each a
 token), to ``/v1/completions`` (16 token ids) and to ``/v1/chat/completions`` (one user message, rendered by
-the chat template)::
+the chat template).
 
-    .venv/bin/python benchmarks/server_overhead.py [--requests 256] [--concurrency 128] [--output-len 16] [--rounds 20]
+With ``--engine process`` the scripted driver gives way to the real engine (``random:mingru-tiny``, one torch
+thread) in a process of its own, as ``rnnserve serve`` runs it on a GPU: the figures are then this whole
+process's CPU (the event loop and the threads that carry commands and events across the pipe), so they add the
+cost of those crossings to the app's::
+
+    .venv/bin/python benchmarks/server_overhead.py [--engine scripted|process] [--requests 256] [--concurrency 128]
+        [--output-len 16] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 os.environ["RNNSERVE_CPU_KERNELS"] = "0"  # the engine is never stepped: no need to build (or rebuild) its kernels
@@ -37,6 +45,7 @@ import torch  # noqa: E402
 import uvloop  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
+from benchmarks.async_scheduling import emulated_engine  # noqa: E402
 from rnnserve.engine.llm_engine import EngineLoad, StepStats, freeze_startup_heap  # noqa: E402
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
@@ -125,6 +134,14 @@ def scripted_app(concurrency: int) -> FastAPI:
     return app
 
 
+def process_app(concurrency: int) -> FastAPI:
+    """The real app with its real engine (``random:`` preset ``PRESET``, one torch thread, on CPU) in a process
+    of its own."""
+    config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=concurrency, max_num_batched_tokens=
+                                16 * concurrency, engine_process="on", api_key=None)  # fmt: skip
+    return create_app(config, engine_factory=functools.partial(emulated_engine, 0.0))
+
+
 async def lifespan(app: FastAPI) -> tuple[asyncio.Queue, asyncio.Task]:
     """Start the app's lifespan; put ``lifespan.shutdown`` on the queue and await the task to end it."""
     messages: asyncio.Queue = asyncio.Queue()
@@ -189,8 +206,11 @@ async def streamed_request(app: FastAPI, path: str, body: bytes) -> None:
         raise RuntimeError(f"request failed: {status} {text[:200]!r}")
 
 
-async def load(app: FastAPI, endpoint: str, requests: int, concurrency: int, output_len: int) -> float:
-    """``requests`` streamed requests to ``endpoint``, ``concurrency`` at a time: this thread's CPU seconds."""
+async def load(
+    app: FastAPI, endpoint: str, requests: int, concurrency: int, output_len: int, clock: Callable[[], float]
+) -> float:
+    """``requests`` streamed requests to ``endpoint``, ``concurrency`` at a time: the CPU seconds ``clock``
+    counted meanwhile."""
     path, body = ENDPOINTS[endpoint], request_body(endpoint, output_len)
     pending = iter(range(requests))
 
@@ -198,24 +218,26 @@ async def load(app: FastAPI, endpoint: str, requests: int, concurrency: int, out
         for _ in pending:
             await streamed_request(app, path, body)
 
-    start = time.thread_time()
+    start = clock()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.thread_time() - start
+    return clock() - start
 
 
 async def measure(args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
     """Per endpoint and round, CPU us per one-token request and per chunk of the streams."""
-    app = scripted_app(args.concurrency)
+    scripted = args.engine == "scripted"
+    app = scripted_app(args.concurrency) if scripted else process_app(args.concurrency)
+    clock = time.thread_time if scripted else time.process_time
     messages, task = await lifespan(app)
     figures: dict[tuple[str, str], list[float]] = {}
     for endpoint in ENDPOINTS:
-        await load(app, endpoint, args.concurrency, args.concurrency, 4)  # warm-up
+        await load(app, endpoint, args.concurrency, args.concurrency, 4, clock)  # warm-up
     freeze_startup_heap()  # as `rnnserve serve` does
     for _ in range(args.rounds):
         for endpoint in ENDPOINTS:
-            cpu = await load(app, endpoint, args.requests, args.concurrency, 1)
+            cpu = await load(app, endpoint, args.requests, args.concurrency, 1, clock)
             figures.setdefault((endpoint, "request"), []).append(cpu / args.requests * 1e6)
-            cpu = await load(app, endpoint, args.concurrency, args.concurrency, args.output_len)
+            cpu = await load(app, endpoint, args.concurrency, args.concurrency, args.output_len, clock)
             figures.setdefault((endpoint, "chunk"), []).append(cpu / (args.concurrency * args.output_len) * 1e6)
     await messages.put({"type": "lifespan.shutdown"})
     await task
@@ -224,6 +246,8 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, str], list[float]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("scripted", "process"), default="scripted",
+                        help="a scripted engine in this thread, or the real one in a process (default: scripted)")
     parser.add_argument("--requests", type=int, default=256, help="one-token requests per round (default: 256)")
     parser.add_argument("--concurrency", type=int, default=128, help="requests in flight (default: 128)")
     parser.add_argument("--output-len", type=int, default=16, help="tokens per stream (default: 16)")
@@ -233,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rounds must be at least 2 (the table gives quartiles)")
     torch.set_num_threads(1)
     figures = uvloop.run(measure(args))
-    print(f"rnnserve's app in process on uvloop, scripted engine; concurrency {args.concurrency}, {args.rounds} "
-          "rounds: the fastest round (the machine's noise only adds time), the 25th percentile, the median")
+    engine = "scripted engine" if args.engine == "scripted" else f"{PRESET} in an engine process (CPU of this process)"
+    print(f"rnnserve's app in process on uvloop, {engine}; concurrency {args.concurrency}, {args.rounds} rounds: "
+          "the fastest round (the machine's noise only adds time), the 25th percentile, the median")
     print(f"{'CPU us':44s} {'fastest':>8s} {'p25':>8s} {'median':>8s}")
     units = {"request": "per one-token request", "chunk": f"per chunk, streams of {args.output_len} tokens"}
     for (endpoint, unit), values in figures.items():

@@ -1,5 +1,6 @@
-"""``benchmarks/server_overhead.py`` at tiny sizes: every request through the real app succeeds (the benchmark
-raises otherwise) and the table has a row per endpoint and load, with positive CPU figures."""
+"""``benchmarks/server_overhead.py`` at tiny sizes, with the scripted engine and with the real one in a process:
+every request through the real app succeeds (the benchmark raises otherwise) and the table has a row per endpoint
+and load, with positive CPU figures."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(200)
-def test_server_overhead_bench_measures_both_endpoints() -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "server_overhead.py"), "--rounds", "2", "--requests", "6",
-               "--concurrency", "3", "--output-len", "4"]  # fmt: skip
+@pytest.mark.parametrize("engine", ["scripted", "process"])
+def test_server_overhead_bench_measures_both_endpoints(engine: str) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "server_overhead.py"), "--engine", engine, "--rounds", "2",
+               "--requests", "6", "--concurrency", "3", "--output-len", "4"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {}
