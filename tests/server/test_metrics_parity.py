@@ -12,10 +12,17 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
+from rnnserve.engine.prefix_cache import TierUsage
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.app import create_app
 from rnnserve.server.http_server import build_server
-from rnnserve.server.metrics import TOKEN_LATENCY_BUCKETS, StatLogger, StepHistogram, token_buckets
+from rnnserve.server.metrics import (
+    TOKEN_LATENCY_BUCKETS,
+    ServerMetrics,
+    StatLogger,
+    StepHistogram,
+    token_buckets,
+)
 from tests.server.conftest import TINY, tiny_config
 
 LABEL = f'model_name="{TINY}"'
@@ -62,6 +69,24 @@ def test_state_usage_follows_the_slots_in_use() -> None:
     with TestClient(app):
         bridge.metrics.set_load(EngineLoad(num_running=3, num_waiting=0, num_slots=4, slots_used=3, bytes_per_slot=8))
         assert value(series(bridge.metrics.render().decode()), "rnnserve_state_usage_perc") == 0.75
+
+
+def test_the_load_gauges_show_the_latest_load_with_one_series_per_prefix_cache_tier() -> None:
+    metrics = ServerMetrics(TINY, 64)
+    tiers = [TierUsage("device", 10, 20, 3), TierUsage("host", 1, 2, 1)]
+    metrics.set_load(EngineLoad(2, 1, 4, 2, 8, tiers))
+    metrics.set_load(EngineLoad(3, 0, 4, 3, 8, tiers))
+    text = metrics.render().decode()
+    samples = series(text)
+    expected = {"rnnserve_num_requests_running": 3, "rnnserve_num_requests_waiting": 0, "rnnserve_state_slots_used": 3,
+                "rnnserve_state_usage_perc": 0.75, "rnnserve_state_memory_used_bytes": 24}  # fmt: skip
+    assert {name: value(samples, name) for name in expected} == expected
+    for tier, used, total, count in (("device", 10, 20, 3), ("host", 1, 2, 1)):
+        labels = f'{{{LABEL},tier="{tier}"}}'
+        assert samples[f"rnnserve_prefix_cache_memory_used_bytes{labels}"] == used
+        assert samples[f"rnnserve_prefix_cache_memory_total_bytes{labels}"] == total
+        assert samples[f"rnnserve_prefix_cache_snapshots{labels}"] == count
+    assert "# TYPE rnnserve_prefix_cache_snapshots gauge" in text and "# TYPE rnnserve_state_slots_used gauge" in text
 
 
 def test_queue_full_answers_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
