@@ -28,7 +28,6 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch
-from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 
 
@@ -43,20 +42,22 @@ def generated_tokens_per_second(
     prompt_len: int,
     new_tokens: int,
     output_kind: OutputKind = OutputKind.FINAL_ONLY,
-    consume: Callable[[list[RequestOutput]], object] | None = None,
+    collect: Callable[[LLMEngine], object] | None = None,
 ) -> float:
     """Generated tok/s of ``concurrency`` greedy requests stepped to their end; ``output_kind`` is what each
-    request reads (``DELTA``: a stream's per-step outputs) and ``consume``, if given, takes every step's outputs
-    (e.g. encoding them as the engine process does for the server)."""
+    request reads (``DELTA``: a stream's per-step outputs). With ``collect``, each step runs without collecting
+    and ``collect(engine)`` collects its outputs instead (e.g. as the rows the engine process sends)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request(_prompt(i, prompt_len, engine.model.vocab_size), params)
     generated = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        if consume is not None:
-            consume(outputs)
+        if collect is None:
+            engine.step()
+        else:
+            engine.step(collect=False)
+            collect(engine)
         generated += engine.last_step.generated_tokens
     return generated / (time.perf_counter() - start)
 

@@ -53,7 +53,6 @@ from rnnserve.engine.cuda_graph_runner import CUDAGraphDecodeRunner  # noqa: E40
 from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch  # noqa: E402
-from rnnserve.engine.outputs import RequestOutput  # noqa: E402
 from rnnserve.engine.sampling_params import OutputKind  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
 from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
@@ -243,13 +242,13 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 
 def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: int) -> float:
     """Generated tok/s of ``concurrency`` streams' worth of engine work for a server that takes every step's
-    outputs: each request reads each step's outputs (``DELTA``), encoded and pickled as the engine process
-    sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays to serve
+    outputs: each request reads each step's outputs (``DELTA``), built as rows and pickled as the engine
+    process sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays to serve
     streams; a server that falls behind gets several steps' outputs collected at once, for less."""
     encoder = OutputEncoder()
 
-    def send(outputs: list[RequestOutput]) -> None:
-        pickle.dumps(encoder.encode(outputs), protocol=pickle.HIGHEST_PROTOCOL)
+    def send(engine: LLMEngine) -> None:
+        pickle.dumps(engine.collect(encoder.row), protocol=pickle.HIGHEST_PROTOCOL)
 
     generated_tokens_per_second(engine, concurrency, PROMPT_LEN, 4, OutputKind.DELTA, send)
     return generated_tokens_per_second(engine, concurrency, PROMPT_LEN, new_tokens, OutputKind.DELTA, send)

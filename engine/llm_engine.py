@@ -9,8 +9,9 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +30,7 @@ from rnnserve.engine.state_snapshot import StateSnapshot, check_snapshot_tensors
 from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.kernels.cpu_extension import build_cpu_extension
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 MIN_SNAPSHOT_TOKENS = 16  # shorter sequences are cheaper to prefill again than to keep a whole state for
@@ -340,8 +342,13 @@ class LLMEngine:
 
     def collect_outputs(self) -> list[RequestOutput]:
         """The outputs of the requests that progressed or failed since the last collection (see :meth:`step`)."""
+        return self.collect(SequenceGroup.output)
+
+    def collect(self, build: Callable[[SequenceGroup], T]) -> list[T]:
+        """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
+        the engine process builds the plain rows it sends)."""
         groups, self._uncollected = self._uncollected, {}
-        return [g.output() for g in groups if g.has_output]
+        return [build(g) for g in groups if g.has_output]
 
     def _launch(self, batch: SchedulerOutput, stats: StepStats) -> LaunchedStep:
         """Run the batch's model calls and sample its rows, without waiting for the device."""

@@ -126,6 +126,11 @@ class Sequence:
         """What the sample added since the previous call (text held back where a stop string may start), with
         the whole text, tokens and logprobs so far unless ``kind`` is ``DELTA``: then those fields hold only
         the delta too, so a step's output costs what the step added, not what the sample holds."""
+        return CompletionOutput(*self.take_output_fields(kind))
+
+    def take_output_fields(self, kind: OutputKind) -> tuple:
+        """:meth:`take_output` as the tuple of :class:`CompletionOutput`'s fields, in order (the engine process
+        sends them so, without building the object)."""
         safe = max(self._stream_safe_len(), self._emitted_text)
         delta = self.text[self._emitted_text : safe]
         self._emitted_text = safe
@@ -137,9 +142,8 @@ class Sequence:
         else:
             text, token_ids = self.text[:safe], list(self.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
-        # Positional arguments (in field order): this runs for every streamed request on every step.
-        return CompletionOutput(self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob,
-                                delta, new_ids, new_logprobs, self._emitted_tokens)  # fmt: skip
+        return (self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob, delta, new_ids,
+                new_logprobs, self._emitted_tokens)  # fmt: skip
 
 
 @dataclass(eq=False)

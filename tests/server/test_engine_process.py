@@ -18,13 +18,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine, StepStats
-from rnnserve.engine.loader import ModelLoadError
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.loader import ModelLoadError, build_random
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
@@ -234,45 +235,64 @@ def test_a_disconnected_stream_frees_its_slot_in_the_engine_process() -> None:
         assert metric_at(url, "rnnserve_state_slots_used") == 0
 
 
-def output(request_id: str, tokens: list[int], finished: bool = False, logprobs: bool = False) -> RequestOutput:
-    entries = [TokenLogprob(t, -0.5, [(t, -0.5), (1, -2.0)]) for t in tokens] if logprobs else []
-    sample = CompletionOutput(
-        0, "x" * len(tokens), tokens, "length" if finished else None, entries or None, -1.5, "x", tokens[-1:],
-        entries[-1:], len(tokens),
-    )  # fmt: skip
-    times = RequestMetrics(1.0, 2.0, 3.0, 4.0, 3.5, 5.0 if finished else None)
-    return RequestOutput(request_id, "prompt text", [1, 2, 3], [sample, sample], finished, times,
-                         prompt_logprobs=[None, TokenLogprob(2, -1.0, rank=3)], num_cached_tokens=2)  # fmt: skip
+def lockstep_engines() -> tuple[LLMEngine, LLMEngine]:
+    """Two engines over the same model (random:mingru-tiny on CPU): given the same requests, they step alike."""
+    model, tokenizer = build_random("mingru-tiny", torch.device("cpu"), torch.float32)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    return LLMEngine(model, tokenizer, config), LLMEngine(model, tokenizer, config)
 
 
-def test_outputs_cross_whole_with_each_prompt_sent_once_per_request() -> None:
+def without_times(out: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(out, metrics=RequestMetrics(0.0))
+
+
+def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_prompt_sent_once() -> None:
+    """What the engine process sends (``OutputEncoder.row`` straight from each request) decodes to exactly what
+    ``collect_outputs`` builds, step after step: output kinds, n > 1, logprobs, prompt logprobs, stop strings,
+    a request finishing and its id coming back."""
+    objects_engine, rows_engine = lockstep_engines()
     encoder, decoder = OutputEncoder(), OutputDecoder()
-    steps = [
-        [output("a", [4], logprobs=True), output("b", [5])],
-        [output("a", [4, 6], logprobs=True), output("b", [5, 7], finished=True)],
-        [output("a", [4, 6, 8], finished=True, logprobs=True), output("b", [9])],  # a new request reusing an id
-    ]
-    sent_prompts = []
-    for step in steps:
-        rows = pickle.loads(pickle.dumps(encoder.encode(step)))
-        sent_prompts.append([row[1] is not None for row in rows])
-        assert decoder.decode(rows) == step
-    assert sent_prompts == [[True, True], [False, False], [False, True]]
-    assert encoder.sent == {"b"} and set(decoder.prompts) == {"b"}
-    encoder.forget(["b"])
-    decoder.forget(["b"])
+    requests = [
+        ("a", "Hello", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=7, logprobs=2, prompt_logprobs=1,
+                                      output_kind=OutputKind.DELTA, ignore_eos=True)),
+        ("b", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, stop=["e"], output_kind=OutputKind.CUMULATIVE)),
+        ("c", "Hi", SamplingParams(temperature=0, max_tokens=3, output_kind=OutputKind.FINAL_ONLY, ignore_eos=True)),
+    ]  # fmt: skip
+    for engine in (objects_engine, rows_engine):
+        for request_id, prompt, params in requests:
+            engine.add_request(prompt, params, request_id)
+    prompts_sent: dict[str, int] = {}
+    again = SamplingParams(temperature=0, max_tokens=2, output_kind=OutputKind.DELTA)
+    readded = False
+    while objects_engine.has_unfinished_requests():
+        expected = objects_engine.step()
+        rows_engine.step(collect=False)
+        rows = pickle.loads(pickle.dumps(rows_engine.collect(encoder.row), protocol=pickle.HIGHEST_PROTOCOL))
+        decoded = decoder.decode(rows)
+        assert [without_times(out) for out in decoded] == [without_times(out) for out in expected]
+        for got, want in zip(decoded, expected, strict=True):  # the engines' clocks differ, the times' presence not
+            assert [t is None for t in dataclasses.astuple(got.metrics)] == [
+                t is None for t in dataclasses.astuple(want.metrics)
+            ]
+        for row in rows:
+            prompts_sent[row[0]] = prompts_sent.get(row[0], 0) + (row[1] is not None)
+        if not readded and any(out.request_id == "b" and out.finished for out in expected):
+            readded = True  # the id comes back as a new request, whose prompt crosses again
+            for engine in (objects_engine, rows_engine):
+                engine.add_request("again", again, "b")
+    assert not rows_engine.has_unfinished_requests()
+    assert prompts_sent == {"a": 1, "b": 2, "c": 1}
     assert not encoder.sent and not decoder.prompts
 
 
-def test_each_event_crosses_as_one_message_with_outputs_as_rows() -> None:
+def test_events_cross_as_messages_with_outputs_as_the_rows_they_hold() -> None:
     server_end, engine_end = multiprocessing.Pipe()
-    sender, decoder = EventSender(engine_end), OutputDecoder()
-    a1, b1 = output("a", [4], logprobs=True), output("b", [5])
+    sender = EventSender(engine_end)
+    rows = [("a", None, [], False, (1.0,), None, 0, None)]
     stats = [StepStats(generated_tokens=2), StepStats(generated_tokens=1)]
-    sender.post(Stepped([a1, b1], stats, None))  # type: ignore[arg-type]
+    sender.post(Stepped(rows, stats, None))  # type: ignore[arg-type]
     message = pickle.loads(server_end.recv_bytes())
-    assert isinstance(message, EncodedStep) and message.steps == stats
-    assert decoder.decode(message.rows) == [a1, b1]
+    assert isinstance(message, EncodedStep) and message.steps == stats and message.rows == rows
 
     class Local(Exception):  # cannot be unpickled by the server
         pass
@@ -280,20 +300,21 @@ def test_each_event_crosses_as_one_message_with_outputs_as_rows() -> None:
     sender.post(Added(3, Local("odd"), None))  # type: ignore[arg-type]
     added = pickle.loads(server_end.recv_bytes())
     assert isinstance(added.error, RuntimeError) and str(added.error) == "Local: odd"
-    assert sender.encoder.sent == {"a", "b"}
-    sender.post(Aborted([output("a", [6], finished=True)], None))  # type: ignore[arg-type]
+    sender.encoder.sent.update(["a", "b"])
+    final = RequestOutput("a", None, [1], [], True, RequestMetrics(1.0))
+    sender.post(Aborted([final], None))  # type: ignore[arg-type]
     assert isinstance(pickle.loads(server_end.recv_bytes()), Aborted) and sender.encoder.sent == {"b"}
 
 
-def test_an_event_that_cannot_be_encoded_raises_and_a_closed_pipe_does_not() -> None:
-    """An encoding failure reaches the engine loop, which stops and reports it (never a silent hang); a
+def test_an_event_that_cannot_be_sent_raises_and_a_closed_pipe_does_not() -> None:
+    """A pickling failure reaches the engine loop, which stops and reports it (never a silent hang); a
     closed pipe means the server is gone, which the loop learns from its next command read."""
     server_end, engine_end = multiprocessing.Pipe()
     sender = EventSender(engine_end)
-    with pytest.raises(TypeError):
-        sender.post(Stepped(None, [], None))  # type: ignore[arg-type]
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        sender.post(Stepped([("a", lambda: None)], [], None))  # type: ignore[arg-type, list-item]
     server_end.close()
-    sender.post(Stepped([output("a", [4])], [], None))  # type: ignore[arg-type]
+    sender.post(Stepped([("a", None)], [], None))  # type: ignore[arg-type, list-item]
 
 
 def test_commands_queued_together_cross_as_one_message_and_a_stop_ends_the_sender() -> None:
