@@ -120,7 +120,7 @@ class LoadGauges:
 
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
         self.model_name = model_name
-        self.load: EngineLoad | None = None
+        self.load = EngineLoad(num_running=0, num_waiting=0, num_slots=0, slots_used=0, bytes_per_slot=0)
         registry.register(self)
 
     def describe(self) -> list[Metric]:
@@ -130,8 +130,6 @@ class LoadGauges:
 
     def collect(self) -> Iterator[Metric]:
         load = self.load
-        if load is None:
-            return
         usage = load.slots_used / load.num_slots if load.num_slots else 0.0
         values = (load.num_running, load.num_waiting, load.slots_used, usage, load.slots_used * load.bytes_per_slot)
         for (name, doc), value in zip(LOAD_GAUGES, values, strict=True):
