@@ -95,9 +95,13 @@ class EventStreamResponse(Response):
 
 
 async def fail_on_disconnect(receive: Receive, submission: Submission) -> None:
-    """Wait for the client's disconnect, then fail ``submission`` with a 499 (its outputs end with it at once)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    """Wait for the client's disconnect, then fail ``submission`` with a 499 (its outputs end with it at once).
+    A ``receive`` that raises means the connection is gone all the same."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - whatever broke the connection, the client cannot read the answer
+        logger.debug("receive failed while waiting for a disconnect", exc_info=True)
     submission.fail(APIError(499, "client disconnected", code="client_disconnected"))
 
 

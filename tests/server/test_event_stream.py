@@ -110,6 +110,29 @@ def test_a_stream_whose_send_raises_ends_quietly_and_frees_its_slot() -> None:
     assert len(bodies) == 3 and all(b.startswith(b"data: {") for b in bodies)
 
 
+def test_a_stream_whose_receive_raises_ends_as_after_a_disconnect(caplog: pytest.LogCaptureFixture) -> None:
+    body = json.dumps({**LONG, "stream": True}).encode()
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def test(app: FastAPI) -> None:
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.2)
+            raise RuntimeError("the transport is gone")
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope(body), receive, send), 30)
+
+    asyncio.run(run_with_app(test))
+    text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert text.endswith("data: [DONE]\n\n") and '"code": "client_disconnected"' in text
+    assert "never retrieved" not in caplog.text and "generation failed" not in caplog.text
+
+
 def test_a_non_streamed_request_whose_client_left_ends_and_frees_its_slot(caplog: pytest.LogCaptureFixture) -> None:
     body = json.dumps(LONG).encode()
     sent: list[dict] = []
