@@ -8,8 +8,8 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
 - prefill tok/ms for ``1 x 16384`` and ``8 x 2048`` prompt tokens;
 - offline engine throughput (``LLMEngine.step`` with sampling and outputs, prompt 16, 256 new tokens) at
   each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step; at the
-  largest concurrency also ``streamed``: every request reads each step's output, encoded as the engine process
-  sends it to the server (the engine's part of serving streams);
+  largest concurrency also ``streamed``: every request reads each step's output, built as the row the engine
+  process sends to the server (the engine's part of serving streams);
 - the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, with the
   client's time to first token and tokens per chunk and the CPU cores the serving and engine processes kept
   busy (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
@@ -243,8 +243,8 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: int) -> float:
     """Generated tok/s of ``concurrency`` streams' worth of engine work for a server that takes every step's
     outputs: each request reads each step's outputs (``DELTA``), built as rows and pickled as the engine
-    process sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays to serve
-    streams; a server that falls behind gets several steps' outputs collected at once, for less."""
+    process sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays
+    to serve streams; a server that falls behind gets several steps' outputs collected at once, for less."""
     encoder = OutputEncoder()
 
     def send(engine: LLMEngine) -> None:

@@ -15,9 +15,8 @@ processes they are pickled through a pipe, the server's commands written by a th
 from its requests (:class:`OutputEncoder` / :class:`OutputDecoder`: no output objects on the engine's side, and
 several times cheaper to pickle than dataclasses, which matters at a few hundred outputs per step), each
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
-once per generated token. The loop posts a step's outputs only
-while the server has handled all but one of those it posted before (:class:`EngineCore`), so a busy server gets
-fewer, larger messages.
+once per generated token. The loop posts a step's outputs only while the server has handled all but one of those
+it posted before (:class:`EngineCore`), so a busy server gets fewer, larger messages.
 """
 
 from __future__ import annotations
