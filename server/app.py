@@ -49,30 +49,36 @@ __all__ = ["ServerConfig", "create_app"]
 logger = logging.getLogger("rnnserve.server")
 
 
+def engine_driver(
+    config: ServerConfig, engine: LLMEngine | None, thread: EngineThread | None, engine_factory: EngineFactory
+) -> EngineDriver:
+    """The driver of ``engine``, or of ``engine_factory(config.engine)`` in a process of its own or on ``thread``."""
+    if engine is None and thread is None and config.uses_engine_process:
+        return ProcessDriver.spawn(config.engine, engine_factory, logging.getLevelName(config.log_level.upper()))
+    own_thread = thread is None
+    thread = thread or EngineThread()
+    try:
+        return ThreadDriver(engine if engine is not None else thread.call(engine_factory, config.engine), thread)
+    except BaseException:
+        if own_thread:
+            thread.close()
+        raise
+
+
 def create_app(
     config: ServerConfig,
     engine: LLMEngine | None = None,
     thread: EngineThread | None = None,
     engine_factory: EngineFactory | None = None,
+    driver: EngineDriver | None = None,
 ) -> FastAPI:
     """Build the FastAPI app; raises ``ModelLoadError`` or ``ValueError`` (also for a session folder that
     cannot be used). The engine is ``engine`` when it is given, else ``engine_factory(config.engine)`` (default
     ``LLMEngine.from_config``), built and run in a process of its own when ``config.uses_engine_process``, else
     on ``thread`` (the thread that built ``engine``, or a new one). The engine loop runs with the app's
-    lifespan."""
-    driver: EngineDriver
-    engine_factory = engine_factory or LLMEngine.from_config
-    if engine is None and thread is None and config.uses_engine_process:
-        driver = ProcessDriver(config.engine, engine_factory, logging.getLevelName(config.log_level.upper()))
-    else:
-        own_thread = thread is None
-        thread = thread or EngineThread()
-        try:
-            driver = ThreadDriver(engine if engine is not None else thread.call(engine_factory, config.engine), thread)
-        except BaseException:
-            if own_thread:
-                thread.close()
-            raise
+    lifespan. ``driver``, when given, is the engine's (e.g. one of several API servers' links to one engine
+    process)."""
+    driver = driver or engine_driver(config, engine, thread, engine_factory or LLMEngine.from_config)
     try:
         sessions = open_session_store(config, driver.info) if config.sessions else None
     except BaseException:

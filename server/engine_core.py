@@ -476,32 +476,125 @@ class EncodedStep:
     load: EngineLoad
 
 
-class EventSender:
-    """The engine process's end of the pipe: each event the engine loop posts crosses as one message, sent
-    before ``post`` returns (a :class:`Stepped` as an :class:`EncodedStep`, an error as one the server can
-    unpickle). A closed pipe is ignored (the server is gone: the loop's next command read ends it); an event
-    that cannot be encoded raises, so the loop stops and says so instead of leaving the server waiting."""
+class ServerLinks:
+    """The engine process's ends of the pipes of its API servers (one, or ``--api-servers`` of them): commands in
+    from all of them, each event out to the server it concerns.
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    The engine loop stays unaware of how many servers there are. A request's outputs go to the server that
+    added it; :class:`Added` and :class:`Aborted` to the server whose command the loop is running; a step's
+    stats to one server only (the first still connected), so that they are counted once; the load and step
+    failures to all. Every :class:`Stepped` goes to every server (the rows each one added) and counts as
+    handled once all have said so: the slowest server sets the pace of the loop's messages, as one server does
+    alone. A server that stops (or whose pipe closes) is answered :class:`Stopped` and its requests are
+    aborted; the loop stops once no server is left.
+
+    Each event crosses as one message, sent before ``post`` returns (a :class:`Stepped` as an
+    :class:`EncodedStep`, an error as one the server can unpickle). A pipe that fails on send is a server gone;
+    an event that cannot be encoded raises, so the loop stops and says so instead of leaving the servers
+    waiting."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+        self.live: list[int] = list(range(len(conns)))
         self.encoder = OutputEncoder()
+        self.owners: dict[str, int] = {}  # request id -> the server that added it
+        self.received: deque[tuple[int, Command]] = deque()  # commands cross in lists (CommandSender)
+        self.unacknowledged: deque[set[int]] = deque()  # per Stepped posted, the servers yet to handle it
+        self.current: tuple[int, Command] | None = None  # the command the loop runs, and whose it is
+
+    def next_command(self, block: bool) -> Command | None:
+        """The next command for the loop from any server (``None``: none queued and not ``block``)."""
+        while True:
+            if not self.received:
+                if not self.live:
+                    return StopCommand()
+                ready = multiprocessing.connection.wait([self.conns[i] for i in self.live], None if block else 0)
+                if not ready:
+                    return None
+                for conn in ready:
+                    self._receive(self.conns.index(conn))  # type: ignore[arg-type]
+                continue
+            index, command = self.current = self.received.popleft()
+            if index < 0:  # ours: a handled Stepped, or the aborts of a server gone
+                return command
+            if isinstance(command, StopCommand):
+                self._send(index, Stopped(SHUTDOWN_MESSAGE))
+                self._detach(index)
+            elif isinstance(command, HandledCommand):
+                next((waiting for waiting in self.unacknowledged if index in waiting), set()).discard(index)
+                self._release_handled()
+            else:
+                if isinstance(command, AddCommand):
+                    self.owners.update(dict.fromkeys(command.request_ids, index))
+                return command
+
+    def _receive(self, index: int) -> None:
+        try:
+            batch = receive_message(self.conns[index])
+        except (EOFError, OSError):  # the server is gone
+            self._detach(index)
+            return
+        self.received.extend((index, command) for command in batch)
+
+    def _detach(self, index: int) -> None:
+        """Server ``index`` is gone: abort its requests and stop waiting for it."""
+        if index not in self.live:
+            return
+        self.live.remove(index)
+        for waiting in self.unacknowledged:
+            waiting.discard(index)
+        self._release_handled()
+        orphans = [request_id for request_id, owner in self.owners.items() if owner == index]
+        if orphans:
+            self.received.append((-1, AbortCommand(orphans)))
+
+    def _release_handled(self) -> None:
+        """Tell the loop of each :class:`Stepped` that every server still connected has handled."""
+        while self.unacknowledged and not self.unacknowledged[0]:
+            self.unacknowledged.popleft()
+            self.received.append((-1, HandledCommand()))
 
     def post(self, event: Event) -> None:
-        message = self.message(event)
-        try:
-            send_message(self.conn, message)
-        except OSError:
-            pass
-
-    def message(self, event: Event) -> object:
-        """What ``event`` crosses as."""
         if isinstance(event, Stepped):  # its outputs are rows already (run_engine_process)
-            return EncodedStep(event.outputs, event.steps, event.load)
-        if isinstance(event, Added) and event.error is not None:
-            return Added(event.add_id, portable_error(event.error), event.load)
-        if isinstance(event, Aborted):
-            self.encoder.forget([out.request_id for out in event.finals])
-        return event
+            self._post_step(event)
+            return
+        if isinstance(event, StepFailed | Stopped):
+            for index in list(self.live):
+                self._send(index, event)
+            return
+        index, command = self.current if self.current is not None else (-1, None)
+        if isinstance(event, Added):
+            if event.error is not None:
+                assert isinstance(command, AddCommand)
+                for request_id in command.request_ids:
+                    self.owners.pop(request_id, None)
+                event = Added(event.add_id, portable_error(event.error), event.load)
+        else:
+            finished = [out.request_id for out in event.finals]
+            self.encoder.forget(finished)
+            for request_id in finished:
+                self.owners.pop(request_id, None)
+        if index in self.live:
+            self._send(index, event)
+
+    def _post_step(self, event: Stepped) -> None:
+        rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}
+        owners = self.owners
+        for row in event.outputs:
+            request_id = row[0]
+            owner = owners.pop(request_id, None) if row[3] else owners.get(request_id)
+            if owner in rows:
+                rows[owner].append(row)  # type: ignore[index]
+        self.unacknowledged.append(set(self.live))
+        self._release_handled()  # no server left to handle it
+        for position, index in enumerate(list(self.live)):
+            self._send(index, EncodedStep(rows[index], event.steps if position == 0 else [], event.load))
+
+    def _send(self, index: int, message: object) -> None:
+        try:
+            send_message(self.conns[index], message)
+        except OSError:  # the server is gone; its pipe's end of file detaches it
+            pass
 
 
 class CommandSender:
@@ -541,74 +634,97 @@ def receive_message(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def run_engine_process(conn: Connection, config: EngineConfig, factory: EngineFactory, log_level: int) -> None:
-    """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`),
-    then run the engine loop on the commands that arrive, until told to stop or the server's end closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us itself
+def run_engine_process(conns: list[Connection], config: EngineConfig, factory: EngineFactory, log_level: int) -> None:
+    """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`) to
+    each server, then run the engine loop on the commands that arrive (:class:`ServerLinks`), until every server
+    has stopped or gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the servers stop us themselves
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         engine = factory(config)
-    except Exception as err:  # noqa: BLE001 - reported to the server, which raises it
-        send_message(conn, LoadFailed(portable_error(err)))
+    except Exception as err:  # noqa: BLE001 - reported to the servers, which raise it
+        for conn in conns:
+            send_message(conn, LoadFailed(portable_error(err)))
         return
-    send_message(conn, EngineInfo.of(engine))
+    info = EngineInfo.of(engine)
+    for conn in conns:
+        send_message(conn, info)
     freeze_startup_heap()
-
-    received: deque[Command] = deque()  # commands cross in lists (CommandSender)
-
-    def next_command(block: bool) -> Command | None:
-        if not received:
-            try:
-                if not block and not conn.poll():
-                    return None
-                received.extend(receive_message(conn))
-            except (EOFError, OSError):  # the server is gone
-                return StopCommand()
-        return received.popleft()
-
-    sender = EventSender(conn)
-    EngineCore(engine, next_command, sender.post, collect=lambda: engine.collect(sender.encoder.row)).run()
+    links = ServerLinks(conns)
+    EngineCore(engine, links.next_command, links.post, collect=lambda: engine.collect(links.encoder.row)).run()
 
 
-class ProcessDriver:
-    """Runs the engine in a process of its own (spawned, so it may use CUDA), built by ``factory(config)``.
-    Construction blocks until the engine is loaded and raises what loading raised (e.g. ``ModelLoadError``)."""
-
-    engine = None  # the live engine is in the other process
+class EngineProcess:
+    """The engine in a process of its own (spawned, so it may use CUDA), built by ``factory(config)``, with one
+    pipe per API server (``connections``). Construction blocks until the engine is loaded and raises what
+    loading raised (e.g. ``ModelLoadError``)."""
 
     def __init__(
-        self, config: EngineConfig, factory: EngineFactory | None = None, log_level: int = logging.INFO
+        self,
+        config: EngineConfig,
+        factory: EngineFactory | None = None,
+        log_level: int = logging.INFO,
+        num_servers: int = 1,
     ) -> None:
-        factory = factory or LLMEngine.from_config
         context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
+        pipes = [context.Pipe() for _ in range(num_servers)]
+        self.connections = [server_end for server_end, _ in pipes]
+        self.process = context.Process(
             target=run_engine_process,
-            args=(child_conn, config, factory, log_level),
+            args=([engine_end for _, engine_end in pipes], config, factory or LLMEngine.from_config, log_level),
             name="rnnserve-engine",
             daemon=True,
         )
-        self._process.start()
-        child_conn.close()
-        self._sender = CommandSender(self._conn)
+        self.process.start()
+        for _, engine_end in pipes:
+            engine_end.close()
+        try:
+            answers = [receive_message(conn) for conn in self.connections]
+        except EOFError as err:
+            self.process.join()
+            raise RuntimeError(f"the engine process exited while loading (exit code {self.process.exitcode})") from err
+        if isinstance(answers[0], LoadFailed):
+            self.process.join()
+            raise answers[0].error
+        self.info: EngineInfo = answers[0]
+
+    def join(self, timeout: float) -> None:
+        """Wait for the process to end (once its servers stopped), bounded; killed after that."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self.process.kill()
+            self.process.join()
+
+
+class ProcessDriver:
+    """A server's link to the engine in its own process: ``conn`` (one of :attr:`EngineProcess.connections`),
+    ``info`` what the engine reported, ``process`` the engine process when this server owns it (stopping the
+    driver then waits for it)."""
+
+    engine = None  # the live engine is in the other process
+
+    def __init__(self, conn: Connection, info: EngineInfo, process: EngineProcess | None = None) -> None:
+        self._conn = conn
+        self.info = info
+        self._process = process
+        self._sender = CommandSender(conn)
+        self._sender.thread.start()
         self._reader: threading.Thread | None = None
         self._stopped = False
         self.decoder = OutputDecoder()
-        try:
-            first = receive_message(self._conn)
-        except EOFError as err:
-            self._process.join()
-            code = self._process.exitcode
-            raise RuntimeError(f"the engine process exited while loading (exit code {code})") from err
-        if isinstance(first, LoadFailed):
-            self._process.join()
-            raise first.error
-        self.info: EngineInfo = first
-        self._sender.thread.start()
+
+    @classmethod
+    def spawn(
+        cls, config: EngineConfig, factory: EngineFactory | None = None, log_level: int = logging.INFO
+    ) -> ProcessDriver:
+        """A driver owning a new engine process that serves it alone."""
+        process = EngineProcess(config, factory, log_level)
+        return cls(process.connections[0], process.info, process)
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._process.process.pid if self._process is not None else None
 
     @property
     def running(self) -> bool:
@@ -625,8 +741,7 @@ class ProcessDriver:
             try:
                 event = receive_message(self._conn)
             except (EOFError, OSError):
-                self._process.join(5)
-                event = Stopped(f"the engine process exited (exit code {self._process.exitcode})")
+                event = Stopped(self._exit_message())
             if isinstance(event, EncodedStep):
                 post(Stepped(self.decoder.decode(event.rows), event.steps, event.load))
                 continue
@@ -638,19 +753,23 @@ class ProcessDriver:
             if self._stopped:
                 return
 
+    def _exit_message(self) -> str:
+        if self._process is None:
+            return "the engine process exited"
+        self._process.process.join(5)
+        return f"the engine process exited (exit code {self._process.process.exitcode})"
+
     def send(self, command: Command) -> None:
         """Queue a command for the engine process; a dead one is not an error here (its :class:`Stopped` fails
         the rest)."""
         self._sender.send(command)
 
     def stop(self, timeout: float) -> None:
-        """Stop the loop and wait for the process (bounded; killed after that)."""
+        """Stop this server's link (the engine loop stops once all its servers did) and wait for it, and for the
+        engine process when this driver owns it (bounded; killed after that)."""
         self.send(StopCommand())
-        self._process.join(timeout)
-        if self._process.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
-            self._process.kill()
-            self._process.join()
+        if self._process is not None:
+            self._process.join(timeout)
         if self._reader is not None:
             self._reader.join(timeout)
         self._sender.thread.join(timeout)

@@ -31,17 +31,20 @@ from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
+    SHUTDOWN_MESSAGE,
     AbortCommand,
     Aborted,
+    AddCommand,
     Added,
     CommandSender,
     EncodedStep,
     EngineInfo,
-    EventSender,
     HandledCommand,
     OutputDecoder,
     OutputEncoder,
     ProcessDriver,
+    ServerLinks,
+    StepFailed,
     Stepped,
     StopCommand,
     ThreadDriver,
@@ -285,36 +288,93 @@ def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_pr
     assert not encoder.sent and not decoder.prompts
 
 
+def add_command(add_id: int, *request_ids: str) -> AddCommand:
+    return AddCommand(add_id, list(request_ids), ["x"] * len(request_ids), SamplingParams(), 0.0)
+
+
 def test_events_cross_as_messages_with_outputs_as_the_rows_they_hold() -> None:
     server_end, engine_end = multiprocessing.Pipe()
-    sender = EventSender(engine_end)
+    links = ServerLinks([engine_end])
+    server_end.send_bytes(pickle.dumps([add_command(3, "a")]))
+    assert links.next_command(True) == add_command(3, "a")
     rows = [("a", None, [], False, (1.0,), None, 0, None)]
     stats = [StepStats(generated_tokens=2), StepStats(generated_tokens=1)]
-    sender.post(Stepped(rows, stats, None))  # type: ignore[arg-type]
+    links.post(Stepped(rows, stats, None))  # type: ignore[arg-type]
     message = pickle.loads(server_end.recv_bytes())
     assert isinstance(message, EncodedStep) and message.steps == stats and message.rows == rows
 
     class Local(Exception):  # cannot be unpickled by the server
         pass
 
-    sender.post(Added(3, Local("odd"), None))  # type: ignore[arg-type]
+    links.post(Added(3, Local("odd"), None))  # type: ignore[arg-type]
     added = pickle.loads(server_end.recv_bytes())
     assert isinstance(added.error, RuntimeError) and str(added.error) == "Local: odd"
-    sender.encoder.sent.update(["a", "b"])
+    assert links.owners == {}  # nothing was added
+    links.encoder.sent.update(["a", "b"])
     final = RequestOutput("a", None, [1], [], True, RequestMetrics(1.0))
-    sender.post(Aborted([final], None))  # type: ignore[arg-type]
-    assert isinstance(pickle.loads(server_end.recv_bytes()), Aborted) and sender.encoder.sent == {"b"}
+    links.post(Aborted([final], None))  # type: ignore[arg-type]
+    assert isinstance(pickle.loads(server_end.recv_bytes()), Aborted) and links.encoder.sent == {"b"}
 
 
 def test_an_event_that_cannot_be_sent_raises_and_a_closed_pipe_does_not() -> None:
     """A pickling failure reaches the engine loop, which stops and reports it (never a silent hang); a
     closed pipe means the server is gone, which the loop learns from its next command read."""
     server_end, engine_end = multiprocessing.Pipe()
-    sender = EventSender(engine_end)
+    links = ServerLinks([engine_end])
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
-        sender.post(Stepped([("a", lambda: None)], [], None))  # type: ignore[arg-type, list-item]
+        links.post(StepFailed(lambda: None))  # type: ignore[arg-type]
     server_end.close()
-    sender.post(Stepped([("a", None)], [], None))  # type: ignore[arg-type, list-item]
+    links.post(Stepped([("a", None, [], False)], [], None))  # type: ignore[arg-type, list-item]
+    assert links.next_command(True) == HandledCommand()  # the server is gone: nobody holds the message
+    assert links.next_command(True) == StopCommand()
+
+
+def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_once() -> None:
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    servers = [server_end for server_end, _ in pipes]
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    for index, server in enumerate(servers):  # the add ids are each server's own: the same number is no clash
+        server.send_bytes(pickle.dumps([add_command(1, f"s{index}a", f"s{index}b")]))
+    for _ in servers:
+        command = links.next_command(True)
+        assert isinstance(command, AddCommand)
+        links.post(Added(1, None, "load"))  # type: ignore[arg-type]
+        owner = int(command.request_ids[0][1])
+        assert pickle.loads(servers[owner].recv_bytes()) == Added(1, None, "load")  # type: ignore[arg-type]
+    assert not any(server.poll() for server in servers)
+
+    rows = [(request_id, None, [], request_id == "s1b") for request_id in ("s0a", "s1b", "gone", "s0b")]
+    stats = [StepStats(generated_tokens=3)]
+    links.post(Stepped(rows, stats, "load"))  # type: ignore[arg-type]
+    first, second = (pickle.loads(server.recv_bytes()) for server in servers)
+    assert (first.rows, first.steps, first.load) == ([rows[0], rows[3]], stats, "load")
+    assert (second.rows, second.steps, second.load) == ([rows[1]], [], "load")
+    assert "s1b" not in links.owners  # finished
+
+    servers[0].send_bytes(pickle.dumps([HandledCommand()]))
+    assert links.next_command(False) is None  # the other server still holds its message
+    servers[1].send_bytes(pickle.dumps([HandledCommand()]))
+    assert links.next_command(False) == HandledCommand()
+
+    links.post(Stepped([], [], "load"))  # type: ignore[arg-type]
+    servers[1].send_bytes(pickle.dumps([StopCommand()]))
+    servers[0].send_bytes(pickle.dumps([HandledCommand()]))
+    commands = []
+    for _ in range(2):  # the stopped server's request, and the message nobody else holds now
+        commands.append(links.next_command(True))
+        if isinstance(commands[-1], AbortCommand):
+            links.post(Aborted([], "load"))  # type: ignore[arg-type]  # for a server that is gone: not sent
+    assert sorted(commands, key=repr) == [AbortCommand(["s1a"]), HandledCommand()]
+    assert isinstance(pickle.loads(servers[1].recv_bytes()), EncodedStep)
+    assert pickle.loads(servers[1].recv_bytes()).message == SHUTDOWN_MESSAGE  # Stopped, and nothing after it
+    assert not servers[1].poll()
+    assert pickle.loads(servers[0].recv_bytes()).rows == []
+
+    links.post(StepFailed("boom"))
+    assert pickle.loads(servers[0].recv_bytes()) == StepFailed("boom")
+    servers[0].close()  # gone without a stop: its requests are aborted, then the loop stops
+    assert links.next_command(True) == AbortCommand(["s0a", "s0b"])
+    assert links.next_command(True) == StopCommand()
 
 
 def test_commands_queued_together_cross_as_one_message_and_a_stop_ends_the_sender() -> None:
@@ -355,7 +415,7 @@ def test_engine_info_describes_the_same_engine_in_both_places() -> None:
     app = create_app(tiny_config())
     thread_info = app.state.engine.info
     app.state.engine.stop()
-    driver = ProcessDriver(tiny_config().engine)
+    driver = ProcessDriver.spawn(tiny_config().engine)
     try:
         process_info = driver.info
     finally:
