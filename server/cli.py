@@ -139,6 +139,15 @@ def serve(args: argparse.Namespace) -> int:
     # on SIGTERM/SIGINT, then re-raises the signal: both make a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
+    if config.api_servers > 1:
+        from rnnserve.server.api_servers import serve_api_servers
+
+        try:
+            return serve_api_servers(config, sock)
+        except (ModelLoadError, ValueError) as err:
+            sock.close()
+            logger.error("cannot load model: %s", err)
+            return 1
     start = time.perf_counter()
     try:
         if not config.uses_engine_process and resolve_device(config.engine.device).type == "cpu":

@@ -107,6 +107,11 @@ class ServerConfig:
         "do not take turns on one Python interpreter; auto: on for CUDA (on a CPU the model step is the host's "
         "own work, and a thread of the server's process keeps one OpenMP team)", choices=["auto", "on", "off"],
     )
+    api_servers: int = option(
+        1, "HTTP server processes in front of the one engine process (as vLLM's --api-server-count): they share "
+        "the port, and /metrics answers for all of them; more than one needs the engine in its own process and "
+        "--no-sessions", type=int, metavar="N",
+    )
     http: str = option(
         "auto", "HTTP/1.1 implementation: httptools (C parser; about a third less server CPU per streamed token) "
         "or h11 (pure Python); auto: httptools when installed", choices=["auto", "httptools", "h11"],
@@ -120,6 +125,15 @@ class ServerConfig:
         self.api_key = self.api_key or None
         if self.http == "httptools" and importlib.util.find_spec("httptools") is None:
             raise ValueError("--http httptools needs the httptools package (pip install httptools)")
+        if self.api_servers < 1:
+            raise ValueError("--api-servers must be at least 1")
+        if self.api_servers > 1 and self.engine_process == "off":
+            raise ValueError("--api-servers above 1 needs the engine in its own process (not --engine-process off)")
+        if self.api_servers > 1 and self.sessions:
+            raise ValueError(
+                "--api-servers above 1 needs --no-sessions (a session's lease and the session limits are kept by one "
+                "server process)"
+            )
 
     @classmethod
     def build(cls, **options: Any) -> ServerConfig:
@@ -147,8 +161,8 @@ class ServerConfig:
     @property
     def uses_engine_process(self) -> bool:
         """Whether the engine runs in a process of its own (``engine_process``, auto resolved by the device)."""
-        if self.engine_process != "auto":
-            return self.engine_process == "on"
+        if self.engine_process != "auto" or self.api_servers > 1:
+            return self.engine_process != "off"
         return resolve_device(self.engine.device).type == "cuda"
 
     @property

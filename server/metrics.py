@@ -5,12 +5,18 @@ Each server owns its own ``CollectorRegistry`` so several apps can live in one p
 series carries a ``model_name`` label (the first served name), as vLLM's do; the registry also holds the
 standard ``process_*`` series (CPU seconds, resident memory, open files). See ``docs/metrics.md`` for meanings
 and units.
+
+Several API server processes in front of one engine (``--api-servers``) share their counters and histograms
+through prometheus-client's multiprocess mode (``$PROMETHEUS_MULTIPROC_DIR``, set before they start): whichever
+process answers a scrape reports the sums over all of them. The engine's step series come from one of them
+only, its load gauges from the scraped one (every process gets every load), ``process_*`` from the scraped one.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from bisect import bisect_left
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -40,6 +47,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 N_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STATS_LOG_INTERVAL = 10.0
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def token_buckets(max_len: int) -> tuple[int, ...]:
@@ -99,6 +107,21 @@ class StepHistogram:
         yield family
 
 
+class SharedStepHistogram:
+    """:class:`StepHistogram`'s interface over a prometheus-client histogram, whose values the API server processes
+    share in multiprocess mode (a custom collector's would stay in the process that observed them)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        for value in values:
+            self.histogram.observe(value)
+
+    def observe(self, value: float) -> None:
+        self.histogram.observe(value)
+
+
 LOAD_GAUGES = (
     ("rnnserve_num_requests_running", "Sequences holding a state slot (prefilling or decoding)."),
     ("rnnserve_num_requests_waiting", "Requests queued for a free slot."),
@@ -149,7 +172,12 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or CollectorRegistry()  # what /metrics and the dashboard collect
+        self.multiprocess = MULTIPROCESS_DIR_ENV in os.environ
+        self._own = self.registry  # where the metrics register (their values are in files when shared)
+        if self.multiprocess:
+            self._own = CollectorRegistry()
+            MultiProcessCollector(self.registry)
         ProcessCollector(registry=self.registry)
         tokens = token_buckets(max_model_len)
         self._load = LoadGauges(model_name, self.registry)
@@ -173,7 +201,7 @@ class ServerMetrics:
             "rnnserve_request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
             ["model_name", "finished_reason"],
-            registry=self.registry,
+            registry=self._own,
         )
         self.request_rejected = self._counter(
             "rnnserve_request_rejected", "Requests answered 429 because the waiting queue was full."
@@ -223,16 +251,21 @@ class ServerMetrics:
             self.request_success(reason)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
-        return Gauge(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
+        gauge = Gauge(name, documentation, ["model_name"], registry=self._own, multiprocess_mode="mostrecent")
+        return gauge.labels(model_name=self.model_name)
 
     def _counter(self, name: str, documentation: str) -> Counter:
-        return Counter(name, documentation, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
+        return Counter(name, documentation, ["model_name"], registry=self._own).labels(model_name=self.model_name)
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-        metric = Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry)
+        metric = Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self._own)
         return metric.labels(model_name=self.model_name)
 
-    def _step_histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> StepHistogram:
+    def _step_histogram(
+        self, name: str, documentation: str, buckets: tuple[float, ...]
+    ) -> StepHistogram | SharedStepHistogram:
+        if self.multiprocess:
+            return SharedStepHistogram(self._histogram(name, documentation, buckets))
         return StepHistogram(name, documentation, buckets, self.model_name, self.registry)
 
     def request_success(self, finished_reason: str) -> Counter:

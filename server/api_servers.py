@@ -1,0 +1,139 @@
+"""Several HTTP server processes in front of one engine process (``rnnserve serve --api-servers N``).
+
+One Python process streams a few tens of thousands of SSE events a second and admits a few thousand requests a
+second; a GPU decoding a few hundred streams produces more than that, and a wave of new requests waits for its
+admissions one after the other. As vLLM's ``--api-server-count``, this runs N copies of the HTTP server, each
+its own process with its own event loop, all accepting on the one listening socket (the kernel hands each
+connection to one of them) and all linked to the one engine process by pipes of their own
+(:class:`~rnnserve.server.engine_core.ServerLinks` routes each request's outputs to its server).
+
+The process that runs :func:`serve_api_servers` only supervises: it loads the engine process, starts the servers,
+forwards SIGTERM/SIGINT to them (each drains as a single server does), and stops everything when one of them or
+the engine process dies. Their metrics are shared through prometheus-client's multiprocess mode (see
+:mod:`rnnserve.server.metrics`), in a folder it makes and removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from rnnserve.engine.llm_engine import freeze_startup_heap
+from rnnserve.server.config import ServerConfig
+from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver
+from rnnserve.server.metrics import MULTIPROCESS_DIR_ENV
+
+logger = logging.getLogger("rnnserve")
+STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers stopped
+
+
+def run_api_server(
+    config: ServerConfig, sock: socket.socket, conn: Connection, info: EngineInfo, index: int, log_level: int
+) -> None:
+    """One API server process's main: serve ``config``'s app on ``sock`` with the engine behind ``conn``."""
+    from rnnserve.server.app import create_app
+    from rnnserve.server.http_server import build_server
+
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = create_app(config, driver=ProcessDriver(conn, info))
+    freeze_startup_heap()
+    build_server(app, config).run(sockets=[sock])
+
+
+class APIServers:
+    """The engine process and ``config.api_servers`` server processes sharing ``sock``; :meth:`wait` supervises
+    them until they end. Construction blocks until the engine is loaded (and raises what loading raised)."""
+
+    def __init__(self, config: ServerConfig, sock: socket.socket, factory: EngineFactory | None = None) -> None:
+        log_level = logging.getLevelName(config.log_level.upper())
+        self.metrics_dir = tempfile.mkdtemp(prefix="rnnserve-metrics-")
+        os.environ[MULTIPROCESS_DIR_ENV] = self.metrics_dir  # read by each server process as it imports
+        self.stopping = False
+        try:
+            self.engine = EngineProcess(config.engine, factory, log_level, config.api_servers)
+        except BaseException:
+            self._remove_metrics_dir()
+            raise
+        context = multiprocessing.get_context("spawn")
+        self.servers: list[BaseProcess] = []
+        for index, conn in enumerate(self.engine.connections):
+            server = context.Process(
+                target=run_api_server,
+                args=(config, sock, conn, self.engine.info, index, log_level),
+                name=f"rnnserve-api-{index}",
+                daemon=True,  # ended with this process, whatever ends it
+            )
+            server.start()
+            conn.close()  # the server process holds its end now; the engine sees EOF when that process ends
+            self.servers.append(server)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def stop(self, *_: object) -> None:
+        """Ask every server to drain and stop (a signal handler)."""
+        self.stopping = True
+        for server in self.servers:
+            if server.is_alive() and server.pid is not None:
+                os.kill(server.pid, signal.SIGTERM)
+
+    def wait(self) -> int:
+        """Supervise until every server ended; 0 if they ended because :meth:`stop` asked, else 1 (a server or the
+        engine process died, and the others were stopped). Then wait for the engine process."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        failed = False
+        try:
+            running = {server.sentinel: server for server in self.servers}
+            engine: int | None = self.engine.process.sentinel
+            while running:
+                for sentinel in multiprocessing.connection.wait([*running, *([engine] if engine else [])]):
+                    if sentinel == engine:
+                        engine = None
+                        what = f"the engine process exited (exit code {self.engine.process.exitcode})"
+                    else:
+                        server = running.pop(sentinel)  # type: ignore[arg-type]
+                        server.join()
+                        what = f"{server.name} exited (exit code {server.exitcode})"
+                    if not self.stopping:
+                        logger.error("%s; stopping", what)
+                        failed = True
+                        self.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.engine.join(STOP_TIMEOUT)
+        self._remove_metrics_dir()
+        return 1 if failed else 0
+
+    def _on_signal(self, signum: int, _: FrameType | None) -> None:
+        logger.info("%s: stopping %d API servers", signal.Signals(signum).name, len(self.servers))
+        self.stop()
+
+    def _remove_metrics_dir(self) -> None:
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        os.environ.pop(MULTIPROCESS_DIR_ENV, None)
+
+
+def serve_api_servers(config: ServerConfig, sock: socket.socket) -> int:
+    """Run ``config.api_servers`` server processes and their engine process until they stop; the exit code."""
+    start = time.perf_counter()
+    servers = APIServers(config, sock)
+    sock.close()  # the servers hold it
+    logger.info(
+        "model loaded in %.1f s; %d API server processes share http://%s:%d (pids %s), engine process %s",
+        time.perf_counter() - start, config.api_servers, config.host, config.port,
+        " ".join(str(server.pid) for server in servers.servers), servers.engine.process.pid,
+    )
+    return servers.wait()

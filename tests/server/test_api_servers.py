@@ -1,0 +1,131 @@
+"""Several API server processes in front of one engine process (``rnnserve serve --api-servers N``): each
+server gets its own requests' outputs, one stopping leaves the others serving, the metrics count every
+server's requests once whichever answers the scrape, and the supervisor stops everything when one dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from rnnserve.server.app import create_app
+from rnnserve.server.engine_core import EngineProcess, ProcessDriver
+from tests.server.conftest import TINY, tiny_config
+from tests.server.server_process import ServerProcess, running_server
+
+pytestmark = pytest.mark.timeout(240)
+
+BODIES = [
+    {"prompt": f"prompt {i}", "max_tokens": 6 + i % 5, "temperature": 0, "ignore_eos": True} for i in range(8)
+] + [{"prompt": "seeded", "max_tokens": 7, "temperature": 0.9, "seed": 3, "n": 2}]
+
+
+def texts(client: TestClient, body: dict, stream: bool) -> list[str]:
+    response = client.post("/v1/completions", json={**body, "stream": stream})
+    assert response.status_code == 200, response.text
+    if not stream:
+        return [choice["text"] for choice in response.json()["choices"]]
+    found: dict[int, str] = {}
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                found[choice["index"]] = found.get(choice["index"], "") + choice["text"]
+    return [found[i] for i in sorted(found)]
+
+
+def test_more_than_one_api_server_needs_an_engine_process_and_no_sessions() -> None:
+    with pytest.raises(ValueError, match="--no-sessions"):
+        tiny_config(api_servers=2)
+    with pytest.raises(ValueError, match="its own process"):
+        tiny_config(api_servers=2, sessions=False, engine_process="off")
+    with pytest.raises(ValueError, match="at least 1"):
+        tiny_config(api_servers=0)
+    assert tiny_config(api_servers=2, sessions=False).uses_engine_process  # auto, on a CPU
+    assert not tiny_config().uses_engine_process
+
+
+def test_two_servers_share_one_engine_process_and_each_gets_its_own_answers() -> None:
+    with TestClient(create_app(tiny_config())) as alone:
+        expected = [texts(alone, body, stream=False) for body in BODIES]
+    config = tiny_config(api_servers=2, sessions=False)
+    engine = EngineProcess(config.engine, num_servers=2)
+    apps = [create_app(config, driver=ProcessDriver(conn, engine.info)) for conn in engine.connections]
+    with TestClient(apps[1]) as second:
+        with TestClient(apps[0]) as first, ThreadPoolExecutor(2) as pool:
+            # Both servers' requests run in the engine's batches together; each server streams its own.
+            got = pool.map(
+                lambda job: texts(*job),
+                [(first if i % 2 else second, body, bool(i % 3)) for i, body in enumerate(BODIES)],
+            )
+            assert list(got) == expected
+        # The first server stopped: the engine keeps serving the second.
+        assert texts(second, BODIES[0], stream=True) == expected[0]
+        metrics = second.get("/metrics").text
+        assert re.search(r'^rnnserve_num_requests_running\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
+    engine.process.join(30)  # both stopped: the engine process ends
+    assert engine.process.exitcode == 0
+
+
+def wait_for_servers(server: ServerProcess, count: int) -> list[int]:
+    """The pids of the ``count`` API server processes once each says it runs."""
+    deadline = time.monotonic() + 60
+    while server.output.count("Uvicorn running") < count:
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.output
+        time.sleep(0.1)
+    return [int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", server.output)]
+
+
+async def stream_all(url: str, count: int) -> list[int]:
+    """``count`` concurrent streams, each on a connection of its own; the tokens each received."""
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def one() -> int:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        return sum(1 for line in lines[:-1] if json.loads(line.removeprefix("data: "))["choices"])
+
+    return await asyncio.gather(*(one() for _ in range(count)))
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*model_name="[^"]+"[^}}]*\}} (\S+)$', text, re.M))
+
+
+def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path: Path) -> None:
+    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions", "--max-num-seqs", "8")
+    with running_server(*flags, env={"TMPDIR": str(tmp_path)}) as server:
+        assert len(set(wait_for_servers(server, 2))) == 2
+        assert list(tmp_path.glob("rnnserve-metrics-*"))
+        chunks = asyncio.run(stream_all(server.url, 24))
+        assert all(count >= 1 for count in chunks)
+        for _ in range(6):  # whichever server answers the scrape counts all 24 once
+            text = httpx.get(f"{server.url}/metrics").text
+            assert metric(text, "rnnserve_request_success_total") == 24, text
+            assert metric(text, "rnnserve_time_to_first_token_seconds_count") == 24
+            assert metric(text, "rnnserve_generation_tokens_total") == 24 * 8
+            assert metric(text, "rnnserve_state_slots_total") == 8
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.output
+    assert "SIGTERM: stopping 2 API servers" in server.output
+    assert not list(tmp_path.glob("rnnserve-metrics-*"))  # the shared metrics' folder is removed
+
+
+def test_a_dead_api_server_stops_the_others_and_the_engine() -> None:
+    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions")
+    with running_server(*flags) as server:
+        pids = wait_for_servers(server, 2)
+        os.kill(pids[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1, server.output
+    assert re.search(r"rnnserve-api-\d exited \(exit code -9\); stopping", server.output), server.output
