@@ -38,10 +38,13 @@ import asyncio  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
 import pickle  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import IO  # noqa: E402
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
@@ -123,15 +126,28 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def serving_processes(pid: int, api_servers: int, log: IO[str]) -> tuple[list[int], list[int]]:
+    """The pids of the processes that serve HTTP and of the engine process (if any) of the ``rnnserve serve``
+    process ``pid``: with one API server, it and its children; with several, as its log names them."""
+    if api_servers == 1:
+        return [pid], child_pids(pid)
+    log.seek(0)
+    found = re.search(r"\(pids ([\d ]+)\), engine process (\d+)", log.read())
+    if found is None:
+        return [pid], []
+    return [int(server) for server in found.group(1).split()], [int(found.group(2))]
+
+
 def http_tokens_per_ms(
-    preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto"
+    preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto",
+    api_servers: int = 1,
 ) -> dict[int, tuple[float, str] | str]:
     """Generated tok/ms of ``2 x c`` streamed requests at each concurrency ``c``, one after the other, against
-    one fresh ``rnnserve serve --engine-process ENGINE_PROCESS`` (started once per model: a start builds the model
-    and captures its graphs), each with its client-side latencies: time to first token (p50, p99) and tokens
-    per streamed chunk (above 1 when the server writes several steps at once). A failure is a string in place
-    of the pair. Beside them, the CPU cores the serving process and the engine process kept busy: either near
-    1.00 is the side HTTP waits on."""
+    one fresh ``rnnserve serve --engine-process ENGINE_PROCESS --api-servers API_SERVERS`` (started once per
+    model: a start builds the model and captures its graphs), each with its client-side latencies: time to first
+    token (p50, p99) and tokens per streamed chunk (above 1 when the server writes several steps at once). A
+    failure is a string in place of the pair. Beside them, the CPU cores the serving processes and the engine
+    process kept busy: a serving process near 1.00, or the engine process, is the side HTTP waits on."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -143,15 +159,18 @@ def http_tokens_per_ms(
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
                "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
                "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning",
-               "--engine-process", engine_process]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               "--engine-process", engine_process, "--api-servers", str(api_servers)]
+    if api_servers > 1:
+        command += ["--no-sessions", "--log-level", "info"]  # info: the line naming the processes
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
-                reason = server.stderr.read()[-200:] if server.stderr else ""
-                return dict.fromkeys(concurrency, f"server exited: {reason}")
+                log.seek(0)
+                return dict.fromkeys(concurrency, f"server exited: {log.read()[-200:]}")
             try:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
@@ -166,16 +185,18 @@ def http_tokens_per_ms(
             processes = max(1, min(8, c // 32, (os.cpu_count() or 1) // 2))
             config = BenchConfig(url=url, num_prompts=2 * c, concurrency=c, input_len=PROMPT_LEN,
                                  output_len=new_tokens, progress=False, processes=processes)
-            engines = child_pids(server.pid)  # the engine process, when there is one
-            cpu_before = [cpu_seconds(server.pid), sum(cpu_seconds(pid) for pid in engines)]
+            servers, engines = serving_processes(server.pid, api_servers, log)
+            cpu_before = [list(map(cpu_seconds, servers)), sum(map(cpu_seconds, engines))]
             figures = asyncio.run(benchmark(config))
-            cpu = [cpu_seconds(server.pid) - cpu_before[0], sum(map(cpu_seconds, engines)) - cpu_before[1]]
+            cpu = [[cpu_seconds(pid) - before for pid, before in zip(servers, cpu_before[0], strict=True)],
+                   sum(map(cpu_seconds, engines)) - cpu_before[1]]  # fmt: skip
             if figures["failed"]:
                 rates[c] = f"{figures['failed']} failed"
                 continue
             ttft = figures["ttft_ms"]
             per_chunk = figures["total_output_tokens"] / max(1, figures["total_chunks"])
-            busy = f"serving process {cpu[0] / figures['duration_s']:.2f} cores"
+            cores = " + ".join(f"{seconds / figures['duration_s']:.2f}" for seconds in cpu[0])
+            busy = f"serving process{'es' if len(servers) > 1 else ''} {cores} cores"
             if engines:
                 busy += f", engine process {cpu[1] / figures['duration_s']:.2f}"
             detail = f"TTFT p50 {ttft['p50']:.0f} / p99 {ttft['p99']:.0f} ms, {per_chunk:.1f} tok/chunk, {busy}"
@@ -187,6 +208,7 @@ def http_tokens_per_ms(
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+        log.close()
 
 
 def print_profile(model, pool: StatePool, batch: int, device: torch.device, prompt_len: int) -> None:
@@ -255,8 +277,9 @@ def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: 
 
 
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
-                http: list[str], profile: bool = False) -> list[Row]:
-    """Every row of one model; ``http`` lists the ``--engine-process`` values of the HTTP rows (none: no rows)."""
+                http: list[tuple[str, int]], profile: bool = False) -> list[Row]:
+    """Every row of one model; ``http`` lists the ``--engine-process`` and ``--api-servers`` values of the HTTP
+    rows, one set of rows each (none: no rows)."""
     model, tokenizer = build_random(preset, device, dtype)
     with torch.inference_mode():
         rows, step_ms = model_step_rows(model, preset, device, sizes, peak, profile)
@@ -292,10 +315,12 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
     if device.type == "cuda":
         torch.cuda.empty_cache()
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    for engine_process in http:
-        rates = http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens, engine_process)
+    for engine_process, api_servers in http:
+        rates = http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens, engine_process,
+                                   api_servers)
         for c, rate in rates.items():
             label = f"HTTP c={c}" if engine_process == "auto" else f"HTTP c={c}, engine process {engine_process}"
+            label += f", {api_servers} API servers" if api_servers > 1 else ""
             cells = {"what": label}
             if isinstance(rate, str):
                 cells["tok/ms"] = rate
@@ -328,6 +353,8 @@ def main() -> None:
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP rows")
     parser.add_argument("--engine-process", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                         help="the servers' --engine-process, one set of HTTP rows each (default: auto, on for CUDA)")
+    parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
+                        help="the servers' --api-servers, one set of HTTP rows each (with an engine process)")
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU, small sizes")
     parser.add_argument("--profile", action="store_true",
                         help="also print each model's kernels (one eager decode step, one prefill) by time")
@@ -351,7 +378,10 @@ def main() -> None:
     rows: list[Row] = []
     for preset in models:
         start = time.perf_counter()
-        http = [] if args.no_http else args.engine_process
+        http = [] if args.no_http else [
+            (engine_process, api_servers) for engine_process in args.engine_process for api_servers in args.api_servers
+            if api_servers == 1 or engine_process != "off"
+        ]  # fmt: skip
         model_rows = bench_model(preset, device, dtype, sizes, peak, http=http, profile=args.profile)
         print_table(model_rows)  # each model's rows as soon as they exist: a run cut short keeps them
         print(f"[{preset}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)

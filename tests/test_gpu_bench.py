@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--models", "mamba-tiny",
-         "--engine-process", "auto", "on"],
+         "--engine-process", "auto", "on", "--api-servers", "1", "2"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,6 +38,11 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     busy = " ".join(in_process[in_process.index("tok/chunk,") + 1 :])
     serving, engine = (float(part.split()[2]) for part in busy.split(", "))
     assert busy.startswith("serving process ") and ", engine process " in busy and serving > 0 and engine > 0, busy
+    shared = next(row for row in lines if row[:5] == ["mamba-tiny", "HTTP", "c=2,", "2", "API"])
+    assert float(shared[6]) > 0 and shared[7].endswith("%"), shared  # auto: the engine process comes with them
+    busy = " ".join(shared[shared.index("tok/chunk,") + 1 :])
+    cores = re.fullmatch(r"serving processes (\S+) \+ (\S+) cores, engine process (\S+)", busy)
+    assert cores is not None and float(cores[1]) + float(cores[2]) > 0 and float(cores[3]) > 0, busy
 
 
 def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
