@@ -132,10 +132,10 @@ def serving_processes(pid: int, api_servers: int, log: IO[str]) -> tuple[list[in
     if api_servers == 1:
         return [pid], child_pids(pid)
     log.seek(0)
-    found = re.search(r"\(pids ([\d ]+)\), engine process (\d+)", log.read())
+    found = re.search(r"engine=process \(pid (\d+)\), API server pids ([\d, ]+) http=", log.read())
     if found is None:
         return [pid], []
-    return [int(server) for server in found.group(1).split()], [int(found.group(2))]
+    return [int(server) for server in found.group(2).split(", ")], [int(found.group(1))]
 
 
 def http_tokens_per_ms(

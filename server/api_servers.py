@@ -7,7 +7,7 @@ its own process with its own event loop, all accepting on the one listening sock
 connection to one of them) and all linked to the one engine process by pipes of their own
 (:class:`~rnnserve.server.engine_core.ServerLinks` routes each request's outputs to its server).
 
-The process that runs :func:`serve_api_servers` only supervises: it loads the engine process, starts the servers,
+The process that runs them (:class:`APIServers`) only supervises: it loads the engine process, starts the servers,
 forwards SIGTERM/SIGINT to them (each drains as a single server does), and stops everything when one of them or
 the engine process dies. Their metrics are shared through prometheus-client's multiprocess mode (see
 :mod:`rnnserve.server.metrics`), in a folder it makes and removes.
@@ -23,14 +23,13 @@ import shutil
 import signal
 import socket
 import tempfile
-import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from rnnserve.engine.llm_engine import freeze_startup_heap
 from rnnserve.server.config import ServerConfig
-from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver
+from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver, sigint_ignored
 from rnnserve.server.metrics import MULTIPROCESS_DIR_ENV
 
 logger = logging.getLogger("rnnserve")
@@ -67,6 +66,10 @@ class APIServers:
             raise
         context = multiprocessing.get_context("spawn")
         self.servers: list[BaseProcess] = []
+        # From now on a signal stops the servers (until wait returns). Ctrl-C reaches the whole process group:
+        # the servers start with SIGINT ignored, and this process answers it with a SIGTERM to each, which
+        # uvicorn turns into a drain once it runs (before, SIGTERM ends a server quietly).
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         for index, conn in enumerate(self.engine.connections):
             server = context.Process(
                 target=run_api_server,
@@ -74,9 +77,11 @@ class APIServers:
                 name=f"rnnserve-api-{index}",
                 daemon=True,  # ended with this process, whatever ends it
             )
-            server.start()
+            if not self.stopping:
+                with sigint_ignored():
+                    server.start()
+                self.servers.append(server)
             conn.close()  # the server process holds its end now; the engine sees EOF when that process ends
-            self.servers.append(server)
 
     @property
     def info(self) -> EngineInfo:
@@ -92,7 +97,6 @@ class APIServers:
     def wait(self) -> int:
         """Supervise until every server ended; 0 if they ended because :meth:`stop` asked, else 1 (a server or the
         engine process died, and the others were stopped). Then wait for the engine process."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         failed = False
         try:
             running = {server.sentinel: server for server in self.servers}
@@ -101,6 +105,7 @@ class APIServers:
                 for sentinel in multiprocessing.connection.wait([*running, *([engine] if engine else [])]):
                     if sentinel == engine:
                         engine = None
+                        self.engine.process.join()
                         what = f"the engine process exited (exit code {self.engine.process.exitcode})"
                     else:
                         server = running.pop(sentinel)  # type: ignore[arg-type]
@@ -111,7 +116,7 @@ class APIServers:
                         failed = True
                         self.stop()
         finally:
-            for sig, handler in previous.items():
+            for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)
         self.engine.join(STOP_TIMEOUT)
         self._remove_metrics_dir()
@@ -124,16 +129,3 @@ class APIServers:
     def _remove_metrics_dir(self) -> None:
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
         os.environ.pop(MULTIPROCESS_DIR_ENV, None)
-
-
-def serve_api_servers(config: ServerConfig, sock: socket.socket) -> int:
-    """Run ``config.api_servers`` server processes and their engine process until they stop; the exit code."""
-    start = time.perf_counter()
-    servers = APIServers(config, sock)
-    sock.close()  # the servers hold it
-    logger.info(
-        "model loaded in %.1f s; %d API server processes share http://%s:%d (pids %s), engine process %s",
-        time.perf_counter() - start, config.api_servers, config.host, config.port,
-        " ".join(str(server.pid) for server in servers.servers), servers.engine.process.pid,
-    )
-    return servers.wait()

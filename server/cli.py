@@ -8,12 +8,17 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_device
 from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
+
+if TYPE_CHECKING:
+    from rnnserve.server.engine_core import EngineInfo
 
 logger = logging.getLogger("rnnserve")
 
@@ -111,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import freeze_startup_heap
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
-    from rnnserve.server.http_server import build_server, http_stack, listen_socket
+    from rnnserve.server.http_server import build_server, listen_socket
 
     try:
         config = ServerConfig.from_args(args)
@@ -139,16 +144,9 @@ def serve(args: argparse.Namespace) -> int:
     # on SIGTERM/SIGINT, then re-raises the signal: both make a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    if config.api_servers > 1:
-        from rnnserve.server.api_servers import serve_api_servers
-
-        try:
-            return serve_api_servers(config, sock)
-        except (ModelLoadError, ValueError) as err:
-            sock.close()
-            logger.error("cannot load model: %s", err)
-            return 1
     start = time.perf_counter()
+    if config.api_servers > 1:
+        return serve_api_servers(config, sock, start)
     try:
         if not config.uses_engine_process and resolve_device(config.engine.device).type == "cpu":
             build_cpu_extension()  # here, where a signal interrupts the build cleanly (the engine thread would not)
@@ -159,7 +157,33 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     freeze_startup_heap()
-    info = app.state.engine.info
+    log_serving(config, app.state.engine.info, "process" if config.uses_engine_process else "thread")
+    server = build_server(app, config)
+    server.run(sockets=[sock])
+    return 0
+
+
+def serve_api_servers(config: ServerConfig, sock: socket.socket, start: float) -> int:
+    """``serve`` with ``config.api_servers`` server processes in front of the engine process."""
+    from rnnserve.server.api_servers import APIServers
+
+    try:
+        servers = APIServers(config, sock)
+    except (ModelLoadError, ValueError) as err:
+        logger.error("cannot load model: %s", err)
+        return 1
+    finally:
+        sock.close()  # the servers hold it
+    logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
+    pids = ", ".join(str(server.pid) for server in servers.servers)
+    log_serving(config, servers.info, f"process (pid {servers.engine.process.pid}), API server pids {pids}")
+    return servers.wait()
+
+
+def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:
+    """The line that says what ``rnnserve serve`` serves, and where."""
+    from rnnserve.server.http_server import http_stack
+
     logger.info(
         "serving model=%s name=%s device=%s dtype=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
         "engine=%s http=%s auth=%s url=http://%s:%d",
@@ -170,15 +194,12 @@ def serve(args: argparse.Namespace) -> int:
         info.bytes_per_slot,
         info.num_slots,
         info.num_slots * info.bytes_per_slot,
-        "process" if config.uses_engine_process else "thread",
+        engine,
         http_stack(config.http),
         "on" if config.api_key else "off",
         config.host,
         config.port,
     )
-    server = build_server(app, config)
-    server.run(sockets=[sock])
-    return 0
 
 
 def generate(args: argparse.Namespace) -> int:

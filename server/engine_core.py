@@ -3,11 +3,11 @@ two places it can run.
 
 * :class:`ThreadDriver`: a thread of the server's process (:class:`EngineThread`). Simple, and right on a CPU,
   where the model step is the host's own work.
-* :class:`ProcessDriver`: a process of its own, as vLLM's engine core. On a GPU the engine's host work
-  (scheduling, sampling bookkeeping, detokenizing) and the HTTP event loop (routing outputs, one SSE write per
-  stream) both need a Python interpreter; in one process they take turns on its lock, and at a few hundred
-  streams neither keeps up with the device. The server process then only serves HTTP; the engine process only
-  steps the engine.
+* :class:`ProcessDriver`: a process of its own (:class:`EngineProcess`), as vLLM's engine core. On a GPU the
+  engine's host work (scheduling, sampling bookkeeping, detokenizing) and the HTTP event loop (routing outputs,
+  one SSE write per stream) both need a Python interpreter; in one process they take turns on its lock, and at
+  a few hundred streams neither keeps up with the device. The server process then only serves HTTP; the engine
+  process only steps the engine, for one server or for several (``--api-servers``; :class:`ServerLinks`).
 
 The loop and the server speak in messages (commands in, events out), the same ones in both places; across
 processes they are pickled through a pipe, the server's commands written by a thread of their own
@@ -31,8 +31,9 @@ import queue
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -634,6 +635,21 @@ def receive_message(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+@contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT meanwhile (from the main thread; elsewhere a no-op): processes started now inherit that
+    through exec, so a Ctrl-C, which reaches the whole process group, leaves them alone while they start up;
+    their parent stops them instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_engine_process(conns: list[Connection], config: EngineConfig, factory: EngineFactory, log_level: int) -> None:
     """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`) to
     each server, then run the engine loop on the commands that arrive (:class:`ServerLinks`), until every server
@@ -675,7 +691,8 @@ class EngineProcess:
             name="rnnserve-engine",
             daemon=True,
         )
-        self.process.start()
+        with sigint_ignored():
+            self.process.start()
         for _, engine_end in pipes:
             engine_end.close()
         try:

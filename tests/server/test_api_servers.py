@@ -122,10 +122,16 @@ def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path:
     assert not list(tmp_path.glob("rnnserve-metrics-*"))  # the shared metrics' folder is removed
 
 
-def test_a_dead_api_server_stops_the_others_and_the_engine() -> None:
+@pytest.mark.parametrize("victim", ["API server", "engine"])
+def test_a_dead_process_stops_the_others(victim: str) -> None:
     flags = ("--model", TINY, "--api-servers", "2", "--no-sessions")
     with running_server(*flags) as server:
         pids = wait_for_servers(server, 2)
+        if victim == "engine":
+            found = re.search(r"engine=process \(pid (\d+)\), API server pids (\d+), (\d+) ", server.output)
+            assert found is not None and sorted(map(int, found.group(2, 3))) == sorted(pids), server.output
+            pids = [int(found.group(1))]
         os.kill(pids[0], signal.SIGKILL)
         assert server.proc.wait(timeout=60) == 1, server.output
-    assert re.search(r"rnnserve-api-\d exited \(exit code -9\); stopping", server.output), server.output
+    expected = r"rnnserve-api-\d exited" if victim == "API server" else "the engine process exited"
+    assert re.search(rf"{expected} \(exit code -9\); stopping", server.output), server.output
