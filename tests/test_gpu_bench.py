@@ -84,3 +84,17 @@ def test_decode_tune_smoke_times_the_op_by_op_step_and_each_choice():
     assert names == [(model, f"b={b}", name) for model in ("mamba-tiny", "mamba2-tiny") for b in (1,)
                      for name in ("(8,2,4096,4,False)", "default", "op")], result.stdout
     assert all(float(row[-1]) < 1e-4 for row in rows), result.stdout  # the stack's logits == the op-by-op step's
+
+
+def test_api_servers_bench_compares_one_and_two_server_processes():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "api_servers.py"), "--api-servers", "1", "2", "--requests", "8",
+         "--concurrency", "4", "--output-len", "2", "--step-ms", "5", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    table = {row[0].strip(): [cell.strip() for cell in row[1:]] for row in rows[1:]}
+    assert set(table) == {"1", "2"}, result.stdout
+    assert float(table["2"][0]) > 0 and table["1"][1] == "1.00x", result.stdout
+    assert len(table["2"][6].split(" + ")) == 2 and float(table["2"][7]) > 0, result.stdout  # each process's cores
