@@ -6,8 +6,9 @@ of ``--requests`` streamed requests at ``--concurrency`` (``rnnserve bench`` in 
 processes, prompts of 16 token ids, ``--output-len`` new tokens each). The engine process runs on an emulated
 device (``async_scheduling.EmulatedDevice``): a decode step's tokens come ``--step-ms`` after it starts, a prefill
 call keeps the engine busy ``--prefill-ms`` (on an H100, mamba-370m: ~3.5 ms a step at batch 256, ~35 ms a
-prefill call). The settings alternate round by round; the table gives medians, with each process's busy cores.
-Needs a core per busy process to say what a GPU host would see (a 2-core VM can only compare)::
+prefill call); the model itself runs on the CPU. The settings alternate round by round; the table gives
+medians, with each process's busy cores. It needs a core per busy process to say what a GPU host would see (a
+2-core VM can only compare)::
 
     .venv/bin/python benchmarks/api_servers.py [--api-servers 1 2] [--step-ms 12] [--concurrency 256] [--rounds 3]
 """
@@ -66,7 +67,7 @@ def served(args: argparse.Namespace, api_servers: int, out: Path) -> dict:
     sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.concurrency, max_prompt_tokens=64,
-                                api_key=None, sessions=False, engine_process="on", async_scheduling="on",
+                                api_key=None, sessions=False, engine_process="on", async_scheduling="on", device="cpu",
                                 api_servers=api_servers, port=port, log_level="warning")  # fmt: skip
     servers = APIServers(config, sock, functools.partial(emulated_engine, args.step_ms, prefill_ms=args.prefill_ms))
     sock.close()
