@@ -10,7 +10,8 @@ connection to one of them) and all linked to the one engine process by pipes of 
 The process that runs them (:class:`APIServers`) only supervises: it loads the engine process, starts the servers,
 forwards SIGTERM/SIGINT to them (each drains as a single server does), and stops everything when one of them or
 the engine process dies. Their metrics are shared through prometheus-client's multiprocess mode (see
-:mod:`rnnserve.server.metrics`), in a folder it makes and removes.
+:mod:`rnnserve.server.metrics`), in a folder it makes and removes; their session folder is shared (see
+:mod:`rnnserve.server.sessions`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from rnnserve.engine.llm_engine import freeze_startup_heap
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver, sigint_ignored
 from rnnserve.server.metrics import MULTIPROCESS_DIR_ENV
+from rnnserve.server.sessions import remove_temporary_files, session_dir
 
 logger = logging.getLogger("rnnserve")
 STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers stopped
@@ -64,6 +66,8 @@ class APIServers:
         except BaseException:
             self._remove_metrics_dir()
             raise
+        if config.sessions:  # none of the servers may: one may be writing while another starts
+            remove_temporary_files(session_dir(config, self.engine.info.model_fingerprint))
         context = multiprocessing.get_context("spawn")
         self.servers: list[BaseProcess] = []
         # From now on a signal stops the servers (until wait returns). Ctrl-C reaches the whole process group:

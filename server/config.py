@@ -109,8 +109,8 @@ class ServerConfig:
     )
     api_servers: int = option(
         1, "HTTP server processes in front of the one engine process (as vLLM's --api-server-count): they share "
-        "the port, and /metrics answers for all of them; more than one needs the engine in its own process and "
-        "--no-sessions", type=int, metavar="N",
+        "the port, /metrics answers for all of them, and they share the session folder; more than one needs the "
+        "engine in its own process", type=int, metavar="N",
     )
     http: str = option(
         "auto", "HTTP/1.1 implementation: httptools (C parser; about a third less server CPU per streamed token) "
@@ -129,11 +129,6 @@ class ServerConfig:
             raise ValueError("--api-servers must be at least 1")
         if self.api_servers > 1 and self.engine_process == "off":
             raise ValueError("--api-servers above 1 needs the engine in its own process (not --engine-process off)")
-        if self.api_servers > 1 and self.sessions:
-            raise ValueError(
-                "--api-servers above 1 needs --no-sessions (a session's lease and the session limits are kept by one "
-                "server process)"
-            )
 
     @classmethod
     def build(cls, **options: Any) -> ServerConfig:

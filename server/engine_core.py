@@ -518,6 +518,8 @@ class ServerLinks:
             index, command = self.current = self.received.popleft()
             if index < 0:  # ours: a handled Stepped, or the aborts of a server gone
                 return command
+            if index not in self.live:  # sent before its server went (whose requests are aborted)
+                continue
             if isinstance(command, StopCommand):
                 self._send(index, Stopped(SHUTDOWN_MESSAGE))
                 self._detach(index)

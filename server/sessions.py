@@ -13,12 +13,18 @@ an LRU in host memory; an idle session never holds a state slot. A file that can
 bad header) or that belongs to another model or state layout is a 422 for that session alone. One request at a
 time may use a session (:meth:`SessionStore.acquire`; a second one gets 409).
 
-The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``.
+The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``. Several server
+processes may share a folder (``--api-servers``; ``shared``): a lease then also holds a lock on one byte of the
+folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write re-counts the folder's
+sessions under a lock of the whole file before it checks the limits, so that they hold for all processes
+together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -60,6 +66,7 @@ TOKEN_TENSORS = ("token_ids", "pending_token_ids")
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 1 << 20
 TOKEN_ID_BYTES = 8
+LEASE_FILE = ".leases"  # shared folders: byte 0 locks writes, byte 1 + hash(id) a session's lease
 
 
 def default_session_dir(fingerprint: str) -> Path:
@@ -342,35 +349,47 @@ class SessionStore:
         max_sessions: int,
         max_bytes: int,
         cache_bytes: int,
+        shared: bool = False,
     ) -> None:
         self.directory = directory
         self.codec = codec
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.cache_bytes = cache_bytes
+        self.shared = shared
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # shared folders: one write at a time in this process, too
         self._sizes: dict[str, int] = {}
         self._cache: OrderedDict[str, tuple[StoredSession, FileVersion]] = OrderedDict()
         self._cache_used = 0
         self._leases: dict[str, SessionLease] = {}
+        self._lease_fd: int | None = None
         try:
-            self._scan()
+            if shared:  # the lease file needs the folder
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._lease_fd = os.open(self.directory / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            else:
+                remove_temporary_files(directory)
+            self._sizes = self._scan()
         except OSError as err:
             raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
         logger.info("sessions: %d stored in %s (%d bytes)", self.num_sessions, directory, self.stored_bytes)
 
-    def _scan(self) -> None:
-        """Count the sessions on disk; remove temporary files a killed server left behind. The folder is made
-        by the first write (a server whose clients use no sessions writes nothing)."""
+    def _scan(self) -> dict[str, int]:
+        """The sessions on disk and their sizes. The folder is made by the first write (a server whose clients
+        use no sessions writes nothing)."""
+        sizes: dict[str, int] = {}
         if not self.directory.exists():
-            return
+            return sizes
         for entry in os.scandir(self.directory):
-            if entry.name.startswith(TEMP_PREFIX):
-                Path(entry.path).unlink(missing_ok=True)
-                continue
             session_id = entry.name.removesuffix(FILE_SUFFIX)
-            if entry.name.endswith(FILE_SUFFIX) and SESSION_ID_PATTERN.fullmatch(session_id) and entry.is_file():
-                self._sizes[session_id] = entry.stat().st_size
+            if entry.name.endswith(FILE_SUFFIX) and SESSION_ID_PATTERN.fullmatch(session_id):
+                try:
+                    if entry.is_file():
+                        sizes[session_id] = entry.stat().st_size
+                except FileNotFoundError:  # deleted meanwhile (by another server of a shared folder)
+                    pass
+        return sizes
 
     @property
     def num_sessions(self) -> int:
@@ -387,10 +406,15 @@ class SessionStore:
     # --- one request at a time ------------------------------------------------------------------------
 
     def acquire(self, session_id: str) -> SessionLease:
-        """The session for one request; 409 while another request holds it."""
+        """The session for one request; 409 while another request (of any process sharing the folder) holds it."""
         with self._lock:
             if session_id in self._leases:
                 raise busy(session_id)
+            if self._lease_fd is not None:
+                try:
+                    fcntl.lockf(self._lease_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, lease_byte(session_id))
+                except OSError:  # held by another process
+                    raise busy(session_id) from None
             lease = self._leases[session_id] = SessionLease(self, session_id)
         return lease
 
@@ -398,6 +422,25 @@ class SessionStore:
         with self._lock:
             if self._leases.get(lease.session_id) is lease:
                 del self._leases[lease.session_id]
+                if self._lease_fd is not None:
+                    fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, lease_byte(lease.session_id))
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write's check of the limits and the write itself, alone among the processes sharing the folder, with
+        the sessions counted afresh (others may have written since)."""
+        if self._lease_fd is None:
+            yield
+            return
+        with self._write_lock:
+            fcntl.lockf(self._lease_fd, fcntl.LOCK_EX, 1, 0)
+            try:
+                sizes = self._scan()
+                with self._lock:
+                    self._sizes = sizes
+                yield
+            finally:
+                fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
 
     @contextmanager
     def _leased(self, session_id: str) -> Iterator[None]:
@@ -491,6 +534,12 @@ class SessionStore:
         self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool
     ) -> SessionInfo:
         data = self.codec.encode(snapshot, created, updated)
+        with self._writing():
+            return self._store_data(session_id, snapshot, created, updated, new, data)
+
+    def _store_data(
+        self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool, data: bytes
+    ) -> SessionInfo:
         with self._lock:
             previous = self._sizes.get(session_id)
             if new and previous is None and len(self._sizes) >= self.max_sessions:
@@ -604,11 +653,37 @@ class SessionStore:
             self._cache_used -= entry[0].host_bytes
 
 
+def lease_byte(session_id: str) -> int:
+    """The byte of a shared folder's lease file whose lock is ``session_id``'s lease (byte 0 locks writes)."""
+    return 1 + int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=6).digest(), "big")
+
+
+def remove_temporary_files(directory: Path) -> None:
+    """Remove the temporary files a killed server left behind in a session folder (none while a server of the
+    folder may be writing one)."""
+    if directory.exists():
+        for entry in os.scandir(directory):
+            if entry.name.startswith(TEMP_PREFIX):
+                Path(entry.path).unlink(missing_ok=True)
+
+
+def session_dir(config: ServerConfig, fingerprint: str) -> Path:
+    """The session folder ``config`` asks for, for a model with this fingerprint."""
+    return Path(config.session_dir).expanduser() if config.session_dir else default_session_dir(fingerprint)
+
+
 def open_session_store(config: ServerConfig, engine: EngineInfo) -> SessionStore:
-    """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used)."""
+    """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used); shared by
+    the processes of ``--api-servers``."""
     codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.vocab_size)
-    directory = Path(config.session_dir).expanduser() if config.session_dir else default_session_dir(codec.fingerprint)
-    return SessionStore(directory, codec, config.max_sessions, config.max_session_bytes, config.session_cache_bytes)
+    return SessionStore(
+        session_dir(config, codec.fingerprint),
+        codec,
+        config.max_sessions,
+        config.max_session_bytes,
+        config.session_cache_bytes,
+        shared=config.api_servers > 1,
+    )
 
 
 def max_state_upload_bytes(bytes_per_slot: int, max_model_len: int) -> int:

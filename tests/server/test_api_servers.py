@@ -42,14 +42,12 @@ def texts(client: TestClient, body: dict, stream: bool) -> list[str]:
     return [found[i] for i in sorted(found)]
 
 
-def test_more_than_one_api_server_needs_an_engine_process_and_no_sessions() -> None:
-    with pytest.raises(ValueError, match="--no-sessions"):
-        tiny_config(api_servers=2)
+def test_more_than_one_api_server_needs_an_engine_process() -> None:
     with pytest.raises(ValueError, match="its own process"):
-        tiny_config(api_servers=2, sessions=False, engine_process="off")
+        tiny_config(api_servers=2, engine_process="off")
     with pytest.raises(ValueError, match="at least 1"):
         tiny_config(api_servers=0)
-    assert tiny_config(api_servers=2, sessions=False).uses_engine_process  # auto, on a CPU
+    assert tiny_config(api_servers=2).uses_engine_process  # auto, on a CPU
     assert not tiny_config().uses_engine_process
 
 
@@ -103,8 +101,21 @@ def metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*model_name="[^"]+"[^}}]*\}} (\S+)$', text, re.M))
 
 
+def session_turns(client: httpx.Client, turns: int) -> tuple[str, list[tuple[str, int]]]:
+    """A new session and, for each of ``turns`` greedy turns, the turn's text and the session's token count."""
+    session = client.post("/v1/sessions", json={}).json()["id"]
+    results = []
+    for turn in range(turns):
+        body = {"prompt": f" turn {turn}", "max_tokens": 3, "temperature": 0, "session_id": session}
+        response = client.post("/v1/completions", json=body, headers={"Connection": "close"})
+        assert response.status_code == 200, response.text
+        count = client.get(f"/v1/sessions/{session}").json()["num_tokens"]
+        results.append((response.json()["choices"][0]["text"], count))
+    return session, results
+
+
 def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path: Path) -> None:
-    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions", "--max-num-seqs", "8")
+    flags = ("--model", TINY, "--api-servers", "2", "--max-num-seqs", "8", "--session-dir", str(tmp_path / "s"))
     with running_server(*flags, env={"TMPDIR": str(tmp_path)}) as server:
         assert len(set(wait_for_servers(server, 2))) == 2
         assert list(tmp_path.glob("rnnserve-metrics-*"))
@@ -116,6 +127,12 @@ def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path:
             assert metric(text, "rnnserve_time_to_first_token_seconds_count") == 24
             assert metric(text, "rnnserve_generation_tokens_total") == 24 * 8
             assert metric(text, "rnnserve_state_slots_total") == 8
+        # A conversation whose turns land on either process (a connection each) continues one state.
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            session, turns = session_turns(http, 4)
+        assert (tmp_path / "s" / f"{session}.safetensors").exists() and (tmp_path / "s" / ".leases").exists()
+        with TestClient(create_app(tiny_config(session_dir=str(tmp_path / "alone")))) as alone:
+            assert turns == session_turns(alone, 4)[1]
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0, server.output
     assert "SIGTERM: stopping 2 API servers" in server.output
@@ -124,7 +141,7 @@ def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path:
 
 @pytest.mark.parametrize("victim", ["API server", "engine"])
 def test_a_dead_process_stops_the_others(victim: str) -> None:
-    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions")
+    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions")  # --no-sessions: nothing written to ~/.cache
     with running_server(*flags) as server:
         pids = wait_for_servers(server, 2)
         if victim == "engine":

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import struct
 import threading
 import time
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from rnnserve.server.sessions import (
     check_session_id,
     default_session_dir,
     new_session_id,
+    remove_temporary_files,
 )
 
 SPECS = [StateSpec("h", (2, 3), torch.float32), StateSpec("conv", (4,), torch.float64)]
@@ -40,8 +43,9 @@ def snapshot(seed: int = 0, tokens: int = 5) -> StateSnapshot:
     return StateSnapshot(tensors, list(range(seed, seed + tokens)), [seed + tokens])
 
 
-def open_store(directory: Path, **limits: int) -> SessionStore:
-    options = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20, **limits}
+def open_store(directory: Path, **options: int) -> SessionStore:
+    """A store with small limits; ``options``: other limits, or ``shared``."""
+    options = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20, **options}
     return SessionStore(directory, SessionCodec(FINGERPRINT, SPECS, VOCAB), **options)
 
 
@@ -355,3 +359,43 @@ def test_a_turn_keeps_the_session_until_its_write_is_done(tmp_path: Path) -> Non
 
     asyncio.run(client_leaves_during_the_write())
     assert_same(snapshot(3), open_store(tmp_path).load(info.id).snapshot)  # type: ignore[arg-type]
+
+
+def hold_lease(directory: str, session_id: str, held: EventType) -> None:
+    """Another server process of a shared folder: lease ``session_id`` and keep it until killed."""
+    open_store(Path(directory), shared=True).acquire(session_id)
+    held.set()
+    time.sleep(120)
+
+
+def test_a_shared_folder_leases_a_session_to_one_process_at_a_time(tmp_path: Path) -> None:
+    store = open_store(tmp_path, shared=True)
+    info, other = store.create(), store.create()
+    context = multiprocessing.get_context("spawn")
+    held = context.Event()
+    process = context.Process(target=hold_lease, args=(str(tmp_path), info.id, held), daemon=True)
+    process.start()
+    try:
+        assert held.wait(60)
+        assert error_of(store.acquire, info.id).code == "session_busy"
+        assert error_of(store.delete, info.id).status == 409
+        store.acquire(other.id).release()  # the others are free
+    finally:
+        process.kill()  # a process that dies lets go of its leases
+        process.join(30)
+    lease = store.acquire(info.id)
+    lease.release()
+    store.acquire(info.id).release()
+
+
+def test_a_shared_folder_counts_every_process_sessions_against_the_limits(tmp_path: Path) -> None:
+    first, second = (open_store(tmp_path, shared=True, max_sessions=3) for _ in range(2))
+    first.create()
+    first.create()
+    second.create()  # second counted first's two when it wrote
+    assert error_of(first.create).status == 429 and error_of(second.create).status == 429
+    (tmp_path / ".tmp-being-written").write_bytes(b"partial")
+    open_store(tmp_path, shared=True)  # a server starting beside running ones leaves their writes alone
+    assert (tmp_path / ".tmp-being-written").exists()
+    remove_temporary_files(tmp_path)  # what the supervisor does before it starts them
+    assert not (tmp_path / ".tmp-being-written").exists()
