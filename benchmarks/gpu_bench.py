@@ -161,7 +161,7 @@ def http_tokens_per_ms(
                "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning",
                "--engine-process", engine_process, "--api-servers", str(api_servers)]
     if api_servers > 1:
-        command += ["--no-sessions", "--log-level", "info"]  # info: the line naming the processes
+        command += ["--log-level", "info"]  # info: the line naming the processes
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
