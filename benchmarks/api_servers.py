@@ -64,13 +64,12 @@ def ready(url: str) -> bool:
 def served(args: argparse.Namespace, api_servers: int, out: Path) -> dict:
     """The client's figures against ``api_servers`` fresh server processes, with the cores each server process
     and the engine process kept busy during the timed run."""
-    sock = listen_socket("127.0.0.1", 0)
+    sock = listen_socket("127.0.0.1", 0, reuse_port=True)
     port = sock.getsockname()[1]
     config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=args.concurrency, max_prompt_tokens=64,
                                 api_key=None, sessions=False, engine_process="on", async_scheduling="on", device="cpu",
                                 api_servers=api_servers, port=port, log_level="warning")  # fmt: skip
     servers = APIServers(config, sock, functools.partial(emulated_engine, args.step_ms, prefill_ms=args.prefill_ms))
-    sock.close()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -86,6 +85,7 @@ def served(args: argparse.Namespace, api_servers: int, out: Path) -> dict:
     finally:
         servers.stop()
         servers.wait()
+        sock.close()
     return {**figures, "server_cores": busy[:-1], "engine_cores": busy[-1]}
 
 

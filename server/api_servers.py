@@ -3,8 +3,8 @@
 One Python process streams a few tens of thousands of SSE events a second and admits a few thousand requests a
 second; a GPU decoding a few hundred streams produces more than that, and a wave of new requests waits for its
 admissions one after the other. As vLLM's ``--api-server-count``, this runs N copies of the HTTP server, each
-its own process with its own event loop, all accepting on the one listening socket (the kernel hands each
-connection to one of them) and all linked to the one engine process by pipes of their own
+its own process with its own event loop and its own listening socket on the one port (``SO_REUSEPORT``: the kernel
+spreads new connections evenly over them) and all linked to the one engine process by pipes of their own
 (:class:`~rnnserve.server.engine_core.ServerLinks` routes each request's outputs to its server).
 
 The process that runs them (:class:`APIServers`) only supervises: it loads the engine process, starts the servers,
@@ -39,21 +39,24 @@ STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers s
 
 
 def run_api_server(
-    config: ServerConfig, sock: socket.socket, conn: Connection, info: EngineInfo, index: int, log_level: int
+    config: ServerConfig, address: tuple[str, int], conn: Connection, info: EngineInfo, index: int, log_level: int
 ) -> None:
-    """One API server process's main: serve ``config``'s app on ``sock`` with the engine behind ``conn``."""
+    """One API server process's main: serve ``config``'s app on a socket of its own bound to ``address`` (with
+    ``SO_REUSEPORT``, as its siblings' are) with the engine behind ``conn``."""
     from rnnserve.server.app import create_app
-    from rnnserve.server.http_server import build_server
+    from rnnserve.server.http_server import build_server, listen_socket
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    sock = listen_socket(*address, reuse_port=True)
     app = create_app(config, driver=ProcessDriver(conn, info))
     freeze_startup_heap()
     build_server(app, config).run(sockets=[sock])
 
 
 class APIServers:
-    """The engine process and ``config.api_servers`` server processes sharing ``sock``; :meth:`wait` supervises
+    """The engine process and ``config.api_servers`` server processes listening on the address ``sock`` is bound
+    to (with ``SO_REUSEPORT``; ``sock`` itself never listens, it only holds the port); :meth:`wait` supervises
     them until they end. Construction blocks until the engine is loaded (and raises what loading raised)."""
 
     def __init__(self, config: ServerConfig, sock: socket.socket, factory: EngineFactory | None = None) -> None:
@@ -77,7 +80,7 @@ class APIServers:
         for index, conn in enumerate(self.engine.connections):
             server = context.Process(
                 target=run_api_server,
-                args=(config, sock, conn, self.engine.info, index, log_level),
+                args=(config, sock.getsockname()[:2], conn, self.engine.info, index, log_level),
                 name=f"rnnserve-api-{index}",
                 daemon=True,  # ended with this process, whatever ends it
             )

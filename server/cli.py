@@ -132,7 +132,9 @@ def serve(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        sock = listen_socket(config.host, config.port)
+        if config.api_servers > 1:  # not beside a server already listening there, whatever its options
+            listen_socket(config.host, config.port).close()
+        sock = listen_socket(config.host, config.port, reuse_port=config.api_servers > 1)
     except OSError as err:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, err.strerror or err)
         return 1
@@ -170,14 +172,16 @@ def serve_api_servers(config: ServerConfig, sock: socket.socket, start: float) -
     try:
         servers = APIServers(config, sock)
     except (ModelLoadError, ValueError) as err:
+        sock.close()
         logger.error("cannot load model: %s", err)
         return 1
-    finally:
-        sock.close()  # the servers hold it
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     pids = ", ".join(str(server.pid) for server in servers.servers)
     log_serving(config, servers.info, f"process (pid {servers.engine.process.pid}), API server pids {pids}")
-    return servers.wait()
+    try:
+        return servers.wait()
+    finally:
+        sock.close()
 
 
 def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:

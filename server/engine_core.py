@@ -28,6 +28,7 @@ import multiprocessing
 import operator
 import pickle
 import queue
+import select
 import signal
 import threading
 from collections import deque
@@ -502,6 +503,11 @@ class ServerLinks:
         self.received: deque[tuple[int, Command]] = deque()  # commands cross in lists (CommandSender)
         self.unacknowledged: deque[set[int]] = deque()  # per Stepped posted, the servers yet to handle it
         self.current: tuple[int, Command] | None = None  # the command the loop runs, and whose it is
+        self.poller = select.poll()  # kept, not rebuilt per look as multiprocessing.connection.wait does (~7 us)
+        self.server_of_fd: dict[int, int] = {}
+        for index, conn in enumerate(conns):
+            self.poller.register(conn.fileno(), select.POLLIN)
+            self.server_of_fd[conn.fileno()] = index
 
     def next_command(self, block: bool) -> Command | None:
         """The next command for the loop from any server (``None``: none queued and not ``block``)."""
@@ -509,11 +515,11 @@ class ServerLinks:
             if not self.received:
                 if not self.live:
                     return StopCommand()
-                ready = multiprocessing.connection.wait([self.conns[i] for i in self.live], None if block else 0)
+                ready = self.poller.poll(None if block else 0)
                 if not ready:
                     return None
-                for conn in ready:
-                    self._receive(self.conns.index(conn))  # type: ignore[arg-type]
+                for fd, _ in ready:
+                    self._receive(self.server_of_fd[fd])
                 continue
             index, command = self.current = self.received.popleft()
             if index < 0:  # ours: a handled Stepped, or the aborts of a server gone
@@ -544,6 +550,7 @@ class ServerLinks:
         if index not in self.live:
             return
         self.live.remove(index)
+        self.poller.unregister(self.conns[index].fileno())
         for waiting in self.unacknowledged:
             waiting.discard(index)
         self._release_handled()

@@ -169,16 +169,19 @@ class DrainingServer(uvicorn.Server):
             deadline.cancel()
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A socket bound to ``host:port``, to hand to :meth:`DrainingServer.run` (which starts listening on it).
     Binding before the model loads finds a busy port at once; until the server runs, connections are refused.
-    Raises OSError (e.g. the address is in use)."""
+    With ``reuse_port`` several sockets of this user may bind the port (``SO_REUSEPORT``): the kernel spreads
+    new connections evenly over those that listen. Raises OSError (e.g. the address is in use)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP by name: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
     # response on a kept-alive connection waits ~40 ms (Nagle's algorithm against the client's delayed ACK).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()

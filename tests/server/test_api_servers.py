@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +22,7 @@ from fastapi.testclient import TestClient
 from rnnserve.server.app import create_app
 from rnnserve.server.engine_core import EngineProcess, ProcessDriver
 from tests.server.conftest import TINY, tiny_config
-from tests.server.server_process import ServerProcess, running_server
+from tests.server.server_process import REPO, ServerProcess, running_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,3 +154,14 @@ def test_a_dead_process_stops_the_others(victim: str) -> None:
         assert server.proc.wait(timeout=60) == 1, server.output
     expected = r"rnnserve-api-\d exited" if victim == "API server" else "the engine process exited"
     assert re.search(rf"{expected} \(exit code -9\); stopping", server.output), server.output
+
+
+def test_a_port_where_a_server_listens_is_refused_also_with_several_api_servers() -> None:
+    with running_server("--model", TINY, "--api-servers", "2", "--no-sessions") as first:
+        wait_for_servers(first, 2)
+        second = subprocess.run(
+            [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--api-servers", "2",
+             "--port", str(first.port)],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert second.returncode == 1 and "Address already in use" in second.stderr, second.stderr
