@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> None:
                       f"{figures['request_throughput']:.1f} req/s", flush=True)  # fmt: skip
 
     def median(setting: int, key: str, *keys: str) -> float:
+        """The median of a figure over the rounds (NaN where the runs had none, e.g. ITL of one-token requests)."""
         values = []
         for figures in runs[setting]:
             value = figures[key]
             for inner in keys:
                 value = value[inner]
-            values.append(value)
+            values.append(float("nan") if value is None else value)
         return statistics.median(values)
 
     base = median(args.api_servers[0], "output_throughput")
