@@ -592,7 +592,7 @@ class ServerLinks:
         owners = self.owners
         for row in event.outputs:
             request_id = row[0]
-            owner = owners.pop(request_id, None) if row[3] else owners.get(request_id)
+            owner = owners.pop(request_id, None) if row[3] else owners.get(request_id)  # row[3]: finished
             if owner in rows:
                 rows[owner].append(row)  # type: ignore[index]
         self.unacknowledged.append(set(self.live))
