@@ -122,6 +122,16 @@ class Sequence:
             return len(self.text)
         return len(self.text) - max(self._stop_matched)
 
+    def take_delta(self) -> tuple[str, list[int]]:
+        """The text and the tokens the sample added since the previous take (text held back where a stop string
+        may start), marked as taken: what a ``DELTA`` output of a sample without logprobs needs."""
+        safe = max(self._stream_safe_len(), self._emitted_text)
+        delta = self.text[self._emitted_text : safe]
+        self._emitted_text = safe
+        new_ids = self.output_token_ids[self._emitted_tokens :]
+        self._emitted_tokens = len(self.output_token_ids)
+        return delta, new_ids
+
     def take_output(self, kind: OutputKind) -> CompletionOutput:
         """What the sample added since the previous call (text held back where a stop string may start), with
         the whole text, tokens and logprobs so far unless ``kind`` is ``DELTA``: then those fields hold only
@@ -131,12 +141,9 @@ class Sequence:
     def take_output_fields(self, kind: OutputKind) -> tuple:
         """:meth:`take_output` as the tuple of :class:`CompletionOutput`'s fields, in order (the engine process
         sends them so, without building the object)."""
-        safe = max(self._stream_safe_len(), self._emitted_text)
-        delta = self.text[self._emitted_text : safe]
-        self._emitted_text = safe
-        new_ids = self.output_token_ids[self._emitted_tokens :]
         new_logprobs = self.logprobs[self._emitted_tokens :] if self.logprobs is not None else []
-        self._emitted_tokens = len(self.output_token_ids)
+        delta, new_ids = self.take_delta()
+        safe = self._emitted_text
         if kind is OutputKind.DELTA:
             text, token_ids, logprobs = delta, new_ids, new_logprobs if self.logprobs is not None else None
         else:

@@ -15,8 +15,9 @@ processes they are pickled through a pipe, the server's commands written by a th
 from its requests (:class:`OutputEncoder` / :class:`OutputDecoder`: no output objects on the engine's side, and
 several times cheaper to pickle than dataclasses, which matters at a few hundred outputs per step), each
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
-once per generated token. The loop posts a step's outputs only while the server has handled all but one of those
-it posted before (:class:`EngineCore`), so a busy server gets fewer, larger messages.
+once per generated token, and a stream's outputs between its first and its last as compact rows. The loop
+posts a step's outputs only while the server has handled all but one of those it posted before
+(:class:`EngineCore`), so a busy server gets fewer, larger messages.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.sequence import SequenceGroup
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import Tokenizer
@@ -413,60 +414,92 @@ class ThreadDriver:
 metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))
 
 
+COMPACT_ROW_LENGTH = 3  # (request id, text, token ids): see OutputEncoder
+
+
+def row_finished(row: OutputRow) -> bool:
+    """Whether a row is its request's last output (a compact row never is)."""
+    return len(row) > COMPACT_ROW_LENGTH and row[3]
+
+
 class OutputEncoder:
     """Engine side: each request's output as a row of plain data, built straight from the request (no output
     objects in between: at a few hundred streams that halves the engine's cost of an output), which pickles
     several times faster than dataclass instances, and without the prompt (text, ids, logprobs) after a
-    request's first output."""
+    request's first output.
+
+    A stream's outputs between its first and its last, the bulk of a server's traffic, are mostly of one
+    sample without logprobs: those cross as compact rows, ``(request_id, text, token_ids)``, and the decoder
+    fills in the rest from what it kept (a third of the bytes, and ~40% less work on each side)."""
 
     def __init__(self) -> None:
-        self.sent: set[str] = set()
+        self.sent: set[str] = set()  # requests whose prompt crossed
+        self.compact: set[str] = set()  # ...of which these send compact rows until their last
 
     def row(self, group: SequenceGroup) -> OutputRow:
         """``group.output()`` as a row (:class:`OutputDecoder` turns it back into that output)."""
-        request_id, finished = group.request_id, group.finished
+        request_id = group.request_id
+        if request_id in self.compact and group.error is None and group.seqs[0].finish_reason is None:
+            return (request_id, *group.seqs[0].take_delta())
+        finished = group.finished
         if request_id in self.sent:
             prompt = None
         else:
             prompt = (group.prompt, group.prompt_token_ids, group.prompt_logprobs)
+        params = group.params
         if finished:
             self.sent.discard(request_id)
+            self.compact.discard(request_id)
         else:
             self.sent.add(request_id)
-        kind = group.params.output_kind
-        samples = [seq.take_output_fields(kind) for seq in group.seqs]
+            if params.output_kind is OutputKind.DELTA and len(group.seqs) == 1 and group.seqs[0].logprobs is None:
+                self.compact.add(request_id)
+        samples = [seq.take_output_fields(params.output_kind) for seq in group.seqs]
         return (request_id, prompt, samples, finished, metrics_fields(group.metrics), group.error,
                 group.num_cached_tokens, group.final_state)  # fmt: skip
 
     def forget(self, request_ids: list[str]) -> None:
         self.sent.difference_update(request_ids)
+        self.compact.difference_update(request_ids)
 
 
 class OutputDecoder:
-    """Server side: rows back into :class:`RequestOutput` objects, each with its request's prompt (kept from
-    the request's first output until it finishes)."""
+    """Server side: rows back into :class:`RequestOutput` objects, each with its request's prompt, token count,
+    metrics and cached tokens kept from its latest full row until it finishes. An output decoded from a compact
+    row carries the metrics of that full row: the server reads the metrics of finished outputs only."""
 
     def __init__(self) -> None:
-        self.prompts: dict[str, tuple[str | None, list[int], Any]] = {}
+        self.known: dict[str, list[Any]] = {}  # request id -> [prompt, tokens emitted, metrics, cached tokens]
 
     def decode(self, rows: list[OutputRow]) -> list[RequestOutput]:
         outputs = []
-        for request_id, prompt, samples, finished, times, error, num_cached, final_state in rows:
+        for row in rows:
+            if len(row) == COMPACT_ROW_LENGTH:
+                request_id, text, token_ids = row
+                known = self.known[request_id]
+                known[1] += len(token_ids)
+                prompt_text, prompt_ids, prompt_logprobs = known[0]
+                sample = CompletionOutput(0, text, token_ids, None, None, 0.0, text, token_ids, [], known[1])
+                outputs.append(RequestOutput(request_id, prompt_text, prompt_ids, [sample], False, known[2], None,
+                                             prompt_logprobs, known[3], None))  # fmt: skip
+                continue
+            request_id, prompt, samples, finished, times, error, num_cached, final_state = row
             if prompt is None:
-                prompt = self.prompts[request_id]
+                prompt = self.known[request_id][0]
+            metrics = RequestMetrics(*times)
             if finished:
-                self.prompts.pop(request_id, None)
+                self.known.pop(request_id, None)
             else:
-                self.prompts[request_id] = prompt
+                self.known[request_id] = [prompt, samples[0][-1] if samples else 0, metrics, num_cached]
             completions = [CompletionOutput(*fields) for fields in samples]
             text, token_ids, logprobs = prompt
-            outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, RequestMetrics(*times),
-                                         error, logprobs, num_cached, final_state))  # fmt: skip
+            outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,
+                                         num_cached, final_state))  # fmt: skip
         return outputs
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.prompts.pop(request_id, None)
+            self.known.pop(request_id, None)
 
 
 @dataclass
@@ -592,7 +625,7 @@ class ServerLinks:
         owners = self.owners
         for row in event.outputs:
             request_id = row[0]
-            owner = owners.pop(request_id, None) if row[3] else owners.get(request_id)  # row[3]: finished
+            owner = owners.pop(request_id, None) if row_finished(row) else owners.get(request_id)
             if owner in rows:
                 rows[owner].append(row)  # type: ignore[index]
         self.unacknowledged.append(set(self.live))

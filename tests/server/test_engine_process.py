@@ -31,6 +31,7 @@ from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
+    COMPACT_ROW_LENGTH,
     SHUTDOWN_MESSAGE,
     AbortCommand,
     Aborted,
@@ -252,7 +253,7 @@ def without_times(out: RequestOutput) -> RequestOutput:
 def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_prompt_sent_once() -> None:
     """What the engine process sends (``OutputEncoder.row`` straight from each request) decodes to exactly what
     ``collect_outputs`` builds, step after step: output kinds, n > 1, logprobs, prompt logprobs, stop strings,
-    a request finishing and its id coming back."""
+    a stream's compact rows (its metrics as of its last full row), a request finishing and its id coming back."""
     objects_engine, rows_engine = lockstep_engines()
     encoder, decoder = OutputEncoder(), OutputDecoder()
     requests = [
@@ -260,11 +261,14 @@ def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_pr
                                       output_kind=OutputKind.DELTA, ignore_eos=True)),
         ("b", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, stop=["e"], output_kind=OutputKind.CUMULATIVE)),
         ("c", "Hi", SamplingParams(temperature=0, max_tokens=3, output_kind=OutputKind.FINAL_ONLY, ignore_eos=True)),
+        ("d", "Hey", SamplingParams(temperature=0, max_tokens=6, stop=["x"], output_kind=OutputKind.DELTA,
+                                    ignore_eos=True)),
     ]  # fmt: skip
     for engine in (objects_engine, rows_engine):
         for request_id, prompt, params in requests:
             engine.add_request(prompt, params, request_id)
     prompts_sent: dict[str, int] = {}
+    compact = 0
     again = SamplingParams(temperature=0, max_tokens=2, output_kind=OutputKind.DELTA)
     readded = False
     while objects_engine.has_unfinished_requests():
@@ -273,19 +277,22 @@ def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_pr
         rows = pickle.loads(pickle.dumps(rows_engine.collect(encoder.row), protocol=pickle.HIGHEST_PROTOCOL))
         decoded = decoder.decode(rows)
         assert [without_times(out) for out in decoded] == [without_times(out) for out in expected]
-        for got, want in zip(decoded, expected, strict=True):  # the engines' clocks differ, the times' presence not
+        for row, got, want in zip(rows, decoded, expected, strict=True):  # the clocks differ, the times' presence not
+            if len(row) == COMPACT_ROW_LENGTH:
+                compact += 1
+                continue
             assert [t is None for t in dataclasses.astuple(got.metrics)] == [
                 t is None for t in dataclasses.astuple(want.metrics)
             ]
-        for row in rows:
             prompts_sent[row[0]] = prompts_sent.get(row[0], 0) + (row[1] is not None)
         if not readded and any(out.request_id == "b" and out.finished for out in expected):
             readded = True  # the id comes back as a new request, whose prompt crosses again
             for engine in (objects_engine, rows_engine):
                 engine.add_request("again", again, "b")
     assert not rows_engine.has_unfinished_requests()
-    assert prompts_sent == {"a": 1, "b": 2, "c": 1}
-    assert not encoder.sent and not decoder.prompts
+    assert prompts_sent == {"a": 1, "b": 2, "c": 1, "d": 1}
+    assert compact == 4  # d's outputs between its first and its last
+    assert not encoder.sent and not encoder.compact and not decoder.known
 
 
 def add_command(add_id: int, *request_ids: str) -> AddCommand:
@@ -344,10 +351,11 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     assert not any(server.poll() for server in servers)
 
     rows = [(request_id, None, [], request_id == "s1b") for request_id in ("s0a", "s1b", "gone", "s0b")]
+    rows.append(("s0a", " more", [7]))  # a compact row: never the last
     stats = [StepStats(generated_tokens=3)]
     links.post(Stepped(rows, stats, "load"))  # type: ignore[arg-type]
     first, second = (pickle.loads(server.recv_bytes()) for server in servers)
-    assert (first.rows, first.steps, first.load) == ([rows[0], rows[3]], stats, "load")
+    assert (first.rows, first.steps, first.load) == ([rows[0], rows[3], rows[4]], stats, "load")
     assert (second.rows, second.steps, second.load) == ([rows[1]], [], "load")
     assert "s1b" not in links.owners  # finished
 
