@@ -24,10 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -35,22 +33,10 @@ import httpx  # noqa: E402
 
 from benchmarks.async_scheduling import PRESET, emulated_engine  # noqa: E402
 from benchmarks.gpu_bench import cpu_seconds  # noqa: E402
+from benchmarks.http_stack import bench, median_over_rounds  # noqa: E402
 from rnnserve.server.api_servers import APIServers  # noqa: E402
 from rnnserve.server.config import ServerConfig  # noqa: E402
 from rnnserve.server.http_server import listen_socket  # noqa: E402
-
-
-def client(url: str, out: Path, args: argparse.Namespace, requests: int, output_len: int) -> dict:
-    """``rnnserve bench`` figures against ``url``; every request must succeed."""
-    command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
-               "bench", "--url", url, "--num-prompts", str(requests), "--concurrency", str(args.concurrency),
-               "--input-len", "16", "--output-len", str(output_len), "--prompts", "ids", "--no-progress",
-               "--processes", str(args.client_processes), "--json", str(out)]  # fmt: skip
-    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True)
-    figures = json.loads(out.read_text())
-    if figures["failed"]:
-        raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
-    return figures
 
 
 def ready(url: str) -> bool:
@@ -77,10 +63,11 @@ def served(args: argparse.Namespace, api_servers: int, out: Path) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("the servers did not get ready")
             time.sleep(0.2)
-        client(url, out, args, args.concurrency, 2)  # warm-up: every server process up, the first shapes
+        # Warm-up: every server process up, the first shapes.
+        bench(url, out, args.concurrency, args.concurrency, 2, args.client_processes)
         pids = [server.pid or 0 for server in servers.servers] + [servers.engine.process.pid or 0]
         before = [cpu_seconds(pid) for pid in pids]
-        figures = client(url, out, args, args.requests, args.output_len)
+        figures = bench(url, out, args.requests, args.concurrency, args.output_len, args.client_processes)
         busy = [(cpu_seconds(pid) - start) / figures["duration_s"] for pid, start in zip(pids, before, strict=True)]
     finally:
         servers.stop()
@@ -115,15 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  round {round_index + 1}, {setting} API servers: {figures['output_throughput']:.0f} tok/s, "
                       f"{figures['request_throughput']:.1f} req/s", flush=True)  # fmt: skip
 
-    def median(setting: int, key: str, *keys: str) -> float:
-        """The median of a figure over the rounds (NaN where the runs had none, e.g. ITL of one-token requests)."""
-        values = []
-        for figures in runs[setting]:
-            value = figures[key]
-            for inner in keys:
-                value = value[inner]
-            values.append(float("nan") if value is None else value)
-        return statistics.median(values)
+    def median(setting: int, *keys: str) -> float:
+        return median_over_rounds(runs[setting], *keys)
 
     base = median(args.api_servers[0], "output_throughput")
     print("\n| API servers | HTTP tok/s | vs first | vs device | req/s | TTFT mean ms | ITL p50 ms | server cores "

@@ -22,13 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks.async_scheduling import PRESET, emulated_app  # noqa: E402
-from benchmarks.http_stack import bench  # noqa: E402
+from benchmarks.http_stack import bench, median_over_rounds  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
 
@@ -70,12 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{figures['output_throughput']:.0f} tok/s", flush=True)  # fmt: skip
 
     def median(setting: int, *keys: str) -> float:
-        values = []
-        for figures in runs[setting]:
-            for key in keys:
-                figures = figures[key]
-            values.append(figures)
-        return statistics.median(values)
+        return median_over_rounds(runs[setting], *keys)
 
     base = median(args.decoded_prompt_tokens[0], "output_throughput")
     print("\n| decoded prompt tokens | HTTP tok/s | vs first | vs device | TTFT mean ms | TTFT p99 ms | ITL p50 ms "

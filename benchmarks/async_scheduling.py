@@ -114,13 +114,16 @@ def cpu_seconds_while(command: list[str]) -> float:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def bench_figures(url: str, out: Path, requests: int, concurrency: int, output_len: int) -> dict:
-    """``rnnserve bench`` (another process, prompts of 16 token ids) against ``url``: its figures, and as
-    ``cpu_s`` this process's CPU seconds (the server's, when it serves in this process) meanwhile."""
+def bench_figures(
+    url: str, out: Path, requests: int, concurrency: int, output_len: int, processes: int = 1
+) -> dict:
+    """``rnnserve bench`` (another process, or ``processes`` of them; prompts of 16 token ids) against ``url``:
+    its figures, and as ``cpu_s`` this process's CPU seconds (the server's, when it serves in this process)
+    meanwhile."""
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())",
                "bench", "--url", url, "--num-prompts", str(requests), "--concurrency", str(concurrency),
                "--input-len", "16", "--output-len", str(output_len), "--prompts", "ids", "--no-progress",
-               "--json", str(out)]  # fmt: skip
+               "--processes", str(processes), "--json", str(out)]  # fmt: skip
     cpu_s = cpu_seconds_while(command)
     return {**json.loads(out.read_text()), "cpu_s": cpu_s}
 

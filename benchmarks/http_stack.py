@@ -46,12 +46,23 @@ from rnnserve.server.background import serve_in_thread  # noqa: E402
 STACKS = (("h11", "asyncio"), ("httptools", "asyncio"), ("h11", "uvloop"), ("httptools", "uvloop"))
 
 
-def bench(url: str, out: Path, requests: int, concurrency: int, output_len: int) -> dict:
+def bench(url: str, out: Path, requests: int, concurrency: int, output_len: int, processes: int = 1) -> dict:
     """:func:`bench_figures` against ``url``; every request must succeed."""
-    figures = bench_figures(url, out, requests, concurrency, output_len)
+    figures = bench_figures(url, out, requests, concurrency, output_len, processes)
     if figures["failed"]:
         raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
     return figures
+
+
+def median_over_rounds(runs: list[dict], *keys: str) -> float:
+    """The median over ``runs`` (figures of :func:`bench`, one per round) of the figure at ``keys`` (e.g.
+    ``"ttft_ms", "p50"``); NaN for a round that had none (e.g. the inter-token latency of one-token requests)."""
+    values = []
+    for figures in runs:
+        for key in keys:
+            figures = figures[key]
+        values.append(float("nan") if figures is None else figures)
+    return statistics.median(values)
 
 
 def bare_app(chunks: int, step_s: float) -> FastAPI:

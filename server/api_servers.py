@@ -94,8 +94,8 @@ class APIServers:
     def info(self) -> EngineInfo:
         return self.engine.info
 
-    def stop(self, *_: object) -> None:
-        """Ask every server to drain and stop (a signal handler)."""
+    def stop(self) -> None:
+        """Ask every server to drain and stop."""
         self.stopping = True
         for server in self.servers:
             if server.is_alive() and server.pid is not None:

@@ -356,7 +356,6 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.cache_bytes = cache_bytes
-        self.shared = shared
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # shared folders: one write at a time in this process, too
         self._sizes: dict[str, int] = {}
@@ -535,39 +534,34 @@ class SessionStore:
     ) -> SessionInfo:
         data = self.codec.encode(snapshot, created, updated)
         with self._writing():
-            return self._store_data(session_id, snapshot, created, updated, new, data)
-
-    def _store_data(
-        self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool, data: bytes
-    ) -> SessionInfo:
-        with self._lock:
-            previous = self._sizes.get(session_id)
-            if new and previous is None and len(self._sizes) >= self.max_sessions:
-                raise limit_reached(
-                    f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
-                )
-            total = sum(self._sizes.values()) - (previous or 0) + len(data)
-            if total > self.max_bytes:
-                raise limit_reached(
-                    f"storing this session ({len(data)} bytes) would pass the {self.max_bytes}-byte limit on stored "
-                    "sessions (--max-session-bytes); delete some first"
-                )
-            self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
-        try:
-            version = self._write(self.path(session_id), data)
-        except OSError as err:
             with self._lock:
-                if previous is None:
-                    self._sizes.pop(session_id, None)
-                else:
-                    self._sizes[session_id] = previous
-            logger.error("cannot write session %s: %s", session_id, err)
-            raise APIError(
-                500,
-                f"cannot store session {session_id!r}: {err.strerror or err}",
-                type="internal_error",
-                code="session_write_failed",
-            ) from err
+                previous = self._sizes.get(session_id)
+                if new and previous is None and len(self._sizes) >= self.max_sessions:
+                    raise limit_reached(
+                        f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
+                    )
+                total = sum(self._sizes.values()) - (previous or 0) + len(data)
+                if total > self.max_bytes:
+                    raise limit_reached(
+                        f"storing this session ({len(data)} bytes) would pass the {self.max_bytes}-byte limit on "
+                        "stored sessions (--max-session-bytes); delete some first"
+                    )
+                self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
+            try:
+                version = self._write(self.path(session_id), data)
+            except OSError as err:
+                with self._lock:
+                    if previous is None:
+                        self._sizes.pop(session_id, None)
+                    else:
+                        self._sizes[session_id] = previous
+                logger.error("cannot write session %s: %s", session_id, err)
+                raise APIError(
+                    500,
+                    f"cannot store session {session_id!r}: {err.strerror or err}",
+                    type="internal_error",
+                    code="session_write_failed",
+                ) from err
         num_tokens = len(snapshot.token_ids) + len(snapshot.pending_token_ids) if snapshot is not None else 0
         info = SessionInfo(session_id, created, updated, num_tokens, len(data))
         self._remember(StoredSession(info, snapshot), version)
