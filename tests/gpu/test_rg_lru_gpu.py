@@ -29,12 +29,19 @@ def test_step_matches_reference(dtype: torch.dtype, batch: int) -> None:
         "recurrent_gate_weight": randn(HEADS, WIDTH, WIDTH, scale=WIDTH**-0.5),
         "recurrent_gate_bias": randn(HEADS, WIDTH), "recurrent_param": randn(dim),
         "pool": torch.randn(batch + 9, 2, dim, device="cuda", generator=g)[:, 1],
-        "slot_ids": torch.randperm(batch + 8, device="cuda")[:batch] + 1,
+        "slot_ids": torch.randperm(batch + 8, device="cuda", generator=g)[:batch] + 1,
     }  # fmt: skip
     ref = {name: t.clone() for name, t in args.items()}
     out, expected = rg_lru_step(**args), rg_lru_step_ref(**ref)
-    # bf16: the reference's batched matmul and the kernel sum the gates in another order, and a rounding of a
-    # gate to bf16 can differ by one unit.
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
-    torch.testing.assert_close(out.float(), expected.float(), **tol)
-    torch.testing.assert_close(args["pool"], ref["pool"], **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(args["pool"], ref["pool"], rtol=1e-4, atol=1e-4)
+        return
+    # bf16: cuBLAS and the kernel sum a gate's products in another order, so a gate's pre-activation can round to
+    # the neighbouring bf16 value. Mostly that moves the output by a unit or two; where a is within a few units of
+    # 1, it moves sqrt(1 - a^2) from 0 to 0.06 (or 0.06 to 0.09) and the output by up to ~0.2. One element in 262144
+    # did on an H200: such flips must stay that rare and that small.
+    for got, want in ((out.float(), expected.float()), (args["pool"], ref["pool"])):
+        off = (got - want).abs() > 3e-2 + 3e-2 * want.abs()
+        assert off.sum().item() <= max(1, got.numel() // 10_000), f"{off.sum().item()} of {got.numel()} differ"
+        torch.testing.assert_close(got, want, rtol=0.0, atol=0.5)
