@@ -5,11 +5,12 @@ Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (b
 48 layers and the LM head) at batch 1, 2, 4 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS
 GEMMs and one kernel per other op), then the stack (at every batch it takes, whatever the models'
 ``STACK_MAX_BATCH``) at each choice of (in_proj rows per program, out_proj rows per program, product tile, warps,
-programmatic dependent launch), which both stacks share, at batch 1 and 8, and at the default choice at 2 and 4
-(where the stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op
-step measured in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy
-bandwidth measured here) and the largest difference of the logits from the op-by-op step's, best first, with
-the default marked. ``--smoke`` runs two choices on the tiny presets in fp32 on CPU (Triton interpreter, eager).
+programmatic dependent launch), each stack's own defaults among them, at batch 1 and 8, and at the model's
+default choice at 2 and 4 (where the stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per
+step, the ratio to the op-by-op step measured in the same run, the share of the HBM roofline (weight and state
+bytes over the device-to-device copy bandwidth measured here) and the largest difference of the logits from the
+op-by-op step's, best first, with the model's default marked. ``--smoke`` runs the two defaults on the tiny
+presets in fp32 on CPU (Triton interpreter, eager, no dependent launch).
 
     python benchmarks/decode_tune.py
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
@@ -37,10 +38,13 @@ from rnnserve.engine.state_pool import StatePool  # noqa: E402
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops  # noqa: E402
 from rnnserve.kernels import mamba_decode as mamba_decode_ops  # noqa: E402
 from rnnserve.kernels.backend import force_triton  # noqa: E402
+from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_fused  # noqa: E402
 from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
 KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS", "LAUNCH_PDL")
+STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS
 DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
+MAMBA2_DEFAULT = tuple(getattr(mamba2_fused, name) for name in KNOBS)
 # Around the default, one knob at a time, then the pairs that trade program count against step length; all with
 # the default's launch, and the default and those pairs also with programmatic dependent launch switched.
 _PAIRS = ((8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))
@@ -49,7 +53,8 @@ _SHAPES = {DEFAULT[:4], *((rows, *DEFAULT[1:4]) for rows in (4, 8, 32, 64)),
            *((*DEFAULT[:2], tile, DEFAULT[3]) for tile in (4096, 16384)),
            *((*DEFAULT[:3], warps) for warps in (4, 16)), *_PAIRS}
 CHOICES = sorted({*((*shape, DEFAULT[4]) for shape in _SHAPES),
-                  *((*shape, not DEFAULT[4]) for shape in (DEFAULT[:4], *_PAIRS))})
+                  *((*shape, not DEFAULT[4]) for shape in (DEFAULT[:4], *_PAIRS)),
+                  MAMBA2_DEFAULT, (*MAMBA2_DEFAULT[:4], not MAMBA2_DEFAULT[4])})
 
 
 SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
@@ -57,21 +62,24 @@ SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at
 
 @contextlib.contextmanager
 def launch_choice(choice: tuple[int, ...] | None) -> Iterator[None]:
-    """The stack with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
-    saved = (mamba_decode_ops.STACK_ENABLED, *(getattr(fused_recurrent, name) for name in KNOBS))
+    """Both stacks with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
+    saved = [tuple(getattr(stack, name) for name in KNOBS) for stack in STACKS]
+    enabled = mamba_decode_ops.STACK_ENABLED
     max_batches = mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH
     mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = choice is not None
     # Every batch the stacks take, also those the models leave to the op-by-op step (which this script times).
     mamba_decode_ops.STACK_MAX_BATCH = mamba2_decode_ops.STACK_MAX_BATCH = fused_recurrent.MAX_ROWS
-    for name, value in zip(KNOBS, choice or saved[1:], strict=True):
-        setattr(fused_recurrent, name, value)
+    for stack, values in zip(STACKS, saved, strict=True):
+        for name, value in zip(KNOBS, choice or values, strict=True):
+            setattr(stack, name, value)
     try:
         yield
     finally:
-        mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = saved[0]
+        mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = enabled
         mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH = max_batches
-        for name, value in zip(KNOBS, saved[1:], strict=True):
-            setattr(fused_recurrent, name, value)
+        for stack, values in zip(STACKS, saved, strict=True):
+            for name, value in zip(KNOBS, values, strict=True):
+                setattr(stack, name, value)
 
 
 def step_function(model, pool: StatePool, batch: DecodeBatch, graphed: bool) -> Callable[[], torch.Tensor]:
@@ -101,6 +109,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
     smoke = device.type != "cuda"
     model, _ = build_random(preset, device, dtype)
     weights = weight_bytes(model)
+    default = MAMBA2_DEFAULT if preset.startswith("mamba2") else DEFAULT
     for batch_size in batches:
         pool = StatePool(model.state_spec(), num_slots=batch_size + 1, device=device)
         start = {name: torch.randn_like(t) * 0.1 for name, t in pool.tensors.items()}
@@ -108,7 +117,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
         batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
         roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
         results, baseline_ms, baseline_logits = [], 0.0, None
-        for choice in [None, *(choices if batch_size in SWEPT_BATCHES else [DEFAULT])]:
+        for choice in [None, *(choices if batch_size in SWEPT_BATCHES else [default])]:
             with launch_choice(choice):
                 for name, t in pool.tensors.items():
                     t.copy_(start[name])
@@ -121,7 +130,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
                 baseline_ms, baseline_logits = ms, logits
                 name = "op by op"
             else:
-                name = ("default " if choice == DEFAULT else "") + "(" + ",".join(map(str, choice)) + ")"
+                name = ("default " if choice == default else "") + "(" + ",".join(map(str, choice)) + ")"
             diff = (logits - baseline_logits).abs().max().item()
             results.append((ms, name, diff))
         for ms, name, diff in sorted(results):
@@ -136,7 +145,7 @@ def main() -> None:
     smoke, device = tuning_device(__doc__.splitlines()[0])
     presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [1], 1) if smoke else (
         ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 2, 4, 8], 50)
-    choices = [DEFAULT, (8, 2, 4096, 4, False)] if smoke else CHOICES  # the interpreter has no dependent launch
+    choices = [DEFAULT, MAMBA2_DEFAULT] if smoke else CHOICES
     peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
     print(f"{device_name(device)}: decode step, {str(dtype).removeprefix('torch.')}; per choice "
           f"({', '.join(KNOBS)}): ms/step, vs op by op, HBM roofline at {peak / 1e9:.0f} GB/s, max |logits diff|",

@@ -14,8 +14,8 @@ arithmetic, the SSD update, the gated norm, out_proj). Here it is three:
 
 The rounding steps are the op-by-op step's (:func:`~rnnserve.kernels.mamba2_decode.naive.mamba2_mixer_step_ref`
 between the conv and out_proj, the conv rounded to the activations' dtype before its SiLU as the op-by-op conv
-without SiLU is); the GEMV helpers, the launch choices and the batch limit are
-:mod:`rnnserve.kernels.mamba_decode.fused_recurrent`'s.
+without SiLU is); the GEMV helpers and the batch limit are :mod:`rnnserve.kernels.mamba_decode.fused_recurrent`'s,
+the launch choices this module's own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton.language as tl
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
     conv_update,
+    dependent_launch,
     normed_input_times_weight,
     overlap_previous_kernel,
     wait_for_previous_kernel,
@@ -38,6 +39,14 @@ from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 SSM_CHANNELS = 16  # channels of one head a program: [16, 128] state tiles at d_state 128
+# Launch choices of this stack's GEMV kernels, as the Mamba-1 stack's (see there), measured by
+# benchmarks/decode_tune.py on an H200: mamba2-370m, bf16, batch 1: 0.69 ms a step with these against 0.77 ms with
+# the Mamba-1 stack's and 1.87 ms op by op.
+TILE = 4096
+IN_PROJ_ROWS = 8
+OUT_PROJ_ROWS = 2
+NUM_WARPS = 4
+LAUNCH_PDL = True
 
 
 @triton.jit
@@ -164,8 +173,8 @@ def _mamba2_out_proj_kernel(
 
 def in_proj_blocks(batch_block: int, d_model: int) -> tuple[int, int]:
     """``(BO, BK)`` of :func:`_mamba2_in_proj_kernel` (blocks may straddle the z / xBC / dt sections)."""
-    block_o = mamba1.IN_PROJ_ROWS
-    return block_o, min(mamba1.pow2(d_model), max(16, mamba1.TILE // (batch_block * block_o)))
+    block_o = IN_PROJ_ROWS
+    return block_o, min(mamba1.pow2(d_model), max(16, TILE // (batch_block * block_o)))
 
 
 def mamba2_decode_stack_triton(
@@ -200,11 +209,12 @@ def mamba2_decode_stack_triton(
     conv_dim, width = layers[0][2].shape[0], layers[0][2].shape[-1]
     n_out = d_inner + conv_dim + heads
     batch_block = mamba1.pow2(batch)
+    pdl = dependent_launch(LAUNCH_PDL, normed.device)
     block_o, block_k = in_proj_blocks(batch_block, d_model)
     block_p = min(SSM_CHANNELS, mamba1.pow2(head_dim))
     p_blocks = triton.cdiv(head_dim, block_p)
     parts = heads * p_blocks
-    out_block_o, out_block_k = mamba1.out_proj_blocks(batch_block, d_inner)
+    out_block_o, out_block_k = mamba1.out_proj_blocks(batch_block, d_inner, OUT_PROJ_ROWS, TILE)
     slot_ids = slot_ids.long().contiguous()
     z = torch.empty(batch, d_inner, dtype=dtype, device=device)
     xbc = torch.empty(batch, conv_dim, dtype=dtype, device=device)
@@ -225,24 +235,24 @@ def mamba2_decode_stack_triton(
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
             z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=mamba1.LAUNCH_PDL,
-            LINES=weight_lines(in_w, block_o), num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
+            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=pdl,
+            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba2_ssm_kernel[(batch, heads, p_blocks)](
             xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, d_inner, conv_dim, heads, head_dim,
             d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
-            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=mamba1.LAUNCH_PDL, num_warps=mamba1.SSM_WARPS,
-            launch_pdl=mamba1.LAUNCH_PDL,
+            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, num_warps=mamba1.SSM_WARPS,
+            launch_pdl=pdl,
         )
         delta = torch.empty(batch, d_model, dtype=dtype, device=device)
         _mamba2_out_proj_kernel[(triton.cdiv(d_model, out_block_o),)](
             gated, squares, gated_w, out_w, out_b if out_b is not None else out_w, delta, batch, d_inner, d_model,
             parts, parts // groups, d_inner // groups, gated_eps,
             HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
-            BG=mamba1.pow2(groups), PDL=mamba1.LAUNCH_PDL, LINES=weight_lines(out_w, out_block_o),
-            num_warps=mamba1.NUM_WARPS, launch_pdl=mamba1.LAUNCH_PDL,
+            BG=mamba1.pow2(groups), PDL=pdl, LINES=weight_lines(out_w, out_block_o),
+            num_warps=NUM_WARPS, launch_pdl=pdl,
         )
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
     return normed

@@ -21,6 +21,7 @@ in its own. Products accumulate in fp32 as broadcast multiply-and-sum (no ``tl.d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -30,10 +31,11 @@ import triton.language as tl
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
-# Launch choices, set without a GPU to measure them (benchmarks/decode_tune.py sweeps them on one): a GEMV
-# program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
-# so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs, one or two
-# steps of 16 KB each).
+# Launch choices of this stack (the Mamba-2 stack has its own), measured by benchmarks/decode_tune.py on an H200
+# (mamba-370m, bf16, batch 1: 1.00 ms a step with these against 1.05 ms without dependent launch and 1.66 ms op by
+# op). A GEMV program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot,
+# not these), so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs,
+# one or two steps of 16 KB each).
 MAX_ROWS = 8  # the most rows the stacks take (the models use them up to their packages' STACK_MAX_BATCH)
 TILE = 8192  # elements of a program's multiply-and-sum product per loop step
 IN_PROJ_ROWS = 16  # in_proj rows a program (at most; a power of two dividing d_inner)
@@ -42,9 +44,9 @@ SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
 SSM_WARPS = 4
 # Programmatic dependent launch (sm_90): each stack kernel may start while the one before it runs, prefetching
-# the weights (or state rows) only it reads, then waits for it (see overlap_previous_kernel). Unmeasured: on
-# when benchmarks/decode_tune.py shows it faster on a GPU.
-LAUNCH_PDL = False
+# the weights (or state rows) only it reads, then waits for it (see overlap_previous_kernel). On an H200 it made
+# every launch shape decode_tune swept faster at batch 1 (by 1-10%, both stacks).
+LAUNCH_PDL = True
 L2_LINE = tl.constexpr(128)  # bytes
 
 
@@ -282,6 +284,17 @@ def l2_lines(rows: int, row_bytes: int) -> int:
     return pow2(triton.cdiv(rows * row_bytes, L2_LINE.value))
 
 
+def dependent_launch(wanted: bool, device: torch.device) -> bool:
+    """Launch a stack's kernels with programmatic dependent launch: ``wanted`` (its ``LAUNCH_PDL``) and on a CUDA
+    device of compute capability 9.0 or newer (older GPUs and the interpreter have none)."""
+    return wanted and device.type == "cuda" and _compute_capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _compute_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def weight_lines(weight: torch.Tensor, rows: int) -> int:
     """:func:`l2_lines` for ``rows`` rows of ``weight``."""
     return l2_lines(rows, weight.shape[-1] * weight.element_size())
@@ -296,11 +309,10 @@ def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) ->
     return block_o, min(pow2(d_model), budget), min(pow2(n_proj), max(16, budget // 2))
 
 
-def out_proj_blocks(batch_block: int, n_in: int) -> tuple[int, int]:
-    """``(BO, BK)`` of :func:`_mamba_out_proj_kernel`: :data:`OUT_PROJ_ROWS` output rows a program (many
-    programs for a short output), the K step filling :data:`TILE`."""
-    block_o = OUT_PROJ_ROWS
-    return block_o, min(pow2(n_in), max(16, TILE // (batch_block * block_o)))
+def out_proj_blocks(batch_block: int, n_in: int, rows: int, tile: int) -> tuple[int, int]:
+    """``(BO, BK)`` of an out_proj GEMV kernel: ``rows`` output rows a program (many programs for a short output;
+    a stack's ``OUT_PROJ_ROWS``), the K step filling ``tile`` elements (its ``TILE``)."""
+    return rows, min(pow2(n_in), max(16, tile // (batch_block * rows)))
 
 
 def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -309,11 +321,12 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     n_out = weight.shape[0]
     out = torch.empty(batch, n_out, dtype=x.dtype, device=x.device)
     batch_block = pow2(batch)
-    block_o, block_k = out_proj_blocks(batch_block, n_in)
+    block_o, block_k = out_proj_blocks(batch_block, n_in, OUT_PROJ_ROWS, TILE)
+    pdl = dependent_launch(LAUNCH_PDL, x.device)
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
-        HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, PDL=LAUNCH_PDL,
-        LINES=weight_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
+        HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, PDL=pdl,
+        LINES=weight_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
     )
     return out
 
@@ -348,6 +361,7 @@ def mamba_decode_stack_triton(
     n_proj = dt_rank + 2 * d_state
     batch_block = pow2(batch)
     block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    pdl = dependent_launch(LAUNCH_PDL, normed.device)
     x_blocks = d_inner // block_o
     block_c = min(SSM_CHANNELS, pow2(d_inner))
     block_r, block_n = pow2(dt_rank), pow2(d_state)
@@ -372,15 +386,15 @@ def mamba_decode_stack_triton(
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=LAUNCH_PDL,
-            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=LAUNCH_PDL,
+            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=pdl,
+            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
             partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
-            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=LAUNCH_PDL,
-            num_warps=SSM_WARPS, launch_pdl=LAUNCH_PDL,
+            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=pdl,
+            num_warps=SSM_WARPS, launch_pdl=pdl,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -12,7 +12,8 @@ from rnnserve.engine.models.mamba import MambaConfig, MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
-from rnnserve.kernels.mamba_decode import fused_recurrent
+from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_fused
+from rnnserve.kernels.mamba_decode import fused_recurrent as mamba_fused
 from rnnserve.kernels.mamba_decode.fused_recurrent import MAX_ROWS
 from tests.kernels.kernel_cases import count_calls, twin_pools
 
@@ -26,6 +27,7 @@ MODELS = {
     "mamba2": (lambda: Mamba2LM(Mamba2Config(vocab_size=512, d_model=1024, n_layers=4, n_heads=32, head_dim=64)),
                ("rnnserve.kernels.mamba2_decode.fused_recurrent", "mamba2_decode_stack_triton"), mamba2_decode_ops),
 }
+LAUNCHES = {"mamba": mamba_fused, "mamba2": mamba2_fused}  # the module holding each stack's LAUNCH_PDL
 
 
 @pytest.mark.parametrize("architecture", sorted(MODELS))
@@ -71,8 +73,9 @@ def test_programmatic_dependent_launch_in_a_graph_changes_no_result(monkeypatch,
     pools = twin_pools(model, 16, "cuda")
     slots = (torch.randperm(15)[:batch] + 1).tolist()
     decode = DecodeBatch.build(torch.randint(0, 512, (batch,)).tolist(), slots, [4] * batch, "cuda")
+    monkeypatch.setattr(LAUNCHES[architecture], "LAUNCH_PDL", False)
     plain = [model.decode(decode, pools[1].tensors).clone() for _ in range(3)]
-    monkeypatch.setattr(fused_recurrent, "LAUNCH_PDL", True)
+    monkeypatch.setattr(LAUNCHES[architecture], "LAUNCH_PDL", True)
     calls = count_calls(monkeypatch, [wrapper])
     scratch = {name: t.clone() for name, t in pools[0].tensors.items()}
     model.decode(decode, scratch)  # builds the PDL kernels outside the capture

@@ -215,14 +215,14 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         return mamba_decode.l2_lines(block_o, row_len * weight_bytes)
 
     configs = []
-    gemv_warps, ssm_warps = mamba_decode.NUM_WARPS, mamba_decode.SSM_WARPS
-    for rows, pdl in ((1, False), (mamba_decode.MAX_ROWS, False), (1, True)):
+    gemv_warps, gemv2_warps, ssm_warps = mamba_decode.NUM_WARPS, mamba2_decode.NUM_WARPS, mamba_decode.SSM_WARPS
+    for rows, pdl in ((1, False), (mamba_decode.MAX_ROWS, False), (1, True), (mamba_decode.MAX_ROWS, True)):
         block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
         configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                        "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
                                                        "LINES": lines(block_o, 1024)}, gemv_warps))
-        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
+        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
                                                                           "BO": block_o, "BK": block_k, "PDL": pdl,
                                                                           "LINES": lines(block_o, 2048)},
@@ -231,11 +231,11 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                          "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024)},
-                        gemv_warps))
-        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048)
+                        gemv2_warps))
+        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
                                                           "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
-                                                          "LINES": lines(block_o, 2048)}, gemv_warps))
+                                                          "LINES": lines(block_o, 2048)}, gemv2_warps))
     for pdl in (False, True):
         configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
                                                    "PDL": pdl}, ssm_warps))
