@@ -13,6 +13,7 @@ import torch
 
 from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import TokenLogprob
+from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.sequence import Sequence
 from rnnserve.kernels.row_argmax import row_argmax
 
@@ -146,11 +147,19 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: i
     return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
+def filters_logits(params: SamplingParams, vocab: int) -> bool:
+    """Whether ``params`` restrict the support (top-k below the vocabulary, top-p below 1 or min-p above 0)."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0
+
+
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p (each row with its own values; disabled rows untouched)."""
+    """Temperature, then top-k, top-p and min-p (each row with its own values; rows without them untouched).
+    A batch where no row restricts the support (OpenAI's defaults) skips the sort of the whole vocabulary."""
     device, dtype = logits.device, logits.dtype
     temperature = _column(seqs, "temperature", device, dtype).clamp_min(1e-5)[:, None]
     logits = logits / temperature
+    if not any(filters_logits(s.params, logits.shape[1]) for s in seqs):
+        return logits
     top_k = _top_k_column(seqs, logits.shape[1], device, dtype)
     top_p = _column(seqs, "top_p", device, dtype)
     min_p = _column(seqs, "min_p", device, dtype)
@@ -158,8 +167,9 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     ranks = torch.arange(logits.shape[1], device=device)[None, :]
     remove = ranks >= top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Drop a token once the mass before it already reaches top_p; the first token always stays.
-    remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+    # Drop a token once the mass before it already reaches top_p (< 1: at 1 the rounded mass can reach it before the
+    # tail); the first token always stays.
+    remove |= ((sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

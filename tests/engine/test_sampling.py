@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from rnnserve.engine.sampler import sample
+from rnnserve.engine.sampler import filter_logits, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
@@ -53,6 +53,19 @@ def test_top_k_top_p_min_p_restrict_the_support() -> None:
     assert _draws(SamplingParams(top_p=0.75)) == {0, 1, 2}
     assert _draws(SamplingParams(min_p=0.6)) == {0, 1}
     assert _draws(SamplingParams(min_p=0.45)) == {0, 1, 2}
+
+
+def test_rows_without_filters_keep_every_token_alone_and_beside_rows_with_them() -> None:
+    """top_p = 1 keeps the whole vocabulary even where the rounded mass reaches 1 before the tail, and a row's
+    logits do not depend on whether a row beside it filters (a batch where none does skips the sort)."""
+    logits = torch.full((1, VOCAB), -60.0)
+    logits[0, 0] = 60.0  # in fp32 the first token's probability is 1: the mass before every other token is 1
+    plain = SamplingParams(temperature=2.0)
+    alone = filter_logits(logits.clone(), [_seq(plain)])
+    mixed = filter_logits(logits.expand(2, -1).clone(), [_seq(plain), _seq(SamplingParams(top_p=0.5))])
+    assert torch.equal(alone[0], logits[0] / 2.0)
+    assert torch.equal(mixed[0], alone[0])
+    assert mixed[1].isinf().sum().item() == VOCAB - 1
 
 
 def test_repetition_penalty_covers_prompt_tokens() -> None:
