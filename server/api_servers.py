@@ -4,8 +4,9 @@ One Python process streams a few tens of thousands of SSE events a second and ad
 second; a GPU decoding a few hundred streams produces more than that, and a wave of new requests waits for its
 admissions one after the other. As vLLM's ``--api-server-count``, this runs N copies of the HTTP server, each
 its own process with its own event loop and its own listening socket on the one port (``SO_REUSEPORT``: the kernel
-spreads new connections evenly over them) and all linked to the one engine process by pipes of their own
-(:class:`~rnnserve.server.engine_core.ServerLinks` routes each request's outputs to its server).
+spreads new connections evenly over those that listen, so none listens before all can) and all linked to the
+one engine process by pipes of their own (:class:`~rnnserve.server.engine_core.ServerLinks` routes each
+request's outputs to its server).
 
 The process that runs them (:class:`APIServers`) only supervises: it loads the engine process, starts the servers,
 forwards SIGTERM/SIGINT to them (each drains as a single server does), and stops everything when one of them or
@@ -23,9 +24,12 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Barrier
 from types import FrameType
 
 from rnnserve.engine.llm_engine import freeze_startup_heap
@@ -36,13 +40,22 @@ from rnnserve.server.sessions import remove_temporary_files, session_dir
 
 logger = logging.getLogger("rnnserve")
 STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers stopped
+READY_TIMEOUT = 300.0  # seconds an API server waits for its siblings to be ready before it gives up
 
 
 def run_api_server(
-    config: ServerConfig, address: tuple[str, int], conn: Connection, info: EngineInfo, index: int, log_level: int
+    config: ServerConfig,
+    address: tuple[str, int],
+    conn: Connection,
+    info: EngineInfo,
+    index: int,
+    log_level: int,
+    all_ready: Barrier,
 ) -> None:
     """One API server process's main: serve ``config``'s app on a socket of its own bound to ``address`` (with
-    ``SO_REUSEPORT``, as its siblings' are) with the engine behind ``conn``."""
+    ``SO_REUSEPORT``, as its siblings' are) with the engine behind ``conn``, listening once every party of
+    ``all_ready`` (its siblings) is ready to. Connections made while only some listened would stay on those
+    (clients keep them alive), and their load with them."""
     from rnnserve.server.app import create_app
     from rnnserve.server.http_server import build_server, listen_socket
 
@@ -51,6 +64,11 @@ def run_api_server(
     sock = listen_socket(*address, reuse_port=True)
     app = create_app(config, driver=ProcessDriver(conn, info))
     freeze_startup_heap()
+    try:
+        all_ready.wait(READY_TIMEOUT)
+    except threading.BrokenBarrierError:
+        logger.error("the other API servers were not ready within %.0f s; not serving", READY_TIMEOUT)
+        sys.exit(1)
     build_server(app, config).run(sockets=[sock])
 
 
@@ -72,6 +90,7 @@ class APIServers:
         if config.sessions:  # none of the servers may: one may be writing while another starts
             remove_temporary_files(session_dir(config, self.engine.info.model_fingerprint))
         context = multiprocessing.get_context("spawn")
+        self.all_ready = context.Barrier(config.api_servers)  # kept: the servers unpickle it as they start
         self.servers: list[BaseProcess] = []
         # From now on a signal stops the servers (until wait returns). Ctrl-C reaches the whole process group:
         # the servers start with SIGINT ignored, and this process answers it with a SIGTERM to each, which
@@ -80,7 +99,7 @@ class APIServers:
         for index, conn in enumerate(self.engine.connections):
             server = context.Process(
                 target=run_api_server,
-                args=(config, sock.getsockname()[:2], conn, self.engine.info, index, log_level),
+                args=(config, sock.getsockname()[:2], conn, self.engine.info, index, log_level, self.all_ready),
                 name=f"rnnserve-api-{index}",
                 daemon=True,  # ended with this process, whatever ends it
             )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -19,8 +21,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.server.api_servers import run_api_server
 from rnnserve.server.app import create_app
 from rnnserve.server.engine_core import EngineProcess, ProcessDriver
+from rnnserve.server.http_server import listen_socket
 from tests.server.conftest import TINY, tiny_config
 from tests.server.server_process import REPO, ServerProcess, running_server
 
@@ -72,6 +76,51 @@ def test_two_servers_share_one_engine_process_and_each_gets_its_own_answers() ->
         metrics = second.get("/metrics").text
         assert re.search(r'^rnnserve_num_requests_running\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
     engine.process.join(30)  # both stopped: the engine process ends
+    assert engine.process.exitcode == 0
+
+
+def test_no_api_server_listens_until_every_one_is_ready() -> None:
+    """Connections made while only some servers listen would stay on those (clients keep them alive), so each
+    server waits for its siblings before it listens."""
+    config = tiny_config(api_servers=2, sessions=False)
+    engine = EngineProcess(config.engine, num_servers=2)
+    holder = listen_socket("127.0.0.1", 0, reuse_port=True)  # holds the port, as the supervisor's socket does
+    address = holder.getsockname()[:2]
+    url = f"http://{address[0]}:{address[1]}"
+    context = multiprocessing.get_context("spawn")
+    all_ready = context.Barrier(3)  # the two servers, and this test standing for a third still starting
+    servers = [
+        context.Process(target=run_api_server, args=(config, address, conn, engine.info, i, logging.WARNING, all_ready))
+        for i, conn in enumerate(engine.connections)
+    ]
+    try:
+        for server, conn in zip(servers, engine.connections, strict=True):
+            server.start()
+            conn.close()
+        deadline = time.monotonic() + 120
+        while all_ready.n_waiting < 2:
+            assert time.monotonic() < deadline and all(server.is_alive() for server in servers)
+            time.sleep(0.05)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/ready", timeout=5)
+        all_ready.wait(5)
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for server in servers:
+            if server.pid is not None:
+                os.kill(server.pid, signal.SIGTERM)
+        for server in servers:
+            server.join(30)
+        holder.close()
+    assert None not in [server.exitcode for server in servers]
+    engine.process.join(30)
     assert engine.process.exitcode == 0
 
 
