@@ -10,9 +10,10 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   each concurrency, with async scheduling (CUDA's default) and synchronous, its ratio to the model step; at the
   largest concurrency also ``streamed``: every request reads each step's output, built as the row the engine
   process sends to the server (the engine's part of serving streams);
-- the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, with the
-  client's time to first token and tokens per chunk and the CPU cores the serving and engine processes kept
-  busy (skipped when fastapi/uvicorn are not importable: carry their wheels, see the device notes);
+- the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, after an
+  untimed run of short requests as the offline rows have, with the client's time to first token and tokens per
+  chunk and the CPU cores the serving and engine processes kept busy (skipped when fastapi/uvicorn are not
+  importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
 The prefix cache is off (every request here is new, and the anchors are engines without one);
@@ -43,7 +44,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from typing import IO  # noqa: E402
 
 import httpx  # noqa: E402
@@ -185,6 +186,8 @@ def http_tokens_per_ms(
             processes = max(1, min(8, c // 32, (os.cpu_count() or 1) // 2))
             config = BenchConfig(url=url, num_prompts=2 * c, concurrency=c, input_len=PROMPT_LEN,
                                  output_len=new_tokens, progress=False, processes=processes)
+            # Untimed first, as the offline rows: c short requests pay this concurrency's one-time costs.
+            asyncio.run(benchmark(replace(config, num_prompts=c, output_len=4)))
             servers, engines = serving_processes(server.pid, api_servers, log)
             cpu_before = [list(map(cpu_seconds, servers)), sum(map(cpu_seconds, engines))]
             figures = asyncio.run(benchmark(config))
