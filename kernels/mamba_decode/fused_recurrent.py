@@ -32,20 +32,20 @@ from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 # Launch choices of this stack (the Mamba-2 stack has its own), measured by benchmarks/decode_tune.py on an H200
-# (mamba-370m, bf16, batch 1: 1.00 ms a step with these against 1.05 ms without dependent launch and 1.66 ms op by
-# op). A GEMV program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot,
-# not these), so steps are long and programs many (mamba-370m at batch 1: 256 in_proj and 256 out_proj programs,
-# one or two steps of 16 KB each).
+# (mamba-370m, bf16, CUDA graphs): 0.95 ms a step at batch 1 with these, 1.00 ms with 16 in_proj rows, 4 out_proj
+# rows and 8192-element tiles, 1.66 ms op by op; at batch 8 2.01 against 2.23 ms. 32 in_proj rows a program also
+# halve the x_proj partial sums each SSM program adds up. A GEMV program's loads in one loop step are all it has
+# in flight (Triton pipelines loads that feed tl.dot, not these), so steps are long and programs many.
 MAX_ROWS = 8  # the most rows the stacks take (the models use them up to their packages' STACK_MAX_BATCH)
-TILE = 8192  # elements of a program's multiply-and-sum product per loop step
-IN_PROJ_ROWS = 16  # in_proj rows a program (at most; a power of two dividing d_inner)
-OUT_PROJ_ROWS = 4
+TILE = 16384  # elements of a program's multiply-and-sum product per loop step
+IN_PROJ_ROWS = 32  # in_proj rows a program (at most; a power of two dividing d_inner)
+OUT_PROJ_ROWS = 8
 SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
 SSM_WARPS = 4
 # Programmatic dependent launch (sm_90): each stack kernel may start while the one before it runs, prefetching
 # the weights (or state rows) only it reads, then waits for it (see overlap_previous_kernel). On an H200 it made
-# every launch shape decode_tune swept faster at batch 1 (by 1-10%, both stacks).
+# every launch shape decode_tune swept faster at batch 1 (by 1-10%, both stacks; at this shape 1.02 -> 0.95 ms).
 LAUNCH_PDL = True
 L2_LINE = tl.constexpr(128)  # bytes
 
