@@ -26,6 +26,7 @@ class StatePool:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate state names in spec: {names}")
         self.specs = list(specs)
+        self.bytes_per_slot = sum(s.nbytes for s in self.specs)  # the engine reports it with every step's load
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.scratch_slot = num_slots
@@ -64,10 +65,6 @@ class StatePool:
         if not candidates:
             raise ValueError("give max_num_seqs or state_memory")
         return cls(specs, min(candidates), device)
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return sum(s.nbytes for s in self.specs)
 
     @property
     def total_bytes(self) -> int:
