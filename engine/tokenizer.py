@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+ASCII = [chr(i) for i in range(128)]  # the text of each ASCII byte, built once
+
 
 class Tokenizer:
     """Minimal tokenizer interface the engine and server rely on."""
@@ -180,6 +182,8 @@ class Utf8StreamDecoder(StreamDecoder):
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
+        if 0 <= token_id < 128 and not self._utf8.buffer:  # ASCII outside a character: the codec's Python skipped
+            return ASCII[token_id]
         return self._utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
 
     def flush(self) -> str:
@@ -215,19 +219,3 @@ class HFStreamDecoder(StreamDecoder):
         text = self._tok.decode(self._context + self._held, skip_special_tokens=True)
         self._context, self._held = self._held, []
         return text[len(context) :]
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas that never end inside a character, with the decoder the
-    tokenizer provides (:meth:`Tokenizer.stream_decoder`)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._decoder = tokenizer.stream_decoder()
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the newly completed text (possibly empty)."""
-        return self._decoder.push(token_id)
-
-    def flush(self) -> str:
-        """Emit whatever is still held (at the end of a sequence)."""
-        return self._decoder.flush()

@@ -14,7 +14,6 @@ from rnnserve.engine.tokenizer import (
     CharTokenizer,
     HFStreamDecoder,
     HFTokenizer,
-    IncrementalDetokenizer,
     TokenIdTokenizer,
 )
 
@@ -22,7 +21,7 @@ CORPUS = ["the cat sat on the mat", "héllo wörld", "emoji 😀🎉 family 👨
 
 
 def stream(tokenizer, ids: list[int]) -> list[str]:  # type: ignore[no-untyped-def]
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = tokenizer.stream_decoder()
     return [detok.push(i) for i in ids] + [detok.flush()]
 
 

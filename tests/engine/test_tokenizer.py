@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
-from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, IncrementalDetokenizer
+from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer
 
 TEXTS = ["plain ascii", "héllo wörld", "emoji 😀🎉 family 👨‍👩‍👧", "中文字符和日本語のテキスト", "mixed: a😀b中c"]
 
 
 def _stream(tokenizer, ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = tokenizer.stream_decoder()
     return [detok.push(i) for i in ids] + [detok.flush()]
 
 
@@ -28,6 +29,15 @@ def test_byte_stream_never_emits_a_partial_character(text: str) -> None:
 def test_invalid_bytes_are_replaced_not_held_forever() -> None:
     deltas = _stream(ByteTokenizer(), [0xFF, *b"abcdefgh"])
     assert "".join(deltas) == "\ufffdabcdefgh"
+
+
+def test_byte_stream_equals_the_whole_decode_of_any_bytes() -> None:
+    """ASCII bytes inside a broken character (a lead byte, then ``a``) still pass through the UTF-8 decoder."""
+    rng = random.Random(0)
+    streams = [[0xC3, *b"a"], [0xE2, 0x82, *b"x", 0xAC], [0xF0, 0x9F, 0x98, *b"!"]]
+    streams += [[rng.choice([*range(128), 0x80, 0xBF, 0xC3, 0xE2, 0xF0, 0xFF]) for _ in range(40)] for _ in range(200)]
+    for ids in streams:
+        assert "".join(_stream(ByteTokenizer(), ids)) == bytes(ids).decode("utf-8", errors="replace")
 
 
 def test_special_tokens_carry_no_text() -> None:
