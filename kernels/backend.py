@@ -6,6 +6,7 @@ Tests force Triton on CPU tensors (under ``TRITON_INTERPRET=1``) with :func:`for
 
 from __future__ import annotations
 
+import array
 import contextlib
 import importlib.util
 from collections.abc import Callable, Hashable, Iterator
@@ -61,8 +62,12 @@ _BOUNDS = object()  # the key of the host copy of cu_seqlens itself
 
 def int64_table(values: list[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host ints (a list or a CPU tensor) as an int64 tensor on ``device``, copied without waiting for the
-    device (a blocking copy would wait for every kernel queued before it)."""
-    host = torch.as_tensor(values, dtype=torch.int64)
+    device (a blocking copy would wait for every kernel queued before it). A list goes through an ``array`` of
+    int64 (a third of the time ``torch.as_tensor`` takes to read Python ints one by one)."""
+    if isinstance(values, torch.Tensor) or not values:
+        host = torch.as_tensor(values, dtype=torch.int64)
+    else:
+        host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -79,3 +79,15 @@ def test_a_prefill_batch_never_reads_its_bounds_back(monkeypatch):
     calls: list[list[int]] = []
     assert per_cu_seqlens(batch.cu_seqlens, "a", _counting(calls)) == 6
     assert calls == [[0, 3, 4, 6]]
+
+
+def test_int64_table_of_lists_tensors_and_nothing():
+    """Lists cross through an int64 array: the same values as ``torch.tensor``, extremes included, and a
+    tensor of their own (a later change to the list does not show)."""
+    values = [0, -1, 2**63 - 1, -(2**63), 7]
+    table = backend.int64_table(values, "cpu")
+    assert table.dtype == torch.int64 and table.tolist() == values
+    values[0] = 5
+    assert table[0] == 0
+    assert backend.int64_table([], "cpu").shape == (0,)
+    assert backend.int64_table(torch.tensor([3, 4], dtype=torch.int32), "cpu").dtype == torch.int64
