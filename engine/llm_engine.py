@@ -325,14 +325,13 @@ class LLMEngine:
             done, self._in_flight = self._in_flight, launched if launched.sampled is not None else None
         else:
             done = launched
-        groups = dict.fromkeys(launched.failed)
         if done is not None:
-            groups = dict.fromkeys(self._complete(done, stats)) | groups
+            self._uncollected.update(self._complete(done, stats))
+        self._uncollected.update(dict.fromkeys(launched.failed))
         self.total_prefill_tokens += stats.prefill_tokens
         stats.seconds = time.perf_counter() - start
         self.scheduler.record_step(batch, stats.seconds)
         self.last_step = stats
-        self._uncollected.update(groups)
         return self.collect_outputs() if collect else []
 
     @property
@@ -362,16 +361,16 @@ class LLMEngine:
                 seq.num_pending += 1
         return launched
 
-    def _complete(self, launched: LaunchedStep, stats: StepStats) -> list[SequenceGroup]:
+    def _complete(self, launched: LaunchedStep, stats: StepStats) -> dict[SequenceGroup, None]:
         """Wait for a launched step's tokens and append them; returns the requests that got a token (or failed
         while appending it). Requests that failed while the step was launched were reported then."""
         if launched.sampled is None:
-            return []
+            return {}
         token_ids, logprobs = launched.sampled.result()
-        appending = [s for s in launched.seqs if not s.finished]
-        stats.latencies = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, self.eos_token_id)
-        stats.generated_tokens = sum(1 for s in appending if s.group.error is None)
-        return list({id(s.group): s.group for s in appending}.values())
+        appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, self.eos_token_id)
+        stats.latencies = appended.latencies
+        stats.generated_tokens = appended.num_tokens
+        return appended.groups
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits, runs, or has a token in flight (async scheduling)."""

@@ -57,7 +57,8 @@ class ModelRunner:
         prompts = prompts or []
         slot_ids: list[int] = [s.slot for s in seqs] + [c.group.seqs[0].slot for c in prompts]  # type: ignore[misc]
         slots = long_tensor(slot_ids, self.device)
-        positions = [s.next_position for s in seqs] + [c.start for c in prompts]
+        # the position of the token each sample feeds: after its prompt and the output tokens fed before it
+        positions = [len(s.group.prompt_token_ids) + s.num_fed for s in seqs] + [c.start for c in prompts]
         if prompts:  # the prompt token takes the place of a sampled one
             tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
             self.last_tokens[slots[len(seqs) :]] = long_tensor(tokens, self.device)

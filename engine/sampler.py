@@ -198,8 +198,11 @@ def count_tokens(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) ->
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampledTokens:
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
     without waiting for the device."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if all(s.argmax_only for s in seqs):  # the usual greedy batch: one pass over the samples, one kernel
+        return SampledTokens(row_argmax(logits), [None] * len(seqs))
     rows = penalty_rows(seqs)
-    logits = apply_penalties(logits.to(torch.promote_types(logits.dtype, torch.float32)), seqs, rows)
+    logits = apply_penalties(logits, seqs, rows)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
     tokens = row_argmax(logits)
     if not all(s.params.greedy for s in seqs):

@@ -64,6 +64,16 @@ class SchedulerOutput:
         return list(seen.values())
 
 
+@dataclass
+class AppendedTokens:
+    """What :meth:`Scheduler.postprocess` did: the requests that got a token or failed appending it (each once,
+    in order), the tokens appended to requests that go on, and the token latencies of those requests."""
+
+    groups: dict[SequenceGroup, None]
+    num_tokens: int
+    latencies: TokenLatencies
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the caller should retry later."""
 
@@ -102,7 +112,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for g in self.running.values() for s in g.seqs if not s.finished)
+        """Samples admitted and not finished: each holds one slot until it finishes (read every step)."""
+        return self.pool.num_used
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -244,38 +255,46 @@ class Scheduler:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
         eos_token_id: int | None,
-    ) -> TokenLatencies:
+    ) -> AppendedTokens:
         """Append each sample's new token and free the slots of samples that finished. Samples already
         finished (their request failed or was aborted since, or, with async scheduling, it finished in the step
-        before) are skipped; a sample whose stop handling raises fails its request alone. Returns the token
-        latencies of the requests that got a token."""
+        before) are skipped; a sample whose stop handling raises fails its request alone."""
         now = time.monotonic()
         latencies = TokenLatencies()
+        groups: dict[SequenceGroup, None] = {}
+        appended: list[Sequence] = []
+        failed = False
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            group = seq.group
             seq.num_pending -= 1
-            if seq.finished:
+            if seq.finish_reason is not None:
                 continue
+            group = seq.group
+            groups[group] = None
             try:
                 seq.append_token(token, logprob, eos_token_id)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
                 self.fail(group, err)
+                failed = True
                 continue
+            appended.append(seq)
             metrics = group.metrics
-            if metrics.last_token_time != now:
-                if metrics.last_token_time is None:
+            last = metrics.last_token_time
+            if last != now:
+                if last is None:
                     metrics.first_token_time = now
                     latencies.first_token.append(now - metrics.arrival_time)
                     if metrics.first_scheduled_time is not None:
                         latencies.queue.append(metrics.first_scheduled_time - metrics.arrival_time)
                 else:
-                    latencies.inter_token.append(now - metrics.last_token_time)
-                metrics.previous_token_time = metrics.last_token_time
+                    latencies.inter_token.append(now - last)
+                metrics.previous_token_time = last
                 metrics.last_token_time = now
-            if seq.finished:
+            if seq.finish_reason is not None:
                 self._save_finished(seq)
                 self._free(seq)
-        return latencies
+        if failed:  # a request that failed later in the step (another of its samples) generated nothing
+            appended = [s for s in appended if s.group.error is None]
+        return AppendedTokens(groups, len(appended), latencies)
 
     def _save_finished(self, seq: Sequence) -> None:
         """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state in the prefix

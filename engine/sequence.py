@@ -13,7 +13,7 @@ from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
-from rnnserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from rnnserve.engine.tokenizer import Tokenizer
 
 
 class Sequence:
@@ -31,13 +31,18 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.text = ""
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = tokenizer.stream_decoder()
         self._emitted_text = 0
         self._emitted_tokens = 0
         self._stop_matched = [0] * len(self.params.stop)
         self.generator: torch.Generator | None = None
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
+        # Sampling is a plain argmax: no draw, penalties, banned stop tokens or logprobs (the sampler's fast path)
+        self.argmax_only = (
+            self.params.greedy and not self.params.uses_penalties and not self.params.min_tokens
+            and self.params.logprobs is None
+        )  # fmt: skip
 
     @property
     def finished(self) -> bool:
@@ -47,11 +52,6 @@ class Sequence:
     def num_sampled(self) -> int:
         """Tokens sampled so far, including one the host has not read yet."""
         return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def next_position(self) -> int:
-        """Position (in the whole sequence) of the output token that the next decode step feeds."""
-        return len(self.group.prompt_token_ids) + self.num_fed
 
     def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
         """Create the seeded generator and penalty counters (constant size: one vocab-sized row)."""
@@ -69,21 +69,23 @@ class Sequence:
         """Record a sampled token, update text and decide whether the sample is finished (the penalty counters
         were updated on the device when it was sampled)."""
         params = self.params
-        self.output_token_ids.append(token_id)
+        output = self.output_token_ids
+        output.append(token_id)
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob.logprob
-        is_eos = not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id
-        if is_eos or token_id in params.stop_token_ids:
+        if (token_id == eos_token_id and not params.ignore_eos and eos_token_id is not None) or (
+            params.stop_token_ids and token_id in params.stop_token_ids
+        ):
             self.text += self._detokenizer.flush()
             self.finish_reason = "stop"
             return
         old_len = len(self.text)
         self.text += self._detokenizer.push(token_id)
-        at_limit = len(self.output_token_ids) >= params.max_tokens
+        at_limit = len(output) >= params.max_tokens
         if at_limit:
             self.text += self._detokenizer.flush()
-        if self._truncate_at_stop_string(old_len):
+        if params.stop and self._truncate_at_stop_string(old_len):
             self.finish_reason = "stop"
         elif at_limit:
             self.finish_reason = "length"
@@ -96,8 +98,6 @@ class Sequence:
         the longest prefix of stop string ``i`` that ends the text, so only the new characters are read, at an
         amortised O(number of stop strings) per character, whatever the length of the output so far.
         """
-        if not self.params.stop:
-            return False
         new_text = self.text[old_len:]
         first: int | None = None
         for i, (stop, fallback) in enumerate(zip(self.params.stop, self.group.stop_fallbacks, strict=True)):
@@ -116,21 +116,20 @@ class Sequence:
         self.text = self.text[:first]
         return True
 
-    def _stream_safe_len(self) -> int:
-        """Length of text that can be streamed: hold back a suffix that may be the start of a stop string."""
-        if self.finished or not self.params.stop:
-            return len(self.text)
-        return len(self.text) - max(self._stop_matched)
-
     def take_delta(self) -> tuple[str, list[int]]:
         """The text and the tokens the sample added since the previous take (text held back where a stop string
         may start), marked as taken: what a ``DELTA`` output of a sample without logprobs needs."""
-        safe = max(self._stream_safe_len(), self._emitted_text)
-        delta = self.text[self._emitted_text : safe]
+        text, emitted = self.text, self._emitted_text
+        safe = len(text)
+        if self._stop_matched and self.finish_reason is None:  # hold back what may start a stop string
+            safe -= max(self._stop_matched)
+        if safe < emitted:
+            safe = emitted
         self._emitted_text = safe
-        new_ids = self.output_token_ids[self._emitted_tokens :]
-        self._emitted_tokens = len(self.output_token_ids)
-        return delta, new_ids
+        tokens = self.output_token_ids
+        new_ids = tokens[self._emitted_tokens :]
+        self._emitted_tokens = len(tokens)
+        return text[emitted:safe], new_ids
 
     def take_output(self, kind: OutputKind) -> CompletionOutput:
         """What the sample added since the previous call (text held back where a stop string may start), with
@@ -233,7 +232,7 @@ class SequenceGroup:
             return True
         if self.params.output_kind is OutputKind.FINAL_ONLY:
             return self.finished
-        return self.prefill_done
+        return self.num_prefilled >= len(self.prompt_token_ids)  # prefill_done, without a call per request
 
     def output(self) -> RequestOutput:
         """What the request produced since the previous call (see :class:`OutputKind`); the metrics are copied

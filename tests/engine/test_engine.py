@@ -96,6 +96,30 @@ def test_finished_requests_free_their_slot_in_the_same_step() -> None:
     assert outputs[0].finished and engine.pool.num_used == 0
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_running_count_is_the_unfinished_samples_of_admitted_requests(async_scheduling: str) -> None:
+    """``load().num_running`` (read every step) counts each admitted sample until it finishes, fails or is
+    aborted: samples of one request that finish at different steps, a prefilling request, a waiting one."""
+    engine = make_engine(max_num_seqs=6, max_num_batched_tokens=8, async_scheduling=async_scheduling)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40, stop_token_ids=list(range(40, 140)))
+    engine.add_request("abc", sampled)
+    engine.add_request("a long prompt " * 4, SamplingParams(temperature=0, max_tokens=30))
+    aborted = engine.add_request("xy", SamplingParams(temperature=0, max_tokens=30))
+    engine.add_request("waits", SamplingParams(n=2, temperature=0, max_tokens=5))
+    counts = set()
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 3:
+            engine.abort_request(aborted)
+        engine.step()
+        unfinished = sum(not s.finished for g in engine.scheduler.running.values() for s in g.seqs)
+        assert engine.load().num_running == unfinished
+        counts.add(unfinished)
+    assert not engine.has_unfinished_requests() and engine.load().num_running == 0
+    assert len(counts) >= 4  # samples finished one by one, not all at once
+
+
 def test_waiting_queue_limit() -> None:
     engine = make_engine(max_num_seqs=1, max_waiting=2)
     for _ in range(2):
