@@ -30,3 +30,30 @@ def test_no_generic_top_level_names_outside_the_checkout(tmp_path: Path) -> None
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_gpu_wheels_cover_the_serving_stack() -> None:
+    """``make gpu-wheels`` downloads each package of the serving stack by name (no dependency resolution): the
+    list must hold every package fastapi, uvicorn, httptools and uvloop need on Python 3.12, as installed here."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = next(line for line in makefile.splitlines() if line.startswith("SERVING_STACK :="))
+    stack = {canonicalize_name(name) for name in listed.split(":=", 1)[1].split()}
+    environment = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+                   "platform_system": "Linux", "extra": ""}  # fmt: skip
+    needed: set[str] = set()
+    todo = ["fastapi", "uvicorn", "httptools", "uvloop"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in needed:
+            continue
+        needed.add(name)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate(environment):
+                todo.append(requirement.name)
+    assert needed <= stack, f"missing from SERVING_STACK: {sorted(needed - stack)}"
