@@ -143,17 +143,20 @@ class Scheduler:
         then never stall the running streams.
         """
         out = SchedulerOutput()
-        out.decode = [  # attributes, not properties: this runs for every sample on every step
-            s
-            for g in self.running.values()
-            if g.num_prefilled >= len(g.prompt_token_ids)
-            for s in g.seqs
-            # not finished, nor one whose last token is in flight
-            if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.params.max_tokens
-        ]
+        decode = out.decode
+        prompts: list[SequenceGroup] = []
+        for g in self.running.values():  # one pass, attributes, not properties: this runs for every sample
+            if g.num_prefilled < len(g.prompt_token_ids):
+                prompts.append(g)
+                continue
+            for s in g.seqs:  # not finished, nor one whose last token is in flight
+                if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.params.max_tokens:
+                    decode.append(s)
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
-            self._admit(self.waiting.popleft())
-        prompts = [g for g in self.running.values() if not g.prefill_done]
+            group = self.waiting.popleft()
+            self._admit(group)
+            if not group.prefill_done:
+                prompts.append(group)
         if out.decode and self.decoded_prompt_tokens:
             out.decoded_prompts = [
                 PrefillChunk(g, g.num_prefilled, g.num_prefilled + 1) for g in prompts if self._decodes_prompt(g)

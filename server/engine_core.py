@@ -417,11 +417,6 @@ metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Reques
 COMPACT_ROW_LENGTH = 3  # (request id, text, token ids): see OutputEncoder
 
 
-def row_finished(row: OutputRow) -> bool:
-    """Whether a row is its request's last output (a compact row never is)."""
-    return len(row) > COMPACT_ROW_LENGTH and row[3]
-
-
 class OutputEncoder:
     """Engine side: each request's output as a row of plain data, built straight from the request (no output
     objects in between: at a few hundred streams that halves the engine's cost of an output), which pickles
@@ -623,9 +618,11 @@ class ServerLinks:
     def _post_step(self, event: Stepped) -> None:
         rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}
         owners = self.owners
-        for row in event.outputs:
-            request_id = row[0]
-            owner = owners.pop(request_id, None) if row_finished(row) else owners.get(request_id)
+        for row in event.outputs:  # a request's last row (never a compact one) is the last it routes
+            if len(row) > COMPACT_ROW_LENGTH and row[3]:
+                owner = owners.pop(row[0], None)
+            else:
+                owner = owners.get(row[0])
             if owner in rows:
                 rows[owner].append(row)  # type: ignore[index]
         self.unacknowledged.append(set(self.live))
