@@ -38,13 +38,13 @@ lint: install-test
 # On a CUDA machine whose Python already has torch and triton (no install: GPU machines may be offline):
 # the gpu-marked tests, then gpu-bench.
 gpu-test:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests/gpu tests/engine/test_looped.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -q -m gpu tests/gpu tests/engine/test_looped.py
 	$(MAKE) gpu-bench
 
 # One table per model: decode and prefill tok/ms, HBM roofline, engine and HTTP vs offline, the Based paper's
 # Table 1 beside them. The HTTP rows need fastapi/uvicorn/pydantic importable (carry wheels on GPU machines).
 gpu-bench:
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
 
 # The serving stack as wheels for a CUDA image that has torch and Triton but not the web stack (Python 3.12,
 # x86-64 by default), at the versions installed here: carry GPU_WHEELS to that machine, then
