@@ -49,6 +49,7 @@ _LINE_BREAK_ESCAPES = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "
 # One encoder for every event: json.dumps with any option builds a new encoder per call, which cost more than
 # the encoding of a streamed chunk's choices.
 _JSON = json.JSONEncoder(ensure_ascii=False)
+_encode_string = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept (ensure_ascii=False)
 
 
 def json_text(value: Any) -> str:
@@ -58,6 +59,20 @@ def json_text(value: Any) -> str:
         return text.translate(_LINE_BREAK_ESCAPES)
     return text
 
+
+def json_string(value: str | None) -> str:
+    """``json_text`` of a string or ``None``, without the encoder (whose setup costs ~2 us a call)."""
+    if value is None:
+        return "null"
+    text = _encode_string(value)
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        return text.translate(_LINE_BREAK_ESCAPES)
+    return text
+
+
+# The keys of the usual streamed choice of each kind: choices_json writes those directly (in the order they are built)
+COMPLETION_CHOICE_KEYS = {"index", "text", "finish_reason", "logprobs"}
+CHAT_CHOICE_KEYS = {"index", "delta", "finish_reason", "logprobs"}
 
 SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                (b"content-type", b"text/event-stream; charset=utf-8"))  # fmt: skip
@@ -203,10 +218,14 @@ class Generation(ABC):
         """One streamed chunk, ``data: <body as json_text>``, the body with ``choices`` (and ``usage`` when asked
         for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
         if not self.req.include_usage:
-            return f"{self._chunk_head}{json_text(choices)}}}\n\n"
+            return f"{self._chunk_head}{self.choices_json(choices)}}}\n\n"
         usage = self.usage() if usage is None and self.req.continuous_usage else usage
         usage_text = "null" if usage is None else json_text(usage)
-        return f'{self._chunk_head}{json_text(choices)}, "usage": {usage_text}}}\n\n'
+        return f'{self._chunk_head}{self.choices_json(choices)}, "usage": {usage_text}}}\n\n'
+
+    def choices_json(self, choices: list[dict]) -> str:
+        """A chunk's choices as JSON (``json_text``; subclasses write their usual one-choice chunk directly)."""
+        return json_text(choices)
 
     async def events(self) -> AsyncGenerator[str, None]:
         """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails.
@@ -319,6 +338,13 @@ class CompletionStream(Generation):
             by_text.setdefault(self.token_text(token_id), logprob)
         return by_text
 
+    def choices_json(self, choices: list[dict]) -> str:
+        """The usual chunk, one choice without logprobs (``choice``'s four keys), written directly."""
+        if len(choices) == 1 and (choice := choices[0]).keys() == COMPLETION_CHOICE_KEYS and choice["logprobs"] is None:
+            return (f'[{{"index": {choice["index"]:d}, "text": {json_string(choice["text"])}, '
+                    f'"finish_reason": {json_string(choice["finish_reason"])}, "logprobs": null}}]')  # fmt: skip
+        return json_text(choices)
+
     def choice(
         self, out: RequestOutput, index: int, text: str, sample: CompletionOutput, logprobs: dict | None, first: bool
     ) -> dict:
@@ -359,6 +385,21 @@ class ChatStream(Generation):
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def choices_json(self, choices: list[dict]) -> str:
+        """The usual chunk, one choice without logprobs whose delta is content or nothing (``stream_choice``'s
+        shape), written directly."""
+        if len(choices) == 1 and (choice := choices[0]).keys() == CHAT_CHOICE_KEYS and choice["logprobs"] is None:
+            delta = choice["delta"]
+            if not delta:
+                delta_text = "{}"
+            elif len(delta) == 1 and "content" in delta:
+                delta_text = f'{{"content": {json_string(delta["content"])}}}'
+            else:
+                return json_text(choices)
+            return (f'[{{"index": {choice["index"]:d}, "delta": {delta_text}, '
+                    f'"finish_reason": {json_string(choice["finish_reason"])}, "logprobs": null}}]')  # fmt: skip
+        return json_text(choices)
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.params.logprobs is None:
