@@ -171,12 +171,6 @@ def _mamba2_out_proj_kernel(
              mask=row_ok[:, None] & out_ok[None, :])
 
 
-def in_proj_blocks(batch_block: int, d_model: int) -> tuple[int, int]:
-    """``(BO, BK)`` of :func:`_mamba2_in_proj_kernel` (blocks may straddle the z / xBC / dt sections)."""
-    block_o = IN_PROJ_ROWS
-    return block_o, min(mamba1.pow2(d_model), max(16, TILE // (batch_block * block_o)))
-
-
 def mamba2_decode_stack_triton(
     normed: torch.Tensor,
     stream: torch.Tensor,
@@ -210,11 +204,11 @@ def mamba2_decode_stack_triton(
     n_out = d_inner + conv_dim + heads
     batch_block = mamba1.pow2(batch)
     pdl = dependent_launch(LAUNCH_PDL, normed.device)
-    block_o, block_k = in_proj_blocks(batch_block, d_model)
+    block_o, block_k = mamba1.gemv_blocks(batch_block, d_model, IN_PROJ_ROWS, TILE)  # may straddle z / xBC / dt
     block_p = min(SSM_CHANNELS, mamba1.pow2(head_dim))
     p_blocks = triton.cdiv(head_dim, block_p)
     parts = heads * p_blocks
-    out_block_o, out_block_k = mamba1.out_proj_blocks(batch_block, d_inner, OUT_PROJ_ROWS, TILE)
+    out_block_o, out_block_k = mamba1.gemv_blocks(batch_block, d_inner, OUT_PROJ_ROWS, TILE)
     slot_ids = slot_ids.long().contiguous()
     z = torch.empty(batch, d_inner, dtype=dtype, device=device)
     xbc = torch.empty(batch, conv_dim, dtype=dtype, device=device)

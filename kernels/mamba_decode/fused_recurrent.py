@@ -309,9 +309,10 @@ def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) ->
     return block_o, min(pow2(d_model), budget), min(pow2(n_proj), max(16, budget // 2))
 
 
-def out_proj_blocks(batch_block: int, n_in: int, rows: int, tile: int) -> tuple[int, int]:
-    """``(BO, BK)`` of an out_proj GEMV kernel: ``rows`` output rows a program (many programs for a short output;
-    a stack's ``OUT_PROJ_ROWS``), the K step filling ``tile`` elements (its ``TILE``)."""
+def gemv_blocks(batch_block: int, n_in: int, rows: int, tile: int) -> tuple[int, int]:
+    """``(BO, BK)`` of a stack's GEMV kernel (the out_projs, Mamba-2's in_proj): ``rows`` output rows a program
+    (many programs for a short output; a stack's ``OUT_PROJ_ROWS`` or ``IN_PROJ_ROWS``), the K step filling
+    ``tile`` elements (its ``TILE``)."""
     return rows, min(pow2(n_in), max(16, tile // (batch_block * rows)))
 
 
@@ -321,7 +322,7 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     n_out = weight.shape[0]
     out = torch.empty(batch, n_out, dtype=x.dtype, device=x.device)
     batch_block = pow2(batch)
-    block_o, block_k = out_proj_blocks(batch_block, n_in, OUT_PROJ_ROWS, TILE)
+    block_o, block_k = gemv_blocks(batch_block, n_in, OUT_PROJ_ROWS, TILE)
     pdl = dependent_launch(LAUNCH_PDL, x.device)
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,

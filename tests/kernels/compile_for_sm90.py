@@ -222,17 +222,17 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                                                        "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
                                                        "LINES": lines(block_o, 1024)}, gemv_warps))
-        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.TILE)
+        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
                                                                           "BO": block_o, "BK": block_k, "PDL": pdl,
                                                                           "LINES": lines(block_o, 2048)},
                         gemv_warps))
-        block_o, block_k = mamba2_decode.in_proj_blocks(rows, 1024)
+        block_o, block_k = mamba_decode.gemv_blocks(rows, 1024, mamba2_decode.IN_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                          "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024)},
                         gemv2_warps))
-        block_o, block_k = mamba_decode.out_proj_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS, mamba2_decode.TILE)
+        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
                                                           "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
                                                           "LINES": lines(block_o, 2048)}, gemv2_warps))
