@@ -54,18 +54,16 @@ _encode_string = json.encoder.encode_basestring  # a str as a JSON string, non-A
 
 def json_text(value: Any) -> str:
     """``value`` as JSON for an SSE event: UTF-8 text as is, but no character a client could split on."""
-    text = _JSON.encode(value)
-    if "\u2028" in text or "\u2029" in text or "\x85" in text:  # rare; a translate scans every character
-        return text.translate(_LINE_BREAK_ESCAPES)
-    return text
+    return _escape_line_breaks(_JSON.encode(value))
 
 
 def json_string(value: str | None) -> str:
     """``json_text`` of a string or ``None``, without the encoder (whose setup costs ~2 us a call)."""
-    if value is None:
-        return "null"
-    text = _encode_string(value)
-    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+    return "null" if value is None else _escape_line_breaks(_encode_string(value))
+
+
+def _escape_line_breaks(text: str) -> str:
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:  # rare; a translate scans every character
         return text.translate(_LINE_BREAK_ESCAPES)
     return text
 
