@@ -61,7 +61,7 @@ def timed_method(owner: object, name: str, totals: dict[str, float], label: str)
     setattr(owner, name, call)
 
 
-def worker(checkout: str, preset: str, batch: int, chunk: int) -> None:
+def worker(checkout: str, preset: str, batch: int, chunk: int, output_kind: str) -> None:
     """Build the engine from ``checkout``; for each line on stdin, run ``chunk`` steps and print the parts'
     microseconds per token as ``label=value`` fields."""
     sys.path.insert(0, checkout)
@@ -91,7 +91,7 @@ def worker(checkout: str, preset: str, batch: int, chunk: int) -> None:
         if hasattr(target, name):
             timed_method(target, name, totals, label)
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - len(PROMPT), ignore_eos=True,
-                            output_kind=OutputKind.DELTA)  # fmt: skip
+                            output_kind=OutputKind(output_kind))  # fmt: skip
     for _ in range(batch):
         engine.add_request(PROMPT, params)
     encoder = OutputEncoder()
@@ -122,7 +122,7 @@ def worker(checkout: str, preset: str, batch: int, chunk: int) -> None:
 
 def start_worker(checkout: Path, args: argparse.Namespace) -> subprocess.Popen[str]:
     command = [sys.executable, __file__, "--worker", str(checkout), "--preset", args.preset,
-               "--batch", str(args.batch), "--chunk", str(args.chunk)]  # fmt: skip
+               "--batch", str(args.batch), "--chunk", str(args.chunk), "--output-kind", args.output_kind]  # fmt: skip
     env = {**os.environ, "RNNSERVE_CPU_KERNELS": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
     assert proc.stdout is not None
@@ -161,10 +161,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256, help="decoding streams (default: 256)")
     parser.add_argument("--chunks", type=int, default=60, help="timed chunks per checkout (default: 60)")
     parser.add_argument("--chunk", type=int, default=20, help="steps per chunk (default: 20)")
+    parser.add_argument("--output-kind", choices=["delta", "final_only", "cumulative"], default="delta",
+                        help="what each request reads (default: delta, a stream; final_only: the offline engine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.preset, args.batch, args.chunk)
+        worker(args.worker, args.preset, args.batch, args.chunk, args.output_kind)
         return
     if args.base is None:
         parser.error("--base is required")
@@ -179,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for proc in procs.values():
             proc.kill()
             proc.wait()
-    print(f"host us per generated token at batch {args.batch} ({args.preset}, free model step), "
+    print(f"host us per generated token at batch {args.batch} ({args.preset}, free model step, "
+          f"{args.output_kind} outputs), "
           f"{args.chunks} x {args.chunk} steps each, in turns")  # fmt: skip
     print(f"base: {checkouts['base']}\nthis: {checkouts['this']}")
     header = ["part", "base", "this", "this / base"]

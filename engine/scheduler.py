@@ -66,8 +66,9 @@ class SchedulerOutput:
 
 @dataclass
 class AppendedTokens:
-    """What :meth:`Scheduler.postprocess` did: the requests that got a token or failed appending it (each once,
-    in order), the tokens appended to requests that go on, and the token latencies of those requests."""
+    """What :meth:`Scheduler.postprocess` did: the requests with an output to read (a token their caller reads
+    every step, or the end of a ``FINAL_ONLY`` sample) or that failed appending, each once, in order; the
+    tokens appended to requests that go on; and the token latencies of those requests."""
 
     groups: dict[SequenceGroup, None]
     num_tokens: int
@@ -272,13 +273,15 @@ class Scheduler:
             if seq.finish_reason is not None:
                 continue
             group = seq.group
-            groups[group] = None
             try:
                 seq.append_token(token, logprob, eos_token_id)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
                 self.fail(group, err)
+                groups[group] = None
                 failed = True
                 continue
+            if group.reads_every_step or seq.finish_reason is not None:
+                groups[group] = None
             appended.append(seq)
             metrics = group.metrics
             last = metrics.last_token_time

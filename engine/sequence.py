@@ -30,8 +30,13 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
-        self.text = ""
+        self._text = ""
         self._detokenizer = tokenizer.stream_decoder()
+        # A FINAL_ONLY sample without stop strings decodes its text when its output is read, once, instead of
+        # token by token (``_text_tokens`` tokens are in ``_text``); a stream reads it every step anyway.
+        self._lazy_text = not self.params.stop and self.params.output_kind is OutputKind.FINAL_ONLY
+        self._text_tokens = 0
+        self._flushed = False
         self._emitted_text = 0
         self._emitted_tokens = 0
         self._stop_matched = [0] * len(self.params.stop)
@@ -47,6 +52,26 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The sample's text so far (a stop string and what follows it cut off)."""
+        if self._lazy_text:
+            self._decode_pending()
+        return self._text
+
+    def _decode_pending(self) -> None:
+        """Lazy text: decode the tokens appended since the last read (not a stop token that ended the sample),
+        then, once the sample ended with ``stop`` or ``length``, what the decoder still holds."""
+        output = self.output_token_ids
+        reason = self.finish_reason
+        end = len(output) - 1 if reason == "stop" else len(output)  # a stop token has no text
+        if end > self._text_tokens:
+            self._text += self._detokenizer.push_many(output[self._text_tokens : end])
+            self._text_tokens = end
+        if (reason == "stop" or reason == "length") and not self._flushed:
+            self._text += self._detokenizer.flush()
+            self._flushed = True
 
     @property
     def num_sampled(self) -> int:
@@ -77,14 +102,19 @@ class Sequence:
         if (token_id == eos_token_id and not params.ignore_eos and eos_token_id is not None) or (
             params.stop_token_ids and token_id in params.stop_token_ids
         ):
-            self.text += self._detokenizer.flush()
             self.finish_reason = "stop"
+            if not self._lazy_text:
+                self._text += self._detokenizer.flush()
             return
-        old_len = len(self.text)
-        self.text += self._detokenizer.push(token_id)
         at_limit = len(output) >= params.max_tokens
+        if self._lazy_text:
+            if at_limit:
+                self.finish_reason = "length"
+            return
+        old_len = len(self._text)
+        self._text += self._detokenizer.push(token_id)
         if at_limit:
-            self.text += self._detokenizer.flush()
+            self._text += self._detokenizer.flush()
         if params.stop and self._truncate_at_stop_string(old_len):
             self.finish_reason = "stop"
         elif at_limit:
@@ -98,7 +128,7 @@ class Sequence:
         the longest prefix of stop string ``i`` that ends the text, so only the new characters are read, at an
         amortised O(number of stop strings) per character, whatever the length of the output so far.
         """
-        new_text = self.text[old_len:]
+        new_text = self._text[old_len:]
         first: int | None = None
         for i, (stop, fallback) in enumerate(zip(self.params.stop, self.group.stop_fallbacks, strict=True)):
             matched = self._stop_matched[i]
@@ -113,13 +143,15 @@ class Sequence:
             self._stop_matched[i] = matched
         if first is None:
             return False
-        self.text = self.text[:first]
+        self._text = self._text[:first]
         return True
 
     def take_delta(self) -> tuple[str, list[int]]:
         """The text and the tokens the sample added since the previous take (text held back where a stop string
         may start), marked as taken: what a ``DELTA`` output of a sample without logprobs needs."""
-        text, emitted = self.text, self._emitted_text
+        if self._lazy_text:
+            self._decode_pending()
+        text, emitted = self._text, self._emitted_text
         safe = len(text)
         if self._stop_matched and self.finish_reason is None:  # hold back what may start a stop string
             safe -= max(self._stop_matched)
@@ -146,7 +178,7 @@ class Sequence:
         if kind is OutputKind.DELTA:
             text, token_ids, logprobs = delta, new_ids, new_logprobs if self.logprobs is not None else None
         else:
-            text, token_ids = self.text[:safe], list(self.output_token_ids)
+            text, token_ids = self._text[:safe], list(self.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
         return (self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob, delta, new_ids,
                 new_logprobs, self._emitted_tokens)  # fmt: skip
@@ -182,6 +214,8 @@ class SequenceGroup:
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        # whether its caller reads each step's progress (else only the end: a sample's end is all it reports)
+        self.reads_every_step = self.params.output_kind is not OutputKind.FINAL_ONLY
 
     @cached_property
     def stop_fallbacks(self) -> list[array]:

@@ -168,6 +168,10 @@ class StreamDecoder:
         """Add one token; return the newly completed text (possibly empty)."""
         return self.tokenizer.decode([token_id])
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """Add tokens in order; the text :meth:`push` would have returned for each, joined."""
+        return "".join(map(self.push, token_ids))
+
     def flush(self) -> str:
         """Whatever is still held, at the end of a sequence."""
         return ""
@@ -185,6 +189,15 @@ class Utf8StreamDecoder(StreamDecoder):
         if 0 <= token_id < 128 and not self._utf8.buffer:  # ASCII outside a character: the codec's Python skipped
             return ASCII[token_id]
         return self._utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
+
+    def push_many(self, token_ids: list[int]) -> str:
+        if len(token_ids) == 1:
+            return self.push(token_ids[0])
+        try:  # the codec's incremental output does not depend on how the bytes are split
+            data = bytes(token_ids)
+        except ValueError:  # ids beyond the bytes carry no text
+            data = bytes(t for t in token_ids if 0 <= t < 256)
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

@@ -286,6 +286,42 @@ def test_stop_strings_match_a_brute_force_reference() -> None:
         assert (streamed, seq.text, seq.finish_reason == "stop") == expected, (stops, ids)
 
 
+def test_text_decoded_at_each_read_is_the_token_by_token_text() -> None:
+    """A FINAL_ONLY sample without stop strings decodes its tokens only when its text is read. Read at random
+    steps (as ``DELTA`` takes, to see each read), its deltas add up to the bytes' decode: a stop token (EOS, or
+    " " here) left out, a character cut off by the end replaced, and, when it is aborted, the bytes of an
+    unfinished character held back, as when each token was decoded at once."""
+    rng = random.Random(2)
+    tokenizer = ByteTokenizer()
+    eos = tokenizer.eos_token_id
+    alphabet = [*b"ab ", 0x80, 0xC3, 0xA9, 0xE2, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 300, eos]
+    for _ in range(300):
+        params = SamplingParams(max_tokens=rng.randint(1, 20), stop_token_ids=[ord(" ")],
+                                output_kind=OutputKind.FINAL_ONLY)  # fmt: skip
+        group = SequenceGroup("r", None, [0], params)
+        seq = Sequence(group, 0, tokenizer)
+        group.seqs = [seq]
+        abort_at = rng.choice([None, rng.randint(1, 20)])
+        deltas, fed = [], []
+        while not seq.finished:
+            token = rng.choice(alphabet)
+            seq.append_token(token, None, eos)
+            fed.append(token)
+            if len(fed) == abort_at and not seq.finished:
+                seq.finish_reason = "abort"
+            if rng.random() < 0.3 or seq.finished:
+                deltas.append(seq.take_output(OutputKind.DELTA).text)
+        data = bytes(t for t in fed if t < 256)
+        if seq.finish_reason == "abort":  # not flushed: what the token-by-token decoder had emitted
+            expected = "".join(map(tokenizer.stream_decoder().push, fed))
+        else:
+            expected = bytes(t for t in fed[:-1] if t < 256).decode("utf-8", errors="replace")
+            if seq.finish_reason == "length":
+                expected = data.decode("utf-8", errors="replace")
+        assert seq.text == "".join(deltas) == expected, (fed, seq.finish_reason)
+        assert seq.output_token_ids == fed
+
+
 def _line_events(call: Callable[[], object]) -> int:
     """Python lines executed by ``call`` (a deterministic measure of interpreted work)."""
     count = 0

@@ -68,6 +68,18 @@ def test_hf_stream_adds_up_to_the_full_decode(tokenizers_by_kind: dict[str, HFTo
     assert all("\ufffd" not in d for d in deltas)
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback"])
+def test_hf_stream_pushed_in_runs_equals_the_token_by_token_stream(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str
+) -> None:
+    tokenizer = tokenizers_by_kind[kind]
+    ids = tokenizer.encode("a héllo 😀 wörld 中文 x 👨‍👩‍👧 y")
+    for run in (1, 2, 3, 7, len(ids)):
+        detok = tokenizer.stream_decoder()
+        text = "".join(detok.push_many(ids[i : i + run]) for i in range(0, len(ids), run)) + detok.flush()
+        assert text == "".join(stream(tokenizer, ids))
+
+
 def test_byte_fallback_holds_a_split_character(tokenizers_by_kind: dict[str, HFTokenizer]) -> None:
     tokenizer = tokenizers_by_kind["byte_fallback"]
     ids = tokenizer.encode("a😀")
@@ -96,3 +108,4 @@ def test_whole_token_tokenizers_stream_token_by_token() -> None:
     assert stream(lsrl, [1, 2, 0, 7]) == ["A", "B", ".", "", ""]
     ids = TokenIdTokenizer(vocab_size=100)
     assert stream(ids, [12, 7]) == [" 12", " 7", ""]
+    assert ids.stream_decoder().push_many([12, 7]) == " 12 7" and lsrl.stream_decoder().push_many([1, 2]) == "AB"

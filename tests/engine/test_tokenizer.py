@@ -40,6 +40,20 @@ def test_byte_stream_equals_the_whole_decode_of_any_bytes() -> None:
         assert "".join(_stream(ByteTokenizer(), ids)) == bytes(ids).decode("utf-8", errors="replace")
 
 
+def test_byte_stream_pushed_in_runs_equals_the_token_by_token_stream() -> None:
+    """A sample's lazy text decodes the tokens since its last read in one ``push_many``: whatever the runs, the
+    text is the token-by-token stream's (broken characters, specials and ids beyond the vocabulary included)."""
+    rng = random.Random(1)
+    tokenizer = ByteTokenizer()
+    alphabet = [*range(128), 0x80, 0xBF, 0xC3, 0xE2, 0xF0, 0xFF, tokenizer.eos_token_id, 300, -1]
+    for _ in range(300):
+        ids = [rng.choice(alphabet) for _ in range(rng.randrange(1, 40))]
+        cuts = sorted(rng.sample(range(1, len(ids)), rng.randrange(len(ids)))) if len(ids) > 1 else []
+        detok = tokenizer.stream_decoder()
+        runs = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        assert "".join(detok.push_many(run) for run in runs) + detok.flush() == "".join(_stream(tokenizer, ids))
+
+
 def test_special_tokens_carry_no_text() -> None:
     tok = ByteTokenizer()
     assert tok.decode([*b"hi", tok.eos_token_id, 300]) == "hi"
