@@ -354,9 +354,9 @@ class LLMEngine:
         launched = LaunchedStep()
         launched.seqs, logits = self._run(batch, stats, launched.failed)
         if launched.seqs:
-            slots = [s.slot for s in launched.seqs]
+            slots = self.runner.slot_tensor(launched.seqs)  # before sampling: a request failing there frees its slots
             launched.sampled = self._sample(logits, launched.seqs, launched.failed)
-            self.runner.record_sampled(slots, launched.sampled.tokens)  # type: ignore[arg-type]
+            self.runner.record_sampled(slots, launched.sampled.tokens)
             for seq in launched.seqs:
                 seq.num_pending += 1
         return launched

@@ -29,6 +29,10 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         self.last_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.long, device=self.device)  # per slot
+        # The samples of the latest decode without prompt tokens, and its slot and position tensors: a decode
+        # of the same samples (a steady batch) reuses them, each position one further.
+        self._decoding: list[Sequence] | None = None
+        self._decode_slots = self._decode_positions = torch.empty(0, dtype=torch.long)
         self.graphs: CUDAGraphDecodeRunner | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, pool.num_slots)
@@ -54,21 +58,34 @@ class ModelRunner:
         """Advance each sample's slot by its latest sampled token (read on the device), and each one-token
         prompt chunk's first slot by that prompt token; logits ``[len(seqs) + len(prompts), V]`` in that order
         (valid until the next decode call). Counts the samples' tokens as fed (``Sequence.num_fed``)."""
-        prompts = prompts or []
-        slot_ids: list[int] = [s.slot for s in seqs] + [c.group.seqs[0].slot for c in prompts]  # type: ignore[misc]
-        slots = long_tensor(slot_ids, self.device)
-        # the position of the token each sample feeds: after its prompt and the output tokens fed before it
-        positions = [len(s.group.prompt_token_ids) + s.num_fed for s in seqs] + [c.start for c in prompts]
-        if prompts:  # the prompt token takes the place of a sampled one
-            tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
-            self.last_tokens[slots[len(seqs) :]] = long_tensor(tokens, self.device)
-        batch = DecodeBatch(self.last_tokens[slots], slots, long_tensor(positions, self.device))
+        if not prompts and seqs == self._decoding:  # each sample's slot as before, one token further
+            slots, positions = self._decode_slots, self._decode_positions.add_(1)
+        else:
+            prompts = prompts or []
+            slot_ids: list[int] = [s.slot for s in seqs] + [c.group.seqs[0].slot for c in prompts]  # type: ignore[misc]
+            slots = long_tensor(slot_ids, self.device)
+            # the position of the token each sample feeds: after its prompt and the output tokens fed before it
+            position_ids = [len(s.group.prompt_token_ids) + s.num_fed for s in seqs] + [c.start for c in prompts]
+            positions = long_tensor(position_ids, self.device)
+            if prompts:  # the prompt token takes the place of a sampled one
+                tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
+                self.last_tokens[slots[len(seqs) :]] = long_tensor(tokens, self.device)
+        self._decoding = None  # until the model call returned (a call that raised fed nothing)
+        batch = DecodeBatch(self.last_tokens[slots], slots, positions)
         logits = self.graphs(batch) if self.graphs is not None else self.model.decode(batch, self.pool.tensors)
         for seq in seqs:
             seq.num_fed += 1
+        if not prompts:
+            self._decoding, self._decode_slots, self._decode_positions = list(seqs), slots, positions
         return logits
 
+    def slot_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The samples' slots as a tensor on the device (the latest decode's when it decoded just them)."""
+        if seqs == self._decoding:
+            return self._decode_slots
+        return long_tensor([s.slot for s in seqs], self.device)  # type: ignore[misc]
+
     @torch.inference_mode()
-    def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+    def record_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keep each slot's newly sampled token on the device for its next decode step."""
-        self.last_tokens[long_tensor(slots, self.device)] = tokens
+        self.last_tokens[slots] = tokens
