@@ -133,7 +133,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache, decoded_prompt_tokens)
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.model_fingerprint = model_fingerprint(model, self.pool.specs)
-        self.eos_token_id = tokenizer.eos_token_id
         self.async_scheduling = self.config.async_scheduling == "on" or (
             self.config.async_scheduling == "auto" and device.type == "cuda"
         )
@@ -335,6 +334,11 @@ class LLMEngine:
         return self.collect_outputs() if collect else []
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's EOS id (each sample reads it when it is created)."""
+        return self.tokenizer.eos_token_id
+
+    @property
     def has_uncollected_outputs(self) -> bool:
         """Whether a step run with ``collect`` false left outputs for :meth:`collect_outputs`."""
         return bool(self._uncollected)
@@ -367,7 +371,7 @@ class LLMEngine:
         if launched.sampled is None:
             return {}
         token_ids, logprobs = launched.sampled.result()
-        appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, self.eos_token_id)
+        appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs)
         stats.latencies = appended.latencies
         stats.generated_tokens = appended.num_tokens
         return appended.groups

@@ -258,13 +258,13 @@ class Scheduler:
         seqs: list[Sequence],
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
-        eos_token_id: int | None,
     ) -> AppendedTokens:
         """Append each sample's new token and free the slots of samples that finished. Samples already
         finished (their request failed or was aborted since, or, with async scheduling, it finished in the step
         before) are skipped; a sample whose stop handling raises fails its request alone."""
         now = time.monotonic()
         latencies = TokenLatencies()
+        inter_token = latencies.inter_token
         groups: dict[SequenceGroup, None] = {}
         appended: list[Sequence] = []
         failed = False
@@ -274,13 +274,14 @@ class Scheduler:
                 continue
             group = seq.group
             try:
-                seq.append_token(token, logprob, eos_token_id)
+                seq.append_token(token, logprob)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
                 self.fail(group, err)
                 groups[group] = None
                 failed = True
                 continue
-            if group.reads_every_step or seq.finish_reason is not None:
+            finished = seq.finish_reason is not None
+            if finished or group.reads_every_step:
                 groups[group] = None
             appended.append(seq)
             metrics = group.metrics
@@ -292,10 +293,10 @@ class Scheduler:
                     if metrics.first_scheduled_time is not None:
                         latencies.queue.append(metrics.first_scheduled_time - metrics.arrival_time)
                 else:
-                    latencies.inter_token.append(now - last)
+                    inter_token.append(now - last)
                 metrics.previous_token_time = last
                 metrics.last_token_time = now
-            if seq.finish_reason is not None:
+            if finished:
                 self._save_finished(seq)
                 self._free(seq)
         if failed:  # a request that failed later in the step (another of its samples) generated nothing

@@ -43,6 +43,12 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
+        eos = tokenizer.eos_token_id
+        # the tokens that end the sample (not part of its text) and its length limit
+        self._end_ids = frozenset(self.params.stop_token_ids) | (
+            {eos} if eos is not None and not self.params.ignore_eos else frozenset()
+        )
+        self._max_tokens = self.params.max_tokens
         # Sampling is a plain argmax: no draw, penalties, banned stop tokens or logprobs (the sampler's fast path)
         self.argmax_only = (
             self.params.greedy and not self.params.uses_penalties and not self.params.min_tokens
@@ -90,23 +96,21 @@ class Sequence:
             prompt = long_tensor(self.group.prompt_token_ids, device)
             self.seen_mask.index_fill_(0, prompt.clamp(0, vocab_size - 1), True)
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None, eos_token_id: int | None) -> None:
-        """Record a sampled token, update text and decide whether the sample is finished (the penalty counters
-        were updated on the device when it was sampled)."""
-        params = self.params
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """Record a sampled token, update text and decide whether the sample is finished: EOS (unless ignored)
+        or a stop token id ends it with ``stop``, ``max_tokens`` with ``length``, a stop string in the text with
+        ``stop`` (the penalty counters were updated on the device when it was sampled)."""
         output = self.output_token_ids
         output.append(token_id)
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob.logprob
-        if (token_id == eos_token_id and not params.ignore_eos and eos_token_id is not None) or (
-            params.stop_token_ids and token_id in params.stop_token_ids
-        ):
+        if token_id in self._end_ids:
             self.finish_reason = "stop"
             if not self._lazy_text:
                 self._text += self._detokenizer.flush()
             return
-        at_limit = len(output) >= params.max_tokens
+        at_limit = len(output) >= self._max_tokens
         if self._lazy_text:
             if at_limit:
                 self.finish_reason = "length"
@@ -115,7 +119,7 @@ class Sequence:
         self._text += self._detokenizer.push(token_id)
         if at_limit:
             self._text += self._detokenizer.flush()
-        if params.stop and self._truncate_at_stop_string(old_len):
+        if self.params.stop and self._truncate_at_stop_string(old_len):
             self.finish_reason = "stop"
         elif at_limit:
             self.finish_reason = "length"

@@ -57,10 +57,10 @@ def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPa
     expected = reference(prompts)
     real_append = Sequence.append_token
 
-    def append_token(self: Sequence, token_id, logprob, eos):  # type: ignore[no-untyped-def]
+    def append_token(self: Sequence, token_id, logprob):  # type: ignore[no-untyped-def]
         if self.group.request_id == "victim" and len(self.output_token_ids) == 5:
             raise ValueError("bad stop string")
-        real_append(self, token_id, logprob, eos)
+        real_append(self, token_id, logprob)
 
     monkeypatch.setattr(Sequence, "append_token", append_token)
     final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)

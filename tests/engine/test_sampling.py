@@ -95,7 +95,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     early = _seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6]))
     assert sample(logits.clone(), [early], eos_token_id=5).token_ids == [0]
     late = _seq(SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[6]))
-    late.append_token(1, None, None)
+    late.append_token(1, None)
     assert sample(logits.clone(), [late], eos_token_id=5).token_ids == [5]
 
 
@@ -188,7 +188,7 @@ def test_max_tokens_and_stop_token_ids() -> None:
 def test_eos_stops_unless_ignored() -> None:
     engine = make_engine()
     tokens, _, _ = _greedy(engine, "eos", max_tokens=10)
-    engine.eos_token_id = tokens[2]
+    engine.tokenizer.eos_token_id = tokens[2]
     eos_at = tokens.index(tokens[2])
     stopped, _, reason = _greedy(engine, "eos", max_tokens=10)
     assert stopped == tokens[: eos_at + 1] and reason == "stop"
@@ -277,7 +277,7 @@ def test_stop_strings_match_a_brute_force_reference() -> None:
         group.seqs = [seq]
         streamed: list[str] = []
         for token in ids:
-            seq.append_token(token, None, None)
+            seq.append_token(token, None)
             out = seq.take_output(OutputKind.CUMULATIVE)
             streamed.append(out.text)
             if seq.finished:
@@ -305,7 +305,7 @@ def test_text_decoded_at_each_read_is_the_token_by_token_text() -> None:
         deltas, fed = [], []
         while not seq.finished:
             token = rng.choice(alphabet)
-            seq.append_token(token, None, eos)
+            seq.append_token(token, None)
             fed.append(token)
             if len(fed) == abort_at and not seq.finished:
                 seq.finish_reason = "abort"
@@ -346,7 +346,7 @@ def _per_token_work(stops: list[str], num_tokens: int) -> list[int]:
     group.seqs = [seq]
     work = []
     for i in range(num_tokens):
-        step = lambda i=i: (seq.append_token(ord("ab"[i % 2]), None, None), seq.take_output(OutputKind.DELTA))  # noqa: E731
+        step = lambda i=i: (seq.append_token(ord("ab"[i % 2]), None), seq.take_output(OutputKind.DELTA))  # noqa: E731
         work.append(_line_events(step))
     assert not seq.finished
     return work

@@ -35,11 +35,11 @@ def test_a_failing_request_ends_its_own_stream_only(monkeypatch: pytest.MonkeyPa
     real_append = Sequence.append_token
     running_when_failed: list[int] = []
 
-    def append_token(self: Sequence, token_id, logprob, eos):  # type: ignore[no-untyped-def]
+    def append_token(self: Sequence, token_id, logprob):  # type: ignore[no-untyped-def]
         if self.group.prompt == "victim" and len(self.output_token_ids) == 3:
             running_when_failed.append(engine.load().num_running)
             raise ValueError("stop handling blew up")
-        real_append(self, token_id, logprob, eos)
+        real_append(self, token_id, logprob)
 
     monkeypatch.setattr(Sequence, "append_token", append_token)
     app = create_app(tiny_config())
