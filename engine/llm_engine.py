@@ -378,8 +378,9 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits, runs, or has a token in flight (async scheduling)."""
-        in_flight = self._in_flight is not None and any(not s.finished for s in self._in_flight.seqs)
-        return self.scheduler.has_unfinished() or in_flight
+        if self.scheduler.has_unfinished():
+            return True
+        return self._in_flight is not None and any(s.finish_reason is None for s in self._in_flight.seqs)
 
     def _prefix_cache_stats(self) -> PrefixCacheStats:
         """A copy of the prefix cache's cumulative counts (zeros when it is off)."""

@@ -9,6 +9,8 @@ logits, never on the other rows.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from rnnserve.engine.models.base import long_tensor
@@ -195,11 +197,14 @@ def count_tokens(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) ->
         seq.seen_mask.index_fill_(0, token, True)
 
 
+_argmax_only = attrgetter("argmax_only")
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampledTokens:
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
     without waiting for the device."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if all(s.argmax_only for s in seqs):  # the usual greedy batch: one pass over the samples, one kernel
+    if all(map(_argmax_only, seqs)):  # the usual greedy batch: one pass over the samples, one kernel
         return SampledTokens(row_argmax(logits), [None] * len(seqs))
     rows = penalty_rows(seqs)
     logits = apply_penalties(logits, seqs, rows)
