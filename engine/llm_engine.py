@@ -137,7 +137,7 @@ class LLMEngine:
             self.config.async_scheduling == "auto" and device.type == "cuda"
         )
         self._in_flight: LaunchedStep | None = None  # with async scheduling: the step queued before this one
-        self._uncollected: dict[SequenceGroup, None] = {}  # requests that progressed in steps run with collect=False
+        self._uncollected: dict[SequenceGroup, None] = {}  # requests with an output from steps run with collect=False
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
         self._ids = itertools.count()
@@ -351,7 +351,7 @@ class LLMEngine:
         """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
         the engine process builds the plain rows it sends)."""
         groups, self._uncollected = self._uncollected, {}
-        return [build(g) for g in groups if g.has_output]
+        return [build(g) for g in groups]
 
     def _launch(self, batch: SchedulerOutput, stats: StepStats) -> LaunchedStep:
         """Run the batch's model calls and sample its rows, without waiting for the device."""

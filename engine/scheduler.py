@@ -67,8 +67,8 @@ class SchedulerOutput:
 @dataclass
 class AppendedTokens:
     """What :meth:`Scheduler.postprocess` did: the requests with an output to read (a token their caller reads
-    every step, or the end of a ``FINAL_ONLY`` sample) or that failed appending, each once, in order; the
-    tokens appended to requests that go on; and the token latencies of those requests."""
+    every step, or the end of a ``FINAL_ONLY`` request's last sample) or that failed appending, each once, in
+    order; the tokens appended to requests that go on; and the token latencies of those requests."""
 
     groups: dict[SequenceGroup, None]
     num_tokens: int
@@ -281,7 +281,7 @@ class Scheduler:
                 failed = True
                 continue
             finished = seq.finish_reason is not None
-            if finished or group.reads_every_step:
+            if group.reads_every_step or (finished and group.finished):
                 groups[group] = None
             appended.append(seq)
             metrics = group.metrics

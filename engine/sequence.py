@@ -262,16 +262,6 @@ class SequenceGroup:
                 return False
         return True
 
-    @property
-    def has_output(self) -> bool:
-        """Whether this step's progress is an output its caller reads: any progress after the prompt, except
-        for ``FINAL_ONLY`` requests, which are read once, when they finish or fail."""
-        if self.error is not None:
-            return True
-        if self.params.output_kind is OutputKind.FINAL_ONLY:
-            return self.finished
-        return self.num_prefilled >= len(self.prompt_token_ids)  # prefill_done, without a call per request
-
     def output(self) -> RequestOutput:
         """What the request produced since the previous call (see :class:`OutputKind`); the metrics are copied
         (the engine keeps updating them)."""
