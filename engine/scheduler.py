@@ -151,7 +151,7 @@ class Scheduler:
                 prompts.append(g)
                 continue
             for s in g.seqs:  # not finished, nor one whose last token is in flight
-                if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.params.max_tokens:
+                if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.max_tokens:
                     decode.append(s)
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             group = self.waiting.popleft()

@@ -48,7 +48,7 @@ class Sequence:
         self._end_ids = frozenset(self.params.stop_token_ids) | (
             {eos} if eos is not None and not self.params.ignore_eos else frozenset()
         )
-        self._max_tokens = self.params.max_tokens
+        self.max_tokens = self.params.max_tokens
         # Sampling is a plain argmax: no draw, penalties, banned stop tokens or logprobs (the sampler's fast path)
         self.argmax_only = (
             self.params.greedy and not self.params.uses_penalties and not self.params.min_tokens
@@ -110,7 +110,7 @@ class Sequence:
             if not self._lazy_text:
                 self._text += self._detokenizer.flush()
             return
-        at_limit = len(output) >= self._max_tokens
+        at_limit = len(output) >= self.max_tokens
         if self._lazy_text:
             if at_limit:
                 self.finish_reason = "length"
