@@ -14,6 +14,7 @@ only, its load gauges from the scraped one (every process gets every load), ``pr
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -115,8 +116,18 @@ class SharedStepHistogram:
         self.histogram = histogram
 
     def observe_many(self, values: Sequence[float]) -> None:
-        for value in values:
-            self.histogram.observe(value)
+        """``observe`` of each value, with one shared-memory write per bucket hit and one for the sum: each
+        write takes ~2 us in multiprocess mode, and a step brings one inter-token latency per stream (256
+        values cost ~1.1 ms one by one). Written against prometheus-client's ``Histogram`` internals as its
+        ``observe`` uses them (``_upper_bounds``, the per-bucket ``_buckets``, ``_sum``; a test compares the
+        two ways' exposition)."""
+        if not values:
+            return
+        histogram = self.histogram
+        bounds, buckets = histogram._upper_bounds, histogram._buckets
+        for bucket, count in collections.Counter(bisect_left(bounds, value) for value in values).items():
+            buckets[bucket].inc(count)
+        histogram._sum.inc(sum(values))
 
     def observe(self, value: float) -> None:
         self.histogram.observe(value)

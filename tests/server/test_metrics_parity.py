@@ -19,6 +19,7 @@ from rnnserve.server.http_server import build_server
 from rnnserve.server.metrics import (
     TOKEN_LATENCY_BUCKETS,
     ServerMetrics,
+    SharedStepHistogram,
     StatLogger,
     StepHistogram,
     token_buckets,
@@ -153,3 +154,26 @@ def test_step_histogram_exposes_what_a_prometheus_histogram_does() -> None:
         if "_created" not in name:
             assert got[name] == pytest.approx(expected, rel=1e-12), name
     assert got['x_seconds_bucket{le="+Inf",model_name="m"}'] == len(values) + 1
+
+
+def test_shared_step_histogram_counts_a_batch_as_one_observe_per_value() -> None:
+    """The API servers' shared histogram adds a step's values bucket by bucket: the same exposition as one
+    ``observe`` per value (bounds themselves, zeros, values past the last bound, an empty batch)."""
+    batched, one_by_one = CollectorRegistry(), CollectorRegistry()
+    histograms = [Histogram("x_seconds", "Doc.", ["model_name"], buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+                  for r in (batched, one_by_one)]  # fmt: skip
+    shared = SharedStepHistogram(histograms[0].labels(model_name="m"))
+    rng = random.Random(1)
+    values = [rng.choice([*TOKEN_LATENCY_BUCKETS, 0.0, 99.0]) for _ in range(300)]
+    values += [rng.uniform(0, 3) for _ in range(700)]
+    for start in range(0, len(values), 256):
+        shared.observe_many(values[start : start + 256])
+    shared.observe_many([])
+    shared.observe(0.02)
+    for v in [*values, 0.02]:
+        histograms[1].labels(model_name="m").observe(v)
+    got, want = series(generate_latest(batched).decode()), series(generate_latest(one_by_one).decode())
+    assert got.keys() == want.keys()
+    for name, expected in want.items():
+        if "_created" not in name:
+            assert got[name] == pytest.approx(expected, rel=1e-12), name
