@@ -15,6 +15,8 @@ from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.tokenizer import Tokenizer
 
+TEXT_TAIL_CHARS = 4096  # characters a sample's text string grows by (past its longest stop string) between freezes
+
 
 class Sequence:
     """One sample of a request: its slot, generated tokens, text and per-sample sampling state."""
@@ -30,7 +32,13 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        # The text is ``"".join(_frozen) + _text``: appending to one long string copies it whole each time, so
+        # every TEXT_TAIL_CHARS all but what a stop string may still reach moves to ``_frozen`` (its length:
+        # ``_frozen_len``). Text positions (``_emitted_text``) count from the start of the whole text.
         self._text = ""
+        self._frozen: list[str] = []
+        self._frozen_len = 0
+        self._stop_reach = max(map(len, self.params.stop), default=0)
         self._detokenizer = tokenizer.stream_decoder()
         # A FINAL_ONLY sample without stop strings decodes its text when its output is read, once, instead of
         # token by token (``_text_tokens`` tokens are in ``_text``); a stream reads it every step anyway.
@@ -64,7 +72,7 @@ class Sequence:
         """The sample's text so far (a stop string and what follows it cut off)."""
         if self._lazy_text:
             self._decode_pending()
-        return self._text
+        return "".join(self._frozen) + self._text if self._frozen else self._text
 
     def _decode_pending(self) -> None:
         """Lazy text: decode the tokens appended since the last read (not a stop token that ended the sample),
@@ -123,6 +131,16 @@ class Sequence:
             self.finish_reason = "stop"
         elif at_limit:
             self.finish_reason = "length"
+        if len(self._text) > TEXT_TAIL_CHARS + self._stop_reach:
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Move the text a stop string can no longer reach (all but the last ``_stop_reach`` characters: a
+        match in progress is shorter than its stop string) from ``_text`` to ``_frozen``."""
+        cut = len(self._text) - self._stop_reach
+        self._frozen.append(self._text[:cut])
+        self._frozen_len += cut
+        self._text = self._text[cut:]
 
     def _truncate_at_stop_string(self, old_len: int) -> bool:
         """Cut ``text`` before the earliest stop string that the new text ``text[old_len:]`` completes (stop
@@ -155,8 +173,8 @@ class Sequence:
         may start), marked as taken: what a ``DELTA`` output of a sample without logprobs needs."""
         if self._lazy_text:
             self._decode_pending()
-        text, emitted = self._text, self._emitted_text
-        safe = len(text)
+        emitted, frozen = self._emitted_text, self._frozen_len
+        safe = frozen + len(self._text)
         if self._stop_matched and self.finish_reason is None:  # hold back what may start a stop string
             safe -= max(self._stop_matched)
         if safe < emitted:
@@ -165,7 +183,9 @@ class Sequence:
         tokens = self.output_token_ids
         new_ids = tokens[self._emitted_tokens :]
         self._emitted_tokens = len(tokens)
-        return text[emitted:safe], new_ids
+        if emitted >= frozen:  # a stream's usual take: all of it in the tail
+            return self._text[emitted - frozen : safe - frozen], new_ids
+        return self.text[emitted:safe], new_ids
 
     def take_output(self, kind: OutputKind) -> CompletionOutput:
         """What the sample added since the previous call (text held back where a stop string may start), with
@@ -182,7 +202,7 @@ class Sequence:
         if kind is OutputKind.DELTA:
             text, token_ids, logprobs = delta, new_ids, new_logprobs if self.logprobs is not None else None
         else:
-            text, token_ids = self._text[:safe], list(self.output_token_ids)
+            text, token_ids = self.text[:safe], list(self.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
         return (self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob, delta, new_ids,
                 new_logprobs, self._emitted_tokens)  # fmt: skip

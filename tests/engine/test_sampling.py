@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
+from rnnserve.engine import sequence as sequence_module
 from rnnserve.engine.sampler import filter_logits, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
@@ -266,24 +267,36 @@ def _reference_stream(pieces: list[str], stops: list[str]) -> tuple[list[str], s
     return streamed, text, False
 
 
-def test_stop_strings_match_a_brute_force_reference() -> None:
+@pytest.mark.parametrize("tail", [4096, 1, 5])
+def test_stop_strings_match_a_brute_force_reference(monkeypatch: pytest.MonkeyPatch, tail: int) -> None:
+    """Also with the text's head frozen every few characters (``TEXT_TAIL_CHARS``): a match in progress and
+    what a stream holds back stay reachable, and outputs read across the frozen pieces."""
+    monkeypatch.setattr(sequence_module, "TEXT_TAIL_CHARS", tail)
     rng = random.Random(0)
     words = ["a", "b", "ab", "ba", "aab", "bba", "abab", "c"]
     for _ in range(400):
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
         ids = [rng.randrange(len(words)) for _ in range(30)]
-        group = SequenceGroup("r", None, [0], SamplingParams(max_tokens=100, stop=stops))
-        seq = Sequence(group, 0, WordTokenizer(words))
-        group.seqs = [seq]
+        samples = []
+        for kind, limit in ((OutputKind.CUMULATIVE, 100), (OutputKind.DELTA, len(ids))):  # the stream ends
+            group = SequenceGroup("r", None, [0], SamplingParams(max_tokens=limit, stop=stops, output_kind=kind))
+            seq = Sequence(group, 0, WordTokenizer(words))
+            group.seqs = [seq]
+            samples.append(seq)
+        cumulative, delta = samples
         streamed: list[str] = []
-        for token in ids:
-            seq.append_token(token, None)
-            out = seq.take_output(OutputKind.CUMULATIVE)
-            streamed.append(out.text)
-            if seq.finished:
+        deltas: list[str] = []
+        for step, token in enumerate(ids):
+            cumulative.append_token(token, None)
+            streamed.append(cumulative.take_output(OutputKind.CUMULATIVE).text)
+            delta.append_token(token, None)
+            if step % 3 == 0 or delta.finished:  # a stream read every third step
+                deltas.append(delta.take_output(OutputKind.DELTA).text)
+            if cumulative.finished:
                 break
         expected = _reference_stream([words[i] for i in ids], stops)
-        assert (streamed, seq.text, seq.finish_reason == "stop") == expected, (stops, ids)
+        assert (streamed, cumulative.text, cumulative.finish_reason == "stop") == expected, (stops, ids)
+        assert "".join(deltas) == delta.text == expected[1] and (delta.finish_reason == "stop") == expected[2]
 
 
 def test_text_decoded_at_each_read_is_the_token_by_token_text() -> None:
