@@ -31,7 +31,9 @@ def test_more_prompts_than_slots(llm: LLM) -> None:
 
 
 def test_per_prompt_params_and_outputs(llm: LLM) -> None:
-    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, logprobs=2), SamplingParams(max_tokens=5, n=2)])
+    # ignore_eos: a random model samples EOS now and then (p = 0.003 a token), which would end "a" early
+    first = SamplingParams(max_tokens=2, logprobs=2, ignore_eos=True)
+    outs = llm.generate(["a", "b"], [first, SamplingParams(max_tokens=5, n=2)])
     assert len(outs[0].outputs[0].token_ids) == 2 and len(outs[0].outputs[0].logprobs) == 2
     assert len(outs[1].outputs) == 2
     with pytest.raises(ValueError):
