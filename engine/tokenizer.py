@@ -191,8 +191,6 @@ class Utf8StreamDecoder(StreamDecoder):
         return self._utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
 
     def push_many(self, token_ids: list[int]) -> str:
-        if len(token_ids) == 1:
-            return self.push(token_ids[0])
         try:  # the codec's incremental output does not depend on how the bytes are split
             data = bytes(token_ids)
         except ValueError:  # ids beyond the bytes carry no text
