@@ -5,12 +5,12 @@ Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (b
 48 layers and the LM head) at batch 1, 2, 4 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS
 GEMMs and one kernel per other op), then the stack (at every batch it takes, whatever the models'
 ``STACK_MAX_BATCH``) at each choice of (in_proj rows per program, out_proj rows per program, product tile, warps,
-programmatic dependent launch), each stack's own defaults among them, at batch 1 and 8, and at the model's
-default choice at 2 and 4 (where the stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per
-step, the ratio to the op-by-op step measured in the same run, the share of the HBM roofline (weight and state
-bytes over the device-to-device copy bandwidth measured here) and the largest difference of the logits from the
-op-by-op step's, best first, with the model's default marked. ``--smoke`` runs the two defaults on the tiny
-presets in fp32 on CPU (Triton interpreter, eager, no dependent launch).
+programmatic dependent launch, the small inputs' L2 prefetch under it), each stack's own defaults among them, at
+batch 1 and 8, and at the model's default choice at 2 and 4 (where the stack and the op-by-op step cross:
+``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op step measured in the same run, the share of
+the HBM roofline (weight and state bytes over the device-to-device copy bandwidth measured here) and the largest
+difference of the logits from the op-by-op step's, best first, with the model's default marked. ``--smoke`` runs
+the two defaults on the tiny presets in fp32 on CPU (Triton interpreter, eager, no dependent launch).
 
     python benchmarks/decode_tune.py
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
@@ -41,20 +41,22 @@ from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_fused  # noqa: E402
 from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
-KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS", "LAUNCH_PDL")
+KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS", "LAUNCH_PDL", "PREFETCH_INPUTS")
 STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS
 DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
 MAMBA2_DEFAULT = tuple(getattr(mamba2_fused, name) for name in KNOBS)
 # Around the default, one knob at a time, then the pairs that trade program count against step length; all with
-# the default's launch, and the default and those pairs also with programmatic dependent launch switched.
+# the default's launch, the default and those pairs also with programmatic dependent launch switched, and each
+# stack's default also with the inputs' prefetch switched.
 _PAIRS = ((8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))
 _SHAPES = {DEFAULT[:4], *((rows, *DEFAULT[1:4]) for rows in (4, 8, 32, 64)),
            *((DEFAULT[0], rows, *DEFAULT[2:4]) for rows in (1, 2, 8, 16)),
            *((*DEFAULT[:2], tile, DEFAULT[3]) for tile in (4096, 16384)),
            *((*DEFAULT[:3], warps) for warps in (4, 16)), *_PAIRS}
-CHOICES = sorted({*((*shape, DEFAULT[4]) for shape in _SHAPES),
-                  *((*shape, not DEFAULT[4]) for shape in (DEFAULT[:4], *_PAIRS)),
-                  MAMBA2_DEFAULT, (*MAMBA2_DEFAULT[:4], not MAMBA2_DEFAULT[4])})
+CHOICES = sorted({*((*shape, *DEFAULT[4:]) for shape in _SHAPES),
+                  *((*shape, not DEFAULT[4], DEFAULT[5]) for shape in (DEFAULT[:4], *_PAIRS)),
+                  *(choice for default in (DEFAULT, MAMBA2_DEFAULT) for choice in (
+                      default, (*default[:4], not default[4], default[5]), (*default[:5], not default[5])))})
 
 
 SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
@@ -134,7 +136,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
             diff = (logits - baseline_logits).abs().max().item()
             results.append((ms, name, diff))
         for ms, name, diff in sorted(results):
-            print(f"{preset:12s} b={batch_size:<3d} {name:26s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
+            print(f"{preset:12s} b={batch_size:<3d} {name:34s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
                   f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
     del model
     if device.type == "cuda":

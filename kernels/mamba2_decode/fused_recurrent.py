@@ -31,7 +31,9 @@ from rnnserve.kernels.mamba_decode.fused_recurrent import (
     conv_update,
     dependent_launch,
     normed_input_times_weight,
-    overlap_previous_kernel,
+    prefetch_conv_inputs,
+    prefetch_vector,
+    prefetch_weight_rows,
     wait_for_previous_kernel,
     weight_lines,
 )
@@ -47,6 +49,9 @@ IN_PROJ_ROWS = 8
 OUT_PROJ_ROWS = 2
 NUM_WARPS = 4
 LAUNCH_PDL = True
+# Under dependent launch, also ask L2 for the norms' weights and the conv's tails and weights before the wait
+# (the Mamba-1 stack's PREFETCH_INPUTS; the SSM kernel loads its parameters then anyway).
+PREFETCH_INPUTS = True
 
 
 @triton.jit
@@ -56,15 +61,24 @@ def _mamba2_in_proj_kernel(
     batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr,
+    LINES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if PDL:
-        overlap_previous_kernel(w_ptr, pid * BO, d_inner + conv_dim + heads, d_model, BO, LINES)
-    wdtype = w_ptr.dtype.element_ty
+    first = pid * BO
     rows = tl.arange(0, BB)
     row_ok = rows < batch
-    outs = pid * BO + tl.arange(0, BO)
+    outs = first + tl.arange(0, BO)
+    if PDL:  # while the previous kernel runs: what no kernel of this step writes, into L2
+        prefetch_weight_rows(w_ptr, first, d_inner + conv_dim + heads, d_model, BO, LINES)
+        if PREFETCH:
+            if HAS_NORM:
+                prefetch_vector(norm_w_ptr, d_model, BK)
+            if (first + BO > d_inner) & (first < d_inner + conv_dim):
+                prefetch_conv_inputs(tl.minimum(tl.maximum(outs - d_inner, 0), conv_dim - 1), rows, row_ok,
+                                     slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+                                     stride_conv_d, HAS_CONV_BIAS, K)
+        wait_for_previous_kernel()
+    wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
         x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs,
         outs < d_inner + conv_dim + heads, rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
@@ -131,11 +145,14 @@ def _mamba2_out_proj_kernel(
     gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
     group_width, eps,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
-    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
+    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
-        overlap_previous_kernel(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
+        prefetch_weight_rows(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
+        if PREFETCH:
+            prefetch_vector(norm_w_ptr, d_inner, BK)
+        wait_for_previous_kernel()
     wdtype = w_ptr.dtype.element_ty
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < d_model
@@ -230,7 +247,7 @@ def mamba2_decode_stack_triton(
             z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
@@ -245,7 +262,7 @@ def mamba2_decode_stack_triton(
             gated, squares, gated_w, out_w, out_b if out_b is not None else out_w, delta, batch, d_inner, d_model,
             parts, parts // groups, d_inner // groups, gated_eps,
             HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
-            BG=mamba1.pow2(groups), PDL=pdl, LINES=weight_lines(out_w, out_block_o),
+            BG=mamba1.pow2(groups), PDL=pdl, LINES=weight_lines(out_w, out_block_o), PREFETCH=PREFETCH_INPUTS,
             num_warps=NUM_WARPS, launch_pdl=pdl,
         )
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

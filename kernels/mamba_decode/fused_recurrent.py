@@ -43,10 +43,15 @@ OUT_PROJ_ROWS = 8
 SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
 SSM_WARPS = 4
-# Programmatic dependent launch (sm_90): each stack kernel may start while the one before it runs, prefetching
-# the weights (or state rows) only it reads, then waits for it (see overlap_previous_kernel). On an H200 it made
-# every launch shape decode_tune swept faster at batch 1 (by 1-10%, both stacks; at this shape 1.02 -> 0.95 ms).
+# Programmatic dependent launch (sm_90): each stack kernel may start while the one before it runs, asking L2 for
+# the weights (or loading the state rows) only it reads, then waits for it (wait_for_previous_kernel). On an H200
+# it made every launch shape decode_tune swept faster at batch 1 (by 1-10%, both stacks; here 1.02 -> 0.95 ms).
 LAUNCH_PDL = True
+# Under dependent launch, also ask L2 for the small inputs each kernel reads after its wait that no kernel of
+# the step writes: the norm's weights, the conv's tails and weights and x_proj's columns (in_proj), dt_proj,
+# A, D and dt's bias (the SSM kernel). Read after the GEMV or the partial sums, each was a trip to HBM on the
+# layer's critical path. Unmeasured on a GPU: decode_tune times it on and off.
+PREFETCH_INPUTS = True
 L2_LINE = tl.constexpr(128)  # bytes
 
 
@@ -59,18 +64,54 @@ def wait_for_previous_kernel():
 
 
 @triton.jit
-def overlap_previous_kernel(w_ptr, first_row, n_rows, row_len, BO: tl.constexpr, LINES: tl.constexpr):
-    """The part of a GEMV program launched with programmatic dependent launch that overlaps the kernel before
-    it: ask L2 for its weight rows ``first_row`` to ``first_row + BO`` (of ``n_rows`` rows of ``row_len``,
-    contiguous; only this kernel reads them; one line a lane, at most ``LINES`` lines), then
-    :func:`wait_for_previous_kernel`."""
+def prefetch_l2(ptrs):
+    """Ask L2 for the line of each address in ``ptrs`` (valid addresses; lanes of a warp that share a line make
+    one request). Inline PTX: only where the stacks launch with programmatic dependent launch (not the
+    interpreter)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_weight_rows(w_ptr, first_row, n_rows, row_len, BO: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for a GEMV program's weight rows ``first_row`` to ``first_row + BO`` (of ``n_rows`` rows of
+    ``row_len``, contiguous; one line a lane, at most ``LINES`` lines)."""
     line = L2_LINE // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     n_elements = (tl.minimum(first_row + BO, n_rows) - first_row) * row_len
     offsets = tl.minimum(tl.arange(0, LINES) * line, n_elements - 1)
-    rows_ptr = w_ptr + first_row.to(tl.int64) * row_len
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows_ptr + offsets],
-                              dtype=tl.int32, is_pure=False, pack=1)
-    wait_for_previous_kernel()
+    prefetch_l2(w_ptr + first_row.to(tl.int64) * row_len + offsets)
+
+
+@triton.jit
+def prefetch_row_spans(ptr, rows, row_stride, span):
+    """Ask L2 for ``ptr[r * row_stride : r * row_stride + span]`` for each ``r`` in ``rows`` (valid rows): the
+    lines of each span's first and last element, all of a span of up to two lines."""
+    starts = ptr + rows.to(tl.int64) * row_stride
+    prefetch_l2(starts)
+    prefetch_l2(starts + (span - 1))
+
+
+@triton.jit
+def prefetch_vector(ptr, n, BLOCK: tl.constexpr):
+    """Ask L2 for ``ptr[:n]``, ``BLOCK`` elements a step."""
+    for k0 in range(0, n, BLOCK):
+        prefetch_l2(ptr + tl.minimum(k0 + tl.arange(0, BLOCK), n - 1))
+
+
+@triton.jit
+def prefetch_conv_inputs(
+    chans, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot, stride_conv_d,
+    HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+):
+    """Ask L2 for what :func:`conv_update` reads of channels ``chans`` (valid channels): the slots' tails, the
+    conv's weights and bias."""
+    slots = tl.load(slot_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    tails = conv_pool_ptr + slots[:, None] * stride_conv_slot + chans[None, :].to(tl.int64) * stride_conv_d
+    prefetch_l2(tails)
+    prefetch_l2(tails + (K - 2))
+    prefetch_row_spans(conv_w_ptr, chans, K, K)
+    if HAS_CONV_BIAS:
+        prefetch_l2(conv_b_ptr + chans)
 
 
 @triton.jit
@@ -157,16 +198,26 @@ def _mamba_in_proj_kernel(
     batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
-    PDL: tl.constexpr, LINES: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
-    if PDL:
-        overlap_previous_kernel(w_ptr, first, 2 * d_inner, d_model, BO, LINES)
-    wdtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     outs = first + tl.arange(0, BO)
+    if PDL:  # while the previous kernel runs: what no kernel of this step writes, into L2
+        prefetch_weight_rows(w_ptr, first, 2 * d_inner, d_model, BO, LINES)
+        if PREFETCH:
+            if HAS_NORM:
+                prefetch_vector(norm_w_ptr, d_model, BK)
+            if first < d_inner:
+                prefetch_conv_inputs(outs, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr,
+                                     stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K)
+                for e0 in range(0, n_proj, BE):
+                    e = tl.minimum(e0 + tl.arange(0, BE), n_proj - 1)
+                    prefetch_row_spans(x_proj_w_ptr + first, e, d_inner, BO)
+        wait_for_previous_kernel()
+    wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
         x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs, outs < 2 * d_inner,
         rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
@@ -194,6 +245,7 @@ def _mamba_ssm_kernel(
     partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
     batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d,
     BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     chans = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -210,6 +262,12 @@ def _mamba_ssm_kernel(
     state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
     h = tl.load(state_ptrs, mask=ok, other=0.0)
     if PDL:
+        if PREFETCH:
+            valid = tl.minimum(chans, d_inner - 1)
+            prefetch_row_spans(dt_w_ptr, valid, dt_rank, dt_rank)
+            prefetch_row_spans(A_ptr, valid, d_state, d_state)
+            prefetch_l2(dt_bias_ptr + valid)
+            prefetch_l2(D_ptr + valid)
         wait_for_previous_kernel()
     dt_low = tl.zeros([BR], dtype=tl.float32)
     B = tl.zeros([BN], dtype=tl.float32)
@@ -247,7 +305,8 @@ def _mamba_out_proj_kernel(
 ):
     pid = tl.program_id(0)
     if PDL:
-        overlap_previous_kernel(w_ptr, pid * BO, n_out, n_in, BO, LINES)
+        prefetch_weight_rows(w_ptr, pid * BO, n_out, n_in, BO, LINES)
+        wait_for_previous_kernel()
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
     rows = tl.arange(0, BB)
@@ -280,7 +339,7 @@ def pow2(n: int) -> int:
 
 
 def l2_lines(rows: int, row_bytes: int) -> int:
-    """``LINES`` of :func:`overlap_previous_kernel` for ``rows`` rows of ``row_bytes`` (a power of two)."""
+    """``LINES`` of :func:`prefetch_weight_rows` for ``rows`` rows of ``row_bytes`` (a power of two)."""
     return pow2(triton.cdiv(rows * row_bytes, L2_LINE.value))
 
 
@@ -388,14 +447,14 @@ def mamba_decode_stack_triton(
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
             partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
             ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=pdl,
-            num_warps=SSM_WARPS, launch_pdl=pdl,
+            PREFETCH=PREFETCH_INPUTS, num_warps=SSM_WARPS, launch_pdl=pdl,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -199,7 +199,7 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
 
 def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
     """The Triton Mamba-1 and Mamba-2 decode stacks at mamba-370m / mamba2-370m sizes, batch 1 and the largest
-    batch they take, and at batch 1 also with programmatic dependent launch (``PDL``)."""
+    batch they take, and also with programmatic dependent launch (``PDL``, with the inputs' prefetch)."""
     f32 = "*fp32"
     types = {"x_ptr": act, "stream_ptr": f32, "delta_ptr": act, "norm_w_ptr": act, "new_stream_ptr": f32,
              "w_ptr": act, "bias_ptr": act, "conv_pool_ptr": f32, "conv_w_ptr": f32, "conv_b_ptr": f32,
@@ -221,7 +221,8 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                        "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
-                                                       "LINES": lines(block_o, 1024)}, gemv_warps))
+                                                       "LINES": lines(block_o, 1024), "PREFETCH": pdl},
+                        gemv_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
                                                                           "BO": block_o, "BK": block_k, "PDL": pdl,
@@ -230,15 +231,17 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         block_o, block_k = mamba_decode.gemv_blocks(rows, 1024, mamba2_decode.IN_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
-                                                         "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024)},
+                                                         "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024),
+                                                         "PREFETCH": pdl},
                         gemv2_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
                                                           "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
-                                                          "LINES": lines(block_o, 2048)}, gemv2_warps))
+                                                          "LINES": lines(block_o, 2048), "PREFETCH": pdl},
+                        gemv2_warps))
     for pdl in (False, True):
         configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
-                                                   "PDL": pdl}, ssm_warps))
+                                                   "PDL": pdl, "PREFETCH": pdl}, ssm_warps))
         configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl},
                         ssm_warps))
     return configs
