@@ -256,7 +256,8 @@ def _mamba_ssm_kernel(
     states = tl.arange(0, BN)
     state_ok = states < d_state
     # The slot's state rows first (no earlier kernel of this step writes them), then what in_proj wrote. The
-    # parameters are read after: held across the partial sums' loop they would double the registers.
+    # parameters are read after the partial sums, with x and z (held across that loop they would double the
+    # registers); under dependent launch L2 has been asked for them before the wait.
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ok = chan_ok[:, None] & state_ok[None, :]
     state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
