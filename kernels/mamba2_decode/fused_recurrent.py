@@ -41,6 +41,7 @@ from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 SSM_CHANNELS = 16  # channels of one head a program: [16, 128] state tiles at d_state 128
+SSM_WARPS = 4
 # Launch choices of this stack's GEMV kernels, as the Mamba-1 stack's (see there), measured by
 # benchmarks/decode_tune.py on an H200: mamba2-370m, bf16, batch 1: 0.69 ms a step with these against 0.77 ms with
 # the Mamba-1 stack's and 1.87 ms op by op.
@@ -254,7 +255,7 @@ def mamba2_decode_stack_triton(
         _mamba2_ssm_kernel[(batch, heads, p_blocks)](
             xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, d_inner, conv_dim, heads, head_dim,
             d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
-            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, num_warps=mamba1.SSM_WARPS,
+            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, num_warps=SSM_WARPS,
             launch_pdl=pdl,
         )
         delta = torch.empty(batch, d_model, dtype=dtype, device=device)

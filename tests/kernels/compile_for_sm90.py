@@ -215,7 +215,7 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         return mamba_decode.l2_lines(block_o, row_len * weight_bytes)
 
     configs = []
-    gemv_warps, gemv2_warps, ssm_warps = mamba_decode.NUM_WARPS, mamba2_decode.NUM_WARPS, mamba_decode.SSM_WARPS
+    gemv_warps, gemv2_warps = mamba_decode.NUM_WARPS, mamba2_decode.NUM_WARPS
     for rows, pdl in ((1, False), (mamba_decode.MAX_ROWS, False), (1, True), (mamba_decode.MAX_ROWS, True)):
         block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
         configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
@@ -241,9 +241,9 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                         gemv2_warps))
     for pdl in (False, True):
         configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
-                                                   "PDL": pdl, "PREFETCH": pdl}, ssm_warps))
+                                                   "PDL": pdl, "PREFETCH": pdl}, mamba_decode.SSM_WARPS))
         configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl},
-                        ssm_warps))
+                        mamba2_decode.SSM_WARPS))
     return configs
 
 
