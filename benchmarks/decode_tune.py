@@ -41,27 +41,44 @@ from rnnserve.kernels.backend import force_triton  # noqa: E402
 from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_fused  # noqa: E402
 from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
-KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "NUM_WARPS",  # the GEMV kernels' shape
+KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "OUT_PROJ_TILE", "NUM_WARPS",  # the GEMV kernels' shape
          "SSM_CHANNELS", "SSM_WARPS",  # the SSM kernel's
          "LAUNCH_PDL", "PREFETCH_INPUTS")  # fmt: skip
 STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS
 DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
 MAMBA2_DEFAULT = tuple(getattr(mamba2_fused, name) for name in KNOBS)
-# GEMV shapes around the default, one knob at a time, then the pairs that trade program count against step
-# length; all with the default's SSM kernel and launch, the default and those pairs also with programmatic
-# dependent launch switched. Around each stack's default: its SSM kernel's channels and warps, and the inputs'
-# prefetch switched.
-_PAIRS = ((8, 2, 16384, 8), (32, 8, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))
-_SHAPES = {DEFAULT[:4], *((rows, *DEFAULT[1:4]) for rows in (8, 16, 64)),
-           *((DEFAULT[0], rows, *DEFAULT[2:4]) for rows in (2, 4, 16)),
-           *((*DEFAULT[:2], tile, DEFAULT[3]) for tile in (4096, 8192)), (*DEFAULT[:3], 4), *_PAIRS}
-CHOICES = sorted({*((*shape, *DEFAULT[4:]) for shape in _SHAPES),
-                  *((*shape, *DEFAULT[4:6], not DEFAULT[6], DEFAULT[7]) for shape in (DEFAULT[:4], *_PAIRS)),
-                  *(choice for default in (DEFAULT, MAMBA2_DEFAULT) for choice in (
-                      default, (*default[:6], not default[6], default[7]), (*default[:7], not default[7]),
-                      *((*default[:4], channels, *default[5:]) for channels in
-                        (default[4] // 4, default[4] // 2, default[4] * 2)),
-                      *((*default[:5], warps, *default[6:]) for warps in (2, 8))))})
+
+
+def varied(choice: tuple, **knobs: object) -> tuple:
+    """``choice`` with the named :data:`KNOBS` changed."""
+    values = dict(zip(KNOBS, choice, strict=True))
+    unknown = set(knobs) - set(values)
+    if unknown:
+        raise ValueError(f"not launch knobs: {sorted(unknown)}")
+    return tuple({**values, **knobs}[name] for name in KNOBS)
+
+
+def around(default: tuple) -> list[tuple]:
+    """A stack's default, and it with its SSM kernel's channels or warps changed, or either launch switch
+    flipped."""
+    values = dict(zip(KNOBS, default, strict=True))
+    channels = values["SSM_CHANNELS"]
+    return [default, *(varied(default, SSM_CHANNELS=c) for c in (channels // 4, channels // 2, channels * 2)),
+            *(varied(default, SSM_WARPS=w) for w in (2, 8) if w != values["SSM_WARPS"]),
+            varied(default, LAUNCH_PDL=not values["LAUNCH_PDL"]),
+            varied(default, PREFETCH_INPUTS=not values["PREFETCH_INPUTS"])]
+
+
+# GEMV shapes around the Mamba-1 stack's default, one knob at a time, then the pairs that trade program count
+# against step length (also without dependent launch); then around each stack's default (see around).
+_GEMV = [*({"IN_PROJ_ROWS": rows} for rows in (8, 16, 64)), *({"OUT_PROJ_ROWS": rows} for rows in (2, 4, 16)),
+         *({"TILE": tile, "OUT_PROJ_TILE": tile} for tile in (4096, 8192)), {"NUM_WARPS": 4},
+         *({"OUT_PROJ_TILE": tile} for tile in (4096, 8192))]
+_PAIRS = [{"IN_PROJ_ROWS": rows, "OUT_PROJ_ROWS": out_rows, "TILE": tile, "OUT_PROJ_TILE": tile, "NUM_WARPS": warps}
+          for rows, out_rows, tile, warps in ((8, 2, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))]
+CHOICES = sorted({*(varied(DEFAULT, **knobs) for knobs in (*_GEMV, *_PAIRS)),
+                  *(varied(DEFAULT, **knobs, LAUNCH_PDL=not DEFAULT[KNOBS.index("LAUNCH_PDL")]) for knobs in _PAIRS),
+                  *around(DEFAULT), *around(MAMBA2_DEFAULT)})
 
 
 SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
@@ -141,7 +158,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
             diff = (logits - baseline_logits).abs().max().item()
             results.append((ms, name, diff))
         for ms, name, diff in sorted(results):
-            print(f"{preset:12s} b={batch_size:<3d} {name:42s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
+            print(f"{preset:12s} b={batch_size:<3d} {name:48s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
                   f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
     del model
     if device.type == "cuda":

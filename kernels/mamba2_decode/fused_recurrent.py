@@ -48,6 +48,7 @@ SSM_WARPS = 4
 TILE = 4096
 IN_PROJ_ROWS = 8
 OUT_PROJ_ROWS = 2
+OUT_PROJ_TILE = 4096  # out_proj's own TILE (see the Mamba-1 stack's)
 NUM_WARPS = 4
 LAUNCH_PDL = True
 # Under dependent launch, also ask L2 for the norms' weights and the conv's tails and weights before the wait
@@ -226,7 +227,7 @@ def mamba2_decode_stack_triton(
     block_p = min(SSM_CHANNELS, mamba1.pow2(head_dim))
     p_blocks = triton.cdiv(head_dim, block_p)
     parts = heads * p_blocks
-    out_block_o, out_block_k = mamba1.gemv_blocks(batch_block, d_inner, OUT_PROJ_ROWS, TILE)
+    out_block_o, out_block_k = mamba1.gemv_blocks(batch_block, d_inner, OUT_PROJ_ROWS, OUT_PROJ_TILE)
     slot_ids = slot_ids.long().contiguous()
     z = torch.empty(batch, d_inner, dtype=dtype, device=device)
     xbc = torch.empty(batch, conv_dim, dtype=dtype, device=device)

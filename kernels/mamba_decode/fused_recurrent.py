@@ -40,6 +40,11 @@ MAX_ROWS = 8  # the most rows the stacks take (the models use them up to their p
 TILE = 16384  # elements of a program's multiply-and-sum product per loop step
 IN_PROJ_ROWS = 32  # in_proj rows a program (at most; a power of two dividing d_inner)
 OUT_PROJ_ROWS = 8
+# out_proj's own TILE. Under dependent launch the next layer's in_proj programs start (and prefetch their rows)
+# only on SMs with registers to spare beside an out_proj program: at batch 1 in bf16, in_proj takes 149 registers
+# a thread at 8 warps (38.9K of an SM's 64K), out_proj 148 at this tile and 86 at 8192 (22.5K), so only the
+# smaller tile lets them share an SM. Unmeasured on a GPU: decode_tune sweeps it.
+OUT_PROJ_TILE = 16384
 SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
 SSM_WARPS = 4
@@ -372,7 +377,7 @@ def in_proj_blocks(batch_block: int, d_model: int, d_inner: int, n_proj: int) ->
 def gemv_blocks(batch_block: int, n_in: int, rows: int, tile: int) -> tuple[int, int]:
     """``(BO, BK)`` of a stack's GEMV kernel (the out_projs, Mamba-2's in_proj): ``rows`` output rows a program
     (many programs for a short output; a stack's ``OUT_PROJ_ROWS`` or ``IN_PROJ_ROWS``), the K step filling
-    ``tile`` elements (its ``TILE``)."""
+    ``tile`` elements (its ``OUT_PROJ_TILE`` or ``TILE``)."""
     return rows, min(pow2(n_in), max(16, tile // (batch_block * rows)))
 
 
@@ -382,7 +387,7 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     n_out = weight.shape[0]
     out = torch.empty(batch, n_out, dtype=x.dtype, device=x.device)
     batch_block = pow2(batch)
-    block_o, block_k = gemv_blocks(batch_block, n_in, OUT_PROJ_ROWS, TILE)
+    block_o, block_k = gemv_blocks(batch_block, n_in, OUT_PROJ_ROWS, OUT_PROJ_TILE)
     pdl = dependent_launch(LAUNCH_PDL, x.device)
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,

@@ -223,7 +223,7 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
                                                        "LINES": lines(block_o, 1024), "PREFETCH": pdl},
                         gemv_warps))
-        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.TILE)
+        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.OUT_PROJ_TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
                                                                           "BO": block_o, "BK": block_k, "PDL": pdl,
                                                                           "LINES": lines(block_o, 2048)},
@@ -234,7 +234,8 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                                                          "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024),
                                                          "PREFETCH": pdl},
                         gemv2_warps))
-        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS, mamba2_decode.TILE)
+        block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS,
+                                                    mamba2_decode.OUT_PROJ_TILE)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
                                                           "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
                                                           "LINES": lines(block_o, 2048), "PREFETCH": pdl},
