@@ -345,8 +345,9 @@ def pow2(n: int) -> int:
 
 
 def l2_lines(rows: int, row_bytes: int) -> int:
-    """``LINES`` of :func:`prefetch_weight_rows` for ``rows`` rows of ``row_bytes`` (a power of two)."""
-    return pow2(triton.cdiv(rows * row_bytes, L2_LINE.value))
+    """``LINES`` of :func:`prefetch_weight_rows` for ``rows`` rows of ``row_bytes`` (a power of two): one more
+    than the rows fill, for rows that do not start on a line (the lanes past the end ask for the last one)."""
+    return pow2(triton.cdiv(rows * row_bytes, L2_LINE.value) + 1)
 
 
 def dependent_launch(wanted: bool, device: torch.device) -> bool:

@@ -1,0 +1,120 @@
+"""The decode stacks' path under programmatic dependent launch, under the interpreter.
+
+Before its wait each stack kernel asks L2 for what it reads later (``prefetch_l2``, inline PTX) and then waits
+for the kernel before it (``griddepcontrol``); the interpreter runs neither. Here the prefetch records its
+addresses and the wait does nothing, so the path runs on the CPU: every address it asks for lies in a tensor
+the stack was given (a prefetch of any other address is undefined), it covers every element of the weights,
+the small inputs and the slots' conv tails it is meant to, and the results equal a launch without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rnnserve.kernels.mamba2_decode import fused_recurrent as mamba2_fused
+from rnnserve.kernels.mamba_decode import fused_recurrent as mamba_fused
+from tests.kernels import test_mamba2_decode_triton as mamba2_case
+from tests.kernels import test_mamba_decode_triton as mamba_case
+
+LINE = 128  # bytes an L2 request brings
+
+
+def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool) -> list[np.ndarray]:
+    """Both stacks launched as under programmatic dependent launch if ``dependent`` (else plainly), with the
+    prefetch recording its addresses (returned, filled as the stacks run) and the wait doing nothing."""
+    addresses: list[np.ndarray] = []
+
+    def record(ptrs) -> None:
+        addresses.append(np.asarray(ptrs.handle.data, dtype=np.uint64).ravel().copy())
+
+    def no_wait() -> None:
+        return None
+
+    monkeypatch.setattr(mamba_fused, "prefetch_l2", record)
+    for stack in (mamba_fused, mamba2_fused):
+        monkeypatch.setattr(stack, "wait_for_previous_kernel", no_wait)
+        monkeypatch.setattr(stack, "dependent_launch", lambda wanted, device: dependent)
+        monkeypatch.setattr(stack, "PREFETCH_INPUTS", True)
+    return addresses
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def element_lines(t: torch.Tensor) -> set[int]:
+    """The L2 lines holding the elements of ``t`` (any strides)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets[..., None] + torch.arange(size) * stride
+    return set(((t.data_ptr() + offsets.flatten() * t.element_size()) // LINE).tolist())
+
+
+def check_prefetches(addresses: list[np.ndarray], given: list[torch.Tensor], meant: list[torch.Tensor]) -> None:
+    """Every address lies in one of the ``given`` tensors; every element of the ``meant`` ones was asked for."""
+    asked = np.concatenate(addresses)
+    starts, ends = np.array([byte_range(t) for t in given], dtype=np.uint64).T
+    inside = ((asked[:, None] >= starts[None, :]) & (asked[:, None] < ends[None, :])).any(axis=1)
+    assert inside.all(), f"{int((~inside).sum())} of {asked.size} prefetched addresses lie outside the inputs"
+    lines = set((asked // LINE).tolist())
+    for t in meant:
+        missed = element_lines(t) - lines
+        assert not missed, f"{len(missed)} lines of a {tuple(t.shape)} input were not prefetched"
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("use_bias", [False, True])
+@torch.inference_mode()
+def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
+    outputs, pools = [], []
+    for dependent in (False, True):
+        args = mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32)
+        addresses = recording_launch(monkeypatch, dependent)
+        outputs.append(mamba_fused.mamba_decode_stack_triton(
+            args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"], args["conv_pool"],
+            args["ssm_pool"], args["slot_ids"]))  # fmt: skip
+        pools.append((args["conv_pool"], args["ssm_pool"]))
+        assert bool(addresses) == dependent
+    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*pools, strict=True))
+    layers = [[t for t in layer if t is not None] for layer in args["layers"]]
+    slots = args["slot_ids"]  # their conv tails: views, not copies
+    meant = [*args["norm_weights"][:-1], *(args["conv_pool"][slot, i] for slot in slots.tolist()
+                                           for i in range(len(layers)))]  # fmt: skip
+    for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"]):
+        meant += [in_w, conv_w, x_w, dt_w, dt_b, A, D, out_w, *([conv_b] if conv_b is not None else [])]
+    given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
+             args["slot_ids"]]  # fmt: skip
+    check_prefetches(addresses, given, meant)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("use_bias", [False, True])
+@torch.inference_mode()
+def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
+    g = torch.Generator().manual_seed(7)
+    normed, stream = torch.randn(batch, mamba2_case.D_MODEL, generator=g), torch.randn(batch, mamba2_case.D_MODEL)
+    outputs, pools = [], []
+    for dependent in (False, True):
+        args = mamba2_case.stack_args(torch.float32, batch, use_bias)
+        addresses = recording_launch(monkeypatch, dependent)
+        outputs.append(mamba2_fused.mamba2_decode_stack_triton(
+            normed, stream, args["norm_weights"], 1e-5, args["layers"], args["conv_pool"], args["ssm_pool"],
+            args["slot_ids"], mamba2_case.GROUPS, 1e-5, (0.0, math.inf)))  # fmt: skip
+        pools.append((args["conv_pool"], args["ssm_pool"]))
+        assert bool(addresses) == dependent
+    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*pools, strict=True))
+    layers = [[t for t in layer if t is not None] for layer in args["layers"]]
+    slots = args["slot_ids"]  # their conv tails: views, not copies
+    meant = [*args["norm_weights"][:-1], *(args["conv_pool"][slot, i] for slot in slots.tolist()
+                                           for i in range(len(layers)))]  # fmt: skip
+    for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]:
+        meant += [in_w, conv_w, gated_w, out_w, *([conv_b] if conv_b is not None else [])]
+    given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
+             args["slot_ids"]]  # fmt: skip
+    check_prefetches(addresses, given, meant)
