@@ -66,30 +66,45 @@ def check_prefetches(addresses: list[np.ndarray], given: list[torch.Tensor], mea
         assert not missed, f"{len(missed)} lines of a {tuple(t.shape)} input were not prefetched"
 
 
+def run_both_ways(monkeypatch: pytest.MonkeyPatch, make_args, run) -> tuple[dict, list[np.ndarray]]:
+    """``run(args)`` on fresh ``make_args()``, launched plainly, then as under dependent launch: the outputs and
+    the pools must be equal. Returns the second run's args and prefetched addresses."""
+    results = []
+    for dependent in (False, True):
+        args = make_args()
+        addresses = recording_launch(monkeypatch, dependent)
+        results.append((run(args), args["conv_pool"], args["ssm_pool"]))
+        assert bool(addresses) == dependent
+    for plain, under_dependent_launch in zip(*results, strict=True):
+        assert torch.equal(plain, under_dependent_launch)
+    return args, addresses
+
+
+def check_stack_prefetches(args: dict, addresses: list[np.ndarray], layer_inputs: list[torch.Tensor]) -> None:
+    """:func:`check_prefetches` against every tensor the stack was given; meant: the norms of the stack's kernels
+    (all but the final one), the slots' conv tails and ``layer_inputs``."""
+    layers = [[t for t in layer if t is not None] for layer in args["layers"]]
+    tails = [args["conv_pool"][slot, i] for slot in args["slot_ids"].tolist()  # views, not copies
+             for i in range(len(layers))]  # fmt: skip
+    given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
+             args["slot_ids"]]  # fmt: skip
+    check_prefetches(addresses, given, [*args["norm_weights"][:-1], *tails, *layer_inputs])
+
+
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("use_bias", [False, True])
 @torch.inference_mode()
 def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
-    outputs, pools = [], []
-    for dependent in (False, True):
-        args = mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32)
-        addresses = recording_launch(monkeypatch, dependent)
-        outputs.append(mamba_fused.mamba_decode_stack_triton(
+    def run(args: dict) -> torch.Tensor:
+        return mamba_fused.mamba_decode_stack_triton(
             args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"], args["conv_pool"],
-            args["ssm_pool"], args["slot_ids"]))  # fmt: skip
-        pools.append((args["conv_pool"], args["ssm_pool"]))
-        assert bool(addresses) == dependent
-    assert torch.equal(outputs[0], outputs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*pools, strict=True))
-    layers = [[t for t in layer if t is not None] for layer in args["layers"]]
-    slots = args["slot_ids"]  # their conv tails: views, not copies
-    meant = [*args["norm_weights"][:-1], *(args["conv_pool"][slot, i] for slot in slots.tolist()
-                                           for i in range(len(layers)))]  # fmt: skip
-    for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"]):
-        meant += [in_w, conv_w, x_w, dt_w, dt_b, A, D, out_w, *([conv_b] if conv_b is not None else [])]
-    given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
-             args["slot_ids"]]  # fmt: skip
-    check_prefetches(addresses, given, meant)
+            args["ssm_pool"], args["slot_ids"])  # fmt: skip
+
+    args, addresses = run_both_ways(
+        monkeypatch, lambda: mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32), run)
+    meant = [t for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"])
+             for t in (in_w, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w) if t is not None]  # fmt: skip
+    check_stack_prefetches(args, addresses, meant)
 
 
 @pytest.mark.parametrize("batch", [1, 5])
@@ -98,23 +113,13 @@ def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, 
 def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
     g = torch.Generator().manual_seed(7)
     normed, stream = torch.randn(batch, mamba2_case.D_MODEL, generator=g), torch.randn(batch, mamba2_case.D_MODEL)
-    outputs, pools = [], []
-    for dependent in (False, True):
-        args = mamba2_case.stack_args(torch.float32, batch, use_bias)
-        addresses = recording_launch(monkeypatch, dependent)
-        outputs.append(mamba2_fused.mamba2_decode_stack_triton(
+
+    def run(args: dict) -> torch.Tensor:
+        return mamba2_fused.mamba2_decode_stack_triton(
             normed, stream, args["norm_weights"], 1e-5, args["layers"], args["conv_pool"], args["ssm_pool"],
-            args["slot_ids"], mamba2_case.GROUPS, 1e-5, (0.0, math.inf)))  # fmt: skip
-        pools.append((args["conv_pool"], args["ssm_pool"]))
-        assert bool(addresses) == dependent
-    assert torch.equal(outputs[0], outputs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*pools, strict=True))
-    layers = [[t for t in layer if t is not None] for layer in args["layers"]]
-    slots = args["slot_ids"]  # their conv tails: views, not copies
-    meant = [*args["norm_weights"][:-1], *(args["conv_pool"][slot, i] for slot in slots.tolist()
-                                           for i in range(len(layers)))]  # fmt: skip
-    for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]:
-        meant += [in_w, conv_w, gated_w, out_w, *([conv_b] if conv_b is not None else [])]
-    given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
-             args["slot_ids"]]  # fmt: skip
-    check_prefetches(addresses, given, meant)
+            args["slot_ids"], mamba2_case.GROUPS, 1e-5, (0.0, math.inf))  # fmt: skip
+
+    args, addresses = run_both_ways(monkeypatch, lambda: mamba2_case.stack_args(torch.float32, batch, use_bias), run)
+    meant = [t for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]
+             for t in (in_w, conv_w, conv_b, gated_w, out_w) if t is not None]  # fmt: skip
+    check_stack_prefetches(args, addresses, meant)
