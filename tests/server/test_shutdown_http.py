@@ -4,6 +4,7 @@ error event and ``[DONE]``, other requests get a JSON 503, and nothing lands in 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -19,6 +20,16 @@ LONG = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True}
 AUTH = {"Authorization": "Bearer k"}
 
 
+def wait_until_running(url: str, count: int, timeout: float = 30.0) -> None:
+    """Block until the server's metrics count ``count`` running requests: on a loaded machine a request sent from
+    a thread may not have reached the server before the signal that closes its socket."""
+    deadline = time.monotonic() + timeout
+    pattern = re.compile(rf"^rnnserve_num_requests_running\{{[^}}]*\}} {count}\.0$", re.M)
+    while not pattern.search(httpx.get(f"{url}/metrics", timeout=10).text):
+        assert time.monotonic() < deadline, f"{count} requests never ran"
+        time.sleep(0.05)
+
+
 def test_requests_past_the_drain_timeout_end_with_503() -> None:
     flags = ["--model", TINY, "--max-num-seqs", "4", "--drain-timeout", "1", "--api-key", "k"]
     with running_server(*flags) as server:
@@ -29,6 +40,7 @@ def test_requests_past_the_drain_timeout_end_with_503() -> None:
 
         non_streaming = threading.Thread(target=post)
         non_streaming.start()
+        wait_until_running(server.url, 1)
         events: list[str] = []
         with httpx.stream(
             "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, headers=AUTH, timeout=60
