@@ -28,6 +28,7 @@ import triton.language as tl
 
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
+    conv_inputs,
     conv_update,
     dependent_launch,
     normed_input_times_weight,
@@ -36,6 +37,7 @@ from rnnserve.kernels.mamba_decode.fused_recurrent import (
     prefetch_weight_rows,
     wait_for_previous_kernel,
     weight_lines,
+    weight_tile,
 )
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
@@ -54,6 +56,9 @@ LAUNCH_PDL = True
 # Under dependent launch, also ask L2 for the norms' weights and the conv's tails and weights before the wait
 # (the Mamba-1 stack's PREFETCH_INPUTS; the SSM kernel loads its parameters then anyway).
 PREFETCH_INPUTS = True
+# Load the GEMVs' first weight tiles and in_proj's conv tails and weights at the kernels' start, before the wait
+# under dependent launch (the Mamba-1 stack's EARLY_LOADS; the SSM kernel does so always).
+EARLY_LOADS = True
 
 
 @triton.jit
@@ -63,34 +68,47 @@ def _mamba2_in_proj_kernel(
     batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, PREFETCH: tl.constexpr,
+    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     outs = first + tl.arange(0, BO)
-    if PDL:  # while the previous kernel runs: what no kernel of this step writes, into L2
-        prefetch_weight_rows(w_ptr, first, d_inner + conv_dim + heads, d_model, BO, LINES)
+    out_ok = outs < d_inner + conv_dim + heads
+    chans = outs - d_inner
+    is_xbc = (outs >= d_inner) & (chans < conv_dim)
+    if EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_model, BK)
+        tail_ptrs, window, shifted, conv_w, conv_b = conv_inputs(
+            chans, is_xbc, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+            stride_conv_d, HAS_CONV_BIAS, K, BKC)
+    if PDL:  # while the previous kernel runs: what no kernel of this step writes (and is not loaded yet), into L2
+        if (not EARLY) or (BK < d_model):
+            prefetch_weight_rows(w_ptr, first, d_inner + conv_dim + heads, d_model, BO, LINES)
         if PREFETCH:
             if HAS_NORM:
                 prefetch_vector(norm_w_ptr, d_model, BK)
-            if (first + BO > d_inner) & (first < d_inner + conv_dim):
-                prefetch_conv_inputs(tl.minimum(tl.maximum(outs - d_inner, 0), conv_dim - 1), rows, row_ok,
-                                     slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
-                                     stride_conv_d, HAS_CONV_BIAS, K)
+            if not EARLY:
+                if (first + BO > d_inner) & (first < d_inner + conv_dim):
+                    prefetch_conv_inputs(tl.minimum(tl.maximum(chans, 0), conv_dim - 1), rows, row_ok, slot_ids_ptr,
+                                         conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot, stride_conv_d,
+                                         HAS_CONV_BIAS, K)
         wait_for_previous_kernel()
+    if not EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_model, BK)
     wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
-        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs,
-        outs < d_inner + conv_dim + heads, rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
+        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok,
+        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
     )
     tl.store(z_ptr + rows[:, None] * d_inner + outs[None, :], projected.to(wdtype),
              mask=row_ok[:, None] & (outs < d_inner)[None, :])
-    chans = outs - d_inner
-    is_xbc = (outs >= d_inner) & (chans < conv_dim)
-    xbc = conv_update(projected, chans, is_xbc, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr,
-                      stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K, BKC)
+    if not EARLY:
+        tail_ptrs, window, shifted, conv_w, conv_b = conv_inputs(
+            chans, is_xbc, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+            stride_conv_d, HAS_CONV_BIAS, K, BKC)
+    xbc = conv_update(projected, tail_ptrs, window, shifted, conv_w, conv_b, is_xbc, row_ok, HAS_CONV_BIAS, K, BKC)
     xbc = xbc.to(wdtype).to(tl.float32)  # the conv's output, then its SiLU, each in the activations' dtype
     tl.store(xbc_ptr + rows[:, None] * conv_dim + chans[None, :], (xbc * tl.sigmoid(xbc)).to(wdtype),
              mask=row_ok[:, None] & is_xbc[None, :])
@@ -143,21 +161,42 @@ def _mamba2_ssm_kernel(
 
 
 @triton.jit
+def gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, k0, d_inner, group_width,
+                     BK: tl.constexpr):
+    """Columns ``k0`` to ``k0 + BK`` of out_proj's input: the gated ``y`` through the group norm (``rstd [BB,
+    BG]``), ``[BB, BK]`` fp32 holding values of the weights' dtype."""
+    wdtype = w_ptr.dtype.element_ty
+    cols = k0 + tl.arange(0, BK)
+    col_ok = cols < d_inner
+    g = tl.load(gated_ptr + rows[:, None] * d_inner + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0)
+    of_group = (cols // group_width)[:, None] == group_ids[None, :]
+    col_rstd = tl.sum(tl.where(of_group[None, :, :], rstd[:, None, :], 0.0), axis=2)
+    normed = (g * col_rstd).to(wdtype).to(tl.float32)
+    nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return (nw[None, :] * normed).to(wdtype).to(tl.float32)
+
+
+@triton.jit
 def _mamba2_out_proj_kernel(
     gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
     group_width, eps,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
-    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr,
+    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    outs = pid * BO + tl.arange(0, BO)
+    out_ok = outs < d_model
+    if EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_inner, BK)
     if PDL:
-        prefetch_weight_rows(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
+        if (not EARLY) or (BK < d_inner):
+            prefetch_weight_rows(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
         if PREFETCH:
             prefetch_vector(norm_w_ptr, d_inner, BK)
         wait_for_previous_kernel()
-    wdtype = w_ptr.dtype.element_ty
-    outs = pid * BO + tl.arange(0, BO)
-    out_ok = outs < d_model
+    if not EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_inner, BK)
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     # Each group's statistics from the SSM programs' sums of squares: [BB, BG].
@@ -168,20 +207,12 @@ def _mamba2_out_proj_kernel(
     in_group = (part // parts_per_group)[:, None] == group_ids[None, :]
     sums = tl.sum(tl.where(in_group[None, :, :], squares[:, :, None], 0.0), axis=1)
     rstd = tl.rsqrt(sums / group_width + eps)
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
-    for k0 in range(0, d_inner, BK):
-        cols = k0 + ks
-        col_ok = cols < d_inner
-        g = tl.load(gated_ptr + rows[:, None] * d_inner + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        of_group = (cols // group_width)[:, None] == group_ids[None, :]
-        col_rstd = tl.sum(tl.where(of_group[None, :, :], rstd[:, None, :], 0.0), axis=2)
-        normed = (g * col_rstd).to(wdtype).to(tl.float32)
-        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        x = (nw[None, :] * normed).to(wdtype).to(tl.float32)
-        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_inner + cols[None, :],
-                    mask=out_ok[:, None] & col_ok[None, :], other=0.0)
+    x = gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, 0, d_inner, group_width, BK)
+    acc = x[:, None, :] * w_first.to(tl.float32)[None, :, :]  # summed over K once, after the loop
+    for k0 in range(BK, d_inner, BK):
+        x = gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, k0, d_inner, group_width,
+                             BK)
+        w = weight_tile(w_ptr, outs, out_ok, k0, d_inner, BK)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -249,7 +280,8 @@ def mamba2_decode_stack_triton(
             z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, num_warps=NUM_WARPS, launch_pdl=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=NUM_WARPS,
+            launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
@@ -265,7 +297,7 @@ def mamba2_decode_stack_triton(
             parts, parts // groups, d_inner // groups, gated_eps,
             HAS_BIAS=out_b is not None, BB=batch_block, BO=out_block_o, BK=out_block_k, BQ=mamba1.pow2(parts),
             BG=mamba1.pow2(groups), PDL=pdl, LINES=weight_lines(out_w, out_block_o), PREFETCH=PREFETCH_INPUTS,
-            num_warps=NUM_WARPS, launch_pdl=pdl,
+            EARLY=EARLY_LOADS, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
     return normed

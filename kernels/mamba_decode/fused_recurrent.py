@@ -57,6 +57,14 @@ LAUNCH_PDL = True
 # A, D and dt's bias (the SSM kernel). Read after the GEMV or the partial sums, each was a trip to HBM on the
 # layer's critical path. Unmeasured on a GPU: decode_tune times it on and off.
 PREFETCH_INPUTS = True
+# Load into registers, at a kernel's start, every input no kernel of the step writes and the kernel reads in its
+# first pass: each GEMV's first weight tile, in_proj's conv tails, conv weights and first x_proj columns, the SSM
+# kernel's dt_proj rows, A, D and dt's bias. Under dependent launch that is before the wait, while the kernel
+# before runs; either way those loads are in flight together with the first ones that depend on it (the
+# residual stream, the partial sums) instead of after them, so each kernel waits on memory about once after its
+# start, not two to five times in a row. (PREFETCH_INPUTS then only covers what is left.) Unmeasured on a GPU:
+# decode_tune times it on and off.
+EARLY_LOADS = True
 L2_LINE = tl.constexpr(128)  # bytes
 
 
@@ -120,18 +128,53 @@ def prefetch_conv_inputs(
 
 
 @triton.jit
+def weight_tile(w_ptr, outs, out_ok, k0, n_in, BK: tl.constexpr):
+    """Columns ``k0`` to ``k0 + BK`` of the weight rows ``outs`` of ``n_in`` columns: ``[BO, BK]``, zeros past
+    either end."""
+    cols = k0 + tl.arange(0, BK)
+    return tl.load(w_ptr + outs[:, None].to(tl.int64) * n_in + cols[None, :],
+                   mask=out_ok[:, None] & (cols < n_in)[None, :], other=0.0)
+
+
+@triton.jit
+def gemv_input_tile(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, k0, d_model, HAS_NORM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Columns ``k0`` to ``k0 + BK`` of :func:`normed_input_times_weight`'s input rows, ``[BB, BK]`` fp32 holding
+    values of the weights' dtype."""
+    wdtype = w_ptr.dtype.element_ty
+    cols = k0 + tl.arange(0, BK)
+    ok = row_ok[:, None] & (cols < d_model)[None, :]
+    offs = rows[:, None] * d_model + cols[None, :]
+    if HAS_NORM:
+        sdtype = stream_ptr.dtype.element_ty
+        s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
+        s = (s + d).to(sdtype).to(wdtype).to(tl.float32)
+        y = (s * rstd[:, None]).to(wdtype).to(tl.float32)
+        nw = tl.load(norm_w_ptr + cols, mask=cols < d_model, other=0.0).to(tl.float32)
+        x = (nw[None, :] * y).to(wdtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def normed_input_times_weight(
-    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs, out_ok, rows, row_ok,
-    d_model, eps, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr,
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok, rows,
+    row_ok, d_model, eps, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr,
     BK: tl.constexpr,
 ):
     """``[BB, BO]`` fp32, rounded to the weights' dtype: a block's input rows times weight rows ``outs`` (+ bias).
 
     With ``HAS_NORM`` the input is ``RMSNorm(stream + delta)`` computed here, with the rounding steps of
     :func:`~rnnserve.kernels.residual_rms_norm.naive.residual_rms_norm_ref` (program 0 also stores the new
-    stream); else the rows of ``x_ptr``, already normed."""
+    stream); else the rows of ``x_ptr``, already normed. ``w_first``: the rows' first tile (:func:`weight_tile`
+    at 0), which the caller loads (early: see ``EARLY_LOADS``)."""
     wdtype = w_ptr.dtype.element_ty
     ks = tl.arange(0, BK)
+    rstd = tl.zeros([BB], dtype=tl.float32)
     if HAS_NORM:
         sdtype = stream_ptr.dtype.element_ty
         squares = tl.zeros([BB], dtype=tl.float32)
@@ -147,22 +190,13 @@ def normed_input_times_weight(
             normed_in = s.to(wdtype).to(tl.float32)
             squares += tl.sum(normed_in * normed_in, axis=1)
         rstd = tl.rsqrt(squares / d_model + eps)
-    acc = tl.zeros([BB, BO, BK], dtype=tl.float32)  # summed over K once, after the loop
-    for k0 in range(0, d_model, BK):
-        cols = k0 + ks
-        ok = row_ok[:, None] & (cols < d_model)[None, :]
-        offs = rows[:, None] * d_model + cols[None, :]
-        if HAS_NORM:
-            s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
-            s = (s + d).to(sdtype).to(wdtype).to(tl.float32)
-            y = (s * rstd[:, None]).to(wdtype).to(tl.float32)
-            nw = tl.load(norm_w_ptr + cols, mask=cols < d_model, other=0.0).to(tl.float32)
-            x = (nw[None, :] * y).to(wdtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * d_model + cols[None, :],
-                    mask=out_ok[:, None] & (cols < d_model)[None, :], other=0.0)
+    x = gemv_input_tile(x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, 0, d_model, HAS_NORM,
+                        BK)
+    acc = x[:, None, :] * w_first.to(tl.float32)[None, :, :]  # summed over K once, after the loop
+    for k0 in range(BK, d_model, BK):
+        x = gemv_input_tile(x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, k0, d_model,
+                            HAS_NORM, BK)
+        w = weight_tile(w_ptr, outs, out_ok, k0, d_model, BK)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -171,29 +205,61 @@ def normed_input_times_weight(
 
 
 @triton.jit
-def conv_update(
-    new, chans, chan_ok, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+def conv_inputs(
+    chans, chan_ok, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
     stride_conv_d, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr,
 ):
-    """The depthwise causal conv of ``new [BB, BO]`` (the newest input of channels ``chans``) over the slots'
-    tails, in fp32 (bias added, no activation); shifts ``new`` into the tails in place."""
+    """What :func:`conv_update` reads for channels ``chans``: ``(tail_ptrs, window, shifted, weights, bias)``, the
+    slots' tails ``[BB, BO, BKC]`` at taps 0 to K-2 (``window``) and 1 to K-2 (``shifted``), zeros elsewhere, the
+    conv's weights ``[BO, BKC]`` and bias ``[BO]`` (zeros without one)."""
     taps = tl.arange(0, BKC)
     slots = tl.load(slot_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     tail_ptrs = (conv_pool_ptr + slots[:, None, None] * stride_conv_slot
                  + chans[None, :, None].to(tl.int64) * stride_conv_d + taps[None, None, :])
     ok = row_ok[:, None, None] & chan_ok[None, :, None]
     window = tl.load(tail_ptrs, mask=ok & (taps < K - 1)[None, None, :], other=0.0)
-    window += tl.where((taps == K - 1)[None, None, :], new[:, :, None], 0.0)
     shifted = tl.load(tail_ptrs + 1, mask=ok & (taps < K - 2)[None, None, :], other=0.0)
+    weights = tl.load(conv_w_ptr + chans[:, None] * K + taps[None, :], mask=chan_ok[:, None] & (taps < K)[None, :],
+                      other=0.0)
+    bias = tl.load(conv_b_ptr + chans, mask=chan_ok & HAS_CONV_BIAS, other=0.0)
+    return tail_ptrs, window, shifted, weights, bias
+
+
+@triton.jit
+def conv_update(
+    new, tail_ptrs, window, shifted, weights, bias, chan_ok, row_ok, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BKC: tl.constexpr,
+):
+    """The depthwise causal conv of ``new [BB, BO]`` (the newest input of channels ``chans``) over the slots'
+    tails (:func:`conv_inputs`), in fp32 (bias added, no activation); shifts ``new`` into the tails in place."""
+    taps = tl.arange(0, BKC)
+    window += tl.where((taps == K - 1)[None, None, :], new[:, :, None], 0.0)
     shifted += tl.where((taps == K - 2)[None, None, :], new[:, :, None], 0.0)
-    cw = tl.load(conv_w_ptr + chans[:, None] * K + taps[None, :], mask=chan_ok[:, None] & (taps < K)[None, :],
-                 other=0.0)
-    out = tl.sum(window * cw.to(tl.float32)[None, :, :], axis=2)
+    out = tl.sum(window * weights.to(tl.float32)[None, :, :], axis=2)
     if HAS_CONV_BIAS:
-        out += tl.load(conv_b_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+        out += bias.to(tl.float32)[None, :]
     tl.debug_barrier()  # every thread has read the tails before any overwrites them
-    tl.store(tail_ptrs, shifted, mask=ok & (taps < K - 1)[None, None, :])
+    ok = row_ok[:, None, None] & chan_ok[None, :, None] & (taps < K - 1)[None, None, :]
+    tl.store(tail_ptrs, shifted, mask=ok)
     return out
+
+
+@triton.jit
+def x_proj_columns(x_proj_w_ptr, e0, outs, is_x, d_inner, n_proj, BE: tl.constexpr):
+    """x_proj's rows ``e0`` to ``e0 + BE`` at columns ``outs`` (``[BE, BO]``; zeros past the rows, or where
+    ``is_x`` is false)."""
+    e = e0 + tl.arange(0, BE)
+    return tl.load(x_proj_w_ptr + e[:, None] * d_inner + outs[None, :], mask=(e < n_proj)[:, None] & is_x[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def store_x_proj_partial(xc, wx, e0, pid, rows, row_ok, partial_ptr, batch, n_proj, BE: tl.constexpr):
+    """This program's partial sums of x_proj's rows ``e0`` to ``e0 + BE``: ``xc [BB, BO] @ wx [BE, BO].T``."""
+    e = e0 + tl.arange(0, BE)
+    part = tl.sum(xc[:, None, :] * wx.to(tl.float32)[None, :, :], axis=2)
+    tl.store(partial_ptr + (pid * batch + rows[:, None]) * n_proj + e[None, :], part,
+             mask=row_ok[:, None] & (e < n_proj)[None, :])
 
 
 @triton.jit
@@ -203,46 +269,73 @@ def _mamba_in_proj_kernel(
     batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
-    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     outs = first + tl.arange(0, BO)
-    if PDL:  # while the previous kernel runs: what no kernel of this step writes, into L2
-        prefetch_weight_rows(w_ptr, first, 2 * d_inner, d_model, BO, LINES)
+    out_ok = outs < 2 * d_inner
+    is_x = outs < d_inner  # all or none of a program's rows
+    if EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_model, BK)
+        tail_ptrs, window, shifted, conv_w, conv_b = conv_inputs(
+            outs, is_x, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+            stride_conv_d, HAS_CONV_BIAS, K, BKC)
+        wx_first = x_proj_columns(x_proj_w_ptr, 0, outs, is_x, d_inner, n_proj, BE)
+    if PDL:  # while the previous kernel runs: what no kernel of this step writes (and is not loaded yet), into L2
+        if (not EARLY) or (BK < d_model):
+            prefetch_weight_rows(w_ptr, first, 2 * d_inner, d_model, BO, LINES)
         if PREFETCH:
             if HAS_NORM:
                 prefetch_vector(norm_w_ptr, d_model, BK)
             if first < d_inner:
-                prefetch_conv_inputs(outs, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr,
-                                     stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K)
-                for e0 in range(0, n_proj, BE):
+                if not EARLY:
+                    prefetch_conv_inputs(outs, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr,
+                                         stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K)
+                for e0 in range(BE if EARLY else 0, n_proj, BE):
                     e = tl.minimum(e0 + tl.arange(0, BE), n_proj - 1)
                     prefetch_row_spans(x_proj_w_ptr + first, e, d_inner, BO)
         wait_for_previous_kernel()
+    if not EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, d_model, BK)
     wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
-        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, pid, outs, outs < 2 * d_inner,
+        x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok,
         rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
     )
     if first < d_inner:  # x rows: conv, SiLU, this block's share of x_proj
-        xc = conv_update(projected, outs, outs < d_inner, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr,
-                         conv_b_ptr, stride_conv_slot, stride_conv_d, HAS_CONV_BIAS, K, BKC)
+        if not EARLY:
+            tail_ptrs, window, shifted, conv_w, conv_b = conv_inputs(
+                outs, is_x, rows, row_ok, slot_ids_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, stride_conv_slot,
+                stride_conv_d, HAS_CONV_BIAS, K, BKC)
+            wx_first = x_proj_columns(x_proj_w_ptr, 0, outs, is_x, d_inner, n_proj, BE)
+        xc = conv_update(projected, tail_ptrs, window, shifted, conv_w, conv_b, is_x, row_ok, HAS_CONV_BIAS, K,
+                         BKC)
         xc = (xc * tl.sigmoid(xc)).to(wdtype)  # the conv's output in the activations' dtype
         tl.store(xc_ptr + rows[:, None] * d_inner + outs[None, :], xc, mask=row_ok[:, None])
         xc = xc.to(tl.float32)
-        es = tl.arange(0, BE)
-        for e0 in range(0, n_proj, BE):
-            e = e0 + es
-            wx = tl.load(x_proj_w_ptr + e[:, None] * d_inner + outs[None, :], mask=(e < n_proj)[:, None], other=0.0)
-            part = tl.sum(xc[:, None, :] * wx.to(tl.float32)[None, :, :], axis=2)
-            tl.store(partial_ptr + (pid * batch + rows[:, None]) * n_proj + e[None, :], part,
-                     mask=row_ok[:, None] & (e < n_proj)[None, :])
+        store_x_proj_partial(xc, wx_first, 0, pid, rows, row_ok, partial_ptr, batch, n_proj, BE)
+        for e0 in range(BE, n_proj, BE):
+            wx = x_proj_columns(x_proj_w_ptr, e0, outs, is_x, d_inner, n_proj, BE)
+            store_x_proj_partial(xc, wx, e0, pid, rows, row_ok, partial_ptr, batch, n_proj, BE)
     else:
         tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], projected.to(wdtype),
                  mask=row_ok[:, None])
+
+
+@triton.jit
+def ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, dt_rank, states, state_ok, d_state):
+    """The SSM kernel's parameters of channels ``chans``: dt_proj's rows ``[BC, BR]`` (weights' dtype), dt's
+    bias ``[BC]``, ``A [BC, BN]`` and ``D [BC]``."""
+    dt_w = tl.load(dt_w_ptr + chans[:, None] * dt_rank + ranks[None, :],
+                   mask=chan_ok[:, None] & (ranks < dt_rank)[None, :], other=0.0)
+    dt_bias = tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0)
+    A = tl.load(A_ptr + chans[:, None] * d_state + states[None, :], mask=chan_ok[:, None] & state_ok[None, :],
+                other=0.0)
+    D = tl.load(D_ptr + chans, mask=chan_ok, other=0.0)
+    return dt_w, dt_bias, A, D
 
 
 @triton.jit
@@ -250,7 +343,7 @@ def _mamba_ssm_kernel(
     partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
     batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d,
     BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY: tl.constexpr,
 ):
     b = tl.program_id(0)
     chans = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -260,21 +353,27 @@ def _mamba_ssm_kernel(
     ranks = tl.arange(0, BR)
     states = tl.arange(0, BN)
     state_ok = states < d_state
-    # The slot's state rows first (no earlier kernel of this step writes them), then what in_proj wrote. The
-    # parameters are read after the partial sums, with x and z (held across that loop they would double the
-    # registers); under dependent launch L2 has been asked for them before the wait.
+    # The slot's state rows first (no earlier kernel of this step writes them), and with EARLY the parameters,
+    # then what in_proj wrote. Without EARLY the parameters are read after the partial sums, with x and z; under
+    # dependent launch L2 has been asked for them before the wait.
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ok = chan_ok[:, None] & state_ok[None, :]
     state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
     h = tl.load(state_ptrs, mask=ok, other=0.0)
+    if EARLY:
+        dt_w, dt_bias, A, D = ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, dt_rank,
+                                             states, state_ok, d_state)
     if PDL:
-        if PREFETCH:
+        if PREFETCH and not EARLY:
             valid = tl.minimum(chans, d_inner - 1)
             prefetch_row_spans(dt_w_ptr, valid, dt_rank, dt_rank)
             prefetch_row_spans(A_ptr, valid, d_state, d_state)
             prefetch_l2(dt_bias_ptr + valid)
             prefetch_l2(D_ptr + valid)
         wait_for_previous_kernel()
+    if EARLY:  # in flight with the partial sums
+        x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
     dt_low = tl.zeros([BR], dtype=tl.float32)
     B = tl.zeros([BN], dtype=tl.float32)
     C = tl.zeros([BN], dtype=tl.float32)
@@ -290,16 +389,16 @@ def _mamba_ssm_kernel(
     dt_low = dt_low.to(wdtype).to(tl.float32)
     B = B.to(wdtype).to(tl.float32)
     C = C.to(wdtype).to(tl.float32)
-    dt_w = tl.load(dt_w_ptr + chans[:, None] * dt_rank + ranks[None, :],
-                   mask=chan_ok[:, None] & (ranks < dt_rank)[None, :], other=0.0)
+    if not EARLY:
+        dt_w, dt_bias, A, D = ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, dt_rank,
+                                             states, state_ok, d_state)
+        x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
     dt = tl.sum(dt_w.to(tl.float32) * dt_low[None, :], axis=1).to(wdtype).to(tl.float32)
-    dt = softplus_f32(dt + tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0))
-    A = tl.load(A_ptr + chans[:, None] * d_state + states[None, :], mask=ok, other=0.0)
-    x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    dt = softplus_f32(dt + dt_bias)
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, h, mask=ok)
-    y = tl.sum(h * C[None, :], axis=1) + x * tl.load(D_ptr + chans, mask=chan_ok, other=0.0)
-    z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    y = tl.sum(h * C[None, :], axis=1) + x * D
     tl.store(y_ptr + b * d_inner + chans, (y * z * tl.sigmoid(z)).to(wdtype), mask=chan_ok)
 
 
@@ -307,19 +406,24 @@ def _mamba_ssm_kernel(
 def _mamba_out_proj_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr,
+    LINES: tl.constexpr, EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if PDL:
-        prefetch_weight_rows(w_ptr, pid * BO, n_out, n_in, BO, LINES)
-        wait_for_previous_kernel()
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
+    if EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, n_in, BK)
+    if PDL:
+        if (not EARLY) or (BK < n_in):
+            prefetch_weight_rows(w_ptr, pid * BO, n_out, n_in, BO, LINES)
+        wait_for_previous_kernel()
+    if not EARLY:
+        w_first = weight_tile(w_ptr, outs, out_ok, 0, n_in, BK)
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     projected = normed_input_times_weight(
-        x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, bias_ptr, pid, outs, out_ok, rows, row_ok, n_in, 0.0, False,
-        HAS_BIAS, BB, BO, BK,
+        x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok, rows, row_ok, n_in, 0.0,
+        False, HAS_BIAS, BB, BO, BK,
     )
     tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], projected.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & out_ok[None, :])
@@ -393,7 +497,7 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     _mamba_out_proj_kernel[(triton.cdiv(n_out, block_o),)](
         x, weight, bias if bias is not None else weight, out, batch, n_in, n_out,
         HAS_BIAS=bias is not None, BB=batch_block, BO=block_o, BK=block_k, PDL=pdl,
-        LINES=weight_lines(weight, block_o), num_warps=NUM_WARPS, launch_pdl=pdl,
+        LINES=weight_lines(weight, block_o), EARLY=EARLY_LOADS, num_warps=NUM_WARPS, launch_pdl=pdl,
     )
     return out
 
@@ -454,14 +558,15 @@ def mamba_decode_stack_triton(
             x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
             HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
             BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, num_warps=NUM_WARPS, launch_pdl=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=NUM_WARPS,
+            launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
             partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
             ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=pdl,
-            PREFETCH=PREFETCH_INPUTS, num_warps=SSM_WARPS, launch_pdl=pdl,
+            PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=SSM_WARPS, launch_pdl=pdl,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -221,28 +221,32 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         configs.append((_mamba_in_proj_kernel, types, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                        "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
-                                                       "LINES": lines(block_o, 1024), "PREFETCH": pdl},
+                                                       "LINES": lines(block_o, 1024), "PREFETCH": pdl,
+                                                       "EARLY": mamba_decode.EARLY_LOADS},
                         gemv_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.OUT_PROJ_TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
                                                                           "BO": block_o, "BK": block_k, "PDL": pdl,
-                                                                          "LINES": lines(block_o, 2048)},
+                                                                          "LINES": lines(block_o, 2048),
+                                                                          "EARLY": mamba_decode.EARLY_LOADS},
                         gemv_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 1024, mamba2_decode.IN_PROJ_ROWS, mamba2_decode.TILE)
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                          "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024),
-                                                         "PREFETCH": pdl},
+                                                         "PREFETCH": pdl, "EARLY": mamba2_decode.EARLY_LOADS},
                         gemv2_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS,
                                                     mamba2_decode.OUT_PROJ_TILE)
         configs.append((_mamba2_out_proj_kernel, types2, {"HAS_BIAS": True, "BB": rows, "BO": block_o,
                                                           "BK": block_k, "BQ": 128, "BG": 1, "PDL": pdl,
-                                                          "LINES": lines(block_o, 2048), "PREFETCH": pdl},
+                                                          "LINES": lines(block_o, 2048), "PREFETCH": pdl,
+                                                          "EARLY": mamba2_decode.EARLY_LOADS},
                         gemv2_warps))
     for pdl in (False, True):
         configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
-                                                   "PDL": pdl, "PREFETCH": pdl}, mamba_decode.SSM_WARPS))
+                                                   "PDL": pdl, "PREFETCH": pdl, "EARLY": mamba_decode.EARLY_LOADS},
+                        mamba_decode.SSM_WARPS))
         configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl},
                         mamba2_decode.SSM_WARPS))
     return configs

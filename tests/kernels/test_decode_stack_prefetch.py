@@ -5,6 +5,9 @@ for the kernel before it (``griddepcontrol``); the interpreter runs neither. Her
 addresses and the wait does nothing, so the path runs on the CPU: every address it asks for lies in a tensor
 the stack was given (a prefetch of any other address is undefined), it covers every element of the weights,
 the small inputs and the slots' conv tails it is meant to, and the results equal a launch without it.
+
+With ``EARLY_LOADS`` the kernels load the small inputs (and each GEMV's first weight tile) at their start,
+before the wait, instead of asking L2 for them: the results must equal a plain launch without early loads too.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from tests.kernels import test_mamba_decode_triton as mamba_case
 LINE = 128  # bytes an L2 request brings
 
 
-def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool) -> list[np.ndarray]:
-    """Both stacks launched as under programmatic dependent launch if ``dependent`` (else plainly), with the
-    prefetch recording its addresses (returned, filled as the stacks run) and the wait doing nothing."""
+def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool, early: bool) -> list[np.ndarray]:
+    """Both stacks launched as under programmatic dependent launch if ``dependent`` (else plainly), with
+    ``EARLY_LOADS = early``, the prefetch recording its addresses (returned, filled as the stacks run) and the
+    wait doing nothing."""
     addresses: list[np.ndarray] = []
 
     def record(ptrs) -> None:
@@ -39,6 +43,7 @@ def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool) -> list[n
         monkeypatch.setattr(stack, "wait_for_previous_kernel", no_wait)
         monkeypatch.setattr(stack, "dependent_launch", lambda wanted, device: dependent)
         monkeypatch.setattr(stack, "PREFETCH_INPUTS", True)
+        monkeypatch.setattr(stack, "EARLY_LOADS", early)
     return addresses
 
 
@@ -66,13 +71,14 @@ def check_prefetches(addresses: list[np.ndarray], given: list[torch.Tensor], mea
         assert not missed, f"{len(missed)} lines of a {tuple(t.shape)} input were not prefetched"
 
 
-def run_both_ways(monkeypatch: pytest.MonkeyPatch, make_args, run) -> tuple[dict, list[np.ndarray]]:
-    """``run(args)`` on fresh ``make_args()``, launched plainly, then as under dependent launch: the outputs and
-    the pools must be equal. Returns the second run's args and prefetched addresses."""
+def run_both_ways(monkeypatch: pytest.MonkeyPatch, make_args, run, early: bool) -> tuple[dict, list[np.ndarray]]:
+    """``run(args)`` on fresh ``make_args()``, launched plainly without early loads, then as under dependent
+    launch with ``EARLY_LOADS = early``: the outputs and the pools must be equal. Returns the second run's args
+    and prefetched addresses."""
     results = []
     for dependent in (False, True):
         args = make_args()
-        addresses = recording_launch(monkeypatch, dependent)
+        addresses = recording_launch(monkeypatch, dependent, early and dependent)
         results.append((run(args), args["conv_pool"], args["ssm_pool"]))
         assert bool(addresses) == dependent
     for plain, under_dependent_launch in zip(*results, strict=True):
@@ -80,37 +86,62 @@ def run_both_ways(monkeypatch: pytest.MonkeyPatch, make_args, run) -> tuple[dict
     return args, addresses
 
 
-def check_stack_prefetches(args: dict, addresses: list[np.ndarray], layer_inputs: list[torch.Tensor]) -> None:
+def check_stack_prefetches(
+    args: dict, addresses: list[np.ndarray], layer_inputs: list[torch.Tensor], tails: bool = True
+) -> None:
     """:func:`check_prefetches` against every tensor the stack was given; meant: the norms of the stack's kernels
-    (all but the final one), the slots' conv tails and ``layer_inputs``."""
+    (all but the final one), ``layer_inputs`` and with ``tails`` the slots' conv tails."""
     layers = [[t for t in layer if t is not None] for layer in args["layers"]]
-    tails = [args["conv_pool"][slot, i] for slot in args["slot_ids"].tolist()  # views, not copies
-             for i in range(len(layers))]  # fmt: skip
+    slot_tails = [args["conv_pool"][slot, i] for slot in args["slot_ids"].tolist()  # views, not copies
+                  for i in range(len(layers))] if tails else []  # fmt: skip
     given = [*args["norm_weights"], *(t for layer in layers for t in layer), args["conv_pool"], args["ssm_pool"],
              args["slot_ids"]]  # fmt: skip
-    check_prefetches(addresses, given, [*args["norm_weights"][:-1], *tails, *layer_inputs])
+    check_prefetches(addresses, given, [*args["norm_weights"][:-1], *slot_tails, *layer_inputs])
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize(("batch", "use_bias", "early"), [(1, False, False), (5, True, False), (1, True, True),
+                                                          (5, False, True)])  # fmt: skip
 @torch.inference_mode()
-def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
+def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias, early):
     def run(args: dict) -> torch.Tensor:
         return mamba_fused.mamba_decode_stack_triton(
             args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"], args["conv_pool"],
             args["ssm_pool"], args["slot_ids"])  # fmt: skip
 
     args, addresses = run_both_ways(
-        monkeypatch, lambda: mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32), run)
-    meant = [t for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"])
-             for t in (in_w, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w) if t is not None]  # fmt: skip
-    check_stack_prefetches(args, addresses, meant)
+        monkeypatch, lambda: mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32), run, early)
+    # With early loads, every input but the norms' weights is loaded before the wait (at these sizes each weight
+    # row fits its first tile), so only the norms' weights are left to prefetch.
+    meant = [] if early else [
+        t for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"])
+        for t in (in_w, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w) if t is not None]  # fmt: skip
+    check_stack_prefetches(args, addresses, meant, tails=not early)
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("use_bias", [False, True])
 @torch.inference_mode()
-def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias):
+def test_mamba_stack_with_small_tiles_prefetches_what_it_does_not_load_early(triton_on_cpu, monkeypatch):
+    """Tiles smaller than the rows (``EARLY_LOADS`` on): in_proj's and out_proj's rows past their first tile and
+    x_proj's rows past its first block are asked for; the results equal a plain launch without early loads."""
+    monkeypatch.setattr(mamba_fused, "TILE", 512)
+    monkeypatch.setattr(mamba_fused, "OUT_PROJ_TILE", 512)
+
+    def run(args: dict) -> torch.Tensor:
+        return mamba_fused.mamba_decode_stack_triton(
+            args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"], args["conv_pool"],
+            args["ssm_pool"], args["slot_ids"])  # fmt: skip
+
+    args, addresses = run_both_ways(
+        monkeypatch, lambda: mamba_case.stack_args(torch.float32, 5, True, torch.float32), run, True)
+    _, block_k, block_e = mamba_fused.in_proj_blocks(8, mamba_case.D_MODEL, mamba_case.D_INNER, 35)
+    assert block_k < mamba_case.D_MODEL and block_e < 35
+    meant = [t for layer in args["layers"] for t in (layer[0], layer[4][block_e:], layer[9])]
+    check_stack_prefetches(args, addresses, meant, tails=False)
+
+
+@pytest.mark.parametrize(("batch", "use_bias", "early"), [(1, False, False), (5, True, False), (1, True, True),
+                                                          (5, False, True)])  # fmt: skip
+@torch.inference_mode()
+def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias, early):
     g = torch.Generator().manual_seed(7)
     normed, stream = torch.randn(batch, mamba2_case.D_MODEL, generator=g), torch.randn(batch, mamba2_case.D_MODEL)
 
@@ -119,7 +150,10 @@ def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu,
             normed, stream, args["norm_weights"], 1e-5, args["layers"], args["conv_pool"], args["ssm_pool"],
             args["slot_ids"], mamba2_case.GROUPS, 1e-5, (0.0, math.inf))  # fmt: skip
 
-    args, addresses = run_both_ways(monkeypatch, lambda: mamba2_case.stack_args(torch.float32, batch, use_bias), run)
-    meant = [t for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]
-             for t in (in_w, conv_w, conv_b, gated_w, out_w) if t is not None]  # fmt: skip
-    check_stack_prefetches(args, addresses, meant)
+    args, addresses = run_both_ways(
+        monkeypatch, lambda: mamba2_case.stack_args(torch.float32, batch, use_bias), run, early)
+    # With early loads (see the Mamba-1 test) only the norms' weights are left to prefetch, the gated norm's too.
+    meant = [layer[7] for layer in args["layers"]] if early else [
+        t for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]
+        for t in (in_w, conv_w, conv_b, gated_w, out_w) if t is not None]  # fmt: skip
+    check_stack_prefetches(args, addresses, meant, tails=not early)

@@ -73,6 +73,30 @@ def reference_stack(normed, stream, norm_weights, eps, layers, conv_pool, ssm_po
 @pytest.mark.parametrize(("use_bias", "dt_limits"), [(False, (0.0, math.inf)), (True, (1e-3, 0.05))])
 @torch.inference_mode()
 def test_stack_matches_reference(triton_on_cpu, dtype, stream_dtype, batch, use_bias, dt_limits) -> None:
+    check_stack(dtype, stream_dtype, batch, use_bias, dt_limits)
+
+
+@pytest.mark.parametrize("early", [False, True])
+@torch.inference_mode()
+def test_stack_with_several_tiles_matches_reference(triton_on_cpu, monkeypatch, early) -> None:
+    """Tiles smaller than a weight row (3 K steps in in_proj, 8 in out_proj): the loops past the first tile,
+    which the kernels load apart from the rest, with ``EARLY_LOADS`` on (before the wait) and off."""
+    from rnnserve.kernels.mamba2_decode import fused_recurrent
+    from rnnserve.kernels.mamba_decode.fused_recurrent import gemv_blocks
+
+    monkeypatch.setattr(fused_recurrent, "TILE", 256)
+    monkeypatch.setattr(fused_recurrent, "OUT_PROJ_TILE", 256)
+    monkeypatch.setattr(fused_recurrent, "EARLY_LOADS", early)
+    assert gemv_blocks(8, D_MODEL, fused_recurrent.IN_PROJ_ROWS, 256)[1] == 16
+    assert gemv_blocks(8, D_INNER, fused_recurrent.OUT_PROJ_ROWS, 256)[1] == 16
+    check_stack(torch.float32, torch.float32, 5, True, (1e-3, 0.05))
+
+
+def check_stack(
+    dtype: torch.dtype, stream_dtype: torch.dtype, batch: int, use_bias: bool, dt_limits: tuple[float, float]
+) -> None:
+    """Two steps of the Triton stack against the op-by-op reference: outputs, and the pools' slots (the others
+    untouched)."""
     from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
 
     args = stack_args(dtype, batch, use_bias)

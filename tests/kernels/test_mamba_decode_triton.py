@@ -76,6 +76,28 @@ def assert_near(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 @pytest.mark.parametrize("use_bias", [False, True])
 @torch.inference_mode()
 def test_stack_matches_reference(triton_on_cpu, dtype, stream_dtype, batch, use_bias) -> None:
+    check_stack(dtype, stream_dtype, batch, use_bias)
+
+
+@pytest.mark.parametrize("early", [False, True])
+@torch.inference_mode()
+def test_stack_with_several_tiles_matches_reference(triton_on_cpu, monkeypatch, early) -> None:
+    """Tiles smaller than a weight row (3 K steps in in_proj, 6 in out_proj, 3 x_proj blocks, the last one
+    partial): the loops past the first tile, which the kernels load apart from the rest, with ``EARLY_LOADS`` on
+    (before the wait) and off."""
+    from rnnserve.kernels.mamba_decode import fused_recurrent
+
+    monkeypatch.setattr(fused_recurrent, "TILE", 512)
+    monkeypatch.setattr(fused_recurrent, "OUT_PROJ_TILE", 512)
+    monkeypatch.setattr(fused_recurrent, "EARLY_LOADS", early)
+    assert fused_recurrent.in_proj_blocks(8, D_MODEL, D_INNER, DT_RANK + 2 * D_STATE) == (32, 16, 16)
+    assert fused_recurrent.gemv_blocks(8, D_INNER, fused_recurrent.OUT_PROJ_ROWS, 512) == (8, 16)
+    check_stack(torch.float32, torch.float32, 5, True)
+
+
+def check_stack(dtype: torch.dtype, stream_dtype: torch.dtype, batch: int, use_bias: bool) -> None:
+    """Two steps of the Triton stack against the op-by-op reference: outputs, and the pools' slots (the others
+    untouched)."""
     from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
 
     args = stack_args(dtype, batch, use_bias, stream_dtype)
