@@ -5,12 +5,13 @@ Times a whole decode step of ``random:mamba-370m`` and ``random:mamba2-370m`` (b
 layers and the LM head) at batch 1, 2, 4 and 8: first the op-by-op step (``STACK_ENABLED`` cleared: cuBLAS GEMMs and
 one kernel per other op), then the stack (at every batch it takes, whatever the models' ``STACK_MAX_BATCH``) at each
 choice of (in_proj rows per program, out_proj rows per program, product tile, warps, programmatic dependent launch,
-the small inputs' L2 prefetch under it, loads before the wait), each stack's own defaults among them, at batch 1 and
-8, and at the model's default choice at 2 and 4 (where the stack and the op-by-op step cross: ``STACK_MAX_BATCH``).
-Prints ms per step, the ratio to the op-by-op step measured in the same run, the share of the HBM roofline (weight
-and state bytes over the device-to-device copy bandwidth measured here) and the largest difference of the logits
-from the op-by-op step's, best first, with the model's default marked. ``--smoke`` runs the two defaults on the tiny
-presets in fp32 on CPU (Triton interpreter, eager, no dependent launch).
+the small inputs' L2 prefetch under it, loads before the wait, later kernels' weights asked for by earlier ones),
+each stack's own defaults among them, at batch 1 and 8, and at the model's default choice at 2 and 4 (where the
+stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op step measured
+in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy bandwidth
+measured here) and the largest difference of the logits from the op-by-op step's, best first, with the model's
+default marked. ``--smoke`` runs the two defaults on the tiny presets in fp32 on CPU (Triton interpreter, eager, no
+dependent launch).
 
     python benchmarks/decode_tune.py
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
@@ -43,7 +44,7 @@ from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
 KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "OUT_PROJ_TILE", "NUM_WARPS",  # the GEMV kernels' shape
          "SSM_CHANNELS", "SSM_WARPS",  # the SSM kernel's
-         "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS")  # fmt: skip
+         "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS", "PREFETCH_AHEAD")  # fmt: skip
 STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS
 DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
 MAMBA2_DEFAULT = tuple(getattr(mamba2_fused, name) for name in KNOBS)
@@ -67,7 +68,8 @@ def around(default: tuple) -> list[tuple]:
             *(varied(default, SSM_WARPS=w) for w in (2, 8) if w != values["SSM_WARPS"]),
             varied(default, LAUNCH_PDL=not values["LAUNCH_PDL"]),
             varied(default, PREFETCH_INPUTS=not values["PREFETCH_INPUTS"]),
-            varied(default, EARLY_LOADS=not values["EARLY_LOADS"])]
+            varied(default, EARLY_LOADS=not values["EARLY_LOADS"]),
+            varied(default, PREFETCH_AHEAD=not values["PREFETCH_AHEAD"])]
 
 
 # GEMV shapes around the Mamba-1 stack's default, one knob at a time, then the pairs that trade program count

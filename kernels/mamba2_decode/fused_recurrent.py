@@ -33,6 +33,7 @@ from rnnserve.kernels.mamba_decode.fused_recurrent import (
     dependent_launch,
     normed_input_times_weight,
     prefetch_conv_inputs,
+    prefetch_share,
     prefetch_vector,
     prefetch_weight_rows,
     wait_for_previous_kernel,
@@ -59,16 +60,19 @@ PREFETCH_INPUTS = True
 # Load the GEMVs' first weight tiles and in_proj's conv tails and weights at the kernels' start, before the wait
 # under dependent launch (the Mamba-1 stack's EARLY_LOADS; the SSM kernel does so always).
 EARLY_LOADS = True
+# Ask L2 from in_proj for its layer's out_proj weights, from the SSM kernel for the next layer's in_proj (the
+# Mamba-1 stack's PREFETCH_AHEAD).
+PREFETCH_AHEAD = False
 
 
 @triton.jit
 def _mamba2_in_proj_kernel(
     x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
-    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr,
-    batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr, ahead_ptr,
+    batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d, n_ahead,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
@@ -115,14 +119,16 @@ def _mamba2_in_proj_kernel(
     dt_heads = chans - conv_dim
     tl.store(dt_ptr + rows[:, None] * heads + dt_heads[None, :], projected.to(wdtype),
              mask=row_ok[:, None] & ((dt_heads >= 0) & (dt_heads < heads))[None, :])
+    if AHEAD:  # this layer's out_proj, after this program's own work
+        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0))
 
 
 @triton.jit
 def _mamba2_ssm_kernel(
     xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr,
-    d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
-    stride_ssm_slot, stride_ssm_h, stride_ssm_p,
-    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+    ahead_ptr, d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
+    stride_ssm_slot, stride_ssm_h, stride_ssm_p, n_ahead,
+    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -158,6 +164,9 @@ def _mamba2_ssm_kernel(
     tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
     parts = tl.num_programs(1) * tl.num_programs(2)
     tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))
+    if AHEAD:  # the next layer's in_proj, after this program's own work
+        prefetch_share(ahead_ptr, n_ahead, (b * tl.num_programs(1) + head) * tl.num_programs(2) + i_p,
+                       tl.num_programs(0) * parts)
 
 
 @triton.jit
@@ -268,27 +277,30 @@ def mamba2_decode_stack_triton(
     streams = (torch.empty_like(stream), torch.empty_like(stream))
     normed, stream = normed.contiguous(), stream.contiguous()
     delta = None
+    ahead = pdl and PREFETCH_AHEAD  # the requests are inline PTX, run where dependent launch is
     for i, layer in enumerate(layers):
         in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, gated_w, out_w, out_b = (
             None if t is None else t.contiguous() for t in layer
         )
+        next_in_w = layers[i + 1][0].contiguous() if i + 1 < len(layers) else None
         conv, ssm = conv_pool[:, i], ssm_pool[:, i]
         new_stream = streams[i % 2]
         _mamba2_in_proj_kernel[(triton.cdiv(n_out, block_o),)](
             normed, stream, delta if delta is not None else normed, norm_weights[i - 1], new_stream, in_w,
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
-            z, xbc, dt, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
-            HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=NUM_WARPS,
-            launch_pdl=pdl,
+            z, xbc, dt, out_w, batch, d_model, d_inner, conv_dim, heads, eps, conv.stride(0), conv.stride(1),
+            out_w.numel(), HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None,
+            K=width, BB=batch_block, BO=block_o, BK=block_k, BKC=mamba1.pow2(width), PDL=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS,
+            AHEAD=ahead, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba2_ssm_kernel[(batch, heads, p_blocks)](
-            xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, d_inner, conv_dim, heads, head_dim,
-            d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
-            ssm.stride(2), BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, num_warps=SSM_WARPS,
+            xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, next_in_w if next_in_w is not None else in_w,
+            d_inner, conv_dim, heads, head_dim, d_state, heads // groups, groups, dt_limits[0], dt_limits[1],
+            ssm.stride(0), ssm.stride(1), ssm.stride(2), next_in_w.numel() if next_in_w is not None else 0,
+            BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, AHEAD=ahead and next_in_w is not None, num_warps=SSM_WARPS,
             launch_pdl=pdl,
         )
         delta = torch.empty(batch, d_model, dtype=dtype, device=device)

@@ -65,7 +65,14 @@ PREFETCH_INPUTS = True
 # start, not two to five times in a row. (PREFETCH_INPUTS then only covers what is left.) Unmeasured on a GPU:
 # decode_tune times it on and off.
 EARLY_LOADS = True
+# Under dependent launch, also ask L2 from each kernel for the weights of a later one: in_proj for its layer's
+# out_proj, the SSM kernel for the next layer's in_proj. Each kernel's own request comes only once its programs
+# are resident, which beside the kernel before it takes registers to spare; these come from a kernel that runs,
+# after its own work, so the weights stream from HBM in the background of the step. Off: the requests could
+# also queue ahead of the next kernels' own loads. Unmeasured on a GPU: decode_tune times it on.
+PREFETCH_AHEAD = False
 L2_LINE = tl.constexpr(128)  # bytes
+AHEAD_REQUESTS = tl.constexpr(1024)  # L2 requests a program issues at a time for PREFETCH_AHEAD
 
 
 @triton.jit
@@ -102,6 +109,22 @@ def prefetch_row_spans(ptr, rows, row_stride, span):
     starts = ptr + rows.to(tl.int64) * row_stride
     prefetch_l2(starts)
     prefetch_l2(starts + (span - 1))
+
+
+@triton.jit
+def prefetch_share(ptr, n_elements, part, parts):
+    """Ask L2 for share ``part`` of ``parts`` of the lines of ``ptr[:n_elements]`` (``n_elements > 0``): a later
+    kernel's weights, asked for by the programs of one that runs before it. One request per line's worth of
+    elements and one for the last element (whose line is one more where ``ptr`` does not start a line),
+    :data:`AHEAD_REQUESTS` at a time."""
+    line = L2_LINE // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    n_requests = tl.cdiv(n_elements, line) + 1
+    per_part = tl.cdiv(n_requests, parts)
+    first = part * per_part
+    last = tl.minimum(first + per_part, n_requests) - 1
+    for r0 in range(first, last + 1, AHEAD_REQUESTS):
+        requests = tl.minimum(r0 + tl.arange(0, AHEAD_REQUESTS), last)
+        prefetch_l2(ptr + tl.minimum(requests.to(tl.int64) * line, n_elements - 1))
 
 
 @triton.jit
@@ -265,11 +288,11 @@ def store_x_proj_partial(xc, wx, e0, pid, rows, row_ok, partial_ptr, batch, n_pr
 @triton.jit
 def _mamba_in_proj_kernel(
     x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
-    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr,
-    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr, ahead_ptr,
+    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d, n_ahead,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
-    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid * BO
@@ -323,6 +346,8 @@ def _mamba_in_proj_kernel(
     else:
         tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], projected.to(wdtype),
                  mask=row_ok[:, None])
+    if AHEAD:  # this layer's out_proj, after this program's own work
+        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0))
 
 
 @triton.jit
@@ -340,10 +365,10 @@ def ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, d
 
 @triton.jit
 def _mamba_ssm_kernel(
-    partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
-    batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d,
+    partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr, ahead_ptr,
+    batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d, n_ahead,
     BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     chans = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -400,6 +425,9 @@ def _mamba_ssm_kernel(
     tl.store(state_ptrs, h, mask=ok)
     y = tl.sum(h * C[None, :], axis=1) + x * D
     tl.store(y_ptr + b * d_inner + chans, (y * z * tl.sigmoid(z)).to(wdtype), mask=chan_ok)
+    if AHEAD:  # the next layer's in_proj, after this program's own work
+        prefetch_share(ahead_ptr, n_ahead, b * tl.num_programs(1) + tl.program_id(1),
+                       tl.num_programs(0) * tl.num_programs(1))
 
 
 @triton.jit
@@ -546,27 +574,31 @@ def mamba_decode_stack_triton(
     normed = normed.contiguous()
     stream = stream.contiguous()
     delta = None
+    ahead = pdl and PREFETCH_AHEAD  # the requests are inline PTX, run where dependent launch is
     for i, layer in enumerate(layers):
         in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = (
             None if t is None else t.contiguous() for t in layer[:11]
         )
+        next_in_w = layers[i + 1][0].contiguous() if i + 1 < len(layers) else None
         conv, ssm = conv_pool[:, i], ssm_pool[:, i]
         new_stream = streams[i % 2]
         _mamba_in_proj_kernel[(2 * d_inner // block_o,)](
             normed, stream, delta if delta is not None else normed, norm_weights[i - 1], new_stream, in_w,
             in_b if in_b is not None else in_w, conv, conv_w, conv_b if conv_b is not None else conv_w, slot_ids,
-            x_w, xc, z, partial, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
-            HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None, K=width,
-            BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=pdl,
-            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=NUM_WARPS,
-            launch_pdl=pdl,
+            x_w, xc, z, partial, out_w, batch, d_model, d_inner, n_proj, eps, conv.stride(0), conv.stride(1),
+            out_w.numel(), HAS_NORM=delta is not None, HAS_BIAS=in_b is not None, HAS_CONV_BIAS=conv_b is not None,
+            K=width, BB=batch_block, BO=block_o, BK=block_k, BE=block_e, BKC=pow2(width), PDL=pdl,
+            LINES=weight_lines(in_w, block_o), PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS,
+            AHEAD=ahead, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
-            partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, batch, d_inner, x_blocks, dt_rank, d_state,
-            ssm.stride(0), ssm.stride(1), BP=block_p, BR=block_r, BN=block_n, BC=block_c, PDL=pdl,
-            PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, num_warps=SSM_WARPS, launch_pdl=pdl,
+            partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, next_in_w if next_in_w is not None else in_w, batch,
+            d_inner, x_blocks, dt_rank, d_state, ssm.stride(0), ssm.stride(1),
+            next_in_w.numel() if next_in_w is not None else 0, BP=block_p, BR=block_r, BN=block_n, BC=block_c,
+            PDL=pdl, PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS,
+            AHEAD=ahead and next_in_w is not None, num_warps=SSM_WARPS, launch_pdl=pdl,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)

@@ -199,13 +199,14 @@ def _mamba_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], d
 
 def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
     """The Triton Mamba-1 and Mamba-2 decode stacks at mamba-370m / mamba2-370m sizes, batch 1 and the largest
-    batch they take, and also with programmatic dependent launch (``PDL``, with the inputs' prefetch)."""
+    batch they take, and also with programmatic dependent launch (``PDL``, with the inputs' prefetch and the later
+    kernels' weights: ``PREFETCH_AHEAD``, which decode_tune sweeps)."""
     f32 = "*fp32"
     types = {"x_ptr": act, "stream_ptr": f32, "delta_ptr": act, "norm_w_ptr": act, "new_stream_ptr": f32,
              "w_ptr": act, "bias_ptr": act, "conv_pool_ptr": f32, "conv_w_ptr": f32, "conv_b_ptr": f32,
              "slot_ids_ptr": "*i64", "x_proj_w_ptr": act, "xc_ptr": act, "z_ptr": act, "partial_ptr": f32,
              "dt_w_ptr": act, "dt_bias_ptr": f32, "A_ptr": f32, "D_ptr": f32, "ssm_pool_ptr": f32, "y_ptr": act,
-             "out_ptr": act, "eps": "fp32"}
+             "out_ptr": act, "ahead_ptr": act, "eps": "fp32"}
     types2 = {**types, "conv_w_ptr": act, "conv_b_ptr": act, "xbc_ptr": act, "dt_ptr": act, "A_log_ptr": act,
               "D_ptr": act, "dt_bias_ptr": act, "gated_ptr": f32, "squares_ptr": f32, "dt_min": "fp32",
               "dt_max": "fp32"}
@@ -222,7 +223,8 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                                                        "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                        "BE": block_e, "BKC": 4, "PDL": pdl,
                                                        "LINES": lines(block_o, 1024), "PREFETCH": pdl,
-                                                       "EARLY": mamba_decode.EARLY_LOADS},
+                                                       "EARLY": mamba_decode.EARLY_LOADS,
+                                                       "AHEAD": pdl},
                         gemv_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS, mamba_decode.OUT_PROJ_TILE)
         configs.append((_mamba_out_proj_kernel, {**types, "x_ptr": act}, {"HAS_BIAS": True, "BB": rows,
@@ -234,7 +236,8 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         configs.append((_mamba2_in_proj_kernel, types2, {"HAS_NORM": True, "HAS_BIAS": True, "HAS_CONV_BIAS": True,
                                                          "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
                                                          "BKC": 4, "PDL": pdl, "LINES": lines(block_o, 1024),
-                                                         "PREFETCH": pdl, "EARLY": mamba2_decode.EARLY_LOADS},
+                                                         "PREFETCH": pdl, "EARLY": mamba2_decode.EARLY_LOADS,
+                                                         "AHEAD": pdl},
                         gemv2_warps))
         block_o, block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS,
                                                     mamba2_decode.OUT_PROJ_TILE)
@@ -245,9 +248,11 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
                         gemv2_warps))
     for pdl in (False, True):
         configs.append((_mamba_ssm_kernel, types, {"BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
-                                                   "PDL": pdl, "PREFETCH": pdl, "EARLY": mamba_decode.EARLY_LOADS},
+                                                   "PDL": pdl, "PREFETCH": pdl, "EARLY": mamba_decode.EARLY_LOADS,
+                                                   "AHEAD": pdl},
                         mamba_decode.SSM_WARPS))
-        configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl},
+        configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl,
+                                                     "AHEAD": pdl},
                         mamba2_decode.SSM_WARPS))
     return configs
 

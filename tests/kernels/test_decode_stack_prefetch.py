@@ -8,6 +8,8 @@ the small inputs and the slots' conv tails it is meant to, and the results equal
 
 With ``EARLY_LOADS`` the kernels load the small inputs (and each GEMV's first weight tile) at their start,
 before the wait, instead of asking L2 for them: the results must equal a plain launch without early loads too.
+With ``PREFETCH_AHEAD`` in_proj also asks for its layer's out_proj weights and the SSM kernel for the next layer's
+in_proj weights.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from tests.kernels import test_mamba2_decode_triton as mamba2_case
 from tests.kernels import test_mamba_decode_triton as mamba_case
 
 LINE = 128  # bytes an L2 request brings
+# (batch, use_bias, EARLY_LOADS, PREFETCH_AHEAD) of the dependent launch compared with a plain one
+CASES = [(1, False, False, False), (1, True, False, True), (5, True, True, True), (5, False, True, False)]
 
 
-def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool, early: bool) -> list[np.ndarray]:
+def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool, early: bool, ahead: bool) -> list[np.ndarray]:
     """Both stacks launched as under programmatic dependent launch if ``dependent`` (else plainly), with
-    ``EARLY_LOADS = early``, the prefetch recording its addresses (returned, filled as the stacks run) and the
-    wait doing nothing."""
+    ``EARLY_LOADS = early`` and ``PREFETCH_AHEAD = ahead``, the prefetch recording its addresses (returned, filled
+    as the stacks run) and the wait doing nothing."""
     addresses: list[np.ndarray] = []
 
     def record(ptrs) -> None:
@@ -44,6 +48,7 @@ def recording_launch(monkeypatch: pytest.MonkeyPatch, dependent: bool, early: bo
         monkeypatch.setattr(stack, "dependent_launch", lambda wanted, device: dependent)
         monkeypatch.setattr(stack, "PREFETCH_INPUTS", True)
         monkeypatch.setattr(stack, "EARLY_LOADS", early)
+        monkeypatch.setattr(stack, "PREFETCH_AHEAD", ahead)
     return addresses
 
 
@@ -71,19 +76,29 @@ def check_prefetches(addresses: list[np.ndarray], given: list[torch.Tensor], mea
         assert not missed, f"{len(missed)} lines of a {tuple(t.shape)} input were not prefetched"
 
 
-def run_both_ways(monkeypatch: pytest.MonkeyPatch, make_args, run, early: bool) -> tuple[dict, list[np.ndarray]]:
+def run_both_ways(
+    monkeypatch: pytest.MonkeyPatch, make_args, run, early: bool, ahead: bool = False
+) -> tuple[dict, list[np.ndarray]]:
     """``run(args)`` on fresh ``make_args()``, launched plainly without early loads, then as under dependent
-    launch with ``EARLY_LOADS = early``: the outputs and the pools must be equal. Returns the second run's args
-    and prefetched addresses."""
+    launch with ``EARLY_LOADS = early`` and ``PREFETCH_AHEAD = ahead``: the outputs and the pools must be equal.
+    Returns the second run's args and prefetched addresses."""
     results = []
     for dependent in (False, True):
         args = make_args()
-        addresses = recording_launch(monkeypatch, dependent, early and dependent)
+        addresses = recording_launch(monkeypatch, dependent, early and dependent, ahead and dependent)
         results.append((run(args), args["conv_pool"], args["ssm_pool"]))
         assert bool(addresses) == dependent
     for plain, under_dependent_launch in zip(*results, strict=True):
         assert torch.equal(plain, under_dependent_launch)
     return args, addresses
+
+
+def ahead_weights(layers: list, ahead: bool, out_proj: int) -> list[torch.Tensor]:
+    """What ``PREFETCH_AHEAD`` asks for (``ahead``): every layer's out_proj (at index ``out_proj`` of a layer),
+    and each layer's in_proj but the first (the SSM kernel of the layer before asks for it)."""
+    if not ahead:
+        return []
+    return [layer[out_proj] for layer in layers] + [layer[0] for layer in layers[1:]]
 
 
 def check_stack_prefetches(
@@ -99,20 +114,21 @@ def check_stack_prefetches(
     check_prefetches(addresses, given, [*args["norm_weights"][:-1], *slot_tails, *layer_inputs])
 
 
-@pytest.mark.parametrize(("batch", "use_bias", "early"), [(1, False, False), (5, True, False), (1, True, True),
-                                                          (5, False, True)])  # fmt: skip
+@pytest.mark.parametrize(("batch", "use_bias", "early", "ahead"), CASES)
 @torch.inference_mode()
-def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias, early):
+def test_mamba_stack_prefetches_its_inputs_and_changes_no_result(
+    triton_on_cpu, monkeypatch, batch, use_bias, early, ahead
+):
     def run(args: dict) -> torch.Tensor:
         return mamba_fused.mamba_decode_stack_triton(
             args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"], args["conv_pool"],
             args["ssm_pool"], args["slot_ids"])  # fmt: skip
 
     args, addresses = run_both_ways(
-        monkeypatch, lambda: mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32), run, early)
+        monkeypatch, lambda: mamba_case.stack_args(torch.float32, batch, use_bias, torch.float32), run, early, ahead)
     # With early loads, every input but the norms' weights is loaded before the wait (at these sizes each weight
-    # row fits its first tile), so only the norms' weights are left to prefetch.
-    meant = [] if early else [
+    # row fits its first tile), so only the norms' weights are left to prefetch, and those of later kernels.
+    meant = ahead_weights(args["layers"], ahead, out_proj=9) if early else [
         t for in_w, _, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, _ in (layer[:11] for layer in args["layers"])
         for t in (in_w, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w) if t is not None]  # fmt: skip
     check_stack_prefetches(args, addresses, meant, tails=not early)
@@ -138,10 +154,11 @@ def test_mamba_stack_with_small_tiles_prefetches_what_it_does_not_load_early(tri
     check_stack_prefetches(args, addresses, meant, tails=False)
 
 
-@pytest.mark.parametrize(("batch", "use_bias", "early"), [(1, False, False), (5, True, False), (1, True, True),
-                                                          (5, False, True)])  # fmt: skip
+@pytest.mark.parametrize(("batch", "use_bias", "early", "ahead"), CASES)
 @torch.inference_mode()
-def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu, monkeypatch, batch, use_bias, early):
+def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(
+    triton_on_cpu, monkeypatch, batch, use_bias, early, ahead
+):
     g = torch.Generator().manual_seed(7)
     normed, stream = torch.randn(batch, mamba2_case.D_MODEL, generator=g), torch.randn(batch, mamba2_case.D_MODEL)
 
@@ -151,9 +168,9 @@ def test_mamba2_stack_prefetches_its_inputs_and_changes_no_result(triton_on_cpu,
             args["slot_ids"], mamba2_case.GROUPS, 1e-5, (0.0, math.inf))  # fmt: skip
 
     args, addresses = run_both_ways(
-        monkeypatch, lambda: mamba2_case.stack_args(torch.float32, batch, use_bias), run, early)
+        monkeypatch, lambda: mamba2_case.stack_args(torch.float32, batch, use_bias), run, early, ahead)
     # With early loads (see the Mamba-1 test) only the norms' weights are left to prefetch, the gated norm's too.
-    meant = [layer[7] for layer in args["layers"]] if early else [
+    meant = [layer[7] for layer in args["layers"]] + ahead_weights(args["layers"], ahead, out_proj=8) if early else [
         t for in_w, _, conv_w, conv_b, _, _, _, gated_w, out_w, _ in args["layers"]
         for t in (in_w, conv_w, conv_b, gated_w, out_w) if t is not None]  # fmt: skip
     check_stack_prefetches(args, addresses, meant, tails=not early)
