@@ -9,23 +9,36 @@ Call :func:`build_cpu_extension` at start-up (the engine does): building needs a
 takes a second or two. When it cannot be built, or when ``RNNSERVE_CPU_KERNELS=0``, every op falls back to
 its PyTorch path. A process that never called it builds on the first op that asks (:func:`cpu_ops`), with a
 warning: that first call then waits for the build.
+
+PyTorch's builder serialises builds with a lock file in the build directory that a process killed while it
+builds (a server stopped with SIGKILL, out of memory) leaves behind, and every later build then waits on it
+forever. Builds here first take an ``flock`` beside it, which the system releases with the process that held
+it: under that lock no other build of ours is running, so a lock file found is stale and removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from rnnserve.kernels.backend import use_triton
 
+try:
+    import fcntl
+except ImportError:  # Windows: PyTorch's lock file alone
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rnnserve"
+EXTENSION = "rnnserve_cpu_kernels"
 SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # plus the shared cpu_math.h
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
@@ -42,6 +55,24 @@ def ensure_ninja_on_path() -> None:
     except ImportError:
         return
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold ``directory/rnnserve-build.flock`` (waiting for another process's build) for a build in
+    ``directory``; remove PyTorch's lock file there if one was left (see the module docstring). Without
+    ``fcntl`` (Windows) only PyTorch's lock file serialises builds."""
+    if fcntl is None:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "rnnserve-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build whose process was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield  # the lock goes with the file's closing, or with the process
 
 
 def registered_ops() -> list[str]:
@@ -65,17 +96,18 @@ def build_cpu_extension() -> bool:
         return False
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         ensure_ninja_on_path()
-        load(
-            name="rnnserve_cpu_kernels",
-            sources=SOURCES,
-            extra_cflags=FLAGS,
-            extra_include_paths=[str(Path(__file__).parent)],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        with exclusive_build(Path(_get_build_directory(EXTENSION, verbose=False))):
+            load(
+                name=EXTENSION,
+                sources=SOURCES,
+                extra_cflags=FLAGS,
+                extra_include_paths=[str(Path(__file__).parent)],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except Exception as err:  # no compiler, no OpenMP, read-only cache dir, ...
         log.warning("fused CPU kernels unavailable, CPU ops fall back to their PyTorch paths (slower): %s", err)
         return False

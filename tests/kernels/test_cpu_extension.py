@@ -1,10 +1,16 @@
-"""The CPU kernels' builder: finds the ninja wheel's binary, builds once at start-up and logs the outcome."""
+"""The CPU kernels' builder: finds the ninja wheel's binary, builds once at start-up and logs the outcome, and a
+build killed midway does not hang the builds after it."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +86,37 @@ def test_a_build_on_first_use_is_logged(monkeypatch: pytest.MonkeyPatch, caplog:
     with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
         assert not cpu_extension.cpu_ops()
     assert "before build_cpu_extension()" in caplog.text
+
+
+def test_a_lock_file_left_by_a_killed_build_is_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "lock").write_text("")  # what PyTorch's builder leaves when its process is killed mid-build
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__), cpu_extension.exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "left by a build whose process was killed" in caplog.text
+
+
+def test_the_build_lock_goes_with_a_killed_process(tmp_path: Path) -> None:
+    """A build waits for another process's build, and no longer once that process is killed (SIGKILL: no
+    clean-up of its own runs)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from rnnserve.kernels.cpu_extension import exclusive_build\n"
+         "with exclusive_build(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def build() -> None:
+            with cpu_extension.exclusive_build(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5)  # the other process builds
+        holder.send_signal(signal.SIGKILL)
+        assert entered.wait(10)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -63,7 +63,8 @@ def running_server(*flags: str, env: dict[str, str] | None = None, timeout: floa
 
 def stop(proc: subprocess.Popen) -> None:
     """End a server that is still running, with SIGINT first: a process killed while it builds the CPU kernels
-    would leave torch's build lock behind and hang every later build on the machine."""
+    leaves torch's build lock behind (the next build removes it: ``cpu_extension.exclusive_build``, with a
+    warning)."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGINT)
