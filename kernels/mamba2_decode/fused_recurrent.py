@@ -282,7 +282,8 @@ def mamba2_decode_stack_triton(
         in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, gated_w, out_w, out_b = (
             None if t is None else t.contiguous() for t in layer
         )
-        next_in_w = layers[i + 1][0].contiguous() if i + 1 < len(layers) else None
+        has_next = i + 1 < len(layers)
+        next_in_w = layers[i + 1][0].contiguous() if has_next else in_w  # in_w: a placeholder, not asked for
         conv, ssm = conv_pool[:, i], ssm_pool[:, i]
         new_stream = streams[i % 2]
         _mamba2_in_proj_kernel[(triton.cdiv(n_out, block_o),)](
@@ -297,11 +298,10 @@ def mamba2_decode_stack_triton(
         if delta is not None:
             stream = new_stream
         _mamba2_ssm_kernel[(batch, heads, p_blocks)](
-            xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, next_in_w if next_in_w is not None else in_w,
-            d_inner, conv_dim, heads, head_dim, d_state, heads // groups, groups, dt_limits[0], dt_limits[1],
-            ssm.stride(0), ssm.stride(1), ssm.stride(2), next_in_w.numel() if next_in_w is not None else 0,
-            BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl, AHEAD=ahead and next_in_w is not None, num_warps=SSM_WARPS,
-            launch_pdl=pdl,
+            xbc, dt, z, dt_bias, A_log, D, ssm, slot_ids, gated, squares, next_in_w, d_inner, conv_dim, heads,
+            head_dim, d_state, heads // groups, groups, dt_limits[0], dt_limits[1], ssm.stride(0), ssm.stride(1),
+            ssm.stride(2), next_in_w.numel(), BP=block_p, BN=mamba1.pow2(d_state), PDL=pdl,
+            AHEAD=ahead and has_next, num_warps=SSM_WARPS, launch_pdl=pdl,
         )
         delta = torch.empty(batch, d_model, dtype=dtype, device=device)
         _mamba2_out_proj_kernel[(triton.cdiv(d_model, out_block_o),)](

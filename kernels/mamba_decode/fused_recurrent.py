@@ -379,8 +379,8 @@ def _mamba_ssm_kernel(
     states = tl.arange(0, BN)
     state_ok = states < d_state
     # The slot's state rows first (no earlier kernel of this step writes them), and with EARLY the parameters,
-    # then what in_proj wrote. Without EARLY the parameters are read after the partial sums, with x and z; under
-    # dependent launch L2 has been asked for them before the wait.
+    # then what in_proj wrote (x and z in flight with the partial sums). Without EARLY the parameters are read
+    # after the partial sums; under dependent launch L2 has been asked for them before the wait.
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ok = chan_ok[:, None] & state_ok[None, :]
     state_ptrs = ssm_pool_ptr + slot * stride_ssm_slot + chans[:, None] * stride_ssm_d + states[None, :]
@@ -396,9 +396,8 @@ def _mamba_ssm_kernel(
             prefetch_l2(dt_bias_ptr + valid)
             prefetch_l2(D_ptr + valid)
         wait_for_previous_kernel()
-    if EARLY:  # in flight with the partial sums
-        x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
     dt_low = tl.zeros([BR], dtype=tl.float32)
     B = tl.zeros([BN], dtype=tl.float32)
     C = tl.zeros([BN], dtype=tl.float32)
@@ -417,8 +416,6 @@ def _mamba_ssm_kernel(
     if not EARLY:
         dt_w, dt_bias, A, D = ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, dt_rank,
                                              states, state_ok, d_state)
-        x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
     dt = tl.sum(dt_w.to(tl.float32) * dt_low[None, :], axis=1).to(wdtype).to(tl.float32)
     dt = softplus_f32(dt + dt_bias)
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
@@ -579,7 +576,8 @@ def mamba_decode_stack_triton(
         in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, A, D, out_w, out_b = (
             None if t is None else t.contiguous() for t in layer[:11]
         )
-        next_in_w = layers[i + 1][0].contiguous() if i + 1 < len(layers) else None
+        has_next = i + 1 < len(layers)
+        next_in_w = layers[i + 1][0].contiguous() if has_next else in_w  # in_w: a placeholder, not asked for
         conv, ssm = conv_pool[:, i], ssm_pool[:, i]
         new_stream = streams[i % 2]
         _mamba_in_proj_kernel[(2 * d_inner // block_o,)](
@@ -594,11 +592,10 @@ def mamba_decode_stack_triton(
         if delta is not None:
             stream = new_stream
         _mamba_ssm_kernel[(batch, triton.cdiv(d_inner, block_c))](
-            partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, next_in_w if next_in_w is not None else in_w, batch,
-            d_inner, x_blocks, dt_rank, d_state, ssm.stride(0), ssm.stride(1),
-            next_in_w.numel() if next_in_w is not None else 0, BP=block_p, BR=block_r, BN=block_n, BC=block_c,
-            PDL=pdl, PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS,
-            AHEAD=ahead and next_in_w is not None, num_warps=SSM_WARPS, launch_pdl=pdl,
+            partial, dt_w, dt_b, A, D, xc, z, ssm, slot_ids, y, next_in_w, batch, d_inner, x_blocks, dt_rank, d_state,
+            ssm.stride(0), ssm.stride(1), next_in_w.numel(), BP=block_p, BR=block_r, BN=block_n, BC=block_c,
+            PDL=pdl, PREFETCH=PREFETCH_INPUTS, EARLY=EARLY_LOADS, AHEAD=ahead and has_next, num_warps=SSM_WARPS,
+            launch_pdl=pdl,
         )
         delta = mamba_out_proj_triton(y, out_w, out_b)
     normed, _ = residual_rms_norm_triton(stream, delta, norm_weights[-1], eps, False)
