@@ -106,6 +106,11 @@ class Scheduler:
         self.running: dict[str, SequenceGroup] = {}
         self._decode_seconds = 0.0  # estimated time of a decode-only step
         self._prefill_balance = 0.0  # <= 0: prefill seconds still owed to the decoding requests
+        # A decode-only schedule's samples, kept while no request is admitted and no sample ends or leaves, and
+        # how many more schedules may return them as they are: the engine samples one token for each sample of
+        # every schedule, so the one with the fewest tokens left before ``max_tokens`` drops out after that many.
+        self._steady: list[Sequence] | None = None
+        self._steady_schedules = 0
 
     @property
     def num_waiting(self) -> int:
@@ -142,17 +147,31 @@ class Scheduler:
         wanted) instead feeds its next token to the decode step: where a prefill call costs more than the
         decode steps it would replace (a GPU's launch-bound prefill against a CUDA-graph replay), arrivals
         then never stall the running streams.
+
+        The caller samples one token for every decode sample of each schedule (or fails its request). In a steady
+        batch (nothing admitted, prefilling, ended or failed since) a decode-only schedule is therefore the
+        previous one, until a sample reaches ``max_tokens``, and is returned without a pass over the samples.
         """
+        admits = bool(self.waiting) and self.pool.num_free >= self.waiting[0].params.n
+        if self._steady is not None and self._steady_schedules > 0 and not admits:
+            self._steady_schedules -= 1
+            return SchedulerOutput(decode=self._steady)
         out = SchedulerOutput()
         decode = out.decode
         prompts: list[SequenceGroup] = []
+        fewest_left = 0  # the fewest tokens a decoding sample may still sample, counting this step's
         for g in self.running.values():  # one pass, attributes, not properties: this runs for every sample
             if g.num_prefilled < len(g.prompt_token_ids):
                 prompts.append(g)
                 continue
             for s in g.seqs:  # not finished, nor one whose last token is in flight
-                if s.finish_reason is None and len(s.output_token_ids) + s.num_pending < s.max_tokens:
+                left = s.max_tokens - len(s.output_token_ids) - s.num_pending
+                if s.finish_reason is None and left > 0:
                     decode.append(s)
+                    if left < fewest_left or not fewest_left:
+                        fewest_left = left
+        self._steady = decode if decode and not prompts and not admits else None
+        self._steady_schedules = fewest_left - 1
         while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
             group = self.waiting.popleft()
             self._admit(group)
@@ -320,6 +339,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""
+        self._steady = None
         if seq.slot is not None:
             self.pool.free([seq.slot])
             seq.slot = None
@@ -340,6 +360,7 @@ class Scheduler:
         return group
 
     def _remove(self, group: SequenceGroup, reason: str) -> None:
+        self._steady = None
         if self.running.pop(group.request_id, None) is None and group in self.waiting:
             self.waiting.remove(group)
         self.pool.free([s.slot for s in group.seqs if s.slot is not None])
