@@ -56,6 +56,19 @@ PRINTABLE = slice(32, 127)  # the byte tokens a free decode's greedy streams emi
 HTTP_CONFIGS = (("off", "off"), ("on", "off"), ("on", "on"))  # (async scheduling, engine process)
 
 
+SLEEP_SLACK_S = 2e-4  # time.sleep overshoots by ~0.1 ms on these VMs; the rest of a wait yields in a loop
+
+
+def wait_until(deadline: float) -> None:
+    """Return at ``deadline`` (``time.perf_counter``), to within a few microseconds, as a CUDA event's
+    synchronize does: sleep most of the way, then yield the CPU (and the GIL) until it is time."""
+    left = deadline - time.perf_counter()
+    if left > SLEEP_SLACK_S:
+        time.sleep(left - SLEEP_SLACK_S)
+    while time.perf_counter() < deadline:
+        os.sched_yield()
+
+
 class EmulatedDevice:
     """A device that runs one engine step in ``seconds``, in launch order, while the host goes on: a step's
     tokens are ready ``seconds`` after the later of its launch and the previous step's end. A prefill call
@@ -87,9 +100,7 @@ class EmulatedDevice:
             result = sampled.result
 
             def wait_then_result():  # type: ignore[no-untyped-def]
-                left = ready - time.perf_counter()
-                if left > 0:
-                    time.sleep(left)
+                wait_until(ready)
                 return result()
 
             sampled.result = wait_then_result  # type: ignore[method-assign]
