@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import itertools
 import logging
@@ -20,7 +19,7 @@ from rnnserve.engine.loader import load_model
 from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM, StateSpec
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput, TokenLatencies, TokenLogprob
-from rnnserve.engine.prefix_cache import PrefixCache, PrefixCacheStats, TierUsage
+from rnnserve.engine.prefix_cache import PrefixCache, TierUsage
 from rnnserve.engine.sampler import SampledTokens, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -310,14 +309,14 @@ class LLMEngine:
         sampling or stop handling raised.
         """
         start = time.perf_counter()
-        cache_before = self._prefix_cache_stats()
+        queries, hits, hit_tokens = self._prefix_cache_lookups()
         batch = self.scheduler.schedule()
-        cache_after = self._prefix_cache_stats()
+        queries_after, hits_after, hit_tokens_after = self._prefix_cache_lookups()
         stats = StepStats(
             decode_batch_size=len(batch.decode),
-            prefix_cache_queries=cache_after.queries - cache_before.queries,
-            prefix_cache_hits=cache_after.hits - cache_before.hits,
-            prefix_cache_hit_tokens=cache_after.hit_tokens - cache_before.hit_tokens,
+            prefix_cache_queries=queries_after - queries,
+            prefix_cache_hits=hits_after - hits,
+            prefix_cache_hit_tokens=hit_tokens_after - hit_tokens,
         )
         launched = self._launch(batch, stats)
         if self.async_scheduling:
@@ -382,9 +381,12 @@ class LLMEngine:
             return True
         return self._in_flight is not None and any(s.finish_reason is None for s in self._in_flight.seqs)
 
-    def _prefix_cache_stats(self) -> PrefixCacheStats:
-        """A copy of the prefix cache's cumulative counts (zeros when it is off)."""
-        return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
+    def _prefix_cache_lookups(self) -> tuple[int, int, int]:
+        """The prefix cache's cumulative lookups, hits and tokens the hits skipped (zeros when it is off)."""
+        if self.prefix_cache is None:
+            return 0, 0, 0
+        stats = self.prefix_cache.stats
+        return stats.queries, stats.hits, stats.hit_tokens
 
     def _run(
         self, batch: SchedulerOutput, stats: StepStats, failed: list[SequenceGroup]
