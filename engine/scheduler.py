@@ -172,11 +172,14 @@ class Scheduler:
                         fewest_left = left
         self._steady = decode if decode and not prompts and not admits else None
         self._steady_schedules = fewest_left - 1
-        while self.waiting and self.pool.num_free >= self.waiting[0].params.n:
-            group = self.waiting.popleft()
-            self._admit(group)
-            if not group.prefill_done:
-                prompts.append(group)
+        if admits:
+            admitted: list[SequenceGroup] = []
+            free = self.pool.num_free
+            while self.waiting and free >= self.waiting[0].params.n:
+                admitted.append(self.waiting.popleft())
+                free -= admitted[-1].params.n
+            self._admit(admitted)
+            prompts += [g for g in admitted if not g.prefill_done]
         if out.decode and self.decoded_prompt_tokens:
             out.decoded_prompts = [
                 PrefillChunk(g, g.num_prefilled, g.num_prefilled + 1) for g in prompts if self._decodes_prompt(g)
@@ -234,22 +237,24 @@ class Scheduler:
         else:
             self._prefill_balance -= max(0.0, seconds - self._decode_seconds)
 
-    def _admit(self, group: SequenceGroup) -> None:
-        """Give a request its slots; its first slot starts from its context's state, or from the deepest
-        cached prefix of its prompt (not for prompt logprobs, which need every prompt token's logits)."""
-        slots = self.pool.allocate(group.params.n)
-        for seq, slot in zip(group.seqs, slots, strict=True):
-            seq.slot = slot
-            seq.init_sampling_state(self.vocab_size, self.pool.device)
-        if group.initial_state is not None:
-            self.pool.write_slot(slots[0], group.initial_state)
-            group.initial_state = None
-        elif self.prefix_cache is not None and group.cacheable and group.prompt_logprobs is None:
-            group.num_prefilled = group.num_cached_tokens = self.prefix_cache.restore(
-                group.prompt_token_ids, self.pool.tensors, slots[0]
-            )
-        group.metrics.first_scheduled_time = time.monotonic()
-        self.running[group.request_id] = group
+    def _admit(self, groups: list[SequenceGroup]) -> None:
+        """Give requests their slots (reset together: a burst of arrivals costs one reset); each request's first
+        slot starts from its context's state, or from the deepest cached prefix of its prompt (not for prompt
+        logprobs, which need every prompt token's logits)."""
+        now = time.monotonic()
+        for group, slots in zip(groups, self.pool.allocate_many([g.params.n for g in groups]), strict=True):
+            for seq, slot in zip(group.seqs, slots, strict=True):
+                seq.slot = slot
+                seq.init_sampling_state(self.vocab_size, self.pool.device)
+            if group.initial_state is not None:
+                self.pool.write_slot(slots[0], group.initial_state)
+                group.initial_state = None
+            elif self.prefix_cache is not None and group.cacheable and group.prompt_logprobs is None:
+                group.num_prefilled = group.num_cached_tokens = self.prefix_cache.restore(
+                    group.prompt_token_ids, self.pool.tensors, slots[0]
+                )
+            group.metrics.first_scheduled_time = now
+            self.running[group.request_id] = group
 
     def complete_prefill(self, chunks: list[PrefillChunk]) -> list[Sequence]:
         """Record prefilled chunks; fork each completed prompt into its other samples' slots. Returns the

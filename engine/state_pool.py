@@ -81,11 +81,16 @@ class StatePool:
 
     def allocate(self, count: int = 1) -> list[int]:
         """Take ``count`` free slots, each reset to the initial state."""
-        if count > len(self._free):
-            raise OutOfSlotsError(f"asked for {count} slots, {len(self._free)} free")
-        slots = [self._free.pop() for _ in range(count)]
-        self.reset(long_tensor(slots, self.device))
-        return slots
+        return self.allocate_many([count])[0]
+
+    def allocate_many(self, counts: list[int]) -> list[list[int]]:
+        """Take ``counts[i]`` free slots for each ``i``, all reset to the initial state by one write per state
+        tensor; all or none (``OutOfSlotsError``)."""
+        if sum(counts) > len(self._free):
+            raise OutOfSlotsError(f"asked for {sum(counts)} slots, {len(self._free)} free")
+        taken = [[self._free.pop() for _ in range(count)] for count in counts]
+        self.reset(long_tensor([slot for slots in taken for slot in slots], self.device))
+        return taken
 
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool. Freeing a slot that is already free is an error."""

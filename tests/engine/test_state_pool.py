@@ -40,6 +40,25 @@ def test_allocate_resets_to_initial_and_free_recycles() -> None:
         pool.free([5])
 
 
+def test_allocate_many_resets_every_slot_it_takes_or_takes_none() -> None:
+    pool = StatePool(SPECS, 5)
+    used = pool.allocate(5)
+    for slot in used:
+        pool.tensors["s0"][slot] = 7.0
+        pool.tensors["counter"][slot] = 42
+    pool.free(used)
+    with pytest.raises(OutOfSlotsError):
+        pool.allocate_many([2, 4])
+    assert pool.num_free == 5  # nothing was taken
+    taken = pool.allocate_many([2, 1, 2])
+    assert [len(slots) for slots in taken] == [2, 1, 2]
+    assert sorted(slot for slots in taken for slot in slots) == sorted(used)
+    for slot in used:
+        assert torch.equal(pool.tensors["s0"][slot], torch.eye(2, dtype=torch.float64))
+        assert int(pool.tensors["counter"][slot]) == 0
+    assert pool.num_free == 0
+
+
 def test_double_free_is_an_error() -> None:
     pool = StatePool(SPECS, 2)
     slots = pool.allocate()
