@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
 from benchmarks.engine_throughput import generated_tokens_per_second  # noqa: E402
+from benchmarks.host_ab import free_decode, printable_logits  # noqa: E402
 from rnnserve.engine.config import EngineConfig  # noqa: E402
 from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
@@ -52,7 +53,6 @@ from rnnserve.server.background import serve_in_thread  # noqa: E402
 
 PRESET = "mingru-tiny"
 MODES = ("off", "on")
-PRINTABLE = slice(32, 127)  # the byte tokens a free decode's greedy streams emit
 HTTP_CONFIGS = (("off", "off"), ("on", "off"), ("on", "on"))  # (async scheduling, engine process)
 
 
@@ -116,16 +116,12 @@ def make_model_free(engine: LLMEngine) -> LLMEngine:
     """
     model = engine.runner.model
     rows = engine.config.max_num_seqs
-    logits = torch.randn(rows, model.vocab_size, generator=torch.Generator().manual_seed(0))
-    logits[:, PRINTABLE] += 8.0
-
-    def decode(batch, state):  # type: ignore[no-untyped-def]
-        return logits[: batch.input_ids.shape[0]]
+    logits = printable_logits(rows, model.vocab_size)
 
     def prefill(batch, state):  # type: ignore[no-untyped-def]
         return logits[torch.arange(batch.logit_rows.shape[0]) % rows]
 
-    model.decode = decode  # type: ignore[method-assign]
+    model.decode = free_decode(logits)  # type: ignore[method-assign]
     model.prefill = prefill  # type: ignore[method-assign]
     return engine
 

@@ -38,6 +38,16 @@ STEP_PARTS = [("schedule", "scheduler", "schedule"), ("model call", "runner", "d
               ("sample", "", "_sample"), ("append tokens", "scheduler", "postprocess")]  # fmt: skip
 
 
+def printable_logits(rows: int, vocab: int) -> Any:
+    """Prebuilt logits ``[rows, vocab]`` whose argmax is a printable ASCII byte in every row: each stream's text is
+    printable, as a byte-level model's mostly is."""
+    import torch
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    logits[:, PRINTABLE] += 8.0
+    return logits
+
+
 def free_decode(logits: Any) -> Callable[..., Any]:
     """A decode that returns the first ``B`` rows of prebuilt logits (what a graph replay leaves the host)."""
 
@@ -82,9 +92,7 @@ def worker(checkout: str, preset: str, batch: int, chunk: int, output_kind: str)
                           enable_prefix_cache=False, async_scheduling="on")  # fmt: skip
     engine = LLMEngine(model, tokenizer, config)
     freeze_startup_heap()
-    logits = torch.randn(batch, model.vocab_size, generator=torch.Generator().manual_seed(0))
-    logits[:, PRINTABLE] += 8.0  # each stream's bytes are printable ASCII text, as a byte-level model's mostly are
-    model.decode = free_decode(logits)
+    model.decode = free_decode(printable_logits(batch, model.vocab_size))
     totals: dict[str, float] = {}
     for label, owner, name in STEP_PARTS:
         target = getattr(engine, owner) if owner else engine

@@ -15,6 +15,7 @@ chunk that would cross one ends at it) and when a sample finishes with ``stop`` 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ class Scheduler:
         out = SchedulerOutput()
         decode = out.decode
         prompts: list[SequenceGroup] = []
-        fewest_left = 0  # the fewest tokens a decoding sample may still sample, counting this step's
+        fewest_left = sys.maxsize  # the fewest tokens a decoding sample may still sample, counting this step's
         for g in self.running.values():  # one pass, attributes, not properties: this runs for every sample
             if g.num_prefilled < len(g.prompt_token_ids):
                 prompts.append(g)
@@ -168,7 +169,7 @@ class Scheduler:
                 left = s.max_tokens - len(s.output_token_ids) - s.num_pending
                 if s.finish_reason is None and left > 0:
                     decode.append(s)
-                    if left < fewest_left or not fewest_left:
+                    if left < fewest_left:
                         fewest_left = left
         self._steady = decode if decode and not prompts and not admits else None
         self._steady_schedules = fewest_left - 1
