@@ -43,6 +43,7 @@ class StatePool:
                 self._initial[spec.name] = torch.full(spec.shape, float(init), dtype=spec.dtype, device=self.device)
         self.reset(torch.arange(num_slots + 1))
         self._free = list(range(num_slots - 1, -1, -1))
+        self._allocated = [False] * num_slots
 
     @classmethod
     def from_budget(
@@ -89,14 +90,18 @@ class StatePool:
         if sum(counts) > len(self._free):
             raise OutOfSlotsError(f"asked for {sum(counts)} slots, {len(self._free)} free")
         taken = [[self._free.pop() for _ in range(count)] for count in counts]
+        for slots in taken:
+            for slot in slots:
+                self._allocated[slot] = True
         self.reset(long_tensor([slot for slots in taken for slot in slots], self.device))
         return taken
 
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool. Freeing a slot that is already free is an error."""
         for slot in slots:
-            if not 0 <= slot < self.num_slots or slot in self._free:
+            if not 0 <= slot < self.num_slots or not self._allocated[slot]:
                 raise ValueError(f"slot {slot} is not allocated")
+            self._allocated[slot] = False
             self._free.append(slot)
 
     def reset(self, slots: torch.Tensor) -> None:
