@@ -10,8 +10,10 @@ touches every snapshot on its path, so an ancestor is never older than its desce
 always a leaf-most snapshot. A node left without snapshot and children is pruned, and one with a single child
 is merged into it.
 
-Every copy (slot to row, row to row, row to slot) runs on the engine thread when it is asked for, so a row is
-reused only after its node is unlinked and no request can receive a stale or foreign state.
+Every copy (slot to row, row to row, row to slot) is queued on the engine thread, in the device's order, by the
+call that asks for it (the slot-to-row copies of one ``store_many`` together at its end, or before a demotion
+reads a row they fill), so a row is reused only after its node is unlinked and no request can receive a stale or
+foreign state.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rnnserve.engine.models.base import StateSpec
+from rnnserve.engine.models.base import StateSpec, long_tensor
+
+COPY_CHUNK_BYTES = 64 * 2**20  # a batched store gathers at most this much state at a time
 
 
 class SnapshotTier:
@@ -152,6 +156,8 @@ class PrefixCache:
         self._serial = itertools.count()
         self._lru: list[list[tuple[int, int, int, RadixNode]]] = [[] for _ in self.tiers]
         self._live = [0] * len(self.tiers)
+        self._pending: dict[int, int] = {}  # device-tier row -> the slot to copy into it (store_many)
+        self._pending_state: dict[str, torch.Tensor] = {}
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -173,22 +179,51 @@ class PrefixCache:
         """Copy ``state``'s ``slot`` (which has consumed exactly ``token_ids``) into a snapshot, evicting the
         least recently used one if needed. A sequence already cached is only touched. Returns whether a new
         snapshot was stored."""
-        if len(token_ids) < self.min_tokens or not self.tiers:
-            return False
-        existing = self._exact(token_ids)
-        if existing is not None and existing.has_snapshot:
-            self._touch(existing)
-            return False
-        row = self._free_row(0)  # may evict, which may prune nodes: walk the tree again afterwards
-        rows = self.tiers[0].tensors
-        for name, tensor in state.items():
-            rows[name][row].copy_(tensor[slot])
-        node = self._insert_path(tuple(token_ids))
-        node.tier, node.row = 0, row
-        self._live[0] += 1
-        self.stats.stores += 1
-        self._touch(node)
-        return True
+        return self.store_many([(token_ids, slot)], state) == 1
+
+    def store_many(self, sequences: list[tuple[list[int], int]], state: dict[str, torch.Tensor]) -> int:
+        """:meth:`store` each ``(token_ids, slot)`` in order, the copies of all of them batched into a few
+        gathers per state tensor (a step that ends or prefills many requests stores them together). Returns
+        how many new snapshots were stored."""
+        if not self.tiers:
+            return 0
+        self._pending_state = state
+        stored = 0
+        try:
+            for token_ids, slot in sequences:
+                if len(token_ids) < self.min_tokens:
+                    continue
+                existing = self._exact(token_ids)
+                if existing is not None and existing.has_snapshot:
+                    self._touch(existing)
+                    continue
+                row = self._free_row(0)  # may evict, which may prune nodes: walk the tree again afterwards
+                self._pending[row] = slot  # replaces the copy of a snapshot evicted from this row meanwhile
+                node = self._insert_path(tuple(token_ids))
+                node.tier, node.row = 0, row
+                self._live[0] += 1
+                self.stats.stores += 1
+                self._touch(node)
+                stored += 1
+        finally:
+            self._flush()
+        return stored
+
+    def _flush(self) -> None:
+        """Copy the pending slots into their device-tier rows, at most ``COPY_CHUNK_BYTES`` of gathered state
+        at a time."""
+        if not self._pending:
+            return
+        rows, slots = list(self._pending), list(self._pending.values())
+        self._pending = {}
+        target = self.tiers[0].tensors
+        chunk = max(1, COPY_CHUNK_BYTES // self.tiers[0].bytes_per_row)
+        for start in range(0, len(rows), chunk):
+            device = self.tiers[0].device
+            row_index = long_tensor(rows[start : start + chunk], device)
+            slot_index = long_tensor(slots[start : start + chunk], device)
+            for name, tensor in self._pending_state.items():
+                target[name].index_copy_(0, row_index, tensor.index_select(0, slot_index))
 
     # -- tree -----------------------------------------------------------------------------------------------
 
@@ -227,11 +262,11 @@ class PrefixCache:
                 leaf = RadixNode(tokens[matched:], node)
                 node.children[tokens[matched]] = leaf
                 return leaf
-            common = 0
-            limit = min(len(child.key), len(tokens) - matched)
-            while common < limit and child.key[common] == tokens[matched + common]:
-                common += 1
-            if common < len(child.key):
+            if tokens[matched : child.depth] != child.key:  # the edge diverges or is longer: split it
+                common = 0
+                limit = min(len(child.key), len(tokens) - matched)
+                while common < limit and child.key[common] == tokens[matched + common]:
+                    common += 1
                 child = self._split(child, common)
             node, matched = child, child.depth
         return node
@@ -305,6 +340,8 @@ class PrefixCache:
         assert victim is not None and victim.row is not None, "a full tier has snapshots"
         row = victim.row
         if tier + 1 < len(self.tiers):
+            if tier == 0 and row in self._pending:
+                self._flush()  # the victim was stored in this batch: its state must be in its row first
             lower = self._free_row(tier + 1)
             source, target = self.tiers[tier].tensors, self.tiers[tier + 1].tensors
             for name, tensor in target.items():

@@ -261,6 +261,7 @@ class Scheduler:
         """Record prefilled chunks; fork each completed prompt into its other samples' slots. Returns the
         samples whose first token is now due (``n`` per completed prompt)."""
         ready: list[Sequence] = []
+        snapshots: list[tuple[list[int], int]] = []
         for chunk in chunks:
             group = chunk.group
             group.num_prefilled = chunk.end
@@ -271,11 +272,14 @@ class Scheduler:
                 and group.cacheable
                 and (chunk.completes_prompt or chunk.end % self.prefix_cache_interval == 0)
             ):
-                self.prefix_cache.store(group.prompt_token_ids[: chunk.end], self.pool.tensors, first_slot)
+                snapshots.append((group.prompt_token_ids[: chunk.end], first_slot))
             if chunk.completes_prompt:
                 if len(group.seqs) > 1:
                     self.pool.copy(first_slot, [s.slot for s in group.seqs[1:]])  # type: ignore[misc]
                 ready += group.seqs
+        if snapshots:
+            assert self.prefix_cache is not None
+            self.prefix_cache.store_many(snapshots, self.pool.tensors)
         return ready
 
     def postprocess(
@@ -292,6 +296,7 @@ class Scheduler:
         inter_token = latencies.inter_token
         groups: dict[SequenceGroup, None] = {}
         appended: list[Sequence] = []
+        finished_seqs: list[Sequence] = []
         failed = False
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             seq.num_pending -= 1
@@ -322,26 +327,35 @@ class Scheduler:
                 metrics.previous_token_time = last
                 metrics.last_token_time = now
             if finished:
-                self._save_finished(seq)
+                finished_seqs.append(seq)
+        if finished_seqs:
+            self._save_finished(finished_seqs)
+            for seq in finished_seqs:
                 self._free(seq)
         if failed:  # a request that failed later in the step (another of its samples) generated nothing
             appended = [s for s in appended if s.group.error is None]
         return AppendedTokens(groups, len(appended), latencies)
 
-    def _save_finished(self, seq: Sequence) -> None:
-        """Before a sample that finished with ``stop`` or ``length`` frees its slot: store its state in the prefix
-        cache, and hand it to the request if it asked for it. The state has consumed the prompt and every output
-        token but the last, or, when async scheduling had already queued the next step with this sample (which
-        then feeds it the last token too), every output token; the copies are queued behind that step."""
-        if seq.finish_reason not in ("stop", "length") or seq.slot is None:
-            return
-        group = seq.group
-        consumed = group.prompt_token_ids + seq.output_token_ids[: seq.num_fed]
-        if self.prefix_cache is not None and group.cacheable:
-            self.prefix_cache.store(consumed, self.pool.tensors, seq.slot)
-        if group.return_state:
-            pending = seq.output_token_ids[seq.num_fed :]
-            group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, pending)
+    def _save_finished(self, seqs: list[Sequence]) -> None:
+        """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the
+        prefix cache (together), and hand each to its request if it asked for it. A state has consumed the
+        prompt and every output token but the last, or, when async scheduling had already queued the next step
+        with this sample (which then feeds it the last token too), every output token; the copies are queued
+        behind that step."""
+        snapshots: list[tuple[list[int], int]] = []
+        for seq in seqs:
+            if seq.finish_reason not in ("stop", "length") or seq.slot is None:
+                continue
+            group = seq.group
+            consumed = group.prompt_token_ids + seq.output_token_ids[: seq.num_fed]
+            if self.prefix_cache is not None and group.cacheable:
+                snapshots.append((consumed, seq.slot))
+            if group.return_state:
+                pending = seq.output_token_ids[seq.num_fed :]
+                group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, pending)
+        if snapshots:
+            assert self.prefix_cache is not None
+            self.prefix_cache.store_many(snapshots, self.pool.tensors)
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""

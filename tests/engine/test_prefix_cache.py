@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rnnserve import SamplingParams
+from rnnserve.engine import prefix_cache
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.prefix_cache import PrefixCache, RadixNode
@@ -236,6 +237,33 @@ def test_random_operations_keep_the_tree_consistent_and_lookups_exact() -> None:
                 assert state.tolist() == state_of(key[:length])["x"][0].tolist()
         cache.check_invariants()
         assert cache.num_snapshots <= 11
+
+
+@pytest.mark.parametrize("snapshots, host_snapshots, chunk_rows", [(1, 3, 8), (3, 0, 8), (4, 4, 8), (6, 2, 2)])
+def test_batched_stores_equal_one_at_a_time_even_when_a_batch_evicts_its_own(
+    snapshots: int, host_snapshots: int, chunk_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``store_many`` gathers its copies at the end (``chunk_rows`` rows at a time), so a snapshot stored
+    earlier in the same batch can be the victim of a later one (tiers smaller than a batch): demoted, it must
+    carry its own state, and dropped, its row must end up with the newer state. The same stores one at a time
+    are the reference."""
+    monkeypatch.setattr(prefix_cache, "COPY_CHUNK_BYTES", chunk_rows * SPEC[0].nbytes)
+    rng = random.Random(11)
+    batched, single = toy_cache(snapshots, host_snapshots), toy_cache(snapshots, host_snapshots)
+    for _ in range(150):
+        keys = [[rng.randrange(3) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 6))]
+        slots = rng.sample(range(8), len(keys))
+        state = {"x": torch.full((8, 2), -5.0, dtype=torch.float64)}
+        for key, slot in zip(keys, slots, strict=True):
+            state["x"][slot] = state_of(key)["x"][0]
+        stored = batched.store_many(list(zip(keys, slots, strict=True)), state)
+        assert stored == sum(single.store(key, state_of(key), 0) for key in keys)
+        batched.check_invariants()
+        assert cached_keys(batched) == cached_keys(single)
+        for key in cached_keys(batched):
+            length, restored = restore(batched, [*key, 0])
+            assert length == len(key) and restored.tolist() == state_of(list(key))["x"][0].tolist()
+            restore(single, [*key, 0])  # the same touches on both
 
 
 def test_serve_no_prefix_cache_flag() -> None:
