@@ -13,7 +13,7 @@ is merged into it.
 Every copy (slot to row, row to row, row to slot) is queued on the engine thread, in the device's order, by the
 call that asks for it (the slot-to-row copies of one ``store_many`` together at its end, or before a demotion
 reads a row they fill), so a row is reused only after its node is unlinked and no request can receive a stale or
-foreign state.
+foreign state. Host-tier rows are only ever read and written by such queued copies, so they need not wait.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class PrefixCache:
             return 0
         rows = self.tiers[node.tier].tensors  # type: ignore[index]
         for name, tensor in state.items():
-            tensor[slot].copy_(rows[name][node.row])
+            tensor[slot].copy_(rows[name][node.row], non_blocking=True)
         self.stats.hits += 1
         self.stats.hit_tokens += node.depth
         return node.depth
@@ -345,7 +345,7 @@ class PrefixCache:
             lower = self._free_row(tier + 1)
             source, target = self.tiers[tier].tensors, self.tiers[tier + 1].tensors
             for name, tensor in target.items():
-                tensor[lower].copy_(source[name][row])
+                tensor[lower].copy_(source[name][row], non_blocking=True)
             victim.tier, victim.row = tier + 1, lower
             self._live[tier] -= 1
             self._live[tier + 1] += 1
