@@ -42,7 +42,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
-from benchmarks.engine_throughput import generated_tokens_per_second  # noqa: E402
+from benchmarks.engine_throughput import generated_tokens_per_second, served_heap  # noqa: E402
 from benchmarks.host_ab import free_decode, printable_logits  # noqa: E402
 from rnnserve.engine.config import EngineConfig  # noqa: E402
 from rnnserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -133,8 +133,9 @@ def offline_run(args: argparse.Namespace, mode: str) -> float:
     engine = EmulatedDevice(args.step_ms / 1e3).attach(LLMEngine(model, tokenizer, config))
     if args.free_model:
         make_model_free(engine)
-    generated_tokens_per_second(engine, 4, 16, 4)
-    return generated_tokens_per_second(engine, args.streams, 16, args.output_len)
+    with served_heap():
+        generated_tokens_per_second(engine, 4, 16, 4)
+        return generated_tokens_per_second(engine, args.streams, 16, args.output_len)
 
 
 def emulated_engine(
