@@ -13,7 +13,9 @@ is merged into it.
 Every copy (slot to row, row to row, row to slot) is queued on the engine thread, in the device's order, by the
 call that asks for it (the slot-to-row copies of one ``store_many`` together at its end, or before a demotion
 reads a row they fill), so a row is reused only after its node is unlinked and no request can receive a stale or
-foreign state. Host-tier rows are only ever read and written by such queued copies, so they need not wait.
+foreign state. Host-tier rows are only ever read and written by such queued copies, so they need not wait. On
+CUDA, demotions run on a copy stream of their own, ordered against the stores and restores of the same rows by
+events, so a device-to-host copy overlaps the steps instead of queuing between them.
 """
 
 from __future__ import annotations
@@ -158,6 +160,13 @@ class PrefixCache:
         self._live = [0] * len(self.tiers)
         self._pending: dict[int, int] = {}  # device-tier row -> the slot to copy into it (store_many)
         self._pending_state: dict[str, torch.Tensor] = {}
+        # On CUDA, demotions copy down on a stream of their own, overlapping the steps; events order each row's
+        # copies on the two streams (see _demote).
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" and len(self.tiers) > 1 else None
+        self._row_written: dict[int, torch.cuda.Event] = {}  # device row -> after the store that filled it
+        self._row_drained: dict[int, torch.cuda.Event] = {}  # device row -> after the demotion that read it
+        self._host_written: dict[int, torch.cuda.Event] = {}  # host row -> after the demotion that filled it
+        self._host_read: dict[int, torch.cuda.Event] = {}  # host row -> after the last restore that read it
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -169,8 +178,17 @@ class PrefixCache:
         if node is None:
             return 0
         rows = self.tiers[node.tier].tensors  # type: ignore[index]
+        row = node.row
+        assert row is not None
+        from_host = self._copy_stream is not None and node.tier == 1
+        if from_host:
+            compute = torch.cuda.current_stream(self.tiers[0].device)
+            if row in self._host_written:
+                compute.wait_event(self._host_written[row])
         for name, tensor in state.items():
-            tensor[slot].copy_(rows[name][node.row], non_blocking=True)
+            tensor[slot].copy_(rows[name][row], non_blocking=True)
+        if from_host:
+            self._host_read[row] = self._record(compute)
         self.stats.hits += 1
         self.stats.hit_tokens += node.depth
         return node.depth
@@ -217,6 +235,12 @@ class PrefixCache:
         rows, slots = list(self._pending), list(self._pending.values())
         self._pending = {}
         target = self.tiers[0].tensors
+        if self._copy_stream is not None:
+            compute = torch.cuda.current_stream(self.tiers[0].device)
+            for row in rows:
+                drained = self._row_drained.pop(row, None)
+                if drained is not None:  # a demotion still reading the row's previous snapshot
+                    compute.wait_event(drained)
         chunk = max(1, COPY_CHUNK_BYTES // self.tiers[0].bytes_per_row)
         for start in range(0, len(rows), chunk):
             device = self.tiers[0].device
@@ -224,6 +248,35 @@ class PrefixCache:
             slot_index = long_tensor(slots[start : start + chunk], device)
             for name, tensor in self._pending_state.items():
                 target[name].index_copy_(0, row_index, tensor.index_select(0, slot_index))
+        if self._copy_stream is not None:
+            written = self._record(torch.cuda.current_stream(self.tiers[0].device))
+            for row in rows:
+                self._row_written[row] = written
+
+    def _demote(self, row: int, lower: int) -> None:
+        """Copy device-tier row ``row`` into host-tier row ``lower``. On CUDA the copy runs on the copy stream
+        after the store that filled ``row`` and the restores that read ``lower`` before, and the next store into
+        ``row`` and every restore from ``lower`` wait for it: the device's steps never wait for a demotion."""
+        source, target = self.tiers[0].tensors, self.tiers[1].tensors
+        if self._copy_stream is None:
+            for name, tensor in target.items():
+                tensor[lower].copy_(source[name][row], non_blocking=True)
+            return
+        stream = self._copy_stream
+        for event in (self._row_written.get(row), self._host_read.pop(lower, None)):
+            if event is not None:
+                stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            for name, tensor in target.items():
+                tensor[lower].copy_(source[name][row], non_blocking=True)
+        done = self._record(stream)
+        self._row_drained[row] = self._host_written[lower] = done
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     # -- tree -----------------------------------------------------------------------------------------------
 
@@ -343,9 +396,7 @@ class PrefixCache:
             if tier == 0 and row in self._pending:
                 self._flush()  # the victim was stored in this batch: its state must be in its row first
             lower = self._free_row(tier + 1)
-            source, target = self.tiers[tier].tensors, self.tiers[tier + 1].tensors
-            for name, tensor in target.items():
-                tensor[lower].copy_(source[name][row], non_blocking=True)
+            self._demote(row, lower)
             victim.tier, victim.row = tier + 1, lower
             self._live[tier] -= 1
             self._live[tier + 1] += 1

@@ -30,11 +30,11 @@ def seeded(seed: int, n: int = 1) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=0.9, seed=seed, n=n, max_tokens=5, ignore_eos=True)
 
 
-def make_engine(model: str, cache: bool, **options: int) -> LLMEngine:
-    """A CPU fp32 engine whose model never samples a token its tokenizer cannot decode (the tiny presets pad
-    their vocabulary beyond the tokenizer's), so every output can be part of a later prompt."""
+def make_engine(model: str, cache: bool, device: str = "cpu", **options: int) -> LLMEngine:
+    """An fp32 engine (CPU unless ``device``) whose model never samples a token its tokenizer cannot decode (the
+    tiny presets pad their vocabulary beyond the tokenizer's), so every output can be part of a later prompt."""
     defaults = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "prefix_cache_interval": 8}
-    engine = LLM(model, device="cpu", dtype="float32", enable_prefix_cache=cache, **{**defaults, **options}).engine
+    engine = LLM(model, device=device, dtype="float32", enable_prefix_cache=cache, **{**defaults, **options}).engine
     vocab = engine.model.vocab_size
     banned = torch.tensor([engine.tokenizer.first_undecodable([t]) is not None for t in range(vocab)])
     model_module = engine.model
