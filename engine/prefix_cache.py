@@ -242,16 +242,37 @@ class PrefixCache:
                 if drained is not None:  # a demotion still reading the row's previous snapshot
                     compute.wait_event(drained)
         chunk = max(1, COPY_CHUNK_BYTES // self.tiers[0].bytes_per_row)
-        for start in range(0, len(rows), chunk):
-            device = self.tiers[0].device
-            row_index = long_tensor(rows[start : start + chunk], device)
-            slot_index = long_tensor(slots[start : start + chunk], device)
-            for name, tensor in self._pending_state.items():
-                target[name].index_copy_(0, row_index, tensor.index_select(0, slot_index))
+        try:
+            for start in range(0, len(rows), chunk):
+                device = self.tiers[0].device
+                row_index = long_tensor(rows[start : start + chunk], device)
+                slot_index = long_tensor(slots[start : start + chunk], device)
+                for name, tensor in self._pending_state.items():
+                    target[name].index_copy_(0, row_index, tensor.index_select(0, slot_index))
+        except BaseException:
+            self._drop_rows(set(rows))  # never serve a snapshot whose copy may not have happened
+            raise
         if self._copy_stream is not None:
             written = self._record(torch.cuda.current_stream(self.tiers[0].device))
             for row in rows:
                 self._row_written[row] = written
+
+    def _drop_rows(self, rows: set[int]) -> None:
+        """Unlink the device-tier snapshots in ``rows`` and free the rows (all of them: a row whose snapshot was
+        not linked yet is freed too)."""
+        dropped = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack += node.children.values()
+            if node.tier == 0 and node.row in rows:
+                node.tier = node.row = None
+                self._live[0] -= 1
+                dropped.append(node)
+        for row in rows:
+            self.tiers[0].release(row)
+        for node in dropped:  # parents first: pruning one never unlinks a node pruned after it
+            self._prune(node)
 
     def _demote(self, row: int, lower: int) -> None:
         """Copy device-tier row ``row`` into host-tier row ``lower``. On CUDA the copy runs on the copy stream

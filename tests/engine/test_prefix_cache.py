@@ -266,6 +266,40 @@ def test_batched_stores_equal_one_at_a_time_even_when_a_batch_evicts_its_own(
             restore(single, [*key, 0])  # the same touches on both
 
 
+def test_a_failed_batch_copy_leaves_no_snapshot_of_that_batch() -> None:
+    """If the batched copy raises (on a GPU: out of memory for the gather), the batch's snapshots are unlinked
+    and their rows freed, never served; snapshots of earlier batches stay."""
+    cache = toy_cache(4)
+    assert cache.store([1, 2, 3], state_of([1, 2, 3]), 0)
+    wrong_dtype = {"x": torch.zeros((4, 2), dtype=torch.float32)}  # index_copy_ refuses to mix dtypes
+    with pytest.raises(RuntimeError):
+        cache.store_many([([1, 2, 3, 4], 0), ([1, 2, 5], 1), ([7, 7], 2), ([1, 2, 3], 3)], wrong_dtype)
+    cache.check_invariants()
+    assert cached_keys(cache) == {(1, 2, 3)}
+    assert restore(cache, [1, 2, 3, 4, 5])[1].tolist() == state_of([1, 2, 3])["x"][0].tolist()
+    assert cache.tiers[0].num_used == 1
+    for key in ([1, 2, 3, 4], [1, 2, 5], [7, 7]):  # the rows are usable again
+        assert cache.store(key, state_of(key), 0)
+    cache.check_invariants()
+    rng = random.Random(2)  # failures among random batches: the tree stays consistent and every state exact
+    for _ in range(300):
+        keys = [[rng.randrange(3) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 5))]
+        before = cached_keys(cache)
+        if rng.random() < 0.3:
+            if any(tuple(key) not in before for key in keys):  # something to copy: it raises
+                with pytest.raises(RuntimeError):
+                    cache.store_many([(key, 0) for key in keys], wrong_dtype)
+            else:
+                assert cache.store_many([(key, 0) for key in keys], wrong_dtype) == 0
+            assert cached_keys(cache) <= before
+        else:
+            for key in keys:
+                cache.store(key, state_of(key), 0)
+        cache.check_invariants()
+        for key in cached_keys(cache):
+            assert restore(cache, [*key, 0])[1].tolist() == state_of(list(key))["x"][0].tolist()
+
+
 def test_serve_no_prefix_cache_flag() -> None:
     parse = cli.build_parser().parse_args
     assert ServerConfig.from_args(parse(["serve"])).engine.enable_prefix_cache
