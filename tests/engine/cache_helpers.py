@@ -37,12 +37,13 @@ def make_engine(model: str, cache: bool, device: str = "cpu", **options: int) ->
     engine = LLM(model, device=device, dtype="float32", enable_prefix_cache=cache, **{**defaults, **options}).engine
     vocab = engine.model.vocab_size
     banned = torch.tensor([engine.tokenizer.first_undecodable([t]) is not None for t in range(vocab)])
+    banned = banned.to(engine.device)  # once: a copy per call would wait for the device
     model_module = engine.model
     prefill, decode = model_module.prefill, model_module.decode
 
     def masked(forward: Forward) -> Forward:
         def call(batch: Any, state: StateTensors) -> torch.Tensor:
-            return forward(batch, state).masked_fill(banned.to(engine.device), float("-inf"))
+            return forward(batch, state).masked_fill(banned, float("-inf"))
 
         return call
 

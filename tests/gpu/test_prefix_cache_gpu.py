@@ -1,6 +1,6 @@
 """The prefix cache on CUDA with both tiers under pressure: demotions run on the cache's copy stream while steps
-run (async scheduling, CUDA's default), and every state restored from either tier is the one stored, so outputs
-equal the cache-less engine's."""
+run (async scheduling, CUDA's default), no store, demotion or restore makes the host wait for the device, and
+every state restored from either tier is the one stored, so outputs equal the cache-less engine's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,23 @@ from tests.engine.cache_helpers import GREEDY, assert_same_outputs, make_engine,
 from tests.engine.conftest import run_to_completion
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def never_waits(owner: object, name: str, ran: list[str]) -> None:
+    """Make ``owner.name`` raise on any call that waits for the device (scheduling with its restores, launching
+    with its prompt-end stores, appending tokens with its finish stores and demotions); each call appends
+    ``name`` to ``ran``."""
+    method = getattr(owner, name)
+
+    def call(*args):  # type: ignore[no-untyped-def]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            ran.append(name)
+
+    setattr(owner, name, call)
 
 
 @pytest.mark.parametrize("model", ["random:mamba-tiny", "random:mingru-tiny"])
@@ -33,6 +50,9 @@ def test_demotions_and_host_restores_serve_the_stored_states(model: str) -> None
         return node
 
     cache.lookup = spy  # type: ignore[method-assign]
+    ran: list[str] = []
+    for owner, name in ((on.scheduler, "schedule"), (on, "_launch"), (on.scheduler, "postprocess")):
+        never_waits(owner, name, ran)
     rng = random.Random(3)
     tokens = token_pool(on)
     stems = [rng.choices(tokens, k=rng.randint(8, 30)) for _ in range(6)]
@@ -58,4 +78,5 @@ def test_demotions_and_host_restores_serve_the_stored_states(model: str) -> None
     reference = run(probe, [request for wave in waves for request in wave])
     assert_same_outputs([final[i] for i in ids], reference)
     assert 0 in tiers_hit and 1 in tiers_hit, tiers_hit
+    assert ran.count("postprocess") > 20
     assert cache.stats.evictions > 0 and [u.num_snapshots for u in cache.usage()] == [2, 6]
