@@ -17,8 +17,9 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
-The prefix cache is off (every request here is new, and the anchors are engines without one);
-``benchmarks/multi_turn.py`` measures it.
+The prefix cache is off (every request here is new, and the anchors are engines without one) unless
+``--prefix-cache``, which prices keeping it (each prompt's and each finished request's state stored, and
+demoted to the host tier once the device tier is full); ``benchmarks/multi_turn.py`` measures its hits.
 
 ``--smoke`` runs tiny presets on CPU with small sizes: the CI check that this script keeps working.
 
@@ -142,14 +143,15 @@ def serving_processes(pid: int, api_servers: int, log: IO[str]) -> tuple[list[in
 
 def http_tokens_per_ms(
     preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto",
-    api_servers: int = 1,
+    api_servers: int = 1, prefix_cache: bool = False,
 ) -> dict[int, tuple[float, str] | str]:
     """Generated tok/ms of ``2 x c`` streamed requests at each concurrency ``c``, one after the other, against
     one fresh ``rnnserve serve --engine-process ENGINE_PROCESS --api-servers API_SERVERS`` (started once per
     model: a start builds the model and captures its graphs), each with its client-side latencies: time to first
     token (p50, p99) and tokens per streamed chunk (above 1 when the server writes several steps at once). A
     failure is a string in place of the pair. Beside them, the CPU cores the serving processes and the engine
-    process kept busy: a serving process near 1.00, or the engine process, is the side HTTP waits on."""
+    process kept busy: a serving process near 1.00, or the engine process, is the side HTTP waits on. With
+    ``prefix_cache`` the server keeps its prefix cache."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -160,8 +162,10 @@ def http_tokens_per_ms(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", "import sys; from rnnserve.server.cli import main; sys.exit(main())", "serve",
                "--model", f"random:{preset}", "--dtype", dtype, "--port", str(port),
-               "--max-num-seqs", str(max(concurrency)), "--no-prefix-cache", "--log-level", "warning",
+               "--max-num-seqs", str(max(concurrency)), "--log-level", "warning",
                "--engine-process", engine_process, "--api-servers", str(api_servers)]
+    if not prefix_cache:
+        command.append("--no-prefix-cache")
     if api_servers > 1:
         command += ["--log-level", "info"]  # info: the line naming the processes
     log = tempfile.TemporaryFile("w+")
@@ -281,9 +285,9 @@ def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: 
 
 
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Sizes, peak: float,
-                http: list[tuple[str, int]], profile: bool = False) -> list[Row]:
+                http: list[tuple[str, int]], profile: bool = False, prefix_cache: bool = False) -> list[Row]:
     """Every row of one model; ``http`` lists the ``--engine-process`` and ``--api-servers`` values of the HTTP
-    rows, one set of rows each (none: no rows)."""
+    rows, one set of rows each (none: no rows); ``prefix_cache``: the engine and HTTP rows keep a prefix cache."""
     model, tokenizer = build_random(preset, device, dtype)
     with torch.inference_mode():
         rows, step_ms = model_step_rows(model, preset, device, sizes, peak, profile)
@@ -291,7 +295,8 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
         torch.cuda.empty_cache()
     offline: dict[int, float] = {}
     for mode in ("off", "auto") if device.type == "cuda" else ("auto",):  # auto: async scheduling on CUDA
-        config = EngineConfig(max_num_seqs=max(sizes.concurrency), enable_prefix_cache=False, async_scheduling=mode,
+        config = EngineConfig(max_num_seqs=max(sizes.concurrency), enable_prefix_cache=prefix_cache,
+                              async_scheduling=mode,
                               max_num_batched_tokens=max(PROMPT_LEN * max(sizes.concurrency), 2048))
         engine = LLMEngine(model, tokenizer, config)
         with served_heap():
@@ -322,7 +327,7 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype, sizes: Si
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     for engine_process, api_servers in http:
         rates = http_tokens_per_ms(preset, dtype_name, sizes.concurrency, sizes.new_tokens, engine_process,
-                                   api_servers)
+                                   api_servers, prefix_cache)
         for c, rate in rates.items():
             label = f"HTTP c={c}" if engine_process == "auto" else f"HTTP c={c}, engine process {engine_process}"
             label += f", {api_servers} API servers" if api_servers > 1 else ""
@@ -360,6 +365,9 @@ def main() -> None:
                         help="the servers' --engine-process, one set of HTTP rows each (default: auto, on for CUDA)")
     parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
                         help="the servers' --api-servers, one set of HTTP rows each (with an engine process)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="engine and HTTP rows with the prefix cache on (default budgets): what storing each "
+                        "prompt's and each finished request's state, and demoting them to the host tier, costs")
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU, small sizes")
     parser.add_argument("--profile", action="store_true",
                         help="also print each model's kernels (one eager decode step, one prefill) by time")
@@ -379,7 +387,8 @@ def main() -> None:
     peak = copy_bandwidth(device, (16 if args.smoke else 1024) * 2**20)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}: copy bandwidth {peak / 1e9:.0f} GB/s; weights {dtype}, states fp32; "
-          f"torch {torch.__version__}; prompt {PROMPT_LEN}, {sizes.new_tokens} new tokens{served_by()}")
+          f"torch {torch.__version__}; prompt {PROMPT_LEN}, {sizes.new_tokens} new tokens; prefix cache "
+          f"{'on' if args.prefix_cache else 'off'}{served_by()}")
     rows: list[Row] = []
     for preset in models:
         start = time.perf_counter()
@@ -387,7 +396,8 @@ def main() -> None:
             (engine_process, api_servers) for engine_process in args.engine_process for api_servers in args.api_servers
             if api_servers == 1 or engine_process != "off"
         ]  # fmt: skip
-        model_rows = bench_model(preset, device, dtype, sizes, peak, http=http, profile=args.profile)
+        model_rows = bench_model(preset, device, dtype, sizes, peak, http=http, profile=args.profile,
+                                 prefix_cache=args.prefix_cache)
         print_table(model_rows)  # each model's rows as soon as they exist: a run cut short keeps them
         print(f"[{preset}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
         rows += model_rows

@@ -23,6 +23,7 @@ def test_gpu_bench_smoke_prints_every_row_kind():
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "; prefix cache off" in result.stdout.splitlines()[0]
     lines = [line.split() for line in result.stdout.splitlines()]
     kinds = {(row[1], row[2]) for row in lines if row and row[0] == "mamba-tiny"}
     assert kinds == {("decode", "b=1"), ("decode", "b=4"), ("prefill", "1x64"), ("prefill", "2x16"),
@@ -49,6 +50,20 @@ def test_gpu_bench_smoke_prints_every_row_kind():
     # Each server process by its pid from the server's log (a short load may leave one at 0.00: clock ticks).
     cores = re.fullmatch(r"serving processes (\d+\.\d\d) \+ (\d+\.\d\d) cores, engine process (\d+\.\d\d)", busy)
     assert cores is not None, busy
+
+
+def test_gpu_bench_smoke_with_the_prefix_cache():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--models", "mamba-tiny", "--no-http",
+         "--prefix-cache"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "; prefix cache on" in result.stdout.splitlines()[0]
+    rows = {line for line in result.stdout.splitlines() if line.startswith("mamba-tiny  engine")}
+    rates = sorted(float(row.split()[4 if "streamed" in row else 3]) for row in rows)
+    assert len(rates) == 2 and rates[0] > 0, rows  # the offline row and the streamed one
 
 
 def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
