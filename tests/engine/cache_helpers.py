@@ -80,3 +80,39 @@ def assert_same_outputs(outputs: list[RequestOutput], reference: list[RequestOut
     for out, ref in zip(outputs, reference, strict=True):
         for sample, ref_sample in zip(out.outputs, ref.outputs, strict=True):
             assert sample.cumulative_logprob == pytest.approx(ref_sample.cumulative_logprob, abs=1e-4)
+
+
+def sharing_waves(
+    engine: LLMEngine, rng: random.Random, num_stems: int, num_waves: int
+) -> list[list[tuple[list[int], SamplingParams]]]:
+    """Waves of five requests whose prompts share and diverge: each a prefix of one of ``num_stems`` random stems
+    plus a few tokens of its own; greedy with logprobs and seeded sampling alternate."""
+    tokens = token_pool(engine)
+    stems = [rng.choices(tokens, k=rng.randint(8, 30)) for _ in range(num_stems)]
+    waves = []
+    for wave in range(num_waves):
+        prompts = []
+        for _ in range(5):
+            stem = rng.choice(stems)
+            prompts.append(stem[: rng.randint(1, len(stem))] + rng.choices(tokens, k=rng.randint(1, 12)))
+        params = [GREEDY if i % 2 else seeded(wave * 10 + i) for i in range(len(prompts))]
+        waves.append(list(zip(prompts, params, strict=True)))
+    return waves
+
+
+def run_waves(
+    engine: LLMEngine, waves: list[list[tuple[list[int], SamplingParams]]], after_step: Callable[[], None]
+) -> list[RequestOutput]:
+    """Add each wave and run three steps before the next arrives (``after_step`` after each), then run to the
+    end; the outputs in the order of the requests."""
+    ids: list[str] = []
+    final: dict[str, RequestOutput] = {}
+    for wave in waves:
+        ids += [engine.add_request(prompt, params) for prompt, params in wave]
+        for _ in range(3):
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            after_step()
+    final.update(run_to_completion(engine))
+    return [final[i] for i in ids]

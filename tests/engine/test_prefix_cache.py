@@ -13,15 +13,23 @@ import torch
 from rnnserve import SamplingParams
 from rnnserve.engine import prefix_cache
 from rnnserve.engine.models.base import StateSpec
-from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.prefix_cache import PrefixCache, RadixNode
 from rnnserve.engine.scheduler import PrefillChunk
 from rnnserve.engine.sequence import Sequence
 from rnnserve.server import cli
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.metrics import ServerMetrics
-from tests.engine.cache_helpers import GREEDY, MODELS, assert_same_outputs, make_engine, run, seeded, token_pool
-from tests.engine.conftest import run_to_completion
+from tests.engine.cache_helpers import (
+    GREEDY,
+    MODELS,
+    assert_same_outputs,
+    make_engine,
+    run,
+    run_waves,
+    seeded,
+    sharing_waves,
+    token_pool,
+)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -99,32 +107,16 @@ def test_eviction_under_pressure_never_serves_a_wrong_state() -> None:
     budget = 3 * probe.pool.bytes_per_slot
     on = make_engine(model, cache=True, prefix_cache_memory=budget)
     cache = on.prefix_cache
-    rng = random.Random(11)
-    tokens = token_pool(on)
-    stems = [rng.choices(tokens, k=rng.randint(8, 30)) for _ in range(4)]
-    waves = []
-    for wave in range(6):
-        prompts = []
-        for _ in range(5):
-            stem = rng.choice(stems)
-            prompts.append(stem[: rng.randint(1, len(stem))] + rng.choices(tokens, k=rng.randint(1, 12)))
-        params = [GREEDY if i % 2 else seeded(wave * 10 + i) for i in range(len(prompts))]
-        waves.append(list(zip(prompts, params, strict=True)))
-    ids: list[str] = []
-    final: dict[str, RequestOutput] = {}
-    for wave in waves:
-        ids += [on.add_request(prompt, params) for prompt, params in wave]
-        for _ in range(3):  # the next wave arrives while this one runs
-            for out in on.step():
-                if out.finished:
-                    final[out.request_id] = out
-            cache.check_invariants()
-            assert cache.num_snapshots <= 3
-    final.update(run_to_completion(on))
+    waves = sharing_waves(on, random.Random(11), num_stems=4, num_waves=6)
+
+    def check() -> None:
+        cache.check_invariants()
+        assert cache.num_snapshots <= 3
+
+    outputs = run_waves(on, waves, check)
     cache.check_invariants()
-    reference = run(probe, [request for wave in waves for request in wave])
-    assert_same_outputs([final[i] for i in ids], reference)
-    assert cache.stats.hits > 0 and sum(final[i].num_cached_tokens for i in ids) == cache.stats.hit_tokens
+    assert_same_outputs(outputs, run(probe, [request for wave in waves for request in wave]))
+    assert cache.stats.hits > 0 and sum(out.num_cached_tokens for out in outputs) == cache.stats.hit_tokens
     assert cache.stats.evictions > 10
     usage = cache.usage()[0]
     assert usage.capacity_bytes == budget and usage.used_bytes == 3 * probe.pool.bytes_per_slot

@@ -8,6 +8,7 @@ import torch
 
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.llm_engine import LLMEngine
+from tests.gpu.device_waits import never_waits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -23,21 +24,8 @@ PARAMS = [
 def no_device_waits(engine: LLMEngine) -> list[str]:
     """Make the engine's scheduling and launching raise on any synchronizing CUDA call; returns where it ran."""
     ran: list[str] = []
-    schedule, launch = engine.scheduler.schedule, engine._launch
-
-    def strict(name: str, fn):  # type: ignore[no-untyped-def]
-        def call(*args):  # type: ignore[no-untyped-def]
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                ran.append(name)
-
-        return call
-
-    engine.scheduler.schedule = strict("schedule", schedule)  # type: ignore[method-assign]
-    engine._launch = strict("launch", launch)  # type: ignore[method-assign]
+    never_waits(engine.scheduler, "schedule", ran)
+    never_waits(engine, "_launch", ran)
     return ran
 
 
@@ -55,5 +43,5 @@ def test_async_scheduling_on_cuda_matches_sync_and_never_waits_while_launching(p
     assert [[(s.token_ids, s.finish_reason) for s in o.outputs] for o in got] == [
         [(s.token_ids, s.finish_reason) for s in o.outputs] for o in expected
     ]
-    assert ran.count("launch") > 24  # chunked prompts, queued requests and every decode step went through it
+    assert ran.count("_launch") > 24  # chunked prompts, queued requests and every decode step went through it
     assert ahead.engine.pool.num_used == 0
