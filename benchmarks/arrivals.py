@@ -27,6 +27,7 @@ import tempfile  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.async_scheduling import PRESET, emulated_app  # noqa: E402
+from benchmarks.engine_throughput import served_heap  # noqa: E402
 from benchmarks.http_stack import bench, median_over_rounds  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
@@ -36,7 +37,7 @@ def served(args: argparse.Namespace, decoded_prompt_tokens: int, out: Path) -> d
     ``decoded_prompt_tokens`` through the decode step; every request must succeed."""
     app = emulated_app(args.concurrency, args.step_ms, "on", "on", prefill_ms=args.prefill_ms,
                        decoded_prompt_tokens=decoded_prompt_tokens)  # fmt: skip
-    with serve_in_thread(app) as url:
+    with served_heap(), serve_in_thread(app) as url:  # the heap as `rnnserve serve` freezes it
         bench(url, out, args.concurrency, args.concurrency, 2)  # warm-up: connections, first shapes
         return bench(url, out, args.requests, args.concurrency, args.output_len)
 

@@ -190,7 +190,7 @@ def emulated_app(
 def http_run(args: argparse.Namespace, mode: str, engine_process: str, out: Path) -> dict:
     """``rnnserve bench`` figures against a fresh in-process server, its engine in a thread or a process."""
     app = emulated_app(args.streams, args.step_ms, mode, engine_process, free_model=args.free_model)
-    with serve_in_thread(app) as url:
+    with served_heap(), serve_in_thread(app) as url:  # the heap as `rnnserve serve` freezes it
         figures = bench_figures(url, out, 2 * args.streams, args.streams, args.output_len)
     figures["server_cpu_us_per_token"] = figures["cpu_s"] / figures["total_output_tokens"] * 1e6
     return figures

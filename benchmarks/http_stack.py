@@ -40,6 +40,7 @@ from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 
 from benchmarks.async_scheduling import PRESET, bench_figures, cpu_seconds_while, emulated_app  # noqa: E402
+from benchmarks.engine_throughput import served_heap  # noqa: E402
 from rnnserve.clients.bench import BenchConfig, Connections  # noqa: E402
 from rnnserve.server.background import serve_in_thread  # noqa: E402
 
@@ -103,7 +104,8 @@ async def read_streams(url: str, requests: int, concurrency: int) -> None:
 def run_bare(args: argparse.Namespace, http: str, loop: str) -> float:
     """The bare stack's CPU per chunk written, in microseconds."""
     requests = 2 * args.streams
-    with serve_in_thread(bare_app(args.output_len, args.step_ms / 1e3), http=http, loop=loop) as url:
+    app = bare_app(args.output_len, args.step_ms / 1e3)
+    with served_heap(), serve_in_thread(app, http=http, loop=loop) as url:  # the heap as `rnnserve serve` has it
         cpu_s = cpu_seconds_while([sys.executable, __file__, "--read-streams", url, str(requests), str(args.streams)])
     return cpu_s / (requests * (args.output_len + 1)) * 1e6
 
@@ -112,7 +114,7 @@ def run_stack(args: argparse.Namespace, http: str, loop: str, out: Path) -> dict
     """The three loads against fresh servers on ``http`` + ``loop``."""
     bare_us_per_chunk = run_bare(args, http, loop)
     app = emulated_app(args.streams, args.step_ms, async_scheduling="on", engine_process="on")
-    with serve_in_thread(app, http=http, loop=loop) as url:
+    with served_heap(), serve_in_thread(app, http=http, loop=loop) as url:
         bench(url, out, args.streams, args.streams, 4)  # warm-up: connections, shapes
         streams = bench(url, out, 2 * args.streams, args.streams, args.output_len)
         single = bench(url, out, args.requests, args.streams, 1)
