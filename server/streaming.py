@@ -143,6 +143,7 @@ class Generation(ABC):
         self.tokenizer = tokenizer
         self.submission = submission
         self.req = req
+        self.include_usage = req.include_usage  # read on every chunk: once here, not through the request model
         self.model = model
         self.params = params
         self.created = int(time.time())
@@ -215,7 +216,7 @@ class Generation(ABC):
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         """One streamed chunk, ``data: <body as json_text>``, the body with ``choices`` (and ``usage`` when asked
         for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
-        if not self.req.include_usage:
+        if not self.include_usage:
             return f"{self._chunk_head}{self.choices_json(choices)}}}\n\n"
         usage = self.usage() if usage is None and self.req.continuous_usage else usage
         usage_text = "null" if usage is None else json_text(usage)
@@ -244,7 +245,7 @@ class Generation(ABC):
                 if pending and not self.submission.has_queued():
                     yield "".join(pending)
                     pending.clear()
-            if self.req.include_usage:
+            if self.include_usage:
                 pending.append(self.chunk([], self.usage()))
         except Exception as err:  # a failed generation ends with an error event, never a hung stream
             pending.append(generation_error(err).sse())
