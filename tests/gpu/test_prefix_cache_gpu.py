@@ -21,7 +21,7 @@ def test_demotions_and_host_restores_serve_the_stored_states(model: str) -> None
     row = probe.pool.bytes_per_slot
     on = make_engine(model, cache=True, device="cuda", prefix_cache_memory=2 * row, prefix_cache_host_memory=6 * row)
     cache = on.prefix_cache
-    assert cache is not None and cache._copy_stream is not None and on.config.async_scheduling != "off"
+    assert cache is not None and cache._copy_stream is not None and on.async_scheduling
     tiers_hit: list[int] = []
     lookup = cache.lookup
 
