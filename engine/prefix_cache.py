@@ -234,17 +234,17 @@ class PrefixCache:
             return
         rows, slots = list(self._pending), list(self._pending.values())
         self._pending = {}
-        target = self.tiers[0].tensors
-        if self._copy_stream is not None:
-            compute = torch.cuda.current_stream(self.tiers[0].device)
+        tier = self.tiers[0]
+        target, device = tier.tensors, tier.device
+        compute = torch.cuda.current_stream(device) if self._copy_stream is not None else None
+        if compute is not None:
             for row in rows:
                 drained = self._row_drained.pop(row, None)
                 if drained is not None:  # a demotion still reading the row's previous snapshot
                     compute.wait_event(drained)
-        chunk = max(1, COPY_CHUNK_BYTES // self.tiers[0].bytes_per_row)
+        chunk = max(1, COPY_CHUNK_BYTES // tier.bytes_per_row)
         try:
             for start in range(0, len(rows), chunk):
-                device = self.tiers[0].device
                 row_index = long_tensor(rows[start : start + chunk], device)
                 slot_index = long_tensor(slots[start : start + chunk], device)
                 for name, tensor in self._pending_state.items():
@@ -252,8 +252,8 @@ class PrefixCache:
         except BaseException:
             self._drop_rows(set(rows))  # never serve a snapshot whose copy may not have happened
             raise
-        if self._copy_stream is not None:
-            written = self._record(torch.cuda.current_stream(self.tiers[0].device))
+        if compute is not None:
+            written = self._record(compute)
             for row in rows:
                 self._row_written[row] = written
 
