@@ -235,7 +235,8 @@ class LLMEngine:
         With ``context`` the request continues that state: its sequence is ``context.token_ids +
         context.pending_token_ids`` + the prompt (which may be empty when tokens are pending), and only the
         pending tokens and the prompt are prefilled. With ``return_state`` (``n == 1`` only) the output
-        carries the sample's state in ``final_state`` once it finishes with ``stop`` or ``length``.
+        carries the sample's state in ``final_state`` once it finishes with ``stop`` or ``length`` (on CUDA,
+        in pinned memory, and that output may come a few steps later: see :meth:`collect`).
         """
         text, ids = self.encode_prompt(prompt, allow_empty=context is not None and bool(context.pending_token_ids))
         num_consumed = 0
@@ -348,9 +349,27 @@ class LLMEngine:
 
     def collect(self, build: Callable[[SequenceGroup], T]) -> list[T]:
         """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
-        the engine process builds the plain rows it sends)."""
+        the engine process builds the plain rows it sends).
+
+        A finished request whose ``final_state`` is still on its way to the host (CUDA) waits for a later
+        collection while other requests keep the engine stepping, so that no step waits for the copy; once
+        none do, the collection waits for it."""
         groups, self._uncollected = self._uncollected, {}
-        return [build(g) for g in groups]
+        outputs = []
+        busy: bool | None = None
+        for group in groups:
+            copied = group.final_state_copied
+            if copied is not None:
+                if not copied.query():
+                    if busy is None:
+                        busy = self.has_unfinished_requests()
+                    if busy:
+                        self._uncollected[group] = None
+                        continue
+                    copied.synchronize()
+                group.final_state_copied = None
+            outputs.append(build(group))
+        return outputs
 
     def _launch(self, batch: SchedulerOutput, stats: StepStats) -> LaunchedStep:
         """Run the batch's model calls and sample its rows, without waiting for the device."""

@@ -352,7 +352,8 @@ class Scheduler:
                 snapshots.append((consumed, seq.slot))
             if group.return_state:
                 pending = seq.output_token_ids[seq.num_fed :]
-                group.final_state = StateSnapshot(self.pool.read_slot(seq.slot), consumed, pending)
+                tensors, group.final_state_copied = self.pool.read_slot(seq.slot)
+                group.final_state = StateSnapshot(tensors, consumed, pending)
         if snapshots:
             assert self.prefix_cache is not None
             self.prefix_cache.store_many(snapshots, self.pool.tensors)

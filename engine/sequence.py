@@ -234,6 +234,7 @@ class SequenceGroup:
     num_cached_tokens: int = 0
     return_state: bool = False
     final_state: StateSnapshot | None = None
+    final_state_copied: torch.cuda.Event | None = None  # on CUDA: once done, ``final_state`` holds the state
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -44,6 +44,7 @@ class StatePool:
         self.reset(torch.arange(num_slots + 1))
         self._free = list(range(num_slots - 1, -1, -1))
         self._allocated = [False] * num_slots
+        self._copy_stream: torch.cuda.Stream | None = None  # read_slot's transfers to the host (CUDA)
 
     @classmethod
     def from_budget(
@@ -110,9 +111,32 @@ class StatePool:
         for name, tensor in self.tensors.items():
             tensor[slots] = self._initial[name]
 
-    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """A CPU copy of one slot's state (contiguous; one copy per state tensor)."""
-        return {name: tensor[slot].to("cpu", copy=True) for name, tensor in self.tensors.items()}
+    def read_slot(self, slot: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """A CPU copy of one slot's state (contiguous; one copy per state tensor) and, on CUDA, the event after
+        which it holds the state; ``None`` elsewhere (the copy is done).
+
+        On CUDA nothing waits for the device: the slot is cloned on the current stream (behind the work queued
+        so far, ahead of whatever reuses the slot later), and the clone is copied into pinned host memory on a
+        stream of the pool's own, so neither the host nor the next steps wait for the transfer. Read the
+        tensors only after the event has completed."""
+        if self.device.type != "cuda":
+            return {name: tensor[slot].to("cpu", copy=True) for name, tensor in self.tensors.items()}, None
+        clones = {name: tensor[slot].clone() for name, tensor in self.tensors.items()}
+        cloned = torch.cuda.Event()
+        cloned.record()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        host = {}
+        with torch.cuda.stream(stream):
+            stream.wait_event(cloned)
+            for name, clone in clones.items():
+                host[name] = torch.empty(clone.shape, dtype=clone.dtype, pin_memory=True)
+                host[name].copy_(clone, non_blocking=True)
+                clone.record_stream(stream)  # its memory is not reused before the copy has read it
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return host, copied
 
     def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite one slot's state with ``tensors`` (one per state name, the spec's shape, any device)."""

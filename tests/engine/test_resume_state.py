@@ -85,6 +85,86 @@ def test_final_state_is_the_slot_state_and_only_for_stop_and_length() -> None:
     assert aborted is not None and aborted.final_state is None
 
 
+class SlowCopy:
+    """Stands for the CUDA event of a state's copy to the host: not done for the first ``polls`` queries."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.waited = False
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.polls = 0
+
+
+def slow_copies(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, polls: int) -> list[tuple[int, SlowCopy]]:
+    """Make every state the engine reads out take ``polls`` queries to arrive (as a copy from a GPU may); the
+    copies, each with the number of steps the engine had started when it was made."""
+    copies: list[tuple[int, SlowCopy]] = []
+    read, step = engine.scheduler.pool.read_slot, engine.step
+    started = [0]
+
+    def counted_step(collect: bool = True) -> list[RequestOutput]:
+        started[0] += 1
+        return step(collect)
+
+    def slow_read(slot: int) -> tuple[dict[str, torch.Tensor], SlowCopy]:
+        tensors, copied = read(slot)
+        assert copied is None  # a CPU engine's copy is done at once
+        copies.append((started[0], SlowCopy(polls)))
+        return tensors, copies[-1][1]
+
+    monkeypatch.setattr(engine.scheduler.pool, "read_slot", slow_read)
+    monkeypatch.setattr(engine, "step", counted_step)
+    return copies
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_final_state_still_on_its_way_comes_with_a_later_step(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While other requests keep the engine stepping, a finished request whose state copy has not arrived is
+    left for a later collection, never waited for; its other outputs and everyone else's are not held back."""
+    engine = make_engine("random:mingru-tiny", cache=False, async_scheduling=mode)
+    reference = make_engine("random:mingru-tiny", cache=False, async_scheduling=mode)
+    rng = random.Random(3)
+    prompt, other = random_tokens(rng, engine, 9), random_tokens(rng, engine, 5)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    copies = slow_copies(engine, monkeypatch, polls=3)
+    for each in (reference, engine):  # the same batches on both
+        each.add_request(prompt, short, request_id="short", return_state=True)
+        each.add_request(other, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), request_id="long")
+    expected = run_to_completion(reference)["short"].final_state
+    arrived: dict[str, int] = {}
+    for step in range(1, 100):
+        if not engine.has_unfinished_requests():
+            break
+        outputs = {out.request_id: out for out in engine.step()}
+        assert "long" in outputs or (mode == "on" and step == 1)  # a token a step (its first a step late)
+        if "short" in outputs and outputs["short"].finished:
+            arrived["short"] = step
+            final = outputs["short"]
+        assert engine.has_uncollected_outputs == (bool(copies) and "short" not in arrived)
+    [(made, copy)] = copies
+    assert arrived["short"] == made + 3 and not copy.waited
+    assert expected is not None and final.final_state is not None
+    assert final.final_state.token_ids == expected.token_ids
+    assert final.final_state.pending_token_ids == expected.pending_token_ids
+    for name, tensor in expected.tensors.items():
+        assert torch.equal(final.final_state.tensors[name], tensor)
+
+
+def test_an_idle_engine_waits_for_a_final_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing else to run, the collection waits for the copy: the output is not left behind."""
+    engine = make_engine("random:mingru-tiny", cache=False, async_scheduling="on")
+    copies = slow_copies(engine, monkeypatch, polls=1000)
+    out = finish(engine, [72, 105], SamplingParams(temperature=0, max_tokens=3), return_state=True)
+    [(_, copy)] = copies
+    assert copy.waited and out.final_state is not None and not engine.has_uncollected_outputs
+
+
 def test_a_state_resumes_where_it_left_off_on_another_engine() -> None:
     """The same weights on two engines: a state taken from one continues on the other."""
     first, second = make_engine("random:mamba-tiny", cache=True), make_engine("random:mamba-tiny", cache=True)
