@@ -4,7 +4,10 @@ The template is, first found: the ``--chat-template FILE`` given to the server, 
 model's directory (next to its tokenizer, where ``transformers`` saves it), the tokenizer's own
 (``chat_template`` in ``tokenizer_config.json``). Models with none (byte-level models such as the embedded
 default) use ``DEFAULT_CHAT_TEMPLATE``: one ``Role: content`` line per message, then ``Assistant:`` when a
-generation prompt is requested. Pass a stop string such as ``"\\nUser:"`` to end the reply at the next turn.
+generation prompt is requested. An assistant message follows ``Assistant:`` with no space added: a reply sent
+back as the model generated it (leading whitespace included) renders as the tokens it was, so the next turn
+resumes from the prefix cache's snapshot after the reply, and a session's history equals the conversation's.
+Pass a stop string such as ``"\\nUser:"`` to end the reply at the next turn.
 A request's ``chat_template_kwargs`` (vLLM) become extra template variables.
 """
 
@@ -25,7 +28,8 @@ TEMPLATE_FILE = "chat_template.jinja"
 
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}{{ '\\n' }}"
+    "{{ message['role'] | capitalize }}:{{ '' if message['role'] == 'assistant' else ' ' }}"
+    "{{ message['content'] }}{{ '\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}Assistant:{% endif -%}"
 )

@@ -222,6 +222,9 @@ def test_default_and_tokenizer_chat_templates() -> None:
     messages = [{"role": "user", "content": "Hi"}]
     assert render_chat(ByteTokenizer(), messages) == "User: Hi\nAssistant:"
     assert render_chat(ByteTokenizer(), messages, add_generation_prompt=False) == "User: Hi\n"
+    for reply in ("\n\tYes.", " Yes.", "Yes."):  # sent back as generated: the same text after the prompt
+        sent_back = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Q"}]
+        assert render_chat(ByteTokenizer(), sent_back) == f"User: Hi\nAssistant:{reply}\nUser: Q\nAssistant:"
     tokenizer = ByteTokenizer()
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     assert render_chat(tokenizer, messages) == "<user>Hi"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.loader import DEFAULT_MODEL_DIR
 from rnnserve.server.app import ServerConfig, create_app
 from rnnserve.server.chat_template import model_directory
 from tests.server.tiny_checkpoint import EOS, write_tiny_checkpoint
@@ -116,3 +117,18 @@ def test_chat_template_jinja_of_a_cached_hugging_face_repo(tmp_path: Path, monke
     assert model_directory("org/absent") is None and model_directory("random:mingru-tiny") is None
     with serving("org/tiny") as client:
         assert rendered(client) == "[jinja]Hi"
+
+
+def test_a_reply_sent_back_resumes_from_the_state_after_it() -> None:
+    """Under the default template a reply sent back as the model generated it renders as the same tokens, so the
+    next turn's prefix-cache hit covers the reply too (all but its last token, which the state has not consumed
+    yet), not only the previous prompt."""
+    with serving(DEFAULT_MODEL_DIR) as client:
+        messages = [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "Who codes?"}]
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        first = client.post("/v1/chat/completions", json={"messages": messages, **body}).json()
+        reply, usage = first["choices"][0]["message"]["content"], first["usage"]
+        assert usage["completion_tokens"] == len(reply.encode()) == 8  # byte-level: the text is the tokens
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+        second = client.post("/v1/chat/completions", json={"messages": messages, **body}).json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] + 8 - 1
