@@ -1,13 +1,16 @@
-"""Multi-turn chat with and without the prefix state cache (the shape of SGLang's multi-turn benchmark).
+"""Multi-turn chat with and without the prefix state cache, and as server sessions (the shape of SGLang's
+multi-turn benchmark).
 
 ``C`` clients hold ``T``-turn conversations at once against a real ``rnnserve serve`` process: every
 conversation starts with the same system prompt, each turn appends a user message and then the assistant's
 streamed reply, and the next turn sends the whole conversation again (as chat clients do). The same
-conversations run twice in one invocation, on a server with the prefix cache and on one started with
-``--no-prefix-cache``; the table gives time to first token (client side: from sending the request to the
-first token's chunk) of turn 1 and of turns >= 2, the prompt tokens each server prefilled and the tokens its
-cache skipped (from ``/metrics``), and the ratios without/with the cache. Greedy decoding, so both runs must
-produce the same replies; the script checks that too.
+conversations run three times in one invocation, each on a fresh server: with the prefix cache, with
+``--no-prefix-cache``, and as sessions (``session_id``: each turn after the first sends only its user message,
+the server stores the state on disk after every turn; prefix cache on). The table gives time to first token
+(client side: from sending the request to the first token's chunk) of turn 1 and of turns >= 2, the prompt
+tokens each server prefilled and the tokens its cache skipped (from ``/metrics``), and the ratios of the
+cache-less server's figures to the others'. Greedy decoding, so all runs must produce the same replies; the
+script checks that too.
 
     .venv/bin/python benchmarks/multi_turn.py                          # embedded model, 8 clients x 4 turns
     .venv/bin/python benchmarks/multi_turn.py --model random:mamba-130m --clients 32 --turns 8
@@ -35,6 +38,7 @@ import re  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -160,17 +164,24 @@ async def chat_turn(http: httpx.AsyncClient, body: dict) -> tuple[float, str]:
 
 
 async def conversation(
-    http: httpx.AsyncClient, model: str, system: str, users: list[str], max_tokens: int
+    http: httpx.AsyncClient, model: str, system: str, users: list[str], max_tokens: int, session: bool
 ) -> tuple[list[float], list[str]]:
-    """One client's turns, each after the previous reply; returns (TTFT per turn, replies)."""
+    """One client's turns, each after the previous reply; returns (TTFT per turn, replies). With ``session``
+    the conversation is a server session: each turn after the first sends only its user message."""
     messages = [{"role": "system", "content": system}]
     ttfts: list[float] = []
     replies: list[str] = []
+    extra: dict[str, str] = {}
+    if session:
+        created = await http.post("/v1/sessions", json={})
+        created.raise_for_status()
+        extra["session_id"] = created.json()["id"]
     for user in users:
         messages.append({"role": "user", "content": user})
         body = {
-            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logprobs": True,
+            "model": model, "messages": messages[-1:] if session and replies else messages,
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True, "logprobs": True,
+            **extra,
         }  # fmt: skip
         ttft, reply = await chat_turn(http, body)
         messages.append({"role": "assistant", "content": reply})
@@ -188,14 +199,14 @@ def read_counters(url: str) -> dict[str, float]:
     return values
 
 
-async def run_conversations(url: str, shape: Shape) -> ModeResult:
+async def run_conversations(url: str, shape: Shape, sessions: bool) -> ModeResult:
     system, users = conversations(shape)
     result = ModeResult()
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0)) as http:
         model = await resolve_model(http, None)
         start = time.perf_counter()
         outcomes = await asyncio.gather(
-            *(conversation(http, model, system, turns, shape.max_tokens) for turns in users)
+            *(conversation(http, model, system, turns, shape.max_tokens, sessions) for turns in users)
         )
         result.seconds = time.perf_counter() - start
     result.ttft = [ttfts for ttfts, _ in outcomes]
@@ -203,10 +214,12 @@ async def run_conversations(url: str, shape: Shape) -> ModeResult:
     return result
 
 
-def run_mode(model: str | None, shape: Shape, flags: list[str]) -> ModeResult:
-    with server(model, flags) as url:
-        result = asyncio.run(run_conversations(url, shape))
-        result.counters = read_counters(url)
+def run_mode(model: str | None, shape: Shape, flags: list[str], sessions: bool = False) -> ModeResult:
+    """One server's run; with ``sessions`` every conversation is a session stored in a fresh folder."""
+    with tempfile.TemporaryDirectory(prefix="rnnserve-multi-turn-") as folder:
+        with server(model, [*flags, "--session-dir", folder]) as url:
+            result = asyncio.run(run_conversations(url, shape, sessions))
+            result.counters = read_counters(url)
     return result
 
 
@@ -225,8 +238,8 @@ def summary(result: ModeResult) -> dict[str, float]:
     return row
 
 
-def print_table(shape: Shape, model: str, on: ModeResult, off: ModeResult) -> None:
-    rows = {"cache on": summary(on), "cache off": summary(off)}
+def print_table(shape: Shape, model: str, on: ModeResult, off: ModeResult, sessions: ModeResult) -> None:
+    rows = {"cache on": summary(on), "cache off": summary(off), "sessions": summary(sessions)}
     columns = [
         ("t1_p50", "turn 1 TTFT p50 ms"), ("t1_mean", "turn 1 mean ms"), ("t2_p50", "turns>=2 TTFT p50 ms"),
         ("t2_mean", "turns>=2 mean ms"), ("prefilled", "prefilled tokens"), ("hit_tokens", "cache hit tokens"),
@@ -240,12 +253,16 @@ def print_table(shape: Shape, model: str, on: ModeResult, off: ModeResult) -> No
     print(f"{'':12}" + "".join(f"{title:>22}" for _, title in columns))
     for name, row in rows.items():
         print(f"{name:12}" + "".join(f"{row[key]:>22.1f}" for key, _ in columns))
-    ratio = {key: rows["cache off"][key] / rows["cache on"][key] if rows["cache on"][key] else float("inf")
-             for key, _ in columns}  # fmt: skip
-    print(f"{'off / on':12}" + "".join(f"{ratio[key]:>21.2f}x" for key, _ in columns))
+    for against in ("cache on", "sessions"):
+        ratio = {key: rows["cache off"][key] / rows[against][key] if rows[against][key] else float("inf")
+                 for key, _ in columns}  # fmt: skip
+        name = f"off / {against.split()[-1]}"
+        cells = ["-" if key == "hit_tokens" else f"{ratio[key]:.2f}x" for key, _ in columns]  # hits: no ratio
+        print(f"{name:12}" + "".join(f"{cell:>22}" for cell in cells))
     hits, queries = on.counters["hits"], on.counters["queries"]
     print(f"prefix cache: {hits:.0f} of {queries:.0f} requests resumed from a snapshot")
     print(f"replies identical with and without the cache: {'yes' if on.replies == off.replies else 'NO'}")
+    print(f"replies identical in sessions: {'yes' if sessions.replies == off.replies else 'NO'}")
 
 
 def main() -> None:
@@ -272,7 +289,8 @@ def main() -> None:
     flags = [*args.server_flag, "--max-num-seqs", str(max(shape.clients, 1))]
     on = run_mode(args.model, shape, flags)
     off = run_mode(args.model, shape, [*flags, "--no-prefix-cache"])
-    print_table(shape, args.model or "embedded default", on, off)
+    sessions = run_mode(args.model, shape, flags, sessions=True)
+    print_table(shape, args.model or "embedded default", on, off, sessions)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""``benchmarks/multi_turn.py --smoke`` runs its two real servers and prints a table in which the prefix cache
-skipped prompt tokens and changed no reply."""
+"""``benchmarks/multi_turn.py --smoke`` runs its three real servers and prints a table in which the prefix cache
+skipped prompt tokens and changed no reply, and sessions prefilled no more than it and replied the same."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ def test_multi_turn_smoke_reports_cache_hits_and_identical_replies() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line[:12].strip(): line[12:].split() for line in result.stdout.splitlines()}
-    on, off = rows["cache on"], rows["cache off"]
-    assert len(on) == len(off) == 7, result.stdout  # TTFT p50/mean for turn 1 and later turns, tokens, wall time
+    on, off, sessions = rows["cache on"], rows["cache off"], rows["sessions"]
+    assert len(on) == len(off) == len(sessions) == 7, result.stdout  # TTFT p50/mean, turn 1 and later; tokens; s
     prefilled, hits = 4, 5
     assert float(on[hits]) > 0 and float(off[hits]) == 0, result.stdout
     assert float(on[prefilled]) + float(on[hits]) == float(off[prefilled]), result.stdout
+    assert float(sessions[prefilled]) <= float(on[prefilled]), result.stdout  # later turns send their message only
     assert "replies identical with and without the cache: yes" in result.stdout
+    assert "replies identical in sessions: yes" in result.stdout
