@@ -2,10 +2,11 @@
 
 ``naive.py`` is the reference (fp32 math on the operands' values, one rounding). ``gemv_cpu.cpp`` gives each
 thread a contiguous range of the weight's rows and reads each row from memory once, multiplying it with every
-row of ``x`` in fp32 registers (bf16 weights are widened in registers). It applies to CPU tensors ``x [M, K]``
-and ``weight [N, K]`` of one dtype, fp32 or bf16, with a unit stride along ``K`` and up to
-:data:`ROW_LIMITS` rows for that dtype (beyond them ATen's GEMM measured as fast or faster); elsewhere the
-callers keep their ATen paths.
+row of ``x`` in fp32 registers (bf16 weights are widened in registers, or on CPUs with AVX512-BF16 multiplied
+as they are by ``vdpbf16ps``, in blocks of rows that stay in L2 while every chunk of ``x``'s rows passes). It
+applies to CPU tensors ``x [M, K]`` and ``weight [N, K]`` of one dtype, fp32 or bf16, with a unit stride along
+``K`` and up to :data:`ROW_LIMITS` rows for that dtype (beyond them ATen's GEMM measured as fast or faster);
+elsewhere the callers keep their ATen paths.
 
 ``ENABLED`` is read on every call: ``RNNSERVE_GEMV=0`` in the environment clears it at import, and clearing it
 at run time brings back the previous paths in the same process (``benchmarks/cpu_decode.py`` compares both).
@@ -26,7 +27,6 @@ from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.gemv.naive import gemv_ref
 
 ENABLED = os.environ.get("RNNSERVE_GEMV", "1") != "0"
-ROW_LIMITS = {torch.float32: 12, torch.bfloat16: 64}  # most rows per weight dtype (the op takes up to 64)
 
 
 def native_bf16_gemm() -> bool:
@@ -36,6 +36,10 @@ def native_bf16_gemm() -> bool:
 
 
 UPCAST_BF16_GEMM = not native_bf16_gemm()
+# Most rows per weight dtype (the op takes up to 64). bf16 with bf16 arithmetic (the kernel's vdpbf16ps path):
+# decode steps of random:mamba-130m and mingru-100m on a 2-core Zen 5 were 1.2-2.3x ATen's from 8 to 31 rows and
+# even from 32, where oneDNN's bf16 GEMM catches up; without it, ATen's bf16 GEMM is slow at every row count.
+ROW_LIMITS = {torch.float32: 12, torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31}
 
 
 def row_limit(dtype: torch.dtype) -> int:
