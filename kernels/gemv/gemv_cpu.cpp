@@ -33,6 +33,13 @@ using vuint = uint32_t __attribute__((vector_size(kLanes * 4)));
 constexpr int64_t kMaxRows = 64;                   // rows of x the op takes
 constexpr int kRowChunk = 8;                       // rows of x whose accumulators live in registers at once
 constexpr int64_t kMinBytesPerThread = 64 * 1024;  // smaller products run on one thread (a barrier costs more)
+// With 4 or more rows of x (8 for vdpbf16ps) a row of W takes long enough to multiply that the hardware
+// prefetcher no longer keeps enough of the stream in flight: those loops ask for the weight kPrefetchBytes ahead.
+// Zen 5, cold weights: fp32 at 8-12 rows 15-16 -> 22-28 GB/s (mamba-130m decode at batch 8 and 12 1.5x), bf16 at
+// 8-12 rows 5-20% more; at 1-3 rows nothing changed.
+constexpr int64_t kPrefetchBytes = 2048;
+constexpr int kPrefetchFromRows = 4;
+constexpr int kPrefetchFromRowsBf16 = 8;
 
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
 
@@ -66,6 +73,8 @@ inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
   int64_t j = 0;
   for (; j + U * kLanes <= k; j += U * kLanes) {
     for (int u = 0; u < U; ++u) {
+      if constexpr (M >= kPrefetchFromRows)
+        __builtin_prefetch(reinterpret_cast<const char*>(row + j + u * kLanes) + kPrefetchBytes);
       const vfloat wv = load(row + j + u * kLanes);
       for (int m = 0; m < M; ++m) acc[m][u] += wv * load(x + m * k + j + u * kLanes);
     }
@@ -152,6 +161,8 @@ inline void dot_rows_bf16(const at::BFloat16* row, const at::BFloat16* x, int64_
   int64_t j = 0;
   for (; j + U * kPairs <= k; j += U * kPairs) {
     for (int u = 0; u < U; ++u) {
+      if constexpr (M >= kPrefetchFromRowsBf16)
+        __builtin_prefetch(reinterpret_cast<const char*>(row + j + u * kPairs) + kPrefetchBytes);
       const __m512bh wv = load_bf16(row + j + u * kPairs);
       for (int m = 0; m < M; ++m) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, load_bf16(x + m * k + j + u * kPairs));
     }
