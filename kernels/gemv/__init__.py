@@ -36,10 +36,13 @@ def native_bf16_gemm() -> bool:
 
 
 UPCAST_BF16_GEMM = not native_bf16_gemm()
-# Most rows per weight dtype (the op takes up to 64). bf16 with bf16 arithmetic (the kernel's vdpbf16ps path):
-# decode steps of random:mamba-130m and mingru-100m on a 2-core Zen 5 were 1.2-2.3x ATen's from 8 to 31 rows and
-# even from 32, where oneDNN's bf16 GEMM catches up; without it, ATen's bf16 GEMM is slow at every row count.
-ROW_LIMITS = {torch.float32: 12, torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31}
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# Most rows per weight dtype (the op takes up to 64), measured against ATen's decode steps (random:mamba-130m,
+# mamba2-130m, mingru-100m). fp32 on AVX-512 (a 2-core Zen 5): 1.2-1.7x ATen's at 16 to 64 rows; 12 is the
+# crossover measured on AVX2 before the kernel took W's rows in L2 blocks, not measured again since. bf16 with bf16
+# arithmetic (the kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31 rows, level from 32, where oneDNN's bf16
+# GEMM catches up; without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
+ROW_LIMITS = {torch.float32: 64 if AVX512 else 12, torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31}
 
 
 def row_limit(dtype: torch.dtype) -> int:

@@ -38,6 +38,7 @@ constexpr int64_t kMinBytesPerThread = 64 * 1024;  // smaller products run on on
 // Zen 5, cold weights: fp32 at 8-12 rows 15-16 -> 22-28 GB/s (mamba-130m decode at batch 8 and 12 1.5x), bf16 at
 // 8-12 rows 5-20% more; at 1-3 rows nothing changed.
 constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every chunk of x before the next (L2)
 constexpr int kPrefetchFromRows = 4;
 constexpr int kPrefetchFromRowsBf16 = 8;
 
@@ -92,21 +93,39 @@ inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
   }
 }
 
-// sums[m] for all `rows` rows of x, kRowChunk rows of x at a time (the row of W stays in L1 between chunks).
+// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x.
 template <typename W>
-inline void dot_all_rows(const W* row, const float* x, int64_t rows, int64_t k, float* sums) {
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-    const float* xc = x + m0 * k;
-    float* sc = sums + m0;
-    switch (std::min<int64_t>(kRowChunk, rows - m0)) {
-      case 1: dot_rows<1, 4>(row, xc, k, sc); break;
-      case 2: dot_rows<2, 2>(row, xc, k, sc); break;
-      case 3: dot_rows<3, 2>(row, xc, k, sc); break;
-      case 4: dot_rows<4, 1>(row, xc, k, sc); break;
-      case 5: dot_rows<5, 1>(row, xc, k, sc); break;
-      case 6: dot_rows<6, 1>(row, xc, k, sc); break;
-      case 7: dot_rows<7, 1>(row, xc, k, sc); break;
-      default: dot_rows<8, 1>(row, xc, k, sc); break;
+inline void dot_chunk(const W* row, const float* x, int64_t rows, int64_t k, float* sums) {
+  switch (rows) {
+    case 1: dot_rows<1, 4>(row, x, k, sums); break;
+    case 2: dot_rows<2, 2>(row, x, k, sums); break;
+    case 3: dot_rows<3, 2>(row, x, k, sums); break;
+    case 4: dot_rows<4, 1>(row, x, k, sums); break;
+    case 5: dot_rows<5, 1>(row, x, k, sums); break;
+    case 6: dot_rows<6, 1>(row, x, k, sums); break;
+    case 7: dot_rows<7, 1>(row, x, k, sums); break;
+    default: dot_rows<8, 1>(row, x, k, sums); break;
+  }
+}
+
+// y = x W^T + bias for W's rows [begin, end), in blocks of about kBlockBytes of W: a block streams from memory
+// while the first chunk of x's rows runs through it and stays in L2 for the other chunks, each chunk of x staying
+// in L1 across the block. (Chunk by chunk over whole rows of W, x no longer fit L1 past ~16 rows and the kernel
+// fell to 5-10 GB/s.) `dot(i, m0, chunk, sums)` gives row i of W's products with x's rows m0 .. m0 + chunk.
+template <typename Y, typename Dot>
+inline void blocked_rows(int64_t begin, int64_t end, int64_t row_bytes, int64_t rows, int64_t n, const float* bias,
+                         Y* y, Dot dot) {
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, row_bytes));
+  float sums[kRowChunk];
+  for (int64_t i0 = begin; i0 < end; i0 += block) {
+    const int64_t i1 = std::min(end, i0 + block);
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
+      const int64_t chunk = std::min<int64_t>(kRowChunk, rows - m0);
+      for (int64_t i = i0; i < i1; ++i) {
+        dot(i, m0, chunk, sums);
+        const float b = bias ? bias[i] : 0.f;
+        for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + i] = static_cast<Y>(sums[m] + b);
+      }
     }
   }
 }
@@ -193,29 +212,14 @@ inline void dot_chunk_bf16(const at::BFloat16* row, const at::BFloat16* x, int64
   }
 }
 
-// Rows of W are taken in blocks of about kBlockBytes: the block streams from memory while the first chunk of x's
-// rows runs through it and stays in L2 for the other chunks, each chunk of x staying in L1 across the block
-// (chunk by chunk over whole rows of W, x no longer fits L1 past ~16 rows and the kernel fell to 5-10 GB/s).
-constexpr int64_t kBlockBytes = 128 * 1024;
-
 void gemv_native_bf16(const at::BFloat16* w, int64_t w_stride, const at::BFloat16* x, const float* bias,
                       at::BFloat16* y, int64_t rows, int64_t n, int64_t k) {
-  const int64_t row_bytes = std::max<int64_t>(1, k * 2);
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / row_bytes);
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / row_bytes);
+  const int64_t row_bytes = k * 2;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows];
-    for (int64_t i0 = begin; i0 < end; i0 += block) {
-      const int64_t i1 = std::min(end, i0 + block);
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-        const int64_t chunk = std::min<int64_t>(kRowChunk, rows - m0);
-        for (int64_t i = i0; i < i1; ++i) {
-          dot_chunk_bf16(w + i * w_stride, x + m0 * k, chunk, k, sums);
-          const float b = bias ? bias[i] : 0.f;
-          for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + i] = static_cast<at::BFloat16>(sums[m] + b);
-        }
-      }
-    }
+    blocked_rows(begin, end, row_bytes, rows, n, bias, y, [&](int64_t r, int64_t m0, int64_t chunk, float* out) {
+      dot_chunk_bf16(w + r * w_stride, x + m0 * k, chunk, k, out);
+    });
   });
 }
 #endif
@@ -228,21 +232,19 @@ void gemv_typed(const W* w, int64_t w_stride, const float* x, const float* bias,
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows];
     int64_t i = begin;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if (rows == 1) {  // batch 1: eight rows of W per add tree
+      float sums[8];
       for (; i + 8 <= end; i += 8) {
         dot_eight_rows(w + i * w_stride, w_stride, x, k, sums);
         for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[i + r] : 0.f));
       }
     }
 #endif
-    for (; i < end; ++i) {
-      dot_all_rows(w + i * w_stride, x, rows, k, sums);
-      const float b = bias ? bias[i] : 0.f;
-      for (int64_t m = 0; m < rows; ++m) y[m * n + i] = static_cast<Y>(sums[m] + b);
-    }
+    blocked_rows(i, end, row_bytes, rows, n, bias, y, [&](int64_t r, int64_t m0, int64_t chunk, float* out) {
+      dot_chunk(w + r * w_stride, x + m0 * k, chunk, k, out);
+    });
   });
 }
 
@@ -276,34 +278,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
     TORCH_CHECK(is_supported(bias->scalar_type()), "gemv: bias must be fp32 or bf16");
   }
   auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(__AVX512BF16__)
-  const bool native_bf16 = x.scalar_type() == at::kBFloat16;
-#else
-  const bool native_bf16 = false;
-#endif
   // x and the bias are converted and packed here, not by ATen ops: at batch 1 those few-KB copies cost more in
   // dispatch than in work, dozens of times per decode step.
-  std::vector<float> packed_x, bias32;
-  const float* xs = nullptr;
-  std::vector<at::BFloat16> packed_bf16;
-  const at::BFloat16* xb = nullptr;
-  if (native_bf16) {
-    if (x.stride(1) == 1 && x.stride(0) == k) {
-      xb = x.data_ptr<at::BFloat16>();
-    } else {
-      packed_bf16.resize(rows * k);
-      const at::BFloat16* src = x.data_ptr<at::BFloat16>();
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < k; ++j) packed_bf16[m * k + j] = src[m * x.stride(0) + j * x.stride(1)];
-      xb = packed_bf16.data();
-    }
-  } else if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == k) {
-    xs = x.data_ptr<float>();
-  } else {
-    packed_x.resize(rows * k);
-    for (int64_t m = 0; m < rows; ++m) widen(x, m * x.stride(0), k, x.stride(1), packed_x.data() + m * k);
-    xs = packed_x.data();
-  }
+  std::vector<float> bias32;
   if (bias.has_value()) {
     bias32.resize(n);
     widen(*bias, 0, n, bias->stride(0), bias32.data());
@@ -311,12 +288,29 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   const float* bias_data = bias.has_value() ? bias32.data() : nullptr;
   const int64_t w_stride = weight.stride(0);
 #if defined(__AVX512BF16__)
-  if (native_bf16) {
+  if (x.scalar_type() == at::kBFloat16) {  // x stays bf16
+    std::vector<at::BFloat16> packed;
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+    if (x.stride(1) != 1 || x.stride(0) != k) {
+      packed.resize(rows * k);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < k; ++j) packed[m * k + j] = xb[m * x.stride(0) + j * x.stride(1)];
+      xb = packed.data();
+    }
     gemv_native_bf16(weight.data_ptr<at::BFloat16>(), w_stride, xb, bias_data, y.data_ptr<at::BFloat16>(), rows,
                      n, k);
     return y;
   }
 #endif
+  std::vector<float> packed_x;
+  const float* xs = nullptr;
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == k) {
+    xs = x.data_ptr<float>();
+  } else {
+    packed_x.resize(rows * k);
+    for (int64_t m = 0; m < rows; ++m) widen(x, m * x.stride(0), k, x.stride(1), packed_x.data() + m * k);
+    xs = packed_x.data();
+  }
   if (weight.scalar_type() == at::kFloat)
     gemv_typed(weight.data_ptr<float>(), w_stride, xs, bias_data, y.data_ptr<float>(), rows, n, k);
   else
