@@ -33,12 +33,12 @@ using vuint = uint32_t __attribute__((vector_size(kLanes * 4)));
 constexpr int64_t kMaxRows = 64;                   // rows of x the op takes
 constexpr int kRowChunk = 8;                       // rows of x whose accumulators live in registers at once
 constexpr int64_t kMinBytesPerThread = 64 * 1024;  // smaller products run on one thread (a barrier costs more)
+constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every chunk of x before the next (L2)
 // With 4 or more rows of x (8 for vdpbf16ps) a row of W takes long enough to multiply that the hardware
 // prefetcher no longer keeps enough of the stream in flight: those loops ask for the weight kPrefetchBytes ahead.
 // Zen 5, cold weights: fp32 at 8-12 rows 15-16 -> 22-28 GB/s (mamba-130m decode at batch 8 and 12 1.5x), bf16 at
 // 8-12 rows 5-20% more; at 1-3 rows nothing changed.
 constexpr int64_t kPrefetchBytes = 2048;
-constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every chunk of x before the next (L2)
 constexpr int kPrefetchFromRows = 4;
 constexpr int kPrefetchFromRowsBf16 = 8;
 
@@ -162,7 +162,6 @@ inline void dot_eight_rows(const W* w, int64_t w_stride, const float* x, int64_t
 // vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes, with no widening of the weight,
 // so a row of W costs half the arithmetic instructions of the widening path (which made this kernel 2.4-8.7x
 // slower than oneDNN's bf16 GEMM from 16 rows of x on a Zen 5). x stays bf16 (half the cache footprint).
-// sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), U accumulators per row of x.
 inline __m512bh load_bf16(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
@@ -171,6 +170,7 @@ inline __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
 }
 
+// sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), U accumulators per row of x.
 template <int M, int U>
 inline void dot_rows_bf16(const at::BFloat16* row, const at::BFloat16* x, int64_t k, float* sums) {
   constexpr int64_t kPairs = 32;  // bf16 elements of one vdpbf16ps
