@@ -1,5 +1,5 @@
 """``benchmarks/multi_turn.py --smoke`` runs its three real servers and prints a table in which the prefix cache
-skipped prompt tokens and changed no reply, and sessions prefilled no more than it and replied the same."""
+skipped prompt tokens and changed no reply, and sessions skipped their history and replied the same."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def test_multi_turn_smoke_reports_cache_hits_and_identical_replies() -> None:
     prefilled, hits = 4, 5
     assert float(on[hits]) > 0 and float(off[hits]) == 0, result.stdout
     assert float(on[prefilled]) + float(on[hits]) == float(off[prefilled]), result.stdout
-    assert float(sessions[prefilled]) <= float(on[prefilled]), result.stdout  # later turns send their message only
+    # Later turns send their message only. (Not compared with the cache's run: whether the two first turns, sent at
+    # once, share a snapshot of the system prompt depends on the step each is admitted in.)
+    assert float(sessions[prefilled]) < float(off[prefilled]), result.stdout
     assert "replies identical with and without the cache: yes" in result.stdout
     assert "replies identical in sessions: yes" in result.stdout
