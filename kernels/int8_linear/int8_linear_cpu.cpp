@@ -9,8 +9,9 @@
 // which the loop also prefetches a few KB ahead: on the Zen 3 VM where this was tuned, the hardware prefetchers
 // alone left a cold int8 weight at about 80% of torch.sum's read bandwidth at batch 1 and the software prefetch
 // brought it level (on a Zen 4 VM, against the loop without it: level at one row of x, 1.1-1.2x at eight). From 9 to
-// 32 rows the product is bound by FMAs and loads of x instead, so tiles of 4 weight rows x 2 rows of x reuse
-// each converted weight vector and each row of x twice (the tile is re-read from L1 for the next 2 rows of x).
+// 32 rows W's rows are taken in ~128 KB blocks that stay in L2 while x passes chunk by chunk of 8 rows (in L1),
+// each chunk as a batch of 8 would. (Tiles of 4 weight rows x 2 rows of x over all of x, before, fell to half
+// the 8-row throughput at 16 rows on a Zen 5: x left L1 and the 4 side-by-side streams lost the prefetchers.)
 // The scale is applied once per output, after the K loop.
 //
 // Many rows (prefill): the product is bound by arithmetic, where a BLAS GEMM is far ahead of a hand-written
@@ -35,8 +36,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 
 constexpr int64_t kLanes = 8;
 constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
-constexpr int64_t kTileN = 4;                   // beyond: weight rows per tile
-constexpr int64_t kTileM = 2;                   // and rows of x per pass over a tile (8 accumulators + 4 weights)
+constexpr int64_t kBlockBytes = 128 << 10;      // beyond: weight rows taken with every chunk of x before the next
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
 constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
 constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
@@ -117,58 +117,6 @@ inline void dot_few_rows(const int8_t* row, const float* x, int64_t x_stride, in
   }
 }
 
-// acc[n][m] = sum_k w[n, k] * x[m, k] for TN weight rows and TM rows of x (plain integer weights, no scale).
-template <int TN, int TM>
-inline void dot_tile(const int8_t* w, int64_t w_stride, const float* x, int64_t x_stride, int64_t k,
-                     float out[TN][TM]) {
-  f32x8 acc[TN][TM];
-#pragma GCC unroll 8
-  for (int n = 0; n < TN; ++n)
-#pragma GCC unroll 8
-    for (int m = 0; m < TM; ++m) acc[n][m] = f32x8{};
-  const int64_t body = k - k % kLanes;
-  for (int64_t j = 0; j < body; j += kLanes) {
-    f32x8 wv[TN];
-#pragma GCC unroll 8
-    for (int n = 0; n < TN; ++n) wv[n] = load_int8(w + n * w_stride + j);
-#pragma GCC unroll 8
-    for (int m = 0; m < TM; ++m) {
-      const f32x8 xv = load_f32(x + m * x_stride + j);
-#pragma GCC unroll 8
-      for (int n = 0; n < TN; ++n) acc[n][m] += wv[n] * xv;
-    }
-  }
-  for (int n = 0; n < TN; ++n)
-    for (int m = 0; m < TM; ++m) {
-      float s = lane_sum(acc[n][m]);
-      for (int64_t j = body; j < k; ++j) s += static_cast<float>(w[n * w_stride + j]) * x[m * x_stride + j];
-      out[n][m] = s;
-    }
-}
-
-// Rows [n0, n0 + TN) of y for every row of x.
-template <typename out_t, int TN>
-void stream_tile(const int8_t* w, int64_t w_stride, const float* scale, const float* bias, const float* x,
-                 int64_t x_stride, int64_t rows, int64_t k, int64_t n0, out_t* y, int64_t n) {
-  const int8_t* w_tile = w + n0 * w_stride;
-  auto finish = [&](int64_t m, int i, float dot) {
-    const float value = dot * scale[n0 + i] + (bias ? bias[n0 + i] : 0.f);
-    y[m * n + n0 + i] = static_cast<out_t>(value);
-  };
-  int64_t m = 0;
-  for (; m + kTileM <= rows; m += kTileM) {
-    float out[TN][kTileM];
-    dot_tile<TN, kTileM>(w_tile, w_stride, x + m * x_stride, x_stride, k, out);
-    for (int i = 0; i < TN; ++i)
-      for (int r = 0; r < kTileM; ++r) finish(m + r, i, out[i][r]);
-  }
-  for (; m < rows; ++m) {
-    float out[TN][1];
-    dot_tile<TN, 1>(w_tile, w_stride, x + m * x_stride, x_stride, k, out);
-    for (int i = 0; i < TN; ++i) finish(m, i, out[i][0]);
-  }
-}
-
 template <typename out_t>
 void stream_rows(const at::Tensor& x32, const at::Tensor& weight, const float* scale, const float* bias,
                  at::Tensor& y) {
@@ -177,28 +125,21 @@ void stream_rows(const at::Tensor& x32, const at::Tensor& weight, const float* s
   const float* x = x32.data_ptr<float>();
   out_t* out = y.data_ptr<out_t>();
   const int64_t w_stride = weight.stride(0), x_stride = x32.stride(0);
-  if (rows <= kFewRows) {
-    const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      float sums[kFewRows];
-      for (int64_t i = begin; i < end; ++i) {
-        dot_few_rows(w + i * w_stride, x, x_stride, rows, k, sums);
-        const float b = bias ? bias[i] : 0.f;
-        for (int64_t m = 0; m < rows; ++m) out[m * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
-      }
-    });
-    return;
-  }
-  const int64_t tiles = (n + kTileN - 1) / kTileN;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, kTileN * k));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileN;
-      if (n0 + kTileN <= n) {
-        stream_tile<out_t, kTileN>(w, w_stride, scale, bias, x, x_stride, rows, k, n0, out, n);
-      } else {  // the last, partial tile: one weight row at a time
-        for (int64_t r = n0; r < n; ++r)
-          stream_tile<out_t, 1>(w, w_stride, scale, bias, x, x_stride, rows, k, r, out, n);
+  // Blocks of about kBlockBytes of W's rows: a block streams from memory while the first chunk of x's rows
+  // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block.
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, k));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    float sums[kFewRows];
+    for (int64_t i0 = begin; i0 < end; i0 += block) {
+      const int64_t i1 = std::min(end, i0 + block);
+      for (int64_t m0 = 0; m0 < rows; m0 += kFewRows) {
+        const int64_t chunk = std::min(kFewRows, rows - m0);
+        for (int64_t i = i0; i < i1; ++i) {
+          dot_few_rows(w + i * w_stride, x + m0 * x_stride, x_stride, chunk, k, sums);
+          const float b = bias ? bias[i] : 0.f;
+          for (int64_t m = 0; m < chunk; ++m) out[(m0 + m) * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
+        }
       }
     }
   });
