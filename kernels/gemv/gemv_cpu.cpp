@@ -93,43 +93,6 @@ inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
   }
 }
 
-// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x.
-template <typename W>
-inline void dot_chunk(const W* row, const float* x, int64_t rows, int64_t k, float* sums) {
-  switch (rows) {
-    case 1: dot_rows<1, 4>(row, x, k, sums); break;
-    case 2: dot_rows<2, 2>(row, x, k, sums); break;
-    case 3: dot_rows<3, 2>(row, x, k, sums); break;
-    case 4: dot_rows<4, 1>(row, x, k, sums); break;
-    case 5: dot_rows<5, 1>(row, x, k, sums); break;
-    case 6: dot_rows<6, 1>(row, x, k, sums); break;
-    case 7: dot_rows<7, 1>(row, x, k, sums); break;
-    default: dot_rows<8, 1>(row, x, k, sums); break;
-  }
-}
-
-// y = x W^T + bias for W's rows [begin, end), in blocks of about kBlockBytes of W: a block streams from memory
-// while the first chunk of x's rows runs through it and stays in L2 for the other chunks, each chunk of x staying
-// in L1 across the block. (Chunk by chunk over whole rows of W, x no longer fit L1 past ~16 rows and the kernel
-// fell to 5-10 GB/s.) `dot(i, m0, chunk, sums)` gives row i of W's products with x's rows m0 .. m0 + chunk.
-template <typename Y, typename Dot>
-inline void blocked_rows(int64_t begin, int64_t end, int64_t row_bytes, int64_t rows, int64_t n, const float* bias,
-                         Y* y, Dot dot) {
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, row_bytes));
-  float sums[kRowChunk];
-  for (int64_t i0 = begin; i0 < end; i0 += block) {
-    const int64_t i1 = std::min(end, i0 + block);
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-      const int64_t chunk = std::min<int64_t>(kRowChunk, rows - m0);
-      for (int64_t i = i0; i < i1; ++i) {
-        dot(i, m0, chunk, sums);
-        const float b = bias ? bias[i] : 0.f;
-        for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + i] = static_cast<Y>(sums[m] + b);
-      }
-    }
-  }
-}
-
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // Dot products of eight consecutive rows of W with one row of x (a batch-1 step): each row's accumulators are
 // folded into one vector and the eight vectors are summed by one transposing add tree (six hadds, two lane
@@ -172,7 +135,7 @@ inline __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask) {
 
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), U accumulators per row of x.
 template <int M, int U>
-inline void dot_rows_bf16(const at::BFloat16* row, const at::BFloat16* x, int64_t k, float* sums) {
+inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, float* sums) {
   constexpr int64_t kPairs = 32;  // bf16 elements of one vdpbf16ps
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m)
@@ -197,54 +160,56 @@ inline void dot_rows_bf16(const at::BFloat16* row, const at::BFloat16* x, int64_
     sums[m] = _mm512_reduce_add_ps(total);
   }
 }
+#endif
 
-// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x.
-inline void dot_chunk_bf16(const at::BFloat16* row, const at::BFloat16* x, int64_t rows, int64_t k, float* sums) {
+// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x (fp32, or bf16 for the vdpbf16ps overload of dot_rows).
+template <typename W, typename X>
+inline void dot_chunk(const W* row, const X* x, int64_t rows, int64_t k, float* sums) {
   switch (rows) {
-    case 1: dot_rows_bf16<1, 4>(row, x, k, sums); break;
-    case 2: dot_rows_bf16<2, 2>(row, x, k, sums); break;
-    case 3: dot_rows_bf16<3, 2>(row, x, k, sums); break;
-    case 4: dot_rows_bf16<4, 1>(row, x, k, sums); break;
-    case 5: dot_rows_bf16<5, 1>(row, x, k, sums); break;
-    case 6: dot_rows_bf16<6, 1>(row, x, k, sums); break;
-    case 7: dot_rows_bf16<7, 1>(row, x, k, sums); break;
-    default: dot_rows_bf16<8, 1>(row, x, k, sums); break;
+    case 1: dot_rows<1, 4>(row, x, k, sums); break;
+    case 2: dot_rows<2, 2>(row, x, k, sums); break;
+    case 3: dot_rows<3, 2>(row, x, k, sums); break;
+    case 4: dot_rows<4, 1>(row, x, k, sums); break;
+    case 5: dot_rows<5, 1>(row, x, k, sums); break;
+    case 6: dot_rows<6, 1>(row, x, k, sums); break;
+    case 7: dot_rows<7, 1>(row, x, k, sums); break;
+    default: dot_rows<8, 1>(row, x, k, sums); break;
   }
 }
 
-void gemv_native_bf16(const at::BFloat16* w, int64_t w_stride, const at::BFloat16* x, const float* bias,
-                      at::BFloat16* y, int64_t rows, int64_t n, int64_t k) {
-  const int64_t row_bytes = k * 2;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    blocked_rows(begin, end, row_bytes, rows, n, bias, y, [&](int64_t r, int64_t m0, int64_t chunk, float* out) {
-      dot_chunk_bf16(w + r * w_stride, x + m0 * k, chunk, k, out);
-    });
-  });
-}
-#endif
-
 // Each thread reads its contiguous range of W's rows front to back: one sequential stream per core, which the
-// hardware prefetchers follow (reading several rows side by side measured up to 1.8x slower from DRAM).
-template <typename W, typename Y>
-void gemv_typed(const W* w, int64_t w_stride, const float* x, const float* bias, Y* y, int64_t rows, int64_t n,
+// hardware prefetchers follow (reading several rows side by side measured up to 1.8x slower from DRAM). The range
+// is taken in blocks of about kBlockBytes: a block streams from memory while the first chunk of x's rows runs
+// through it and stays in L2 for the other chunks, each chunk of x staying in L1 across the block. (Chunk by chunk
+// over whole rows of W, x no longer fit L1 past ~16 rows and the kernel fell to 5-10 GB/s.)
+template <typename W, typename Y, typename X>
+void gemv_typed(const W* w, int64_t w_stride, const X* x, const float* bias, Y* y, int64_t rows, int64_t n,
                 int64_t k) {
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    float sums[kRowChunk];
     int64_t i = begin;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    if (rows == 1) {  // batch 1: eight rows of W per add tree
-      float sums[8];
+    if (rows == 1) {  // batch 1: eight rows of W per add tree (kRowChunk sums)
       for (; i + 8 <= end; i += 8) {
         dot_eight_rows(w + i * w_stride, w_stride, x, k, sums);
         for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[i + r] : 0.f));
       }
     }
 #endif
-    blocked_rows(i, end, row_bytes, rows, n, bias, y, [&](int64_t r, int64_t m0, int64_t chunk, float* out) {
-      dot_chunk(w + r * w_stride, x + m0 * k, chunk, k, out);
-    });
+    const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, row_bytes));
+    for (int64_t i0 = i; i0 < end; i0 += block) {
+      const int64_t i1 = std::min(end, i0 + block);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
+        const int64_t chunk = std::min<int64_t>(kRowChunk, rows - m0);
+        for (int64_t r = i0; r < i1; ++r) {
+          dot_chunk(w + r * w_stride, x + m0 * k, chunk, k, sums);
+          const float b = bias ? bias[r] : 0.f;
+          for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r] = static_cast<Y>(sums[m] + b);
+        }
+      }
+    }
   });
 }
 
@@ -297,8 +262,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
         for (int64_t j = 0; j < k; ++j) packed[m * k + j] = xb[m * x.stride(0) + j * x.stride(1)];
       xb = packed.data();
     }
-    gemv_native_bf16(weight.data_ptr<at::BFloat16>(), w_stride, xb, bias_data, y.data_ptr<at::BFloat16>(), rows,
-                     n, k);
+    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xb, bias_data, y.data_ptr<at::BFloat16>(), rows, n, k);
     return y;
   }
 #endif
