@@ -3,9 +3,10 @@
 //
 // Few rows (a decode batch): the layer is bound by streaming W, a quarter of the bytes of fp32. Each thread
 // takes a contiguous range of W's rows and reads it once from memory, converting int8 -> fp32 in registers
-// (8 lanes a vector: GCC vector extensions, with AVX2 intrinsics only for the conversion), with fp32 FMAs
-// against the rows of x. Up to 8 rows of x, one weight row at a time, front to back: one sequential stream per
-// core (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of mamba-130m at half the speed here),
+// (16 lanes a vector on AVX-512, 8 on AVX2: GCC vector extensions, with intrinsics only for the conversion),
+// with fp32 FMAs against the rows of x. Up to 8 rows of x, one weight row at a time, front to back: one
+// sequential stream per core (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of mamba-130m at
+// half the speed here),
 // which the loop also prefetches a few KB ahead: on the Zen 3 VM where this was tuned, the hardware prefetchers
 // alone left a cold int8 weight at about 80% of torch.sum's read bandwidth at batch 1 and the software prefetch
 // brought it level (on a Zen 4 VM, against the loop without it: level at one row of x, 1.1-1.2x at eight). From 9 to
@@ -32,9 +33,14 @@
 
 namespace {
 
-typedef float f32x8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using vfloat = float __attribute__((vector_size(kLanes * 4)));
+using vfloat_unaligned = float __attribute__((vector_size(kLanes * 4), aligned(4)));
 
-constexpr int64_t kLanes = 8;
 constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
 constexpr int64_t kBlockBytes = 128 << 10;      // beyond: weight rows taken with every chunk of x before the next
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
@@ -43,58 +49,56 @@ constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one
 constexpr int64_t kLine = 64;                   // int8 weights per cache line: one prefetch each
 constexpr int64_t kPrefetchAhead = 2048;        // bytes of the weight stream prefetched ahead of the loads
 
-// Eight int8 weights as fp32 lanes (GCC scalarises a generic int8 -> float vector conversion).
-inline f32x8 load_int8(const int8_t* p) {
-#ifdef __AVX2__
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// kLanes int8 weights as fp32 lanes (GCC scalarises a generic int8 -> float vector conversion).
+inline vfloat load_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #else
-  f32x8 v;
+  vfloat v;
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 #endif
 }
 
-inline f32x8 load_f32(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline vfloat load_f32(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
 
-inline float lane_sum(f32x8 v) {
+inline float lane_sum(vfloat v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
 // sums[r] = sum_j row[j] * x[r, j] for R rows of x, with U independent accumulators per row of x so that a
-// short dot product still keeps several FMAs in flight; each 8 weights are converted once for all R rows. The
+// short dot product still keeps several FMAs in flight; each vector of weights is converted once for all R rows. The
 // loop takes a cache line of weights a step and prefetches the line kPrefetchAhead bytes on (the rows of a
 // thread's range follow each other in memory, so this runs into the next rows; prefetches never fault).
 template <int R, int U>
 inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t k, float* sums) {
   static_assert(kLine % (U * kLanes) == 0, "a step is whole groups of U vectors");
-  f32x8 acc[R][U];
+  vfloat acc[R][U];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) acc[r][u] = f32x8{};
+    for (int u = 0; u < U; ++u) acc[r][u] = vfloat{};
   int64_t j = 0;
   for (; j + kLine <= k; j += kLine) {
     __builtin_prefetch(row + j + kPrefetchAhead, 0, 3);
 #pragma GCC unroll 8
     for (int v = 0; v < kLine / kLanes; ++v) {
-      const f32x8 wv = load_int8(row + j + v * kLanes);
+      const vfloat wv = load_int8(row + j + v * kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][v % U] += wv * load_f32(x + r * x_stride + j + v * kLanes);
     }
   }
   for (; j + kLanes <= k; j += kLanes) {
-    const f32x8 wv = load_int8(row + j);
+    const vfloat wv = load_int8(row + j);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] += wv * load_f32(x + r * x_stride + j);
   }
   for (int r = 0; r < R; ++r) {
-    f32x8 total = acc[r][0];
+    vfloat total = acc[r][0];
     for (int u = 1; u < U; ++u) total += acc[r][u];
     float s = lane_sum(total);
     for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[r * x_stride + t];
@@ -106,7 +110,7 @@ inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_
 inline void dot_few_rows(const int8_t* row, const float* x, int64_t x_stride, int64_t rows, int64_t k,
                          float* sums) {
   switch (rows) {
-    case 1: dot_rows<1, 8>(row, x, x_stride, k, sums); break;
+    case 1: dot_rows<1, kLine / kLanes>(row, x, x_stride, k, sums); break;
     case 2: dot_rows<2, 2>(row, x, x_stride, k, sums); break;
     case 3: dot_rows<3, 2>(row, x, x_stride, k, sums); break;
     case 4: dot_rows<4, 2>(row, x, x_stride, k, sums); break;

@@ -17,9 +17,9 @@ from tests.kernels.kernel_cases import count_calls
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
 
-# (K, N): odd sizes below and across the 8-lane vectors and the 4-row tiles, and a projection-sized one.
-SHAPES = [(64, 48), (33, 17), (7, 40), (130, 9), (1, 5), (768, 100)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 32, 33, 40]  # one weight row at a time up to 8, tiles to 32, then GEMM
+# (K, N): odd sizes below and across the 8- and 16-lane vectors and the 64-weight steps, and a projection-sized one.
+SHAPES = [(64, 48), (33, 17), (7, 40), (130, 9), (101, 11), (1, 5), (768, 100)]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 32, 33, 40]  # one weight row at a time up to 8, 8-row chunks to 32, then GEMM
 
 
 def operands(rows: int, k: int, n: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, seed: int = 0):
