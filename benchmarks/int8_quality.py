@@ -10,7 +10,8 @@ Quality, on the embedded default model (the byte-level minGRU that ``LLM()`` loa
   before the first divergence, and the fraction of positions with the same token overall.
 
 Speed, on ``--speed-model`` (random ``mamba-130m`` weights by default): engine decode tok/s at batch 1, 8 and 32
-for fp32, bf16 and int8, measured interleaved in the same process, with the weight bytes one step reads and
+for fp32, bf16, int8 on fp32 activations (an fp32 model quantized) and int8 on bf16 activations (a bf16 model
+quantized), measured interleaved in the same process, with the weight bytes one step reads and
 the roofline those bytes allow at the read bandwidth measured in the same run.
 
     python benchmarks/int8_quality.py [--speed-model random:mamba-130m] [--threads 2] [--steps 16] [--repeats 3]
@@ -170,7 +171,12 @@ def quality_section() -> None:
 
 
 def speed_section(model: str, threads: int, steps: int, repeats: int, batches: list[int]) -> None:
-    variants = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8")}
+    variants = {
+        "fp32": ("float32", None),
+        "bf16": ("bfloat16", None),
+        "int8": ("float32", "int8"),
+        "int8 on bf16": ("bfloat16", "int8"),
+    }
     engines = {
         name: LLMEngine.from_config(
             EngineConfig(model=model, device="cpu", dtype=dtype, quantize=quantize, max_num_seqs=max(batches))
@@ -201,7 +207,8 @@ def speed_section(model: str, threads: int, steps: int, repeats: int, batches: l
     for batch in batches:
         best = {name: max(rates[name, batch]) for name in engines}
         fp32, bf16 = best["int8"] / best["fp32"], best["int8"] / best["bf16"]
-        print(f"  batch {batch}: int8/fp32 {fp32:.2f}x, int8/bf16 {bf16:.2f}x")
+        on_bf16 = best["int8 on bf16"] / best["bf16"]
+        print(f"  batch {batch}: int8/fp32 {fp32:.2f}x, int8/bf16 {bf16:.2f}x, int8 on bf16/bf16 {on_bf16:.2f}x")
 
 
 def main() -> None:

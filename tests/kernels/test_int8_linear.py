@@ -59,11 +59,13 @@ def test_cpu_kernel_matches_reference(rows: int, k: int, n: int, dtype: torch.dt
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("rows", [1, 6, 64])
-def test_cpu_kernel_fp16_and_strided_operands(rows: int) -> None:
-    """fp16 activations; rows of x and of the weight wider than K (slices of bigger tensors) are read in place."""
+@pytest.mark.parametrize("rows", [1, 6, 12, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_kernel_fp16_and_strided_operands(rows: int, dtype: torch.dtype) -> None:
+    """fp16 and bf16 activations; rows of x and of the weight wider than K (slices of bigger tensors) are read
+    in place."""
     g = torch.Generator().manual_seed(rows)
-    wide_x = torch.randn(rows, 300, generator=g).half()
+    wide_x = torch.randn(rows, 300, generator=g).to(dtype)
     x = wide_x[:, 40:169]
     weight_full, scale = quantize_weight(torch.randn(23, 200, generator=g))
     weight = weight_full[:, 50:179]
