@@ -44,6 +44,7 @@ using vfloat_unaligned = float __attribute__((vector_size(kLanes * 4), aligned(4
 
 constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
 constexpr int64_t kBlockBytes = 128 << 10;      // beyond: weight rows taken with every chunk of x before the next
+constexpr int64_t kChunkBytes = 32 << 10;       // fp32 x: fewer rows a chunk where K is long (L1, as in gemv)
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
 constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
 constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
@@ -200,12 +201,15 @@ void stream_rows(const at::Tensor& x_rows, const at::Tensor& weight, const float
   // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block.
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
   const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, k));
+  const int64_t chunk_rows =
+      sizeof(X) == sizeof(float) ? std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, k * 4), 1, kFewRows)
+                                 : kFewRows;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[kFewRows];
     for (int64_t i0 = begin; i0 < end; i0 += block) {
       const int64_t i1 = std::min(end, i0 + block);
-      for (int64_t m0 = 0; m0 < rows; m0 += kFewRows) {
-        const int64_t chunk = std::min(kFewRows, rows - m0);
+      for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {
+        const int64_t chunk = std::min(chunk_rows, rows - m0);
         for (int64_t i = i0; i < i1; ++i) {
           dot_few_rows(w + i * w_stride, x + m0 * x_stride, x_stride, chunk, k, sums);
           const float b = bias ? bias[i] : 0.f;
