@@ -15,11 +15,17 @@ Beyond the kernel's rows, bf16 products go to ATen's GEMM, which is fast only on
 (AVX512-BF16 or AMX); elsewhere it is 4-8x slower than converting both operands to fp32 and running the fp32 GEMM
 (measured on an AVX2 EPYC from 65 to 2048 rows). :data:`UPCAST_BF16_GEMM` tells the callers to do that; the
 result is the same product, accumulated in fp32 and rounded once. It is read on every call (benchmarks flip it).
+
+Beyond the kernel's rows, fp32 products go to oneDNN's inner product where PyTorch has it
+(:data:`ONEDNN_FP32_GEMM`, x86 builds): ATen's fp32 GEMM is MKL's, which runs its AVX2 code on AMD CPUs; oneDNN's
+AVX-512 code was 2.0-2.3x faster there from 16 rows (a 2-core Zen 5), and with oneDNN held to AVX2 still level
+with MKL at 16 rows and 1.1-1.4x from 33. It is read on every call as well.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -35,14 +41,29 @@ def native_bf16_gemm() -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
+def onednn_fp32_gemm() -> bool:
+    """Whether oneDNN's fp32 inner product (``torch.ops.mkldnn._linear_pointwise``) is in this PyTorch build."""
+    return (
+        platform.machine().lower() in {"x86_64", "amd64"}
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
 UPCAST_BF16_GEMM = not native_bf16_gemm()
+ONEDNN_FP32_GEMM = onednn_fp32_gemm()
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-# Most rows per weight dtype (the op takes up to 64), measured against ATen's decode steps (random:mamba-130m,
-# mamba2-130m, mingru-100m). fp32 on AVX-512 (a 2-core Zen 5): 1.2-1.7x ATen's at 16 to 64 rows; 12 is the
-# crossover measured on AVX2 before the kernel took W's rows in L2 blocks, not measured again since. bf16 with bf16
-# arithmetic (the kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31 rows, level from 32, where oneDNN's bf16
-# GEMM catches up; without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
-ROW_LIMITS = {torch.float32: 64 if AVX512 else 12, torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31}
+# Most rows per weight dtype (the op takes up to 64), measured against the GEMM that takes over beyond them
+# (random:mamba-130m's and mamba2-130m's projections, weights streamed from memory). fp32 on AVX-512 (a 2-core
+# Zen 5): level with oneDNN at 8 rows, 0.9x at 12 and 0.6x at 64 (against MKL, without oneDNN, 1.2-1.7x at 16 to
+# 64 rows); 12 is the crossover against MKL measured on AVX2 before the kernel took W's rows in L2 blocks, not
+# measured again since. bf16 with bf16 arithmetic (the kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31
+# rows, level from 32, where oneDNN's bf16 GEMM catches up; without bf16 arithmetic ATen's bf16 GEMM is slow at
+# every row count.
+ROW_LIMITS = {
+    torch.float32: (24 if ONEDNN_FP32_GEMM else 64) if AVX512 else 12,
+    torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31,
+}
 
 
 def row_limit(dtype: torch.dtype) -> int:

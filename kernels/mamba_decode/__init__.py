@@ -125,6 +125,7 @@ def mamba_mixer_decode(
         out_proj_bias,
         row_limit(in_proj_weight.dtype),
         gemv.UPCAST_BF16_GEMM,
+        gemv.ONEDNN_FP32_GEMM,
     )
 
 
@@ -184,6 +185,7 @@ def mamba_decode_stack(
         out_s,
         row_limit(dt_w[0].dtype),
         gemv.UPCAST_BF16_GEMM,
+        gemv.ONEDNN_FP32_GEMM,
     )
 
 

@@ -9,9 +9,11 @@
 // int8_linear kernel exactly as the quantized Python mixer does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -26,12 +28,23 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 }
 
 // How matmul_t (engine/models/layers/linear.py) routes float products: `gemv_rows` is the most rows the gemv
-// kernel takes for the model's float dtype (kernels/gemv: row_limit; 0 when it is switched off), and
-// `upcast_bf16` says bf16 products beyond them run in fp32 (kernels/gemv: UPCAST_BF16_GEMM).
+// kernel takes for the model's float dtype (kernels/gemv: row_limit; 0 when it is switched off), `upcast_bf16`
+// says bf16 products beyond them run in fp32 (kernels/gemv: UPCAST_BF16_GEMM) and `onednn_fp32` that fp32 ones
+// run oneDNN's inner product (kernels/gemv: ONEDNN_FP32_GEMM).
 struct GemmRules {
   int64_t gemv_rows;
   bool upcast_bf16;
+  bool onednn_fp32;
 };
+
+// oneDNN's fp32 inner product, as matmul_t calls it (torch.ops.mkldnn._linear_pointwise, registered by ATen
+// without a C++ function: called boxed).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, b, std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string()};
+  op.callBoxed(&stack);
+  return stack.front().toTensor();
+}
 
 // x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
 // with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules.
@@ -56,6 +69,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& sc
     const OptTensor b32 = b.has_value() ? OptTensor(b->to(at::kFloat)) : std::nullopt;
     return at::linear(x.to(at::kFloat), w.to(at::kFloat), b32).to(at::kBFloat16);
   }
+  if (rules.onednn_fp32 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+      (!b.has_value() || b->scalar_type() == at::kFloat))
+    return onednn_linear(x, w, b);
   if (rows < 2 || rows > kSmallBatchRows) return at::linear(x, w, b);
   at::Tensor out = at::mm(w, x.t()).t();
   return b.has_value() ? out + *b : out;
@@ -97,10 +113,11 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                               const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
                               const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
                               const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
-                              const OptTensor& out_bias, int64_t gemv_rows, bool upcast_bf16) {
+                              const OptTensor& out_bias, int64_t gemv_rows, bool upcast_bf16,
+                              bool onednn_fp32) {
   return mixer_step(h, in_weight, in_bias, std::move(conv_pool), conv_weight, conv_bias, slot_ids, x_proj_weight,
                     dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, Int8Scales{},
-                    GemmRules{gemv_rows, upcast_bf16});
+                    GemmRules{gemv_rows, upcast_bf16, onednn_fp32});
 }
 
 // Every layer of a Mamba-1 decode step in one call (the Python loop costs a few dispatches per layer):
@@ -118,7 +135,7 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
                               at::TensorList Ds, at::Tensor ssm_pool, at::TensorList out_weights,
                               const c10::List<OptTensor>& out_biases, const c10::List<OptTensor>& in_scales,
                               const c10::List<OptTensor>& x_proj_scales, const c10::List<OptTensor>& out_scales,
-                              int64_t gemv_rows, bool upcast_bf16) {
+                              int64_t gemv_rows, bool upcast_bf16, bool onednn_fp32) {
   static const auto add_norm =
       find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double, bool)>(
           "rnnserve::residual_rms_norm");
@@ -137,7 +154,8 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
     const at::Tensor out = mixer_step(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
                                       conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
                                       dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
-                                      out_weights[i], out_biases.get(i), scales, GemmRules{gemv_rows, upcast_bf16});
+                                      out_weights[i], out_biases.get(i), scales,
+                                      GemmRules{gemv_rows, upcast_bf16, onednn_fp32});
     std::tie(normed, stream) = add_norm.call(stream, out, norm_weights[i], eps, i + 1 < layers);
   }
   return normed;
@@ -148,13 +166,14 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
   m.def(
       "mamba_mixer_decode(Tensor h, Tensor in_weight, Tensor? in_bias, Tensor(a!) conv_pool, Tensor conv_weight, "
       "Tensor? conv_bias, Tensor slot_ids, Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A, "
-      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows, bool upcast_bf16) -> Tensor",
+      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows, bool upcast_bf16, "
+      "bool onednn_fp32) -> Tensor",
       &mamba_mixer_decode);
   m.def(
       "mamba_decode_stack(Tensor normed, Tensor stream, Tensor[] norm_weights, float eps, Tensor[] in_weights, "
       "Tensor?[] in_biases, Tensor(a!) conv_pool, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor slot_ids, "
       "Tensor[] x_proj_weights, Tensor[] dt_proj_weights, Tensor[] dt_biases, Tensor[] As, Tensor[] Ds, "
       "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, Tensor?[] in_scales, "
-      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows, bool upcast_bf16) -> Tensor",
+      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows, bool upcast_bf16, bool onednn_fp32) -> Tensor",
       &mamba_decode_stack);
 }

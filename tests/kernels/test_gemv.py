@@ -4,8 +4,11 @@ and the fused Mamba step route through it, and ``ENABLED`` switches it off at ca
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rnnserve.engine.models.layers import matmul_t
 from rnnserve.kernels import gemv as gemv_module
@@ -41,7 +44,9 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 32, OP_MAX_ROWS])
-@pytest.mark.parametrize(("inputs", "outputs"), [(768, 3072), (48, 1544), (33, 17), (1536, 80), (7, 40), (1, 5)])
+@pytest.mark.parametrize(
+    ("inputs", "outputs"), [(768, 3072), (48, 1544), (33, 17), (1536, 80), (3072, 24), (8200, 3), (7, 40), (1, 5)]
+)
 def test_op_matches_reference(dtype: torch.dtype, rows: int, inputs: int, outputs: int) -> None:
     x, weight = operands(rows, inputs, outputs, dtype, seed=rows * 1000 + inputs + outputs)
     assert_matches(torch.ops.rnnserve.gemv(x, weight, None), x, weight, None)
@@ -113,6 +118,7 @@ def test_matmul_t_routes_decode_batches_through_the_kernel_and_the_switch_restor
     assert_matches(out, x, weight, None)
     monkeypatch.setattr(gemv_module, "ENABLED", False)
     monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", False)
+    monkeypatch.setattr(gemv_module, "ONEDNN_FP32_GEMM", False)
     assert row_limit(dtype) == 0 and not gemv_applies(x, weight)
     old = matmul_t(x, weight)
     assert not old.is_contiguous()
@@ -140,7 +146,44 @@ def test_the_upcast_follows_the_cpu() -> None:
     assert gemv_module.native_bf16_gemm() == native
     assert gemv_module.UPCAST_BF16_GEMM == (not native)
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # fp32 blocks measured there only
-    assert ROW_LIMITS == {torch.float32: 64 if avx512 else 12, torch.bfloat16: 31 if native else 64}
+    fp32 = (24 if gemv_module.ONEDNN_FP32_GEMM else 64) if avx512 else 12
+    assert ROW_LIMITS == {torch.float32: fp32, torch.bfloat16: 31 if native else 64}
+
+
+def test_onednn_follows_the_build() -> None:
+    x86 = platform.machine().lower() in {"x86_64", "amd64"}
+    expected = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    assert gemv_module.onednn_fp32_gemm() == expected == gemv_module.ONEDNN_FP32_GEMM
+
+
+@pytest.mark.skipif(not gemv_module.ONEDNN_FP32_GEMM, reason="needs PyTorch's oneDNN (x86 builds)")
+@pytest.mark.parametrize("rows", [9, 40, 130, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_beyond_the_kernel_runs_onednn(rows: int, with_bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the kernel's rows an fp32 product is oneDNN's inner product (a contiguous result, unlike the MKL
+    paths' ``(W @ x^T)^T``), equal to ATen's up to summation order; clearing the switch restores those paths."""
+    x, weight = operands(rows, 96, 200, torch.float32, seed=rows)
+    bias = torch.randn(200, generator=torch.Generator().manual_seed(6)) if with_bias else None
+    if rows <= ROW_LIMITS[torch.float32]:
+        monkeypatch.setattr(gemv_module, "ENABLED", False)
+    calls = {"_linear_pointwise": 0}
+    onednn = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args: object) -> torch.Tensor:
+        calls["_linear_pointwise"] += 1
+        return onednn(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    out = matmul_t(x, weight, bias)
+    assert calls["_linear_pointwise"] == 1 and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(gemv_module, "ONEDNN_FP32_GEMM", False)
+    old = matmul_t(x, weight, bias)
+    assert calls["_linear_pointwise"] == 1
+    torch.testing.assert_close(old, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    with torch.enable_grad():  # no autograd formula: a product that needs a gradient keeps ATen's
+        weight.requires_grad_(True)
+        assert matmul_t(x, weight, bias).requires_grad and calls["_linear_pointwise"] == 1
 
 
 def mixer_args(dtype: torch.dtype, batch: int) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
+from rnnserve.kernels import gemv
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.mamba_decode import mamba_mixer_decode, mamba_mixer_decode_applies
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
@@ -121,3 +122,16 @@ def test_other_inputs_do_not_apply() -> None:
     assert not mamba_mixer_decode_applies(torch.zeros(2, D_MODEL), conv, ssm.transpose(-1, -2))
     with torch.enable_grad():
         assert not mamba_mixer_decode_applies(torch.zeros(2, D_MODEL), conv, ssm)
+
+
+@pytest.mark.skipif(not gemv.ONEDNN_FP32_GEMM, reason="needs PyTorch's oneDNN (x86 builds)")
+@pytest.mark.parametrize("onednn", [True, False])
+def test_fused_op_takes_onednn_as_matmul_t_does(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the tests' small sizes oneDNN and MKL sum in the same order, so equal numbers do not show which GEMM
+    ran: the profiler does (the op calls oneDNN through the dispatcher, past the kernel's rows, in fp32)."""
+    monkeypatch.setattr(gemv, "ONEDNN_FP32_GEMM", onednn)
+    args = mixer_args(torch.float32, 40, use_bias=True)
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mamba_mixer_decode(**args)
+    called = {event.key for event in prof.key_averages()}
+    assert ("mkldnn::_linear_pointwise" in called) == onednn

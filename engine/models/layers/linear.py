@@ -23,15 +23,18 @@ def linear(layer: nn.Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, with three CPU paths for decode batches and small prefill chunks:
+    """``x @ weight.T + bias``, with these CPU paths for decode batches and prefill chunks:
 
     * bf16, 1..32 rows, on CPUs with AMX: the :mod:`rnnserve.kernels.skinny_linear` kernel, which reads the weight
       as stored at memory speed (about 2x oneDNN at 1-32 rows);
-    * up to :data:`rnnserve.kernels.gemv.ROW_LIMITS` rows otherwise (fp32 12, or 64 on AVX-512; bf16 64, or 31
-      with bf16 arithmetic): the :mod:`rnnserve.kernels.gemv` kernel, which streams the weight once on all cores
-      (1.1-1.9x ATen in fp32, 1.2-10x in bf16 on an AVX2 CPU; 1.2-3.3x a decode step on a Zen 5);
+    * up to :data:`rnnserve.kernels.gemv.ROW_LIMITS` rows otherwise (fp32 12, or on AVX-512 8 before oneDNN
+      and 64 without it; bf16 64, or 31 with bf16 arithmetic): the :mod:`rnnserve.kernels.gemv` kernel, which
+      streams the weight once on all cores (1.1-1.9x ATen in fp32, 1.2-10x in bf16 on an AVX2 CPU; 1.2-3.3x a
+      decode step on a Zen 5);
     * bf16 beyond those rows on CPUs without bf16 arithmetic (:data:`rnnserve.kernels.gemv.UPCAST_BF16_GEMM`):
       the fp32 GEMM of the upcast operands, rounded once to bf16 (4-8x ATen's bf16 GEMM there);
+    * fp32 beyond those rows where PyTorch has oneDNN (:data:`rnnserve.kernels.gemv.ONEDNN_FP32_GEMM`): oneDNN's
+      inner product (ATen's fp32 GEMM is MKL's, which takes its AVX2 code on AMD CPUs: 2.0-2.3x on a Zen 5);
     * 2..128 rows otherwise: ``(W @ x^T)^T``. With few rows, MKL/oneDNN repack the weight for ``x @ W^T``
       on every call; ``W @ x^T`` streams it as stored instead: 1.4-1.8x faster in fp32 and 1.5-2.5x in
       bf16 at 8-64 rows on these CPUs. The result is a transposed view.
@@ -44,7 +47,18 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         return torch.ops.rnnserve.gemv(x, weight, bias)
     if gemv.UPCAST_BF16_GEMM and x.dtype == weight.dtype == torch.bfloat16:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+    if gemv.ONEDNN_FP32_GEMM and onednn_applies(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if not 2 <= x.shape[0] <= SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
     return out if bias is None else out + bias
+
+
+def onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN's fp32 inner product takes these operands (fp32 throughout; it has no autograd formula)."""
+    return (
+        x.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+    )
