@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "rnnserve"
 EXTENSION = "rnnserve_cpu_kernels"
-SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # plus the shared cpu_math.h
+SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # plus the shared headers (*.h)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 _built: bool | None = None

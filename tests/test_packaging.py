@@ -22,6 +22,15 @@ def test_every_package_folder_is_listed() -> None:
     assert sorted(setuptools["packages"]) == sorted(on_disk)
 
 
+def test_the_cpu_kernel_sources_are_package_data() -> None:
+    """The CPU extension compiles on the user's machine from its sources and the headers they share."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    kernels = ROOT / "kernels"
+    needed = {p.relative_to(kernels) for p in [*kernels.glob("*/*_cpu.cpp"), *kernels.glob("*.h")]}
+    covered = {p.relative_to(kernels) for pattern in patterns["rnnserve.kernels"] for p in kernels.glob(pattern)}
+    assert needed and needed <= covered
+
+
 def test_no_generic_top_level_names_outside_the_checkout(tmp_path: Path) -> None:
     code = (
         "import importlib.util, rnnserve\n"

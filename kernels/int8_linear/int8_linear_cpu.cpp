@@ -17,7 +17,8 @@
 //
 // Many rows (prefill): the product is bound by arithmetic, where a BLAS GEMM is far ahead of a hand-written
 // loop. Blocks of W rows are dequantised (w * scale, exact in fp32 up to one rounding) into an fp32 buffer
-// that stays in cache and multiplied by the BLAS: W_block [n, K] @ x^T [K, M] writes rows of y^T.
+// that stays in cache and multiplied by oneDNN's fp32 inner product (x [M, K] @ W_block^T, copied into y's
+// columns) or, without oneDNN, by the BLAS (W_block [n, K] @ x^T [K, M] writes rows of y^T).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,6 +28,8 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+
+#include "onednn_linear.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -220,11 +223,15 @@ void stream_rows(const at::Tensor& x_rows, const at::Tensor& weight, const float
   });
 }
 
-// y^T [N, M] = dequantise(W) @ x^T, block by block of W's rows; returns y as a transposed view.
+// y = x @ dequantise(W)^T, block by block of W's rows. With oneDNN (x86 builds of PyTorch) each block's product
+// is its fp32 inner product, copied into y's columns; else the BLAS (MKL), y^T [N, M] = W_block @ x^T, and y is
+// returned as a transposed view. (MKL's sgemm takes its AVX2 code on AMD CPUs, where oneDNN's AVX-512 one was 2x
+// faster: see kernels/gemv.)
 at::Tensor gemm_rows(const at::Tensor& x32, const at::Tensor& weight, const at::Tensor& scale32,
                      const std::optional<at::Tensor>& bias32) {
+  static const bool onednn = rnnserve::onednn_linear_available();
   const int64_t rows = x32.size(0), k = x32.size(1), n = weight.size(0);
-  auto y_t = at::empty({n, rows}, x32.options());
+  auto y = onednn ? at::empty({rows, n}, x32.options()) : at::empty({n, rows}, x32.options());
   const int64_t block = std::max<int64_t>(16, kGemmBlockBytes / (4 * std::max<int64_t>(1, k)));
   auto buffer = at::empty({std::min(block, n), k}, x32.options());
   const at::Tensor x_t = x32.t();
@@ -241,11 +248,20 @@ at::Tensor gemm_rows(const at::Tensor& x32, const at::Tensor& weight, const at::
         for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<float>(src[j]) * s;
       }
     });
-    auto out = y_t.narrow(0, n0, count);
-    at::mm_out(out, buffer.narrow(0, 0, count), x_t);
+    const at::Tensor block_weight = buffer.narrow(0, 0, count);
+    if (onednn) {
+      y.narrow(1, n0, count).copy_(rnnserve::onednn_linear(x32, block_weight, std::nullopt));
+    } else {
+      auto out = y.narrow(0, n0, count);
+      at::mm_out(out, block_weight, x_t);
+    }
   }
-  if (bias32.has_value()) y_t.add_(bias32->unsqueeze(1));
-  return y_t.t();
+  if (onednn) {
+    if (bias32.has_value()) y.add_(*bias32);
+    return y;
+  }
+  if (bias32.has_value()) y.add_(bias32->unsqueeze(1));
+  return y.t();
 }
 
 // x [M, K] float (fp32, bf16, fp16), weight [N, K] int8 (unit stride along K), scale [N] fp32, bias [N] or None.

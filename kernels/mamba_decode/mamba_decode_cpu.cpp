@@ -9,13 +9,13 @@
 // int8_linear kernel exactly as the quantized Python mixer does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <optional>
-#include <string>
 #include <tuple>
 #include <utility>
+
+#include "onednn_linear.h"
 
 namespace {
 using OptTensor = std::optional<at::Tensor>;
@@ -36,15 +36,6 @@ struct GemmRules {
   bool upcast_bf16;
   bool onednn_fp32;
 };
-
-// oneDNN's fp32 inner product, as matmul_t calls it (torch.ops.mkldnn._linear_pointwise, registered by ATen
-// without a C++ function: called boxed).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, w, b, std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string()};
-  op.callBoxed(&stack);
-  return stack.front().toTensor();
-}
 
 // x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
 // with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules.
@@ -71,7 +62,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& sc
   }
   if (rules.onednn_fp32 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
       (!b.has_value() || b->scalar_type() == at::kFloat))
-    return onednn_linear(x, w, b);
+    return rnnserve::onednn_linear(x, w, b);
   if (rows < 2 || rows > kSmallBatchRows) return at::linear(x, w, b);
   at::Tensor out = at::mm(w, x.t()).t();
   return b.has_value() ? out + *b : out;
