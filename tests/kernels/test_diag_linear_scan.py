@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step
 from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
@@ -72,3 +73,79 @@ def test_step_updates_slots_in_place(triton_on_cpu, log_space, dtype):
     expected_pool[slots, layer] = h_ref
     torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(pool, expected_pool, rtol=1e-6, atol=1e-6)
+
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("log_space", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [DIM, 150])
+def test_cpu_scan_matches_reference(log_space: bool, dtype: torch.dtype, dim: int) -> None:
+    """Ragged lengths (an empty sequence among them), a zero initial state beside positive ones, channels that
+    leave a partial block of 64, inputs that are slices of wider rows."""
+    lengths = [*LENGTHS[:3], 0, *LENGTHS[3:]]
+    gen = torch.Generator().manual_seed(dim)
+    k = torch.randn(sum(lengths), dim + 7, generator=gen)[:, 3 : 3 + dim]
+    v = torch.randn(sum(lengths), dim, generator=gen)
+    if log_space:
+        a, b = -torch.nn.functional.softplus(k), -torch.nn.functional.softplus(-k) + 0.3 * v
+    else:
+        a, b = torch.sigmoid(k), v
+    a, b = a.to(dtype), b.to(dtype)
+    cu = cu_seqlens_of(lengths)
+    h0 = torch.rand(len(lengths), dim, generator=gen) + 0.1
+    h0[1] = 0.0
+    ref = diag_log_scan_ref if log_space else diag_linear_scan_ref
+    h, final = torch.ops.rnnserve.diag_scan_varlen(a, b, cu, h0, log_space)
+    h_ref, final_ref = ref(a, b, cu, h0)
+    assert h.dtype == final.dtype == torch.float32 and h.is_contiguous()
+    torch.testing.assert_close(h, h_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(final, final_ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(final[3], h0[3])  # the empty sequence keeps its state
+    h, final = torch.ops.rnnserve.diag_scan_varlen(a, b, cu, None, log_space)
+    h_ref, final_ref = ref(a, b, cu)
+    torch.testing.assert_close(h, h_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(final, final_ref, rtol=2e-5, atol=2e-5)
+
+
+@needs_cpu_kernels
+def test_cpu_scan_takes_exp_of_minus_infinity_as_zero() -> None:
+    """A gate of log 0 forgets the state; an input of log 0 adds nothing (log-space padding, empty inputs)."""
+    log_a = torch.tensor([[0.0, float("-inf")], [-1.0, -100.0]])
+    log_b = torch.tensor([[float("-inf"), 0.5], [float("-inf"), float("-inf")]])
+    h0 = torch.tensor([[2.0, 3.0]])
+    h, final = torch.ops.rnnserve.diag_scan_varlen(log_a, log_b, torch.tensor([0, 2]), h0, True)
+    expected = torch.tensor([[2.0, torch.e**0.5], [2.0 * torch.e**-1.0, 0.0]])
+    torch.testing.assert_close(h, expected)
+    torch.testing.assert_close(final, expected[1:])
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("log_space", [False, True])
+def test_public_scans_run_the_cpu_kernel(log_space: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    kernel = torch.ops.rnnserve.diag_scan_varlen
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(args[-1])
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.rnnserve, "diag_scan_varlen", spy)
+    a, b = _inputs(log_space, torch.float32)
+    scan = diag_log_scan if log_space else diag_linear_scan
+    h, _ = scan(a, b, cu_seqlens_of(LENGTHS))
+    assert calls == [log_space] and h.shape == a.shape
+    with torch.enable_grad():  # no autograd formula: inputs that need a gradient take the reference
+        scan(a.requires_grad_(True), b, cu_seqlens_of(LENGTHS))
+    assert calls == [log_space]
+
+
+@needs_cpu_kernels
+def test_cpu_scan_rejects_malformed_offsets() -> None:
+    a = torch.rand(4, 3)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to T"):
+        torch.ops.rnnserve.diag_scan_varlen(a, a, torch.tensor([0, 3]), None, False)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        torch.ops.rnnserve.diag_scan_varlen(a, a, torch.tensor([0, 3, 2, 4]), None, False)
