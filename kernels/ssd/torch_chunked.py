@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.kernels.ssd.naive import expand_groups
-
 
 def _chunk_layout(
     cu_seqlens: torch.Tensor, chunk_size: int, pad_row: int
@@ -50,29 +48,38 @@ def ssd_scan_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`."""
+    """Same contract as :func:`~rnnserve.kernels.ssd.naive.ssd_scan_ref`.
+
+    ``B`` and ``C`` stay per group (``[..., G, N]``): the heads of a group share ``C_l . B_s`` and the products
+    with ``B`` and ``C``, which take the group's heads as one wider matrix (heads split as ``[G, H / G]``)."""
     total, heads, head_dim = x.shape
     batch = cu_seqlens.numel() - 1
-    d_state = B.shape[-1]
+    groups, d_state = B.shape[-2], B.shape[-1]
+    per_group = heads // groups
     rows, per_seq = _chunk_layout(cu_seqlens, chunk_size, pad_row=total)
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
         padded = torch.cat([t.float(), t.new_zeros((1, *t.shape[1:]), dtype=torch.float32)])
         return padded[rows]
 
-    xdt = chunked(x) * chunked(dt)[..., None]  # [c, l, h, p]
-    log_decay = torch.cumsum(chunked(dt) * A.float(), dim=1)  # [c, l, h]
-    Bc, Cc = expand_groups(chunked(B), heads), expand_groups(chunked(C), heads)  # [c, l, h, n]
+    num_chunks = rows.shape[0]
+    dt_c = chunked(dt)  # [c, l, h]
+    xdt = (chunked(x) * dt_c[..., None]).view(num_chunks, chunk_size, groups, per_group, head_dim)  # [c, l, g, j, p]
+    log_decay = torch.cumsum(dt_c * A.float(), dim=1)  # [c, l, h]
+    decay = log_decay.view(num_chunks, chunk_size, groups, per_group)  # [c, l, g, j]
+    Bc, Cc = chunked(B), chunked(C)  # [c, l, g, n]
 
     # 1. intra-chunk outputs
-    seg = log_decay.transpose(1, 2)[:, :, :, None] - log_decay.transpose(1, 2)[:, :, None, :]  # [c, h, l, s]
+    seg = decay.permute(0, 2, 3, 1)[..., :, None] - decay.permute(0, 2, 3, 1)[..., None, :]  # [c, g, j, l, s]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    weights = torch.exp(seg.masked_fill(~causal, float("-inf"))) * torch.einsum("clhn,cshn->chls", Cc, Bc)
-    y = torch.einsum("chls,cshp->clhp", weights, xdt)
+    scores = torch.einsum("clgn,csgn->cgls", Cc, Bc)[:, :, None]  # [c, g, 1, l, s]
+    weights = torch.exp(seg.masked_fill(~causal, float("-inf"))) * scores
+    y = torch.einsum("cgjls,csgjp->clgjp", weights, xdt)
 
     # 2. each chunk's end state from its own inputs
-    to_end = torch.exp(log_decay[:, -1:, :] - log_decay)  # [c, l, h]
-    chunk_states = torch.einsum("clhn,clhp->chpn", Bc * to_end[..., None], xdt)
+    to_end = torch.exp(decay[:, -1:] - decay)  # [c, l, g, j]
+    chunk_states = torch.einsum("clgn,clgjp->cgjpn", Bc, xdt * to_end[..., None])
+    chunk_states = chunk_states.reshape(num_chunks, heads, head_dim, d_state)
 
     # 3. carry states across each sequence's chunks
     chunk_decay = torch.exp(log_decay[:, -1, :])[:, :, None, None]  # [c, h, 1, 1]
@@ -90,7 +97,8 @@ def ssd_scan_chunked(
         state[seq_index] = chunk_decay[ids] * state[seq_index] + chunk_states[ids]
 
     # 4. contribution of the incoming state
-    y = y + torch.einsum("clhn,chpn->clhp", Cc * torch.exp(log_decay)[..., None], incoming)
+    incoming = incoming.view(num_chunks, groups, per_group, head_dim, d_state)
+    y = y + torch.einsum("clgn,cgjpn->clgjp", Cc, incoming) * torch.exp(decay)[..., None]
 
     out = x.new_empty((total + 1, heads, head_dim), dtype=torch.float32)
     out[rows.flatten()] = y.reshape(-1, heads, head_dim)
