@@ -29,12 +29,14 @@ def cached_attention_varlen_sdpa(
     for slot, start, length in zip(slots, starts, lengths, strict=True):
         lo, hi = hi, hi + length
         end = start + length
-        keys, values = k_cache[slot, :, :end].float(), v_cache[slot, :, :end].float()  # [H, end, D]
-        query = q[lo:hi].float().transpose(0, 1)  # [H, length, D]
+        # [1, H, rows, D]: ATen's CPU flash-attention kernel takes 4-d inputs only (3-d ones went to the unfused
+        # math path: 3x slower for a causal 512-token chunk, 1.9x with a mask, on a Zen 5).
+        keys, values = k_cache[None, slot, :, :end].float(), v_cache[None, slot, :, :end].float()
+        query = q[None, lo:hi].float().transpose(1, 2)
         if start == 0 or length == 1:  # causal from the start, or one query that sees every row
             y = F.scaled_dot_product_attention(query, keys, values, is_causal=start == 0, scale=scale)
         else:
             visible = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
             y = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
-        out[lo:hi] = y.transpose(0, 1)
+        out[lo:hi] = y[0].transpose(0, 1)
     return out
