@@ -1,9 +1,10 @@
 """Causal sliding-window softmax attention whose per-slot state is a ring of the last ``W`` keys and values.
 
-A query at position ``p`` sees positions ``p - W .. p``. ``naive.py`` is the PyTorch reference (also the CPU
-path: queries in blocks, memory linear in the length); ``chunk.py`` the Triton varlen prefill (online softmax
-over the ring and the chunk's keys, then the ring rewritten with the last ``W`` keys) and ``fused_recurrent.py``
-the Triton decode step over the ring.
+A query at position ``p`` sees positions ``p - W .. p``. ``naive.py`` is the PyTorch reference (queries in
+blocks, memory linear in the length; also the decode step off Triton); ``torch_varlen.py`` the prefill off
+Triton (the reference's walk, each block's attention one fused SDPA call); ``chunk.py`` the Triton varlen
+prefill (online softmax over the ring and the chunk's keys, then the ring rewritten with the last ``W`` keys)
+and ``fused_recurrent.py`` the Triton decode step over the ring.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.backend import use_triton
-from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive, sliding_window_prefill_naive
+from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive
+from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_prefill_sdpa
 
 
 def sliding_window_prefill(
@@ -30,7 +32,7 @@ def sliding_window_prefill(
         from rnnserve.kernels.sliding_window.chunk import sliding_window_prefill_triton
 
         return sliding_window_prefill_triton(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale)
-    return sliding_window_prefill_naive(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale)
+    return sliding_window_prefill_sdpa(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale)
 
 
 def sliding_window_decode(

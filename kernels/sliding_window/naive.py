@@ -8,9 +8,12 @@ head ``h // (H / Hkv)``. Scores, softmax and the output are fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 QUERY_BLOCK = 256
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -31,10 +34,12 @@ def sliding_window_prefill_naive(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    attend: Attend = _attend,
 ) -> torch.Tensor:
     """Packed chunks ``q [T, H, d]``, ``k, v [T, Hkv, d]``; sequence ``b`` starts at position ``starts[b]`` and
     continues its ring ``k_cache[b], v_cache[b] [W, Hkv, d]``, which ends holding its last ``W`` keys/values
-    (updated in place). Queries are taken in blocks of 256 so memory stays linear in the length."""
+    (updated in place). Queries are taken in blocks of 256 so memory stays linear in the length; ``attend``
+    computes a block's attention (the CPU path passes a fused one)."""
     window = k_cache.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     bounds, first_positions = cu_seqlens.tolist(), starts.tolist()
@@ -50,7 +55,7 @@ def sliding_window_prefill_naive(
             near = key_pos[None, a : window + e]
             mask = (near >= 0) & (near <= query_pos) & (near >= query_pos - window)
             near_keys, near_values = keys[a : window + e], values[a : window + e]
-            out[lo + a : lo + e] = _attend(q[lo + a : lo + e], near_keys, near_values, mask, scale)
+            out[lo + a : lo + e] = attend(q[lo + a : lo + e], near_keys, near_values, mask, scale)
         k_cache[b, key_pos[-window:] % window] = keys[-window:].to(k_cache.dtype)
         v_cache[b, key_pos[-window:] % window] = values[-window:].to(v_cache.dtype)
     return out

@@ -97,7 +97,7 @@ def test_triton_decode_equals_reference(triton_on_cpu, window: int) -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_public_functions_use_the_reference_off_triton() -> None:
+def test_public_prefill_off_triton_equals_windowed_attention() -> None:
     seqs = _sequences([12], seed=5)
     (q, k, v), cu = _pack(seqs)
     rings = torch.zeros(2, 1, WINDOW, 2, 16)
@@ -105,3 +105,21 @@ def test_public_functions_use_the_reference_off_triton() -> None:
         out = sliding_window_prefill(q, k, v, cu, torch.tensor([0]), rings[0], rings[1], 0.25)
     torch.testing.assert_close(out, _direct(*seqs[0], WINDOW, 0.25), atol=1e-5, rtol=1e-5)
     assert torch.equal(rings[0][0, torch.arange(4, 12) % WINDOW], k[4:12])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_prefill_equals_reference(dtype: torch.dtype) -> None:
+    """The prefill off Triton (one SDPA call per query block) == the reference: ragged chunks continuing rings
+    from several positions, grouped heads, a chunk longer than a query block."""
+    seqs = _sequences([1, 4, 9, 300, 2], dtype=dtype, seed=6)
+    (q, k, v), cu = _pack(seqs)
+    starts = torch.tensor([0, 3, 20, 5, 100])
+    g = torch.Generator().manual_seed(7)
+    rings = [torch.randn(len(seqs), WINDOW, 2, 16, generator=g) for _ in range(2)]
+    expected_rings = [r.clone() for r in rings]
+    expected = sliding_window_prefill_naive(q, k, v, cu, starts, *expected_rings, 0.25)
+    with force_triton(False):
+        got = sliding_window_prefill(q, k, v, cu, starts, *rings, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(rings, expected_rings, strict=True):
+        assert torch.equal(a, b)
