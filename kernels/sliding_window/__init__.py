@@ -1,8 +1,8 @@
 """Causal sliding-window softmax attention whose per-slot state is a ring of the last ``W`` keys and values.
 
 A query at position ``p`` sees positions ``p - W .. p``. ``naive.py`` is the PyTorch reference (queries in
-blocks, memory linear in the length; also the decode step off Triton); ``torch_varlen.py`` the prefill off
-Triton (the reference's walk, each block's attention one fused SDPA call); ``chunk.py`` the Triton varlen
+blocks, memory linear in the length); ``torch_varlen.py`` the prefill and decode step off Triton (fused SDPA
+calls; the decode step reads each ring once for all the query heads it serves); ``chunk.py`` the Triton varlen
 prefill (online softmax over the ring and the chunk's keys, then the ring rewritten with the last ``W`` keys)
 and ``fused_recurrent.py`` the Triton decode step over the ring.
 """
@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.backend import use_triton
-from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive
-from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_prefill_sdpa
+from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_decode_sdpa, sliding_window_prefill_sdpa
 
 
 def sliding_window_prefill(
@@ -52,7 +51,7 @@ def sliding_window_decode(
         from rnnserve.kernels.sliding_window.fused_recurrent import sliding_window_decode_triton
 
         return sliding_window_decode_triton(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
-    return sliding_window_decode_naive(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+    return sliding_window_decode_sdpa(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
 
 
 __all__ = ["sliding_window_decode", "sliding_window_prefill"]
