@@ -2,7 +2,8 @@
 
 A query at position ``p`` sees positions ``p - W .. p``. ``naive.py`` is the PyTorch reference (queries in
 blocks, memory linear in the length); ``torch_varlen.py`` the prefill and decode step off Triton (fused SDPA
-calls; the decode step reads each ring once for all the query heads it serves); ``chunk.py`` the Triton varlen
+calls; the decode step reads each ring once for all the query heads it serves); ``sliding_window_cpu.cpp`` the
+decode step on CPU, reading each ring where it lies in the pool; ``chunk.py`` the Triton varlen
 prefill (online softmax over the ring and the chunk's keys, then the ring rewritten with the last ``W`` keys)
 and ``fused_recurrent.py`` the Triton decode step over the ring.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from rnnserve.kernels.backend import use_triton
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_decode_sdpa, sliding_window_prefill_sdpa
 
 
@@ -51,7 +53,15 @@ def sliding_window_decode(
         from rnnserve.kernels.sliding_window.fused_recurrent import sliding_window_decode_triton
 
         return sliding_window_decode_triton(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+    if use_cpu_kernel(q) and _rings_contiguous(k_pool, v_pool):
+        return torch.ops.rnnserve.sliding_window_decode(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
     return sliding_window_decode_sdpa(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+
+
+def _rings_contiguous(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """The C++ decode step reads each slot's ring ``[W, Hkv, d]`` as one contiguous block (a pool's layer view)."""
+    window, kv_heads, dim = k_pool.shape[1:]
+    return k_pool.stride() == v_pool.stride() and k_pool.stride()[1:] == (kv_heads * dim, dim, 1)
 
 
 __all__ = ["sliding_window_decode", "sliding_window_prefill"]

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from rnnserve.kernels.backend import force_triton
+from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.sliding_window import sliding_window_decode, sliding_window_prefill
 from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive, sliding_window_prefill_naive
+from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_decode_sdpa
 
 WINDOW = 8  # ring rows: a query sees 9 keys
 
@@ -137,7 +139,36 @@ def test_fused_decode_equals_reference(heads: int, kv_heads: int) -> None:
     positions, slots = torch.tensor([0, 3, WINDOW, 50]), torch.tensor([5, 0, 2, 3])
     expected = sliding_window_decode_naive(q, k, v, positions, *(p[:, 1] for p in expected_pools), slots, 0.25)
     with force_triton(False):
+        got = sliding_window_decode_sdpa(q, k, v, positions, *(p[:, 1] for p in pools), slots, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(pools, expected_pools, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 1), (3, 3)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_equals_reference(heads: int, kv_heads: int, pool_dtype: torch.dtype) -> None:
+    """The C++ decode step == the reference, through the public function: rings not yet full, full, wrapped,
+    slots out of order in a multi-layer pool, bf16 activations and pools; the other rows stay as they were."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    positions, slots = torch.tensor([0, 3, WINDOW - 1, WINDOW, 50]), torch.tensor([5, 0, 2, 3, 6])
+    q = torch.randn(5, heads, 16, generator=g).bfloat16()
+    k, v = (torch.randn(5, kv_heads, 16, generator=g).bfloat16() for _ in range(2))
+    pools = [torch.randn(7, 3, WINDOW, kv_heads, 16, generator=g).to(pool_dtype) for _ in range(2)]
+    expected_pools = [p.clone() for p in pools]
+    expected = sliding_window_decode_naive(q, k, v, positions, *(p[:, 1] for p in expected_pools), slots, 0.25)
+    calls = []
+    kernel = torch.ops.rnnserve.sliding_window_decode
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[-1])
+        return kernel(*args)
+
+    with force_triton(False), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.ops.rnnserve, "sliding_window_decode", spy)
         got = sliding_window_decode(q, k, v, positions, *(p[:, 1] for p in pools), slots, 0.25)
+    assert calls == [0.25] and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for a, b in zip(pools, expected_pools, strict=True):
         assert torch.equal(a, b)
