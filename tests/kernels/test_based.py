@@ -18,6 +18,8 @@ from rnnserve.kernels.based.naive import (
     based_step_naive,
     taylor_features,
 )
+from rnnserve.kernels.based.torch_recurrent import based_step_torch
+from rnnserve.kernels.cpu_extension import cpu_ops
 
 LENGTHS = [1, 5, 16, 17, 40, 3]
 
@@ -94,11 +96,39 @@ def test_torch_step_equals_reference(slots) -> None:
     slot_ids = torch.tensor([3, 0, 5]) if isinstance(slots, list) else torch.arange(1, 4)
     s_ref, z_ref = s_pool.clone(), z_pool.clone()
     expected = based_step_naive(q, k, v, s_ref, z_ref, slot_ids, 0.25, 1e-6)
-    with force_triton(False):
-        got = based_linear_attention_step(q, k, v, s_pool, z_pool, slot_ids, slots, 0.25, 1e-6)
+    got = based_step_torch(q, k, v, s_pool, z_pool, slots, 0.25, 1e-6)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(s_pool, s_ref)
     torch.testing.assert_close(z_pool, z_ref)
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_step_equals_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ step through the public function: a layer view of a 3-layer pool, slots out of order, 16-bit
+    activations; the other layers stay untouched."""
+    q, k, v, _ = _inputs([3], f=16, dv=24, dtype=dtype, seed=3)
+    s_pool, z_pool = _initial_state(6, 2, 16, 24)
+    s_view, z_view = torch.zeros(6, 3, 2, *s_pool.shape[2:]), torch.zeros(6, 3, 2, z_pool.shape[2])
+    s_view[:, 1], z_view[:, 1] = s_pool, z_pool
+    slot_ids = torch.tensor([4, 0, 2])
+    s_ref, z_ref = s_pool.clone(), z_pool.clone()
+    expected = based_step_naive(q, k, v, s_ref, z_ref, slot_ids, 0.25, 1e-6)
+    calls = []
+    kernel = torch.ops.rnnserve.based_decode_step
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[-1])
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.rnnserve, "based_decode_step", spy)
+    with force_triton(False):
+        got = based_linear_attention_step(q, k, v, s_view[:, 1], z_view[:, 1], slot_ids, slot_ids, 0.25, 1e-6)
+    assert calls == [1e-6] and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_view[:, 1], s_ref)
+    torch.testing.assert_close(z_view[:, 1], z_ref)
+    assert not s_view[:, 0].any() and not s_view[:, 2].any() and not z_view[:, 2].any()
 
 
 @pytest.mark.parametrize(
