@@ -3,7 +3,9 @@
 A cache pool ``[N, H, L, D]`` (head-major) holds, for each slot and head, the keys (or values) of positions
 ``0 .. L-1`` of its sequence; the functions first write the new tokens' keys and values at their positions (in
 place), then attend causally. ``naive.py`` is the reference; ``fused_recurrent.py`` the Triton decode kernel
-(CUDA, graph capturable); ``torch_varlen.py`` the per-sequence SDPA path (prefill everywhere, decode on CPU).
+(CUDA, graph capturable); ``cached_attention_cpu.cpp`` the CPU decode step (each row's cache prefix read where it
+lies, one pass over keys and one over values); ``torch_varlen.py`` the per-sequence SDPA path (prefill
+everywhere, decode on CPU without the fused kernels).
 Decode elsewhere (no Triton, e.g. the meta device) runs the reference, which reads no values on the host.
 """
 
@@ -16,6 +18,7 @@ import torch
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cached_attention.naive import cached_attention_ref
 from rnnserve.kernels.cached_attention.torch_varlen import cached_attention_varlen_sdpa
+from rnnserve.kernels.cpu_extension import use_cpu_kernel
 
 
 def cached_attention_prefill(
@@ -60,6 +63,8 @@ def cached_attention_decode(
         from rnnserve.kernels.cached_attention.fused_recurrent import cached_decode_attention_triton
 
         return cached_decode_attention_triton(q, k_cache, v_cache, slot_ids, positions, scale)
+    if use_cpu_kernel(q):
+        return torch.ops.rnnserve.cached_attention_decode(q, k_cache, v_cache, slot_ids, positions, scale)
     if q.device.type == "cpu":
         ones = [1] * q.shape[0]
         return cached_attention_varlen_sdpa(q, k_cache, v_cache, slot_ids.tolist(), positions.tolist(), ones, scale)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rnnserve.kernels import cached_attention
 from rnnserve.kernels.cached_attention import cached_attention_decode, cached_attention_prefill
 from rnnserve.kernels.cached_attention.naive import cached_attention_ref
+from rnnserve.kernels.cpu_extension import cpu_ops
 
 SLOTS, LOOPS, CAPACITY, HEADS = 7, 3, 150, 4
 
@@ -57,14 +59,44 @@ def test_triton_decode_ignores_rows_past_each_position(triton_on_cpu) -> None:
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_decode_matches_reference(dtype: torch.dtype) -> None:
+def test_cpu_decode_matches_reference(fused: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ decode step (spied) and, without it, the per-row SDPA path."""
+    if fused and not cpu_ops():
+        pytest.skip("needs the fused CPU kernels")
+    monkeypatch.setattr(cached_attention, "use_cpu_kernel", lambda x: fused)
+    calls = []
+    kernel = torch.ops.rnnserve.cached_attention_decode if fused else None
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[-1])
+        return kernel(*args)
+
+    if fused:
+        monkeypatch.setattr(torch.ops.rnnserve, "cached_attention_decode", spy)
     k_pool, v_pool = _pools(24, dtype)
     slot_ids, positions = torch.tensor([6, 1, 4]), torch.tensor([3, 149, 0])
     q, k, v = _qkv(3, 24, dtype)
     got = cached_attention_decode(q, k, v, k_pool[:, 2], v_pool[:, 2], slot_ids, positions)
     want = cached_attention_ref(q, k_pool[:, 2], v_pool[:, 2], slot_ids, positions)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert len(calls) == int(fused)
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
+def test_cpu_decode_ignores_rows_past_each_position() -> None:
+    k_pool, v_pool = _pools(16, torch.bfloat16)
+    slot_ids, positions = torch.tensor([2, 4]), torch.tensor([10, 70])
+    q, k, v = _qkv(2, 16, torch.bfloat16)
+    clean = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
+    k_pool[2, 0, :, 11:], v_pool[2, 0, :, 11:] = float("nan"), float("nan")
+    k_pool[4, 0, :, 71:], v_pool[4, 0, :, 71:] = float("inf"), float("nan")
+    k_pool[[0, 1, 3]] = float("nan")
+    poisoned = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.rnnserve.cached_attention_decode(q, k_pool[:, 0], v_pool[:, 0], slot_ids, positions + 100, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
