@@ -63,7 +63,7 @@ def based_linear_attention_step(
 
 def _states_contiguous(s_pool: torch.Tensor, z_pool: torch.Tensor) -> bool:
     """The C++ step takes fp32 pools whose slots each hold their ``[H, D, d]`` / ``[H, D]`` states contiguously."""
-    heads, features, dim = s_pool.shape[1:]
+    features, dim = s_pool.shape[2:]
     return (
         s_pool.dtype == z_pool.dtype == torch.float32
         and s_pool.stride()[1:] == (features * dim, dim, 1)

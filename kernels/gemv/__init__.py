@@ -53,13 +53,13 @@ def onednn_fp32_gemm() -> bool:
 UPCAST_BF16_GEMM = not native_bf16_gemm()
 ONEDNN_FP32_GEMM = onednn_fp32_gemm()
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-# Most rows per weight dtype (the op takes up to 64), measured against the GEMM that takes over beyond them
-# (random:mamba-130m's and mamba2-130m's projections, weights streamed from memory). fp32 on AVX-512 (a 2-core
-# Zen 5): level with oneDNN at 8 rows, 0.9x at 12 and 0.6x at 64 (against MKL, without oneDNN, 1.2-1.7x at 16 to
-# 64 rows); 12 is the crossover against MKL measured on AVX2 before the kernel took W's rows in L2 blocks, not
-# measured again since. bf16 with bf16 arithmetic (the kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31
-# rows, level from 32, where oneDNN's bf16 GEMM catches up; without bf16 arithmetic ATen's bf16 GEMM is slow at
-# every row count.
+# Most rows per weight dtype (the op takes up to 64), measured against the GEMM that takes over beyond them.
+# fp32 on AVX-512 (a 2-core Zen 5; decode of random:mamba-130m and mingru-100m with the limit at 8, 16, 24 and
+# 64 in one process, docs/performance.md): ahead of oneDNN to 16 rows, level at 24, behind from 32 in one model of
+# the two (against MKL, without oneDNN, 1.2-1.7x at 16 to 64 rows); 12 is the crossover against MKL measured on
+# AVX2 before the kernel took W's rows in L2 blocks, not measured again since. bf16 with bf16 arithmetic (the
+# kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31 rows, level from 32, where oneDNN's bf16 GEMM catches up;
+# without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
 ROW_LIMITS = {
     torch.float32: (24 if ONEDNN_FP32_GEMM else 64) if AVX512 else 12,
     torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31,

@@ -60,7 +60,7 @@ def sliding_window_decode(
 
 def _rings_contiguous(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """The C++ decode step reads each slot's ring ``[W, Hkv, d]`` as one contiguous block (a pool's layer view)."""
-    window, kv_heads, dim = k_pool.shape[1:]
+    kv_heads, dim = k_pool.shape[2:]
     return k_pool.stride() == v_pool.stride() and k_pool.stride()[1:] == (kv_heads * dim, dim, 1)
 
 
