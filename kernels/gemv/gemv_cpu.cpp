@@ -19,24 +19,18 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-using vfloat = float __attribute__((vector_size(kLanes * 4)));
-using vfloat_unaligned = float __attribute__((vector_size(kLanes * 4), aligned(4)));
+using rnnserve::kLanes;
+using rnnserve::lane_sum;
+using rnnserve::load;
+using rnnserve::vfloat;
 using vhalf_unaligned = uint16_t __attribute__((vector_size(kLanes * 2), aligned(2)));
 using vuint = uint32_t __attribute__((vector_size(kLanes * 4)));
 
 constexpr int64_t kMaxRows = 64;                   // rows of x the op takes
 constexpr int kRowChunk = 8;                       // rows of x whose accumulators live in registers at once
-// fp32 x: at most this much of x a chunk, fewer rows than kRowChunk when K is long, so that the chunk stays in L1
-// beside the weight stream (Zen 5, 48 KB L1: 8 rows of K = 2048 took 1.3x oneDNN's time, 4 rows at a time 0.84x;
-// mingru-100m fp32 decode, K = 3072 in a third of its layers, 1.15-1.2x at batch 12-16). bf16 x (vdpbf16ps) keeps
-// 8 rows: 5 at K = 3072 made mingru-100m's bf16 decode 7% slower at batch 8 and 24.
-constexpr int64_t kChunkBytes = 32 * 1024;
 constexpr int64_t kMinBytesPerThread = 64 * 1024;  // smaller products run on one thread (a barrier costs more)
 constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every chunk of x before the next (L2)
 // With 4 or more rows of x (8 for vdpbf16ps) a row of W takes long enough to multiply that the hardware
@@ -46,8 +40,6 @@ constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every 
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int kPrefetchFromRows = 4;
 constexpr int kPrefetchFromRowsBf16 = 8;
-
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
 
 // bf16 -> fp32 is a shift into the high half: one widening load and one shift per vector.
 inline vfloat load(const at::BFloat16* p) {
@@ -61,12 +53,6 @@ inline vfloat load(const at::BFloat16* p) {
   const vuint wide = __builtin_convertvector(*reinterpret_cast<const vhalf_unaligned*>(p), vuint) << 16;
   return reinterpret_cast<vfloat>(wide);
 #endif
-}
-
-inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), with U independent accumulators per row of
@@ -92,7 +78,7 @@ inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
   for (int m = 0; m < M; ++m) {
     vfloat total = acc[m][0];
     for (int u = 1; u < U; ++u) total += acc[m][u];
-    float s = hsum(total);
+    float s = lane_sum(total);
     for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * k + t];
     sums[m] = s;
   }
@@ -130,13 +116,7 @@ inline void dot_eight_rows(const W* w, int64_t w_stride, const float* x, int64_t
 // vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes, with no widening of the weight,
 // so a row of W costs half the arithmetic instructions of the widening path (which made this kernel 2.4-8.7x
 // slower than oneDNN's bf16 GEMM from 16 rows of x on a Zen 5). x stays bf16 (half the cache footprint).
-inline __m512bh load_bf16(const at::BFloat16* p) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
-}
-
-inline __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask) {
-  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
-}
+using rnnserve::load_bf16;
 
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), U accumulators per row of x.
 template <int M, int U>
@@ -204,8 +184,7 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, const float* bias, Y* 
     }
 #endif
     const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, row_bytes));
-    const int64_t chunk_rows =
-        sizeof(X) == sizeof(float) ? std::clamp<int64_t>(kChunkBytes / (k * 4), 1, kRowChunk) : kRowChunk;
+    const int64_t chunk_rows = sizeof(X) == sizeof(float) ? rnnserve::fp32_chunk_rows(k, kRowChunk) : kRowChunk;
     for (int64_t i0 = i; i0 < end; i0 += block) {
       const int64_t i1 = std::min(end, i0 + block);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {

@@ -25,10 +25,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <type_traits>
 
+#include "cpu_vector.h"
 #include "onednn_linear.h"
 
 #ifdef __AVX2__
@@ -37,17 +37,13 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-using vfloat = float __attribute__((vector_size(kLanes * 4)));
-using vfloat_unaligned = float __attribute__((vector_size(kLanes * 4), aligned(4)));
+using rnnserve::kLanes;
+using rnnserve::lane_sum;
+using rnnserve::load;
+using rnnserve::vfloat;
 
 constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
 constexpr int64_t kBlockBytes = 128 << 10;      // beyond: weight rows taken with every chunk of x before the next
-constexpr int64_t kChunkBytes = 32 << 10;       // fp32 x: fewer rows a chunk where K is long (L1, as in gemv)
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
 constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
 constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
@@ -65,14 +61,6 @@ inline vfloat load_int8(const int8_t* p) {
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 #endif
-}
-
-inline vfloat load_f32(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
-
-inline float lane_sum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 // sums[r] = sum_j row[j] * x[r, j] for R rows of x, with U independent accumulators per row of x so that a
@@ -94,13 +82,13 @@ inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_
     for (int v = 0; v < kLine / kLanes; ++v) {
       const vfloat wv = load_int8(row + j + v * kLanes);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][v % U] += wv * load_f32(x + r * x_stride + j + v * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][v % U] += wv * load(x + r * x_stride + j + v * kLanes);
     }
   }
   for (; j + kLanes <= k; j += kLanes) {
     const vfloat wv = load_int8(row + j);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] += wv * load_f32(x + r * x_stride + j);
+    for (int r = 0; r < R; ++r) acc[r][0] += wv * load(x + r * x_stride + j);
   }
   for (int r = 0; r < R; ++r) {
     vfloat total = acc[r][0];
@@ -133,11 +121,7 @@ inline __m512bh load_int8_as_bf16(const int8_t* p, __mmask32 mask) {
   return int8_to_bf16(_mm256_maskz_loadu_epi8(mask, p));
 }
 
-inline __m512bh load_bf16(const at::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
-
-inline __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask) {
-  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
-}
+using rnnserve::load_bf16;
 
 // dot_rows for bf16 rows of x on a CPU with bf16 dot products: each 32 weights are converted to bf16 once and
 // multiplied with every row of x by vdpbf16ps (32 products a step, summed in pairs into fp32 lanes). A product of
@@ -204,9 +188,7 @@ void stream_rows(const at::Tensor& x_rows, const at::Tensor& weight, const float
   // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block.
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
   const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, k));
-  const int64_t chunk_rows =
-      sizeof(X) == sizeof(float) ? std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, k * 4), 1, kFewRows)
-                                 : kFewRows;
+  const int64_t chunk_rows = sizeof(X) == sizeof(float) ? rnnserve::fp32_chunk_rows(k, kFewRows) : kFewRows;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[kFewRows];
     for (int64_t i0 = begin; i0 < end; i0 += block) {
