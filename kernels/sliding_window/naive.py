@@ -61,6 +61,18 @@ def sliding_window_prefill_naive(
     return out
 
 
+def _attend_ring(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q [B, H, d]`` over ``keys, values [B, W + 1, Hkv, d]`` (fp32: the ring, then the token) where ``mask [B,
+    W + 1]`` -> fp32 ``[B, H, d]``."""
+    group = q.shape[1] // keys.shape[2]
+    keys, values = keys.repeat_interleave(group, 2), values.repeat_interleave(group, 2)
+    scores = torch.einsum("bhd,bjhd->bhj", q.float(), keys) * scale
+    weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    return torch.einsum("bhj,bjhd->bhd", weights, values)
+
+
 def sliding_window_decode_naive(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,21 +82,18 @@ def sliding_window_decode_naive(
     v_pool: torch.Tensor,
     slot_ids: torch.Tensor,
     scale: float,
+    attend: Attend = _attend_ring,
 ) -> torch.Tensor:
     """One token per sequence at ``positions [B]``: attend over the ring of rows ``slot_ids`` of ``k_pool, v_pool
     [N, W, Hkv, d]`` plus the token itself, then store its key/value at ring row ``position mod W`` (in place).
-    Returns fp32 ``[B, H, d]``."""
+    Returns fp32 ``[B, H, d]``; ``attend`` computes the attention (the path off Triton passes a fused one)."""
     window = k_pool.shape[1]
     rows = torch.arange(window, device=q.device)
     ring_pos = positions[:, None] - 1 - (positions[:, None] - 1 - rows) % window  # latest position < p per row
     keys = torch.cat([k_pool[slot_ids].float(), k[:, None].float()], dim=1)
     values = torch.cat([v_pool[slot_ids].float(), v[:, None].float()], dim=1)
     mask = torch.cat([ring_pos >= 0, torch.ones_like(positions[:, None], dtype=torch.bool)], dim=1)
-    group = q.shape[1] // k.shape[1]
-    keys, values = keys.float().repeat_interleave(group, 2), values.float().repeat_interleave(group, 2)
-    scores = torch.einsum("bhd,bjhd->bhj", q.float(), keys) * scale
-    weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)
-    out = torch.einsum("bhj,bjhd->bhd", weights, values)
+    out = attend(q, keys, values, mask, scale)
     k_pool[slot_ids, positions % window] = k.to(k_pool.dtype)
     v_pool[slot_ids, positions % window] = v.to(v_pool.dtype)
     return out

@@ -1,16 +1,16 @@
 """Sliding-window attention off Triton (CPU) through fused SDPA calls instead of einsums and a masked softmax.
 
-The prefill walks rings and query blocks as the reference does, each block's attention one SDPA call. The
-decode step takes each sequence's ``H / Hkv`` query heads of a key/value head as that head's query rows, so the
-ring is read as stored (the reference copied it to every query head: 134 MB a layer for griffin-100m at batch
-32, one key/value head for eight query heads and a 1023-row ring, 1 s a step)."""
+Both walk the rings as the reference does and hand it a fused attention: the prefill one SDPA call per query
+block, the decode step one call whose query rows for a key/value head are its ``H / Hkv`` query heads, so the
+ring is not copied to every query head (the reference's copies: 134 MB a layer for griffin-100m at batch 32, one
+key/value head for eight query heads and a 1023-row ring, 1 s a step)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rnnserve.kernels.sliding_window.naive import sliding_window_prefill_naive
+from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive, sliding_window_prefill_naive
 
 
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -38,6 +38,21 @@ def sliding_window_prefill_sdpa(
     return sliding_window_prefill_naive(q, k, v, cu_seqlens, starts, k_cache, v_cache, scale, attend=attend_sdpa)
 
 
+def attend_ring_sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q [B, H, d]`` over ``keys, values [B, W + 1, Hkv, d]`` (fp32) where ``mask [B, W + 1]`` -> fp32 ``[B, H,
+    d]``: the ``H / Hkv`` query heads of a key/value head are that head's query rows (head ``h = kv * (H / Hkv) +
+    g``), so the ring is not copied per query head."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    query = q.float().reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(
+        query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None, None], scale=scale
+    )
+    return out.reshape(batch, heads, dim)
+
+
 def sliding_window_decode_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,15 +64,4 @@ def sliding_window_decode_sdpa(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as :func:`~rnnserve.kernels.sliding_window.naive.sliding_window_decode_naive`."""
-    batch, heads, dim = q.shape
-    kv_heads, window = k.shape[1], k_pool.shape[1]
-    rows = torch.arange(window, device=q.device)
-    ring_pos = positions[:, None] - 1 - (positions[:, None] - 1 - rows) % window  # latest position < p per row
-    visible = torch.cat([ring_pos >= 0, torch.ones_like(positions[:, None], dtype=torch.bool)], dim=1)
-    keys = torch.cat([k_pool[slot_ids].float(), k[:, None].float()], dim=1).transpose(1, 2)  # [B, Hkv, W + 1, d]
-    values = torch.cat([v_pool[slot_ids].float(), v[:, None].float()], dim=1).transpose(1, 2)
-    query = q.float().reshape(batch, kv_heads, heads // kv_heads, dim)  # head h = kv * (H / Hkv) + g
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None], scale=scale)
-    k_pool[slot_ids, positions % window] = k.to(k_pool.dtype)
-    v_pool[slot_ids, positions % window] = v.to(v_pool.dtype)
-    return out.reshape(batch, heads, dim)
+    return sliding_window_decode_naive(q, k, v, positions, k_pool, v_pool, slot_ids, scale, attend=attend_ring_sdpa)
