@@ -45,18 +45,22 @@ def test_triton_decode_matches_reference(triton_on_cpu, dim: int, dtype: torch.d
     assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
 
 
-def test_triton_decode_ignores_rows_past_each_position(triton_on_cpu) -> None:
+def _assert_poisoned_rows_change_nothing(dtype: torch.dtype) -> None:
     """Poisoned cache rows after a row's position (and in other slots, e.g. the CUDA graphs' scratch slot)
-    change nothing."""
-    k_pool, v_pool = _pools(16, torch.float32)
+    change nothing in the decode step."""
+    k_pool, v_pool = _pools(16, dtype)
     slot_ids, positions = torch.tensor([2, 4]), torch.tensor([10, 70])
-    q, k, v = _qkv(2, 16, torch.float32)
+    q, k, v = _qkv(2, 16, dtype)
     clean = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
     k_pool[2, 0, :, 11:], v_pool[2, 0, :, 11:] = float("nan"), float("nan")
     k_pool[4, 0, :, 71:], v_pool[4, 0, :, 71:] = float("inf"), float("nan")
     k_pool[[0, 1, 3]] = float("nan")
     poisoned = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
+def test_triton_decode_ignores_rows_past_each_position(triton_on_cpu) -> None:
+    _assert_poisoned_rows_change_nothing(torch.float32)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -67,13 +71,13 @@ def test_cpu_decode_matches_reference(fused: bool, dtype: torch.dtype, monkeypat
         pytest.skip("needs the fused CPU kernels")
     monkeypatch.setattr(cached_attention, "use_cpu_kernel", lambda x: fused)
     calls = []
-    kernel = torch.ops.rnnserve.cached_attention_decode if fused else None
-
-    def spy(*args: object) -> torch.Tensor:
-        calls.append(args[-1])
-        return kernel(*args)
-
     if fused:
+        kernel = torch.ops.rnnserve.cached_attention_decode
+
+        def spy(*args: object) -> torch.Tensor:
+            calls.append(args[-1])
+            return kernel(*args)
+
         monkeypatch.setattr(torch.ops.rnnserve, "cached_attention_decode", spy)
     k_pool, v_pool = _pools(24, dtype)
     slot_ids, positions = torch.tensor([6, 1, 4]), torch.tensor([3, 149, 0])
@@ -86,17 +90,13 @@ def test_cpu_decode_matches_reference(fused: bool, dtype: torch.dtype, monkeypat
 
 @pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
 def test_cpu_decode_ignores_rows_past_each_position() -> None:
+    _assert_poisoned_rows_change_nothing(torch.bfloat16)
     k_pool, v_pool = _pools(16, torch.bfloat16)
-    slot_ids, positions = torch.tensor([2, 4]), torch.tensor([10, 70])
-    q, k, v = _qkv(2, 16, torch.bfloat16)
-    clean = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
-    k_pool[2, 0, :, 11:], v_pool[2, 0, :, 11:] = float("nan"), float("nan")
-    k_pool[4, 0, :, 71:], v_pool[4, 0, :, 71:] = float("inf"), float("nan")
-    k_pool[[0, 1, 3]] = float("nan")
-    poisoned = cached_attention_decode(q, k, v, k_pool[:, 0], v_pool[:, 0], slot_ids, positions)
-    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+    q = _qkv(2, 16, torch.bfloat16)[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        torch.ops.rnnserve.cached_attention_decode(q, k_pool[:, 0], v_pool[:, 0], slot_ids, positions + 100, 0.25)
+        torch.ops.rnnserve.cached_attention_decode(
+            q, k_pool[:, 0], v_pool[:, 0], torch.tensor([2, 4]), torch.tensor([110, 170]), 0.25
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
