@@ -52,6 +52,20 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, wrappers: list[tuple[str, str]]
     return calls
 
 
+def record_op_calls(monkeypatch: pytest.MonkeyPatch, namespace: object, name: str) -> list[object]:
+    """Wrap the op ``namespace.name`` (e.g. ``torch.ops.rnnserve``) for the test; the returned list gets each
+    call's last argument (a flag or a scale that tells the calls apart), to prove a public function ran it."""
+    calls: list[object] = []
+    op = getattr(namespace, name)
+
+    def spy(*args: object) -> object:
+        calls.append(args[-1])
+        return op(*args)
+
+    monkeypatch.setattr(namespace, name, spy)
+    return calls
+
+
 def twin_pools(model: RecurrentLM, num_slots: int, device: str | torch.device = "cpu") -> list[StatePool]:
     """Two state pools for ``model`` holding the same random non-zero states (one per path compared)."""
     pools = [StatePool(model.state_spec(), num_slots, device=device) for _ in range(2)]

@@ -20,6 +20,7 @@ from rnnserve.kernels.based.naive import (
 )
 from rnnserve.kernels.based.torch_recurrent import based_step_torch
 from rnnserve.kernels.cpu_extension import cpu_ops
+from tests.kernels.kernel_cases import record_op_calls
 
 LENGTHS = [1, 5, 16, 17, 40, 3]
 
@@ -114,14 +115,7 @@ def test_cpu_step_equals_reference(dtype: torch.dtype, monkeypatch: pytest.Monke
     slot_ids = torch.tensor([4, 0, 2])
     s_ref, z_ref = s_pool.clone(), z_pool.clone()
     expected = based_step_naive(q, k, v, s_ref, z_ref, slot_ids, 0.25, 1e-6)
-    calls = []
-    kernel = torch.ops.rnnserve.based_decode_step
-
-    def spy(*args: object) -> torch.Tensor:
-        calls.append(args[-1])
-        return kernel(*args)
-
-    monkeypatch.setattr(torch.ops.rnnserve, "based_decode_step", spy)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "based_decode_step")
     with force_triton(False):
         got = based_linear_attention_step(q, k, v, s_view[:, 1], z_view[:, 1], slot_ids, slot_ids, 0.25, 1e-6)
     assert calls == [1e-6] and got.dtype == torch.float32

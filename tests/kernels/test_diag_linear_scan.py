@@ -8,7 +8,7 @@ import torch
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan, diag_log_scan, diag_scan_step
 from rnnserve.kernels.diag_linear_scan.naive import diag_linear_scan_ref, diag_log_scan_ref, diag_scan_step_ref
-from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, slot_ids_for
+from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, record_op_calls, slot_ids_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
@@ -125,14 +125,7 @@ def test_cpu_scan_takes_exp_of_minus_infinity_as_zero() -> None:
 @needs_cpu_kernels
 @pytest.mark.parametrize("log_space", [False, True])
 def test_public_scans_run_the_cpu_kernel(log_space: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    kernel = torch.ops.rnnserve.diag_scan_varlen
-
-    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(args[-1])
-        return kernel(*args)
-
-    monkeypatch.setattr(torch.ops.rnnserve, "diag_scan_varlen", spy)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "diag_scan_varlen")
     a, b = _inputs(log_space, torch.float32)
     scan = diag_log_scan if log_space else diag_linear_scan
     h, _ = scan(a, b, cu_seqlens_of(LENGTHS))

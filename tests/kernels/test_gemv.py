@@ -18,6 +18,7 @@ from rnnserve.kernels.gemv.naive import gemv_ref
 from rnnserve.kernels.mamba_decode import mamba_mixer_decode
 from rnnserve.kernels.mamba_decode.naive import mamba_mixer_decode_ref
 from rnnserve.kernels.skinny_linear import skinny_linear_applies
+from tests.kernels.kernel_cases import record_op_calls
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 
@@ -166,24 +167,17 @@ def test_fp32_beyond_the_kernel_runs_onednn(rows: int, with_bias: bool, monkeypa
     bias = torch.randn(200, generator=torch.Generator().manual_seed(6)) if with_bias else None
     if rows <= ROW_LIMITS[torch.float32]:
         monkeypatch.setattr(gemv_module, "ENABLED", False)
-    calls = {"_linear_pointwise": 0}
-    onednn = torch.ops.mkldnn._linear_pointwise
-
-    def spy(*args: object) -> torch.Tensor:
-        calls["_linear_pointwise"] += 1
-        return onednn(*args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    calls = record_op_calls(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
     out = matmul_t(x, weight, bias)
-    assert calls["_linear_pointwise"] == 1 and out.is_contiguous()
+    assert len(calls) == 1 and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(gemv_module, "ONEDNN_FP32_GEMM", False)
     old = matmul_t(x, weight, bias)
-    assert calls["_linear_pointwise"] == 1
+    assert len(calls) == 1
     torch.testing.assert_close(old, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     with torch.enable_grad():  # no autograd formula: a product that needs a gradient keeps ATen's
         weight.requires_grad_(True)
-        assert matmul_t(x, weight, bias).requires_grad and calls["_linear_pointwise"] == 1
+        assert matmul_t(x, weight, bias).requires_grad and len(calls) == 1
 
 
 def mixer_args(dtype: torch.dtype, batch: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from rnnserve.kernels import cached_attention
 from rnnserve.kernels.cached_attention import cached_attention_decode, cached_attention_prefill
 from rnnserve.kernels.cached_attention.naive import cached_attention_ref
 from rnnserve.kernels.cpu_extension import cpu_ops
+from tests.kernels.kernel_cases import record_op_calls
 
 SLOTS, LOOPS, CAPACITY, HEADS = 7, 3, 150, 4
 
@@ -70,15 +71,7 @@ def test_cpu_decode_matches_reference(fused: bool, dtype: torch.dtype, monkeypat
     if fused and not cpu_ops():
         pytest.skip("needs the fused CPU kernels")
     monkeypatch.setattr(cached_attention, "use_cpu_kernel", lambda x: fused)
-    calls = []
-    if fused:
-        kernel = torch.ops.rnnserve.cached_attention_decode
-
-        def spy(*args: object) -> torch.Tensor:
-            calls.append(args[-1])
-            return kernel(*args)
-
-        monkeypatch.setattr(torch.ops.rnnserve, "cached_attention_decode", spy)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "cached_attention_decode") if fused else []
     k_pool, v_pool = _pools(24, dtype)
     slot_ids, positions = torch.tensor([6, 1, 4]), torch.tensor([3, 149, 0])
     q, k, v = _qkv(3, 24, dtype)

@@ -11,6 +11,7 @@ from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.sliding_window import sliding_window_decode, sliding_window_prefill
 from rnnserve.kernels.sliding_window.naive import sliding_window_decode_naive, sliding_window_prefill_naive
 from rnnserve.kernels.sliding_window.torch_varlen import sliding_window_decode_sdpa
+from tests.kernels.kernel_cases import record_op_calls
 
 WINDOW = 8  # ring rows: a query sees 9 keys
 
@@ -148,7 +149,9 @@ def test_fused_decode_equals_reference(heads: int, kv_heads: int) -> None:
 @pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 1), (3, 3)])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_cpu_decode_equals_reference(heads: int, kv_heads: int, pool_dtype: torch.dtype) -> None:
+def test_cpu_decode_equals_reference(
+    heads: int, kv_heads: int, pool_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The C++ decode step == the reference, through the public function: rings not yet full, full, wrapped,
     slots out of order in a multi-layer pool, bf16 activations and pools; the other rows stay as they were."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
@@ -158,15 +161,8 @@ def test_cpu_decode_equals_reference(heads: int, kv_heads: int, pool_dtype: torc
     pools = [torch.randn(7, 3, WINDOW, kv_heads, 16, generator=g).to(pool_dtype) for _ in range(2)]
     expected_pools = [p.clone() for p in pools]
     expected = sliding_window_decode_naive(q, k, v, positions, *(p[:, 1] for p in expected_pools), slots, 0.25)
-    calls = []
-    kernel = torch.ops.rnnserve.sliding_window_decode
-
-    def spy(*args: object) -> torch.Tensor:
-        calls.append(args[-1])
-        return kernel(*args)
-
-    with force_triton(False), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.ops.rnnserve, "sliding_window_decode", spy)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "sliding_window_decode")
+    with force_triton(False):
         got = sliding_window_decode(q, k, v, positions, *(p[:, 1] for p in pools), slots, 0.25)
     assert calls == [0.25] and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
