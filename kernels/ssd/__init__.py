@@ -39,14 +39,26 @@ def ssd_scan_varlen(
     With ``slot_ids`` ``initial_state`` is an fp32 state pool ``[num_slots, H, P, N]`` whose rows ``slot_ids``
     are read and overwritten in place; the pool is returned as the final state.
 
-    ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 256-token chunks (any chunk
-    size gives the same result up to rounding)."""
+    ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 256-token chunks and the CPU
+    kernel none (any chunk size gives the same result up to rounding)."""
     if use_triton(x):
         from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
 
         return ssd_scan_varlen_triton(x, dt, A, B, C, cu_seqlens, D, initial_state, slot_ids=slot_ids,
                                       dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    if _cpu_scan_applies(x, B, C, initial_state, slot_ids) and use_cpu_kernel(x):
+        batch = cu_seqlens.numel() - 1
+        if slot_ids is None:
+            state_shape = (batch, *x.shape[1:], B.shape[-1])
+            pool = torch.zeros(state_shape) if initial_state is None else initial_state.float().contiguous().clone()
+            slot_ids = torch.arange(batch)
+        else:
+            pool = initial_state
+        y = torch.ops.rnnserve.ssd_scan_varlen(x, dt.contiguous(), A.float().contiguous(), B, C,
+                                               None if D is None else D.float(), cu_seqlens.long().contiguous(),
+                                               pool, slot_ids.long().contiguous())  # fmt: skip
+        return y, pool
     if slot_ids is not None:
         return on_pool_rows(lambda h0: ssd_scan_chunked(x, dt, A, B, C, cu_seqlens, D, h0, chunk_size),
                             initial_state, slot_ids)
@@ -77,6 +89,30 @@ def ssd_state_update(
             slot_ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
         return torch.ops.rnnserve.ssd_state_update(state, slot_ids.long().contiguous(), x, dt, A.contiguous(), B, C, D)
     return ssd_state_update_torch(state, slots, x, dt, A, B, C, D)
+
+
+def _cpu_scan_applies(
+    x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, initial_state: torch.Tensor | None,
+    slot_ids: torch.Tensor | None,
+) -> bool:
+    """The CPU prefill's layouts: unit strides along ``P`` and ``N`` (B and C as views of one tensor), and with
+    ``slot_ids`` an fp32 pool with each slot's ``[H, P, N]`` contiguous."""
+    if x.dim() != 3 or B.dim() != 3 or torch.is_grad_enabled():
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not B.dtype == C.dtype == x.dtype:
+        return False
+    if x.stride(-1) != 1 or B.stride(-1) != 1 or B.stride() != C.stride():
+        return False
+    if slot_ids is None:
+        return True
+    pool = initial_state
+    head_dim, d_state = pool.shape[2:]
+    return (
+        pool.dtype == torch.float32
+        and pool.stride(-1) == 1
+        and pool.stride(-2) == d_state
+        and pool.stride(-3) == head_dim * d_state
+    )
 
 
 def _cpu_op_applies(

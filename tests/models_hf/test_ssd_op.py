@@ -1,4 +1,5 @@
-"""The SSD op: chunked varlen prefill and in-place decode update == token-by-token reference."""
+"""The SSD op: varlen prefill (the op and its chunked PyTorch form) and in-place decode update == token-by-token
+reference."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from rnnserve.kernels.ssd import ssd_scan_varlen, ssd_state_update
 from rnnserve.kernels.ssd.naive import ssd_scan_ref
+from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
 
 
 def _inputs(lengths: list[int], heads: int = 4, groups: int = 2, head_dim: int = 3, d_state: int = 5) -> dict:
@@ -30,9 +32,9 @@ def _inputs(lengths: list[int], heads: int = 4, groups: int = 2, head_dim: int =
 def test_chunked_matches_reference(lengths: list[int], chunk_size: int) -> None:
     args = _inputs(lengths)
     y_ref, h_ref = ssd_scan_ref(**args)
-    y, h = ssd_scan_varlen(**args, chunk_size=chunk_size)
-    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+    for y, h in (ssd_scan_varlen(**args, chunk_size=chunk_size), ssd_scan_chunked(**args, chunk_size=chunk_size)):
+        torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("consecutive", [True, False])
