@@ -38,8 +38,9 @@ def sliding_window_prefill_naive(
 ) -> torch.Tensor:
     """Packed chunks ``q [T, H, d]``, ``k, v [T, Hkv, d]``; sequence ``b`` starts at position ``starts[b]`` and
     continues its ring ``k_cache[b], v_cache[b] [W, Hkv, d]``, which ends holding its last ``W`` keys/values
-    (updated in place). Queries are taken in blocks of 256 so memory stays linear in the length; ``attend``
-    computes a block's attention (the CPU path passes a fused one)."""
+    (updated in place). Queries are taken in blocks of 256 so memory stays linear in the length, each with the
+    keys it can see (a prompt's first block: its own 256, not the ring's W empty rows too); ``attend`` computes a
+    block's attention (the CPU path passes a fused one)."""
     window = k_cache.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     bounds, first_positions = cu_seqlens.tolist(), starts.tolist()
@@ -51,10 +52,11 @@ def sliding_window_prefill_naive(
         values = torch.cat([v_cache[b, rows].float(), v[lo:hi].float()])
         for a in range(0, hi - lo, QUERY_BLOCK):
             e = min(a + QUERY_BLOCK, hi - lo)
+            first = max(a, window - start)  # the block's first key; ring rows before position 0 hold nothing
             query_pos = key_pos[window + a : window + e, None]
-            near = key_pos[None, a : window + e]
+            near = key_pos[None, first : window + e]
             mask = (near >= 0) & (near <= query_pos) & (near >= query_pos - window)
-            near_keys, near_values = keys[a : window + e], values[a : window + e]
+            near_keys, near_values = keys[first : window + e], values[first : window + e]
             out[lo + a : lo + e] = attend(q[lo + a : lo + e], near_keys, near_values, mask, scale)
         k_cache[b, key_pos[-window:] % window] = keys[-window:].to(k_cache.dtype)
         v_cache[b, key_pos[-window:] % window] = values[-window:].to(v_cache.dtype)
