@@ -36,10 +36,10 @@ from rnnserve.engine.models.base import (
 from rnnserve.engine.models.layers import gather_slots, linear, scatter_slots
 from rnnserve.kernels.add_norm import add_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.diag_linear_scan import diag_log_scan
 from rnnserve.kernels.min_rnn_step import (
     g,
     log_g,
+    min_rnn_scan,
     min_rnn_step,
     mingru_coefficients,
     mingru_log_coefficients,
@@ -135,8 +135,7 @@ class MinRNNBlock(nn.Module):
         """Packed tokens; ``conv_state [B, C, K-1]``, ``h [B, Dh]`` in, final states out (not in place)."""
         normed, stream = _add_norm(self.norm1, delta, stream)
         u, conv_state = causal_conv1d_varlen(normed, self.conv_weight, self.conv_bias, cu_seqlens, conv_state)
-        log_a, log_b = self.cell.log_coefficients(linear(self.in_proj, u))
-        hidden, h = diag_log_scan(log_a, log_b, cu_seqlens, h, chunk_size=self.scan_chunk_size)
+        hidden, h = min_rnn_scan(linear(self.in_proj, u), cu_seqlens, h, self.cell.name, self.scan_chunk_size)
         delta, stream = self._mix_then_mlp(hidden.to(stream.dtype), stream)
         return delta, stream, conv_state, h
 

@@ -1,8 +1,9 @@
 """Fused minGRU / minLSTM decode step (gate activations + recurrence + in-place state write).
 
 ``naive.py`` holds the PyTorch reference and the gate formulas the models share; ``fused_recurrent.py`` the
-Triton kernel; ``min_rnn_step_cpu.cpp`` the fused CPU op (fp32 or bf16 ``proj``, an fp32 pool). Prefill uses
-the same gates in log space with :func:`rnnserve.kernels.diag_linear_scan.diag_log_scan`.
+Triton kernel; ``min_rnn_step_cpu.cpp`` the fused CPU ops (fp32 or bf16 ``proj``, fp32 states): the step and
+the prefill scan. Prefill elsewhere uses the same gates in log space with
+:func:`rnnserve.kernels.diag_linear_scan.diag_log_scan`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
+from rnnserve.kernels.diag_linear_scan import diag_log_scan
 from rnnserve.kernels.min_rnn_step.naive import (
     COEFFICIENTS,
     g,
@@ -53,7 +55,26 @@ def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor
     return h.to(proj.dtype)
 
 
+LOG_COEFFICIENTS = {"mingru": mingru_log_coefficients, "minlstm": minlstm_log_coefficients}
+
+
+def min_rnn_scan(
+    proj: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor, cell: str, chunk_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen prefill of ``cell`` over ``proj [T, P * D]`` from ``initial_state [B, D]`` (not written):
+    ``(h [T, D], final_state [B, D])`` in fp32. On CPU one fused op (the decode step's gates, token by token);
+    elsewhere, and with autograd, the log-space gates through
+    :func:`~rnnserve.kernels.diag_linear_scan.diag_log_scan` (``chunk_size`` applies to its PyTorch path)."""
+    if _cpu_op_applies(proj, initial_state):
+        final = initial_state.float().contiguous().clone()
+        cu = cu_seqlens.long().contiguous()
+        return torch.ops.rnnserve.min_rnn_scan(proj, cu, final, cell == "minlstm"), final
+    log_a, log_b = LOG_COEFFICIENTS[cell](proj)
+    return diag_log_scan(log_a, log_b, cu_seqlens, initial_state, chunk_size=chunk_size)
+
+
 __all__ = [
+    "min_rnn_scan",
     "min_rnn_step",
     "g",
     "log_g",
