@@ -2,23 +2,30 @@
 // the state pool's slots).
 //
 // The recurrence has no parallel form: a PyTorch loop pays about twenty op dispatches per token and layer,
-// which dominates CPU prefill. Here one work item owns one (sequence, head): it copies the head's [d, m] state
-// from its slot into a slot-major [m][d] buffer (each memory slot contiguous, so every reduction is a
-// contiguous dot product), runs all of the sequence's tokens on it and writes it back. Per token and slot:
+// which dominates CPU prefill. Here one work item owns one (sequence, head) and runs all of the sequence's
+// tokens on the head's [d, m] state in the pool's own layout, the m memory slots along vector lanes (in place
+// when the slots are contiguous and fill whole vectors, else in a padded copy). Per token and slot:
 //   n = |s|, phi = s / n;  DEC: e = phi(S) k - v, h = e, c = k;  ENC: c = phi(S)^T v - k, h = v;  SIM: h = -v, c = k
 //   a = -gamma c / n;  s <- mu s + a (h - phi (phi . h))            (Eq. 13 and 16, a two-term update)
 //   normalise: the same update rescaled per slot (no overflow for huge inputs), then s <- s / |s|   (Eq. 14)
 //   y = S q.
-// Same arithmetic as kernels/lattice/naive.py: lattice_step_ref. Inputs are fp32 (the wrapper converts them);
-// q, k [T, H, m], v [T, H, d], gamma, mu [T, H] contiguous; y [T, H, d] fp32.
+// Per-slot sums (norms, phi^T h, phi^T v) run down the d rows with a vector accumulator; only S k and S q sum
+// across lanes. A token is four passes over the state: S k (DEC), phi^T h, the update, then the rescale with
+// y and the next token's norms. (A slot-major copy took six passes and four horizontal sums per slot, and a
+// transpose in and out at every decode step.) Same arithmetic as kernels/lattice/naive.py: lattice_step_ref.
+// Inputs are fp32 (the wrapper converts them); q, k [T, H, m], v [T, H, d], gamma, mu [T, H] contiguous;
+// y [T, H, d] fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
+
+#include "cpu_vector.h"
 
 namespace {
 constexpr float kTiny = 1e-30f;
@@ -34,48 +41,85 @@ struct Problem {
   bool normalize;
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
-  return acc;
+using rnnserve::kLanes;
+using rnnserve::load;
+using rnnserve::vfloat;
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// Per-slot values of one token, each [mp] (m rounded up to whole vectors; zero past m).
+struct SlotValues {
+  float *sq, *inv_n, *q, *k, *c, *coef_s, *coef_w, *r;
+};
+
+// sq[i] = sum_j s[j, i]^2 over the d rows (row stride `ld`) of a state with `nv` vectors a row.
+void column_squares(const float* s, int64_t ld, int64_t d, int64_t nv, float* sq) {
+  for (int64_t v = 0; v < nv; ++v) store(sq + v * kLanes, vfloat{});
+  for (int64_t j = 0; j < d; ++j)
+    for (int64_t v = 0; v < nv; ++v) {
+      const vfloat x = load(s + j * ld + v * kLanes);
+      store(sq + v * kLanes, load(sq + v * kLanes) + x * x);
+    }
+}
+
+// out[i] = scale[i] * sum_j s[j, i] x[j]: the per-slot dot products with a d-vector, down the rows.
+void column_dots(const float* s, int64_t ld, int64_t d, int64_t nv, const float* x, const float* scale, float* out) {
+  for (int64_t v = 0; v < nv; ++v) store(out + v * kLanes, vfloat{});
+  for (int64_t j = 0; j < d; ++j)
+    for (int64_t v = 0; v < nv; ++v) store(out + v * kLanes, load(out + v * kLanes) + load(s + j * ld + v * kLanes) * x[j]);
+  for (int64_t v = 0; v < nv; ++v) store(out + v * kLanes, load(out + v * kLanes) * load(scale + v * kLanes));
+}
+
+// out[j] = sum_i s[j, i] w[i]: the sums across lanes.
+void row_dots(const float* s, int64_t ld, int64_t d, int64_t nv, const float* w, float* out) {
+  for (int64_t j = 0; j < d; ++j) {
+    vfloat acc{};
+    for (int64_t v = 0; v < nv; ++v) acc += load(s + j * ld + v * kLanes) * load(w + v * kLanes);
+    out[j] = rnnserve::lane_sum(acc);
+  }
 }
 
 // Tokens [bos, eos) of one sequence on head `head`, starting from and ending in the state at `slot`.
 void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t head) {
-  const int64_t d = p.dim, m = p.slots;
-  std::vector<float> buffer(static_cast<size_t>(m * d + 4 * d + 2 * m));
-  float* s = buffer.data();  // [m][d]: slot i is s[i * d, (i + 1) * d)
-  float* h = s + m * d;
-  float* h_hat = h + d;
-  float* col = h_hat + d;
-  float* y = col + d;
-  float* inv_n = y + d;
-  float* c = inv_n + m;
+  const int64_t d = p.dim, m = p.slots, nv = (m + kLanes - 1) / kLanes, mp = nv * kLanes;
   float* base = p.state + slot * p.stride_n + head * p.stride_h;
-  for (int64_t j = 0; j < d; ++j)
-    for (int64_t i = 0; i < m; ++i) s[i * d + j] = base[j * p.stride_d + i * p.stride_m];
+  const bool in_place = p.stride_m == 1 && m == mp;
+  std::vector<float> buffer(static_cast<size_t>((in_place ? 0 : d * mp) + d * mp + 8 * mp + 2 * d), 0.0f);
+  float* s = in_place ? base : buffer.data();  // [d][ld]
+  const int64_t ld = in_place ? p.stride_d : mp;
+  float* u = buffer.data() + (in_place ? 0 : d * mp);  // the updated, not yet rescaled state [d][mp]
+  float* values = u + d * mp;
+  const SlotValues sv{values,          values + mp,     values + 2 * mp, values + 3 * mp,
+                      values + 4 * mp, values + 5 * mp, values + 6 * mp, values + 7 * mp};
+  float* h = values + 8 * mp;
+  float* h_hat = h + d;
+  std::vector<char> gone(mp);  // per slot: its update vanished this token
+  if (!in_place)
+    for (int64_t j = 0; j < d; ++j)
+      for (int64_t i = 0; i < m; ++i) s[j * mp + i] = base[j * p.stride_d + i * p.stride_m];
+  column_squares(s, ld, d, nv, sv.sq);
   for (int64_t t = bos; t < eos; ++t) {
     const int64_t row = t * p.heads + head;
-    const float *q = p.q + row * m, *k = p.k + row * m, *v = p.v + row * d;
+    const float* v = p.v + row * d;
     const float gamma = p.gamma[row], mu = p.mu ? p.mu[row] : 1.0f;
-    for (int64_t i = 0; i < m; ++i) inv_n[i] = 1.0f / std::max(std::sqrt(dot(s + i * d, s + i * d, d)), kTiny);
-    if (p.variant == kDec) {
-      std::fill(h, h + d, 0.0f);
-      for (int64_t i = 0; i < m; ++i) {
-        const float w = k[i] * inv_n[i];
-        const float* si = s + i * d;
+    std::copy(p.q + row * m, p.q + row * m + m, sv.q);
+    std::copy(p.k + row * m, p.k + row * m + m, sv.k);
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) h[j] += w * si[j];
-      }
+    for (int64_t i = 0; i < mp; ++i) sv.inv_n[i] = 1.0f / std::max(std::sqrt(sv.sq[i]), kTiny);
+    if (p.variant == kDec) {
+#pragma omp simd
+      for (int64_t i = 0; i < mp; ++i) sv.c[i] = sv.k[i] * sv.inv_n[i];  // phi weights for S k
+      row_dots(s, ld, d, nv, sv.c, h);
       for (int64_t j = 0; j < d; ++j) h[j] -= v[j];
-      std::copy(k, k + m, c);
+      std::copy(sv.k, sv.k + mp, sv.c);
     } else if (p.variant == kEnc) {
       std::copy(v, v + d, h);
-      for (int64_t i = 0; i < m; ++i) c[i] = inv_n[i] * dot(s + i * d, v, d) - k[i];
+      column_dots(s, ld, d, nv, v, sv.inv_n, sv.c);
+#pragma omp simd
+      for (int64_t i = 0; i < mp; ++i) sv.c[i] -= sv.k[i];
     } else {
       for (int64_t j = 0; j < d; ++j) h[j] = -v[j];
-      std::copy(k, k + m, c);
+      std::copy(sv.k, sv.k + mp, sv.c);
     }
     float scale = 1.0f;  // with normalisation the update is computed from h / max|h|
     if (p.normalize) {
@@ -84,37 +128,65 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
       scale = std::max(top, kTiny);
     }
     for (int64_t j = 0; j < d; ++j) h_hat[j] = h[j] / scale;
-    std::fill(y, y + d, 0.0f);
-    for (int64_t i = 0; i < m; ++i) {
-      float* si = s + i * d;
-      const float a = -gamma * c[i] * inv_n[i];
-      const float r = inv_n[i] * dot(si, h_hat, d);  // phi_i . h_hat
-      float coef_s = mu, coef_w = a;                 // s_i <- coef_s s_i + coef_w (h_hat - phi_i r)
+    column_dots(s, ld, d, nv, h_hat, sv.inv_n, sv.r);  // phi_i . h_hat
+    // s_i <- coef_s s_i + coef_w (h_hat - phi_i r_i) = (coef_s - coef_w r_i / n_i) s_i + coef_w h_hat
+#pragma omp simd
+    for (int64_t i = 0; i < mp; ++i) {
+      const float a = -gamma * sv.c[i] * sv.inv_n[i];
+      float coef_s = mu, coef_w = a;
       if (p.normalize) {
         const float b = a * scale, b_abs = std::fabs(b), denom = std::max(mu, b_abs);
         coef_s = denom > 0.0f ? mu / denom : 1.0f;
         coef_w = b_abs >= mu ? (b > 0.0f ? 1.0f : (b < 0.0f ? -1.0f : 0.0f)) : b / denom;
       }
-      const float self = coef_s - coef_w * r * inv_n[i];
-      float norm2 = 0.0f;
-#pragma omp simd reduction(+ : norm2)
-      for (int64_t j = 0; j < d; ++j) {
-        col[j] = self * si[j] + coef_w * h_hat[j];
-        norm2 += col[j] * col[j];
-      }
-      if (!p.normalize || norm2 > 0.0f) {
-        const float inv = p.normalize ? 1.0f / std::sqrt(norm2) : 1.0f;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) si[j] = col[j] * inv;
-      }
-      const float qi = q[i];
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) y[j] += qi * si[j];
+      sv.coef_s[i] = coef_s - coef_w * sv.r[i] * sv.inv_n[i];
+      sv.coef_w[i] = coef_w;
     }
-    std::copy(y, y + d, p.y + row * d);
+    for (int64_t v = 0; v < nv; ++v) store(sv.sq + v * kLanes, vfloat{});  // now the update's squared norms
+    for (int64_t j = 0; j < d; ++j)
+      for (int64_t v = 0; v < nv; ++v) {
+        const vfloat x = load(sv.coef_s + v * kLanes) * load(s + j * ld + v * kLanes) +
+                         load(sv.coef_w + v * kLanes) * h_hat[j];
+        store(u + j * mp + v * kLanes, x);
+        store(sv.sq + v * kLanes, load(sv.sq + v * kLanes) + x * x);
+      }
+    // s = u / |u| per slot (without normalisation s = u); the same pass reads y = S q and the next token's
+    // squared norms. A slot whose update vanished (possible only with mu = 0) keeps its old value.
+    bool vanished = false;
+    for (int64_t i = 0; i < mp; ++i) {
+      gone[i] = p.normalize && !(sv.sq[i] > 0.0f);
+      vanished |= gone[i];
+      sv.inv_n[i] = gone[i] ? 0.0f : (p.normalize ? 1.0f / std::sqrt(sv.sq[i]) : 1.0f);
+      sv.sq[i] = 0.0f;
+    }
+    float* y = p.y + row * d;
+    if (!vanished) {
+      for (int64_t j = 0; j < d; ++j) {
+        vfloat acc{};
+        for (int64_t v = 0; v < nv; ++v) {
+          const vfloat x = load(u + j * mp + v * kLanes) * load(sv.inv_n + v * kLanes);
+          store(s + j * ld + v * kLanes, x);
+          acc += x * load(sv.q + v * kLanes);
+          store(sv.sq + v * kLanes, load(sv.sq + v * kLanes) + x * x);
+        }
+        y[j] = rnnserve::lane_sum(acc);
+      }
+    } else {
+      for (int64_t j = 0; j < d; ++j) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < mp; ++i) {
+          float& x = s[j * ld + i];
+          if (!gone[i]) x = u[j * mp + i] * sv.inv_n[i];
+          acc += x * sv.q[i];
+          sv.sq[i] += x * x;
+        }
+        y[j] = acc;
+      }
+    }
   }
-  for (int64_t j = 0; j < d; ++j)
-    for (int64_t i = 0; i < m; ++i) base[j * p.stride_d + i * p.stride_m] = s[i * d + j];
+  if (!in_place)
+    for (int64_t j = 0; j < d; ++j)
+      for (int64_t i = 0; i < m; ++i) base[j * p.stride_d + i * p.stride_m] = s[j * mp + i];
 }
 
 // q, k [T, H, m], v [T, H, d], gamma, mu [T, H] fp32 contiguous; state [N, H, d, m] fp32 (any strides), rows

@@ -120,19 +120,21 @@ def test_fused_dec_step_for_unit_columns():
     torch.testing.assert_close(y, (u * beta) @ q, atol=1e-5, rtol=1e-5)
 
 
-def _pool_case(lengths, heads, num_slots, seed, forget):
+def _pool_case(lengths, heads, num_slots, seed, forget, m=M):
+    """Random inputs and a pool ``[num_slots, 3 layers, heads, d, m]`` of orthonormal columns (``d = D``, or
+    ``m + 4`` for more slots than that)."""
     gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    q, k = torch.randn(total, heads, M, generator=gen), torch.randn(total, heads, M, generator=gen)
-    v = torch.randn(total, heads, D, generator=gen)
+    total, d = sum(lengths), max(D, m + 4)
+    q, k = torch.randn(total, heads, m, generator=gen), torch.randn(total, heads, m, generator=gen)
+    v = torch.randn(total, heads, d, generator=gen)
     gamma = torch.rand(total, heads, generator=gen)
     mu = torch.rand(total, heads, generator=gen) if forget else None
-    pool = orthonormal_columns(num_slots, 3, heads, D, M, generator=gen)
+    pool = orthonormal_columns(num_slots, 3, heads, d, m, generator=gen)
     return q, k, v, gamma, mu, pool
 
 
-def _check_varlen(variant, normalize, forget, lengths):
-    q, k, v, gamma, mu, pool = _pool_case(lengths, 2, 11, 4, forget)
+def _check_varlen(variant, normalize, forget, lengths, m=M):
+    q, k, v, gamma, mu, pool = _pool_case(lengths, 2, 11, 4, forget, m)
     slots = slot_ids_for(len(lengths), 11, seed=2)
     cu = cu_seqlens_of(lengths)
     expected_pool = pool.clone()
@@ -142,8 +144,8 @@ def _check_varlen(variant, normalize, forget, lengths):
     torch.testing.assert_close(pool, expected_pool, atol=2e-5, rtol=2e-5)
 
 
-def _check_decode(variant, normalize, forget):
-    q, k, v, gamma, mu, pool = _pool_case([1] * 5, 3, 9, 5, forget)
+def _check_decode(variant, normalize, forget, m=M):
+    q, k, v, gamma, mu, pool = _pool_case([1] * 5, 3, 9, 5, forget, m)
     slots = slot_ids_for(5, 9, seed=3)
     expected_pool = pool.clone()
     expected = lattice_decode_ref(q, k, v, gamma, mu, expected_pool[:, 2], slots, variant, normalize)
@@ -164,9 +166,36 @@ def test_triton_prefill_and_decode_equal_reference(triton_on_cpu, variant, norma
 
 @pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
 @pytest.mark.parametrize("variant, normalize, forget", CASES)
-def test_cpu_kernel_prefill_and_decode_equal_reference(variant, normalize, forget):
-    _check_varlen(variant, normalize, forget, [5, 1, 40, 17])
-    _check_decode(variant, normalize, forget)
+@pytest.mark.parametrize("m", [M, 16])  # 16 slots fill whole vectors: the kernel works in the pool itself
+def test_cpu_kernel_prefill_and_decode_equal_reference(variant, normalize, forget, m):
+    _check_varlen(variant, normalize, forget, [5, 1, 40, 17], m)
+    _check_decode(variant, normalize, forget, m)
+
+
+@pytest.mark.parametrize("m", [M, 16])
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_a_slot_whose_update_vanishes_keeps_its_value(request, backend, m):
+    """Closed forget gate (mu = 0), basis vectors as the slots and v along slot 0's: P(s_0) h is exactly zero,
+    so slot 0 keeps its value while the others move (SIM: h = -v, c = k)."""
+    if backend == "cpu" and not cpu_ops():
+        pytest.skip("fused CPU kernels could not be built")
+    if backend == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    d = m + 4
+    q, k, _, gamma, _, _ = _pool_case([3], 1, 2, 6, False, m)
+    pool = torch.zeros(2, 1, 1, d, m)
+    pool[1, 0, 0, :m] = torch.eye(m)
+    v = torch.zeros(3, 1, d)
+    v[:, 0, 0] = -2.0
+    mu = torch.zeros(3, 1)
+    expected_pool = pool.clone()
+    slot = torch.tensor([1])
+    expected = lattice_varlen_ref(q, k, v, gamma, mu, cu_seqlens_of([3]), expected_pool[:, 0], slot, "sim")
+    y = lattice_varlen(q, k, v, gamma, mu, cu_seqlens_of([3]), pool[:, 0], slot, "sim")
+    assert torch.equal(pool[1, 0, 0, :, 0], torch.eye(d, m)[:, 0])  # slot 0 kept
+    assert not torch.equal(pool[1, 0, 0, :, 1:], torch.eye(d, m)[:, 1:])  # the others moved
+    torch.testing.assert_close(y, expected, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(pool, expected_pool, atol=2e-6, rtol=2e-6)
 
 
 def _column_norm_error(pool: torch.Tensor) -> float:
