@@ -57,14 +57,14 @@ def cached_attention_decode(
     """One token per sequence: ``q, k, v [B, H, D]`` at ``positions [B]`` of slots ``slot_ids [B]``. Stores
     ``k, v`` in the caches, then attends; no host synchronisation off CPU. Returns fp32 ``[B, H, D]``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_cpu_kernel(q):  # stores k and v itself
+        return torch.ops.rnnserve.cached_attention_decode(q, k, v, k_cache, v_cache, slot_ids, positions, scale)
     k_cache[slot_ids, :, positions] = k.to(k_cache.dtype)
     v_cache[slot_ids, :, positions] = v.to(v_cache.dtype)
     if use_triton(q):
         from rnnserve.kernels.cached_attention.fused_recurrent import cached_decode_attention_triton
 
         return cached_decode_attention_triton(q, k_cache, v_cache, slot_ids, positions, scale)
-    if use_cpu_kernel(q):
-        return torch.ops.rnnserve.cached_attention_decode(q, k_cache, v_cache, slot_ids, positions, scale)
     if q.device.type == "cpu":
         ones = [1] * q.shape[0]
         return cached_attention_varlen_sdpa(q, k_cache, v_cache, slot_ids.tolist(), positions.tolist(), ones, scale)

@@ -75,9 +75,13 @@ def test_cpu_decode_matches_reference(fused: bool, dtype: torch.dtype, monkeypat
     k_pool, v_pool = _pools(24, dtype)
     slot_ids, positions = torch.tensor([6, 1, 4]), torch.tensor([3, 149, 0])
     q, k, v = _qkv(3, 24, dtype)
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    expected_k[:, 2][slot_ids, :, positions] = k
+    expected_v[:, 2][slot_ids, :, positions] = v
     got = cached_attention_decode(q, k, v, k_pool[:, 2], v_pool[:, 2], slot_ids, positions)
-    want = cached_attention_ref(q, k_pool[:, 2], v_pool[:, 2], slot_ids, positions)
+    want = cached_attention_ref(q, expected_k[:, 2], expected_v[:, 2], slot_ids, positions)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)  # stored there, nowhere else
     assert len(calls) == int(fused)
 
 
@@ -86,10 +90,10 @@ def test_cpu_decode_ignores_rows_past_each_position() -> None:
     _assert_poisoned_rows_change_nothing(torch.bfloat16)
     k_pool, v_pool = _pools(16, torch.bfloat16)
     q = _qkv(2, 16, torch.bfloat16)[0]
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        torch.ops.rnnserve.cached_attention_decode(
-            q, k_pool[:, 0], v_pool[:, 0], torch.tensor([2, 4]), torch.tensor([110, 170]), 0.25
-        )
+    outside = [(torch.tensor([2, 4]), torch.tensor([110, 170])), (torch.tensor([2, 8]), torch.tensor([1, 2]))]
+    for slots, positions in outside:  # a position past the capacity, a slot past the pool
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            torch.ops.rnnserve.cached_attention_decode(q, q, q, k_pool[:, 0], v_pool[:, 0], slots, positions, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
