@@ -29,6 +29,7 @@
 
 namespace {
 constexpr float kTiny = 1e-30f;
+constexpr float kHuge = 1.0f / kTiny;  // 1 / |s| of a zero column, as the reference clamps it
 enum Variant : int64_t { kDec = 0, kEnc = 1, kSim = 2 };
 
 struct Problem {
@@ -138,7 +139,7 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
     std::copy(p.q + row * m, p.q + row * m + m, sv.q);
     std::copy(p.k + row * m, p.k + row * m + m, sv.k);
 #pragma omp simd
-    for (int64_t i = 0; i < mp; ++i) sv.inv_n[i] = 1.0f / std::max(std::sqrt(sv.sq[i]), kTiny);
+    for (int64_t i = 0; i < mp; ++i) sv.inv_n[i] = sv.sq[i] > 0.0f ? 1.0f / std::max(std::sqrt(sv.sq[i]), kTiny) : kHuge;
     if (p.variant == kDec) {
 #pragma omp simd
       for (int64_t i = 0; i < mp; ++i) sv.c[i] = sv.k[i] * sv.inv_n[i];  // phi weights for S k
@@ -162,15 +163,21 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
     }
     for (int64_t j = 0; j < d; ++j) h_hat[j] = h[j] / scale;
     column_dots<NV>(s, ld, d, mp, h_hat, sv.inv_n, sv.r);  // phi_i . h_hat
-    // s_i <- coef_s s_i + coef_w (h_hat - phi_i r_i) = (coef_s - coef_w r_i / n_i) s_i + coef_w h_hat
+    // s_i <- coef_s s_i + coef_w (h_hat - phi_i r_i) = (coef_s - coef_w r_i / n_i) s_i + coef_w h_hat. With
+    // normalisation, b = a scale, coef_s = mu / max(mu, |b|) and coef_w = b / max(mu, |b|), computed against
+    // mu / scale so that nothing overflows (b does for huge inputs, and -ffast-math's divisions turn x / inf
+    // into NaN on some targets).
+    const float mu_scaled = mu / scale;
 #pragma omp simd
     for (int64_t i = 0; i < mp; ++i) {
       const float a = -gamma * sv.c[i] * sv.inv_n[i];
       float coef_s = mu, coef_w = a;
       if (p.normalize) {
-        const float b = a * scale, b_abs = std::fabs(b), denom = std::max(mu, b_abs);
-        coef_s = denom > 0.0f ? mu / denom : 1.0f;
-        coef_w = b_abs >= mu ? (b > 0.0f ? 1.0f : (b < 0.0f ? -1.0f : 0.0f)) : b / denom;
+        const float a_abs = std::fabs(a);
+        const bool capped = a_abs >= mu_scaled;  // |b| >= mu
+        const bool zero = a_abs == 0.0f;         // then mu = 0 too: no update
+        coef_s = capped && !zero ? mu_scaled / std::max(a_abs, kTiny) : 1.0f;
+        coef_w = capped ? (a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f)) : a / std::max(mu_scaled, kTiny);
       }
       sv.coef_s[i] = coef_s - coef_w * sv.r[i] * sv.inv_n[i];
       sv.coef_w[i] = coef_w;
@@ -190,9 +197,10 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
     // squared norms. A slot whose update vanished (possible only with mu = 0) keeps its old value.
     bool vanished = false;
     for (int64_t i = 0; i < mp; ++i) {
-      gone[i] = p.normalize && !(sv.sq[i] > 0.0f);
+      const bool padding = i >= m;
+      gone[i] = p.normalize && !padding && !(sv.sq[i] > 0.0f);
       vanished |= gone[i];
-      sv.inv_n[i] = gone[i] ? 0.0f : (p.normalize ? 1.0f / std::sqrt(sv.sq[i]) : 1.0f);
+      sv.inv_n[i] = padding || gone[i] ? 0.0f : (p.normalize ? 1.0f / std::sqrt(sv.sq[i]) : 1.0f);
     }
     float* y = p.y + row * d;
     std::fill(y, y + d, 0.0f);
