@@ -107,3 +107,15 @@ def test_reference_rounds_like_the_hugging_face_block() -> None:
     expected_final = (weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))).bfloat16()
     assert torch.equal(block, expected_block) and torch.equal(final, expected_final)
     assert not torch.equal(block, final)
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+def test_fused_kernel_rounds_bf16_sums_as_torch() -> None:
+    """The kernel's own bf16 rounding: ties to even both ways, a sum past bf16's largest finite value, inf and NaN."""
+    stream = torch.tensor([[1.0, 1.0078125, -1.0, 3.0e38, float("inf"), float("nan"), 0.5, 2.0]], dtype=bf16)
+    delta = torch.tensor([[2**-8, 2**-8, -(2**-8), 3.0e38, 1.0, 1.0, 2**-10, -(2**-8)]], dtype=bf16)
+    weight = torch.ones(8, dtype=bf16)
+    _, new_stream = residual_rms_norm(stream, delta, weight, 1e-5, True)
+    expected = (stream.float() + delta.float()).bfloat16()
+    assert torch.equal(new_stream[:, :5], expected[:, :5]) and torch.equal(new_stream[:, 6:], expected[:, 6:])
+    assert new_stream[0, :4].tolist() == [1.0, 1.015625, -1.0, float("inf")] and new_stream[0, 5].isnan()
