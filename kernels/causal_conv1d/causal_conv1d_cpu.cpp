@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
 #include <cmath>
@@ -26,7 +27,7 @@ void conv_update_row(const T* x, int64_t x_stride, float* tail, int64_t tail_str
   for (int64_t c = 0; c < channels; ++c) {
     float* tc = tail + c * tail_stride;
     const float* wc = w + c * K;
-    const float xc = static_cast<float>(x[c * x_stride]);
+    const float xc = rnnserve::to_float(x[c * x_stride]);
     float acc = bias ? bias[c] : 0.f;
     for (int64_t k = 0; k < K - 1; ++k) acc += tc[k] * wc[k];
     acc += xc * wc[K - 1];
@@ -62,7 +63,7 @@ void conv_update_rows(const at::Tensor& x, at::Tensor& pool, const at::Tensor& w
         default: TORCH_CHECK(false, "the fused CPU conv update supports widths 2-4");
       }
       if constexpr (!std::is_same_v<T, float>)
-        for (int64_t c = 0; c < channels; ++c) yp[b * channels + c] = static_cast<T>(row[c]);
+        for (int64_t c = 0; c < channels; ++c) rnnserve::store_as(yp + b * channels, c, row[c]);
     }
   });
 }
@@ -116,9 +117,9 @@ void conv_prefill_block(const T* x, int64_t xs0, int64_t xs1, const float* w, co
     float* current = window[K - 1];
     if (xs1 == 1) {
 #pragma omp simd
-      for (int64_t j = 0; j < count; ++j) current[j] = static_cast<float>(row[j]);
+      for (int64_t j = 0; j < count; ++j) current[j] = rnnserve::to_float(row[j]);
     } else {
-      for (int64_t j = 0; j < count; ++j) current[j] = static_cast<float>(row[j * xs1]);
+      for (int64_t j = 0; j < count; ++j) current[j] = rnnserve::to_float(row[j * xs1]);
     }
 #pragma omp simd
     for (int64_t j = 0; j < count; ++j) acc[j] = b[j];
@@ -132,7 +133,7 @@ void conv_prefill_block(const T* x, int64_t xs0, int64_t xs1, const float* w, co
     }
     T* out = y + t * channels + c0;
 #pragma omp simd
-    for (int64_t j = 0; j < count; ++j) out[j] = static_cast<T>(acc[j]);
+    for (int64_t j = 0; j < count; ++j) rnnserve::store_as(out, j, acc[j]);
     for (int64_t k = 0; k < K - 1; ++k) {
 #pragma omp simd
       for (int64_t j = 0; j < count; ++j) window[k][j] = window[k + 1][j];

@@ -8,57 +8,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_bf16.h"
+
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
 
 namespace {
-
-// v rounded to bf16 (to nearest, ties to even) and back, as bits: c10's conversion does not vectorise here and
-// made the bf16 norms 4-10x slower than the fp32 one. NaN and inf keep their class (the exponent is left alone).
-inline uint32_t bf16_rounded_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  return (bits & 0x7F800000u) == 0x7F800000u ? (bits | ((bits & 0xFFFFu) ? 0x00400000u : 0u)) & 0xFFFF0000u : rounded;
-}
-
-template <typename U>
-inline float round_to(float v) {
-  if constexpr (std::is_same_v<U, at::BFloat16>) {
-    const uint32_t bits = bf16_rounded_bits(v);
-    float out;
-    std::memcpy(&out, &bits, sizeof out);
-    return out;
-  } else {
-    return static_cast<float>(static_cast<U>(v));
-  }
-}
-
-// A stored fp32 or bf16 value as fp32 (bf16: its bits shifted up; c10's conversion does not vectorise here either).
-template <typename S>
-inline float as_float(S v) {
-  if constexpr (std::is_same_v<S, at::BFloat16>) {
-    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-    float out;
-    std::memcpy(&out, &bits, sizeof out);
-    return out;
-  } else {
-    return static_cast<float>(v);
-  }
-}
-
-// p[j] = v in S (fp32 or bf16) through the same rounding, written as raw bits for bf16.
-template <typename S>
-inline void put(S* p, int64_t j, float v) {
-  if constexpr (std::is_same_v<S, at::BFloat16>)
-    reinterpret_cast<uint16_t*>(p)[j] = static_cast<uint16_t>(bf16_rounded_bits(v) >> 16);
-  else
-    p[j] = static_cast<S>(v);
-}
 
 // 1 / sqrt(v) with torch's fp32 rounding (a rounded sqrt, then a rounded division), immune to -ffast-math's
 // approximate reciprocal square root: both steps in double are exact before the final rounding to fp32.
@@ -83,9 +40,9 @@ void norm_rows(const S* stream, const T* delta, const T* weight, S* new_stream, 
         auto add = [&](auto column_stride) {
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < hidden; ++j) {
-            const float v = as_float(s[j]) + as_float(d[j * column_stride]);
-            put(out_stream, j, v);
-            const float x = round_to<U>(round_to<S>(v));
+            const float v = rnnserve::to_float(s[j]) + rnnserve::to_float(d[j * column_stride]);
+            rnnserve::store_as(out_stream, j, v);
+            const float x = rnnserve::round_to<U>(rnnserve::round_to<S>(v));
             sum += x * x;
           }
         };
@@ -97,15 +54,15 @@ void norm_rows(const S* stream, const T* delta, const T* weight, S* new_stream, 
       } else {
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < hidden; ++j) {
-          const float x = round_to<U>(as_float(s[j]));
+          const float x = rnnserve::round_to<U>(rnnserve::to_float(s[j]));
           sum += x * x;
         }
       }
       const float scale = torch_rsqrt(sum / static_cast<float>(hidden) + eps);
 #pragma omp simd
       for (int64_t j = 0; j < hidden; ++j) {
-        const float y = round_to<U>(round_to<U>(as_float(s[j])) * scale);
-        put(out, j, as_float(weight[j]) * y);
+        const float y = rnnserve::round_to<U>(rnnserve::round_to<U>(rnnserve::to_float(s[j])) * scale);
+        rnnserve::store_as(out, j, rnnserve::to_float(weight[j]) * y);
       }
     }
   });
