@@ -51,7 +51,7 @@ from rnnserve.engine.models.layers import (
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.diag_linear_scan import diag_linear_scan
 from rnnserve.kernels.rg_lru import rg_lru_coefficients, rg_lru_step
-from rnnserve.kernels.soft_cap import soft_cap_
+from rnnserve.kernels.soft_cap import soft_cap
 
 
 @dataclass
@@ -301,7 +301,7 @@ class RecurrentGemmaLM(RecurrentLM):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         cap = self.config.logits_soft_cap
-        return soft_cap_(linear(self.lm_head, self.model.final_norm(h)).float(), cap)
+        return soft_cap(linear(self.lm_head, self.model.final_norm(h)), cap)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE ``cos, sin`` at ``positions``, shared by every attention layer (None without attention)."""

@@ -59,6 +59,8 @@ from rnnserve.kernels.selective_scan.chunk import _segment_state_kernel, _select
 from rnnserve.kernels.selective_scan.fused_recurrent import _selective_state_update_kernel
 from rnnserve.kernels.sliding_window.chunk import _prefill_warps, _ring_write_kernel, _sw_prefill_kernel
 from rnnserve.kernels.sliding_window.fused_recurrent import _sw_decode_kernel
+from rnnserve.kernels.soft_cap.fused import BLOCK as SOFT_CAP_BLOCK
+from rnnserve.kernels.soft_cap.fused import _soft_cap_kernel
 from rnnserve.kernels.ssd.chunk import (
     _ssd_chunk_cb_kernel,
     _ssd_chunk_cumsum_kernel,
@@ -146,6 +148,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                     {"stream_ptr": "*fp32", "delta_ptr": act, "weight_ptr": act, "normed_ptr": act,
                      "new_stream_ptr": "*fp32", "eps": "fp32"},
                     {"HAS_DELTA": True, "ROUND_TO_WEIGHT": True, "BN": 4096}, 16))
+    configs.append((_soft_cap_kernel, {"x_ptr": act, "out_ptr": "*fp32", "cap": "fp32"}, {"BLOCK": SOFT_CAP_BLOCK}, 4))
     configs.append((_gated_rms_norm_kernel, {"y_ptr": "*fp32", "z_ptr": act, "weight_ptr": act, "out_ptr": act,
                                              "inv_width": "fp32", "eps": "fp32"}, {"BN": 2048}, 8))
     configs += _mamba_configs(act)
