@@ -49,8 +49,7 @@ from rnnserve.engine.models.layers import (
     scatter_slots,
 )
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from rnnserve.kernels.diag_linear_scan import diag_linear_scan
-from rnnserve.kernels.rg_lru import rg_lru_coefficients, rg_lru_step
+from rnnserve.kernels.rg_lru import rg_lru_scan, rg_lru_step
 from rnnserve.kernels.soft_cap import soft_cap
 
 
@@ -97,10 +96,6 @@ class RGLRU(nn.Module):
         return (self.input_gate_weight, self.input_gate_bias, self.recurrent_gate_weight, self.recurrent_gate_bias,
                 self.recurrent_param)  # fmt: skip
 
-    def coefficients(self, x: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [N, D]``, ``first [N]`` (token starts its sequence) -> recurrence ``a, b`` in fp32."""
-        return rg_lru_coefficients(x, first, *self.gate_weights())
-
 
 class RecurrentBlock(nn.Module):
     def __init__(self, config: RecurrentGemmaConfig) -> None:
@@ -124,8 +119,7 @@ class RecurrentBlock(nn.Module):
         u, conv_state = causal_conv1d_varlen(
             linear(self.linear_x, x), self.conv_1d.weight[:, 0], self.conv_1d.bias, cu_seqlens, conv_state
         )
-        a, b = self.rg_lru.coefficients(u, first)
-        h, lru_state = diag_linear_scan(a, b, cu_seqlens, lru_state)
+        h, lru_state = rg_lru_scan(u, first, cu_seqlens, lru_state, *self.rg_lru.gate_weights())
         return linear(self.linear_out, h.to(x.dtype) * y), conv_state, lru_state
 
     def decode(

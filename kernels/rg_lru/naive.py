@@ -19,11 +19,17 @@ import torch.nn.functional as F
 from rnnserve.kernels.diag_linear_scan import diag_scan_step
 
 
-def block_diagonal_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(x W + b)`` with ``W [H, w, w]`` block-diagonal over ``x [N, H * w]``."""
+def gate_preactivation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x W + b`` with ``W [H, w, w]`` block-diagonal over ``x [N, H * w]``, as ``[N, H, w]`` (a transposed view of
+    the batched product)."""
     heads, width, _ = weight.shape
     blocks = x.reshape(-1, heads, width).transpose(0, 1)
-    return torch.sigmoid(torch.baddbmm(bias[:, None, :], blocks, weight).transpose(0, 1).reshape(x.shape))
+    return torch.baddbmm(bias[:, None, :], blocks, weight).transpose(0, 1)
+
+
+def block_diagonal_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x W + b)`` with ``W [H, w, w]`` block-diagonal over ``x [N, H * w]``."""
+    return torch.sigmoid(gate_preactivation(x, weight, bias).reshape(x.shape))
 
 
 def rg_lru_coefficients(
