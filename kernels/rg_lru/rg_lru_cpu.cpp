@@ -15,9 +15,9 @@
 #include <cmath>
 
 #include "cpu_bf16.h"
+#include "cpu_math.h"
 
 namespace {
-constexpr int64_t kChannels = 256;  // channels of one prefill task
 
 // Token inputs with strides: x [T, D]; the gates' pre-activations [T, H, w] (a transposed batched-GEMM output).
 template <typename T>
@@ -27,21 +27,35 @@ struct Inputs {
   int64_t x_row, pre_row, pre_head, width;
 };
 
-// One channel d of token t: (a, b) with the reference's roundings.
+inline float sigmoid(float v) { return 1.0f / (1.0f + rnnserve::fast_exp(-v)); }
+
+// The square root of v >= 0 (0 where v is 0: under -ffast-math a vectorised sqrt is x * rsqrt(x), NaN at 0).
+inline float root_of(float v) { return v > 0.0f ? std::sqrt(v) : 0.0f; }
+
+constexpr int64_t kChunk = 64;  // channels whose coefficients are computed before they are used
+
+// Token t, head `head`, channels [c0, c0 + count) of the head (count <= kChunk): each channel's (a, b) with the
+// reference's roundings. A head's channels are contiguous in every input, so the loop vectorises.
 template <typename T>
-__attribute__((always_inline)) inline void coefficients(const Inputs<T>& in, int64_t t, int64_t d, float& a,
-                                                        float& b) {
+__attribute__((always_inline)) inline void coefficients(const Inputs<T>& in, int64_t t, int64_t head, int64_t c0,
+                                                        int64_t count, float* a, float* b) {
   using rnnserve::round_to;
   using rnnserve::to_float;
-  const int64_t pre = t * in.pre_row + (d / in.width) * in.pre_head + d % in.width;
-  const float gate_i = round_to<T>(1.0f / (1.0f + std::exp(-to_float(in.pre_i[pre]))));
-  const float gate_r = round_to<T>(1.0f / (1.0f + std::exp(-to_float(in.pre_r[pre]))));
-  const float log_a = round_to<T>(round_to<T>(-8.0f * gate_r) * to_float(in.softplus[d]));
-  const float root = round_to<T>(std::sqrt(round_to<T>(1.0f - round_to<T>(std::exp(2.0f * log_a)))));
-  const bool first = in.first[t];
-  const float gain = round_to<T>(round_to<T>(to_float(in.x[t * in.x_row + d]) * gate_i) * (first ? 1.0f : root));
-  a = first ? 0.0f : round_to<T>(std::exp(log_a));
-  b = gain;
+  const int64_t offset = head * in.width + c0;
+  const T* pre_i = in.pre_i + t * in.pre_row + head * in.pre_head + c0;
+  const T* pre_r = in.pre_r + t * in.pre_row + head * in.pre_head + c0;
+  const T* x = in.x + t * in.x_row + offset;
+  const T* softplus = in.softplus + offset;
+  const float keep = in.first[t] ? 0.0f : 1.0f;  // a sequence's first token: a = 0 and a root of 1
+#pragma omp simd
+  for (int64_t c = 0; c < count; ++c) {
+    const float gate_i = round_to<T>(sigmoid(to_float(pre_i[c])));
+    const float gate_r = round_to<T>(sigmoid(to_float(pre_r[c])));
+    const float log_a = round_to<T>(round_to<T>(-8.0f * gate_r) * to_float(softplus[c]));
+    const float root = round_to<T>(root_of(round_to<T>(1.0f - round_to<T>(rnnserve::fast_exp(2.0f * log_a)))));
+    b[c] = round_to<T>(round_to<T>(to_float(x[c]) * gate_i) * (keep > 0.0f ? root : 1.0f));
+    a[c] = keep * round_to<T>(rnnserve::fast_exp(log_a));
+  }
 }
 
 template <typename T>
@@ -69,7 +83,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& pre_i, const at::Tensor
 
 // x [T, D]; pre_i, pre_r [T, H, w] (x's dtype, fp32 or bf16); softplus(param) [D]; first [T] bool; cu_seqlens
 // [B + 1] int64; state [B, D] fp32 contiguous, the initial states overwritten with the final ones. Returns h [T, D]
-// fp32.
+// fp32. One task takes one sequence's head through all its tokens.
 at::Tensor rg_lru_scan(const at::Tensor& x, const at::Tensor& pre_i, const at::Tensor& pre_r,
                        const at::Tensor& softplus, const at::Tensor& first, const at::Tensor& cu_seqlens,
                        at::Tensor state) {
@@ -83,23 +97,24 @@ at::Tensor rg_lru_scan(const at::Tensor& x, const at::Tensor& pre_i, const at::T
   TORCH_CHECK(cu[0] == 0 && cu[batch] == total, "rg_lru_scan: cu_seqlens must run from 0 to T");
   for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(cu[b] <= cu[b + 1], "rg_lru_scan: cu_seqlens must not decrease");
   auto h = at::empty({total, dim}, x.options().dtype(at::kFloat));
-  const int64_t blocks = (dim + kChannels - 1) / kChannels;
+  const int64_t heads = pre_i.size(1), width = pre_i.size(2);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const Inputs<T> in = inputs_of<T>(x, pre_i, pre_r, softplus, first);
     float* out = h.data_ptr<float>();
     float* states = state.data_ptr<float>();
-    at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / blocks, d0 = (task % blocks) * kChannels, d1 = std::min(d0 + kChannels, dim);
-        float* carry = states + b * dim;
+        const int64_t b = task / heads, head = task % heads;
+        float* carry = states + b * dim + head * width;
+        alignas(64) float a[kChunk], gain[kChunk];
         for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+          float* row = out + t * dim + head * width;
+          for (int64_t c0 = 0; c0 < width; c0 += kChunk) {
+            const int64_t count = std::min(kChunk, width - c0);
+            coefficients(in, t, head, c0, count, a, gain);
 #pragma omp simd
-          for (int64_t d = d0; d < d1; ++d) {
-            float a, gain;
-            coefficients(in, t, d, a, gain);
-            carry[d] = a * carry[d] + gain;
-            out[t * dim + d] = carry[d];
+            for (int64_t c = 0; c < count; ++c) row[c0 + c] = carry[c0 + c] = a[c] * carry[c0 + c] + gain[c];
           }
         }
       }
@@ -136,16 +151,23 @@ at::Tensor rg_lru_step(const at::Tensor& x, const at::Tensor& y, const at::Tenso
     const T* ys = y.data_ptr<T>();
     T* o = out.data_ptr<T>();
     float* rows = pool.data_ptr<float>();
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        float* carry = rows + slots[b] * pool.stride(0);
+    const int64_t heads = pre_i.size(1), width = pre_i.size(2);
+    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / heads, head = task % heads;
+        float* carry = rows + slots[b] * pool.stride(0) + head * width;
+        const T* gate = ys + b * y.stride(0) + head * width;
+        T* row = o + b * dim + head * width;
+        alignas(64) float a[kChunk], gain[kChunk];
+        for (int64_t c0 = 0; c0 < width; c0 += kChunk) {
+          const int64_t count = std::min(kChunk, width - c0);
+          coefficients(in, b, head, c0, count, a, gain);
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) {
-          float a, gain;
-          coefficients(in, b, d, a, gain);
-          carry[d] = a * carry[d] + gain;
-          const float gate = rnnserve::to_float(ys[b * y.stride(0) + d]);
-          rnnserve::store_as(o + b * dim, d, rnnserve::round_to<T>(carry[d]) * gate);
+          for (int64_t c = 0; c < count; ++c) {
+            const float h = a[c] * carry[c0 + c] + gain[c];
+            carry[c0 + c] = h;
+            rnnserve::store_as(row, c0 + c, rnnserve::round_to<T>(h) * rnnserve::to_float(gate[c0 + c]));
+          }
         }
       }
     });
