@@ -104,12 +104,14 @@ at::Tensor ssd_state_update(at::Tensor pool, const at::Tensor& slot_ids, const a
   });
   return y;
 }
-// Token t's inputs for one task: x's channels as fp32 in `xs` (zeros past `width`) and dt's decay.
+
+// A token's inputs to one prefill task.
 struct TokenInputs {
   rnnserve::vfloat xdt[kScanVectors];  // dt x, per channel
-  float decay;
+  float decay;                         // exp(dt A)
 };
 
+// Token inputs from x's channels (copied to `xs` as fp32; zeros past `width` stay from the caller) and dt.
 template <typename T>
 __attribute__((always_inline)) inline TokenInputs token_inputs(const T* x, float delta, float a, int64_t width,
                                                                float* xs) {
