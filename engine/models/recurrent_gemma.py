@@ -49,6 +49,7 @@ from rnnserve.engine.models.layers import (
     scatter_slots,
 )
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.gated_act import gated_act
 from rnnserve.kernels.rg_lru import rg_lru_scan, rg_lru_step
 from rnnserve.kernels.soft_cap import soft_cap
 
@@ -115,12 +116,12 @@ class RecurrentBlock(nn.Module):
         conv_state: torch.Tensor,
         lru_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y = gelu_tanh(linear(self.linear_y, x))
         u, conv_state = causal_conv1d_varlen(
             linear(self.linear_x, x), self.conv_1d.weight[:, 0], self.conv_1d.bias, cu_seqlens, conv_state
         )
         h, lru_state = rg_lru_scan(u, first, cu_seqlens, lru_state, *self.rg_lru.gate_weights())
-        return linear(self.linear_out, h.to(x.dtype) * y), conv_state, lru_state
+        gated = gated_act(linear(self.linear_y, x), h.to(x.dtype), "gelu_tanh")  # h * gelu_tanh(linear_y(x))
+        return linear(self.linear_out, gated), conv_state, lru_state
 
     def decode(
         self,
@@ -191,7 +192,7 @@ class ResidualBlock(nn.Module):
         self.temporal_pre_norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
         self.temporal_block = RecurrentBlock(config) if kind == "recurrent" else LocalAttention(config)
         self.channel_pre_norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp_block = GatedMLP(config.hidden_size, config.mlp_width, gelu_tanh, bias=True)
+        self.mlp_block = GatedMLP(config.hidden_size, config.mlp_width, "gelu_tanh", bias=True)
 
     def channel_mix(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp_block(self.channel_pre_norm(h))

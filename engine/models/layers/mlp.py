@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.layers.linear import linear
+from rnnserve.kernels.gated_act import gated_act
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -17,15 +16,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """``down_proj(activation(gate_proj(x)) * up_proj(x))``; SwiGLU with the default SiLU activation."""
+    """``down_proj(activation(gate_proj(x)) * up_proj(x))``; ``activation`` ``"silu"`` (SwiGLU, the default) or
+    ``"gelu_tanh"`` (GeGLU), applied with the product in one op (:func:`rnnserve.kernels.gated_act.gated_act`)."""
 
-    def __init__(
-        self,
-        dim: int,
-        width: int,
-        activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-        bias: bool = False,
-    ) -> None:
+    def __init__(self, dim: int, width: int, activation: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, width, bias=bias)
         self.up_proj = nn.Linear(dim, width, bias=bias)
@@ -33,4 +27,4 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, self.activation(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        return linear(self.down_proj, gated_act(linear(self.gate_proj, x), linear(self.up_proj, x), self.activation))

@@ -1,0 +1,80 @@
+// A gated activation on CPU, out = act(gate) * up (GeGLU with tanh GELU, SwiGLU with SiLU), in one pass; each
+// result rounded to the inputs' dtype as PyTorch's two ops round it (kernels/gated_act/naive.py). ATen's tanh GELU
+// alone took 1.1 ms for a 1024 x 2304 bf16 prefill row block on a Zen 5, 9% of a hawk-100m prefill with the
+// product.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "cpu_bf16.h"
+#include "cpu_math.h"
+
+namespace {
+enum Kind : int64_t { kGeluTanh = 0, kSilu = 1 };
+constexpr int64_t kRowsPerTask = 8;
+
+// tanh(t) = sign(t) (1 - e) / (1 + e), e = exp(-2|t|); its Taylor polynomial below |t| = 1/8 and 1 from 9.1 (as
+// the soft cap computes it: a few fp32 units of the last place).
+inline float tanh_of(float t) {
+  const float a = std::fabs(t);
+  const float e = rnnserve::fast_exp(-2.0f * a);
+  const float t2 = t * t;
+  const float series = t * std::fma(t2, std::fma(t2, std::fma(t2, -17.0f / 315, 2.0f / 15), -1.0f / 3), 1.0f);
+  const float magnitude = a >= 9.1f ? 1.0f : (1.0f - e) / (1.0f + e);
+  return a < 0.125f ? series : std::copysign(magnitude, t);
+}
+
+// ATen's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + tanh_of(kBeta * (x + 0.044715f * x * x * x)));
+}
+
+template <int64_t K, typename T>
+void rows_of(const T* gate, const T* up, T* out, int64_t rows, int64_t width, int64_t gate_row, int64_t up_row) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate + r * gate_row;
+      const T* u = up + r * up_row;
+      T* o = out + r * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const float x = rnnserve::to_float(g[j]);
+        const float act = rnnserve::round_to<T>(K == kGeluTanh ? gelu_tanh(x) : x / (1.0f + rnnserve::fast_exp(-x)));
+        rnnserve::store_as(o, j, act * rnnserve::to_float(u[j]));
+      }
+    }
+  });
+}
+
+// gate, up [R, W] (fp32 or bf16, the same dtype, unit stride along W); kind 0 tanh GELU, 1 SiLU. Returns
+// act(gate) * up [R, W] contiguous in their dtype.
+at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, int64_t kind) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "gated_act: gate and up must both be [R, W]");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "gated_act: gate and up must share a dtype");
+  TORCH_CHECK(gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16, "gated_act: fp32 or bf16");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gated_act: unit strides along W");
+  TORCH_CHECK(kind == kGeluTanh || kind == kSilu, "gated_act: kind must be 0 (tanh GELU) or 1 (SiLU)");
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  auto out = at::empty({rows, width}, gate.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* g = gate.data_ptr<T>();
+    const T* u = up.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    if (kind == kGeluTanh)
+      rows_of<kGeluTanh>(g, u, o, rows, width, gate.stride(0), up.stride(0));
+    else
+      rows_of<kSilu>(g, u, o, rows, width, gate.stride(0), up.stride(0));
+  };
+  if (gate.scalar_type() == at::kBFloat16)
+    run(at::BFloat16{});
+  else
+    run(float{});
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rnnserve, m) { m.def("gated_act(Tensor gate, Tensor up, int kind) -> Tensor", &gated_act); }
