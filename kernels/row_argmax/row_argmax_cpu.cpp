@@ -5,24 +5,48 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
 namespace {
 
-// Rows contiguous: a vector max per row, then the first position holding it.
+constexpr int kLanes = 16;  // positions a row pass compares at a time, each lane keeping its first maximum
+
+// Rows contiguous: one pass per row, each of kLanes lanes keeping its largest value and that value's first
+// position, then the lanes merged (the largest value, the first position among equal ones). A vector max and then
+// a scalar search for its first position took 1.1 ms for 32 rows of a 50K vocabulary, as long as the LM head's
+// bf16 -> fp32 conversion.
 void argmax_rows_contiguous(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride, int64_t* out) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = logits + r * row_stride;
-      float best = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : best)
-      for (int64_t v = 0; v < vocab; ++v) best = row[v] > best ? row[v] : best;
-      int64_t index = 0;  // also the answer for an all-NaN row
-      for (int64_t v = 0; v < vocab; ++v)
-        if (row[v] == best) {
-          index = v;
-          break;
+      float best[kLanes];
+      int64_t at_best[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        best[l] = -std::numeric_limits<float>::infinity();
+        at_best[l] = 0;  // also the answer for an all-NaN row
+      }
+      int64_t v = 0;
+      for (; v + kLanes <= vocab; v += kLanes) {
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) {
+          const bool better = row[v + l] > best[l];
+          best[l] = better ? row[v + l] : best[l];
+          at_best[l] = better ? v + l : at_best[l];
+        }
+      }
+      for (; v < vocab; ++v)  // the tail, into lane 0 (its positions come after every lane's)
+        if (row[v] > best[0]) {
+          best[0] = row[v];
+          at_best[0] = v;
+        }
+      float top = best[0];
+      int64_t index = at_best[0];
+      for (int l = 1; l < kLanes; ++l)
+        if (best[l] > top || (best[l] == top && at_best[l] < index)) {
+          top = best[l];
+          index = at_best[l];
         }
       out[r] = index;
     }
