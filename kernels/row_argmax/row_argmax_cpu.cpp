@@ -54,25 +54,48 @@ void argmax_rows_contiguous(const float* logits, int64_t rows, int64_t vocab, in
 }
 
 // Columns contiguous (logits.t() of a [V, R] tensor): one pass down the vocabulary, vectorised over rows;
-// each thread takes a range of the vocabulary, and the ranges merge in order (ties keep the first index).
+// each thread takes a range of the vocabulary, and the ranges merge in order (ties keep the first index). Rows go
+// in blocks of kLanes whose best values and positions stay in registers (kept in memory, the pass took 0.4 ms for
+// 32 rows of a 50K vocabulary).
 void argmax_rows_transposed(const float* logits, int64_t rows, int64_t vocab, int64_t vocab_stride, int64_t* out) {
   const int threads = at::get_num_threads();
-  std::vector<float> best(threads * rows, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> index(threads * rows, 0);
+  const int64_t padded = (rows + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> best(threads * padded, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> index(threads * padded, 0);
   const int64_t chunk = (vocab + threads - 1) / threads;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) {
-      float* b = best.data() + part * rows;
-      int64_t* i = index.data() + part * rows;
-      const int64_t v1 = std::min(vocab, (part + 1) * chunk);
-      for (int64_t v = part * chunk; v < v1; ++v) {
-        const float* column = logits + v * vocab_stride;
-#pragma omp simd
-        for (int64_t r = 0; r < rows; ++r) {
-          const bool better = column[r] > b[r];
-          b[r] = better ? column[r] : b[r];
-          i[r] = better ? v : i[r];
+      const int64_t v0 = part * chunk, v1 = std::min(vocab, (part + 1) * chunk);
+      for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, rows - r0);
+        float b[kLanes];
+        int64_t i[kLanes];
+        for (int l = 0; l < kLanes; ++l) {
+          b[l] = -std::numeric_limits<float>::infinity();
+          i[l] = 0;
         }
+        if (count == kLanes) {
+          for (int64_t v = v0; v < v1; ++v) {
+            const float* column = logits + v * vocab_stride + r0;
+#pragma omp simd
+            for (int l = 0; l < kLanes; ++l) {
+              const bool better = column[l] > b[l];
+              b[l] = better ? column[l] : b[l];
+              i[l] = better ? v : i[l];
+            }
+          }
+        } else {
+          for (int64_t v = v0; v < v1; ++v) {
+            const float* column = logits + v * vocab_stride + r0;
+            for (int64_t l = 0; l < count; ++l)
+              if (column[l] > b[l]) {
+                b[l] = column[l];
+                i[l] = v;
+              }
+          }
+        }
+        std::copy(b, b + kLanes, best.data() + part * padded + r0);
+        std::copy(i, i + kLanes, index.data() + part * padded + r0);
       }
     }
   });
@@ -80,9 +103,9 @@ void argmax_rows_transposed(const float* logits, int64_t rows, int64_t vocab, in
     float top = best[r];
     int64_t at_top = index[r];
     for (int part = 1; part < threads; ++part)
-      if (best[part * rows + r] > top) {
-        top = best[part * rows + r];
-        at_top = index[part * rows + r];
+      if (best[part * padded + r] > top) {
+        top = best[part * padded + r];
+        at_top = index[part * padded + r];
       }
     out[r] = at_top;
   }
