@@ -5,7 +5,10 @@
 PyTorch's. Prefill hands the packed batch to the module as a ``PackedSequence`` (time-major, no padding,
 built from the batch's host lengths), so the whole time loop runs inside PyTorch's fused kernel (oneDNN on
 CPU, cuDNN on GPU), and the head reads the batch's ``logit_rows`` of the top layer's outputs; decode is one
-cell step. State per layer: ``h`` (and ``c`` for LSTM), stored in fp32.
+cell step: the module's on a GPU; on CPU the cells' equations over the module's weights, whose GEMMs go through
+:func:`~rnnserve.engine.models.layers.matmul_t` (oneDNN's RNN primitive reorders an LSTM's weights at every
+call: lstm-large, 72 MB a layer, decoded 20 tok/s at batch 1). State per layer: ``h`` (and ``c`` for LSTM),
+stored in fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import gather_slots, scatter_slots, time_major_packed
+from rnnserve.engine.models.layers import gather_slots, linear, matmul_t, scatter_slots, time_major_packed
 
 
 @dataclass
@@ -96,10 +99,45 @@ class ClassicRNNLM(RecurrentLM):
         packed_rows = time_major_packed(rows, batch.lengths).data
         out = self._run(time_major_packed(self.embed(batch.input_ids), batch.lengths), batch.slot_ids, state)
         hidden = out.new_empty(out.shape).index_copy_(0, packed_rows, out)
-        return self.lm_head(hidden[batch.logit_rows]).float()
+        return linear(self.lm_head, hidden[batch.logit_rows]).float()
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
-        return self.lm_head(self._run(self.embed(batch.input_ids)[:, None, :], batch.slot_ids, state)).float()
+        x = self.embed(batch.input_ids)
+        if x.device.type == "cpu":
+            top = self._step(x, batch.slot_ids, state)
+        else:
+            top = self._run(x[:, None, :], batch.slot_ids, state)
+        return linear(self.lm_head, top).float()
+
+    def _layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of one layer of the module (biases None without them)."""
+        rnn = self.rnn
+        biases = (getattr(rnn, f"bias_ih_l{layer}"), getattr(rnn, f"bias_hh_l{layer}")) if rnn.bias else (None, None)
+        return getattr(rnn, f"weight_ih_l{layer}"), getattr(rnn, f"weight_hh_l{layer}"), *biases
+
+    def _cell(
+        self, gates_x: torch.Tensor, gates_h: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One cell step from the input's and the state's gate pre-activations -> ``(h, c)``."""
+        raise NotImplementedError
+
+    def _step(self, x: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors) -> torch.Tensor:
+        """One token per row through every layer's cell (``torch.nn``'s equations), reading and writing the
+        states of ``slot_ids`` as :meth:`_run` does; returns the top layer's ``h``."""
+        pools = [state[name] for name in self.state_names]
+        dtype = x.dtype
+        parts = [p.to(dtype) for p in gather_slots(pools, slot_ids)]  # [B, n_layers, H] each
+        news = [torch.empty_like(p) for p in parts]
+        for layer in range(self.config.n_layers):
+            w_ih, w_hh, b_ih, b_hh = self._layer_weights(layer)
+            h = parts[0][:, layer]
+            c = parts[1][:, layer] if len(parts) == 2 else None
+            x, c = self._cell(matmul_t(x, w_ih, b_ih), matmul_t(h, w_hh, b_hh), h, c)
+            news[0][:, layer] = x
+            if c is not None:
+                news[1][:, layer] = c
+        scatter_slots(pools, slot_ids, news)
+        return x
 
 
 @register_model
@@ -109,17 +147,39 @@ class ElmanRNNLM(ClassicRNNLM):
     architecture = "rnn"
     rnn_class = nn.RNN
 
+    def _cell(
+        self, gates_x: torch.Tensor, gates_h: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        activation = torch.tanh if self.config.nonlinearity == "tanh" else torch.relu
+        return activation(gates_x + gates_h), None
+
 
 @register_model
 class LSTMLM(ClassicRNNLM):
     architecture = "lstm"
     rnn_class = nn.LSTM
 
+    def _cell(
+        self, gates_x: torch.Tensor, gates_h: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        i, f, g, o = (gates_x + gates_h).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
 
 @register_model
 class GRULM(ClassicRNNLM):
     architecture = "gru"
     rnn_class = nn.GRU
+
+    def _cell(
+        self, gates_x: torch.Tensor, gates_h: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x_r, x_z, x_n = gates_x.chunk(3, dim=-1)
+        h_r, h_z, h_n = gates_h.chunk(3, dim=-1)
+        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+        n = torch.tanh(x_n + r * h_n)
+        return (1 - z) * n + z * h, None
 
 
 for _arch in ("rnn", "lstm", "gru"):
