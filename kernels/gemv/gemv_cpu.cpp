@@ -58,7 +58,7 @@ inline vfloat load(const at::BFloat16* p) {
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), with U independent accumulators per row of
 // x so that short dot products still keep several FMAs in flight.
 template <int M, int U, typename W>
-inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
+inline void dot_rows(const W* row, const float* x, int64_t k, int64_t x_stride, float* sums) {
   vfloat acc[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = vfloat{};
@@ -68,18 +68,18 @@ inline void dot_rows(const W* row, const float* x, int64_t k, float* sums) {
       if constexpr (M >= kPrefetchFromRows)
         __builtin_prefetch(reinterpret_cast<const char*>(row + j + u * kLanes) + kPrefetchBytes);
       const vfloat wv = load(row + j + u * kLanes);
-      for (int m = 0; m < M; ++m) acc[m][u] += wv * load(x + m * k + j + u * kLanes);
+      for (int m = 0; m < M; ++m) acc[m][u] += wv * load(x + m * x_stride + j + u * kLanes);
     }
   }
   for (; j + kLanes <= k; j += kLanes) {
     const vfloat wv = load(row + j);
-    for (int m = 0; m < M; ++m) acc[m][0] += wv * load(x + m * k + j);
+    for (int m = 0; m < M; ++m) acc[m][0] += wv * load(x + m * x_stride + j);
   }
   for (int m = 0; m < M; ++m) {
     vfloat total = acc[m][0];
     for (int u = 1; u < U; ++u) total += acc[m][u];
     float s = lane_sum(total);
-    for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * k + t];
+    for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * x_stride + t];
     sums[m] = s;
   }
 }
@@ -120,7 +120,7 @@ using rnnserve::load_bf16;
 
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), U accumulators per row of x.
 template <int M, int U>
-inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, float* sums) {
+inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, int64_t x_stride, float* sums) {
   constexpr int64_t kPairs = 32;  // bf16 elements of one vdpbf16ps
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m)
@@ -131,13 +131,14 @@ inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, 
       if constexpr (M >= kPrefetchFromRowsBf16)
         __builtin_prefetch(reinterpret_cast<const char*>(row + j + u * kPairs) + kPrefetchBytes);
       const __m512bh wv = load_bf16(row + j + u * kPairs);
-      for (int m = 0; m < M; ++m) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, load_bf16(x + m * k + j + u * kPairs));
+      for (int m = 0; m < M; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, load_bf16(x + m * x_stride + j + u * kPairs));
     }
   }
   for (; j < k; j += kPairs) {  // the last vectors, the final one masked to the row's end (zeros add nothing)
     const __mmask32 mask = k - j >= kPairs ? ~__mmask32{0} : static_cast<__mmask32>((1u << (k - j)) - 1);
     const __m512bh wv = load_bf16(row + j, mask);
-    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load_bf16(x + m * k + j, mask));
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load_bf16(x + m * x_stride + j, mask));
   }
   for (int m = 0; m < M; ++m) {
     __m512 total = acc[m][0];
@@ -147,18 +148,19 @@ inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, 
 }
 #endif
 
-// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x (fp32, or bf16 for the vdpbf16ps overload of dot_rows).
+// sums[m] for one chunk of `rows` (<= kRowChunk) rows of x, `x_stride` apart (fp32, or bf16 for the vdpbf16ps
+// overload of dot_rows).
 template <typename W, typename X>
-inline void dot_chunk(const W* row, const X* x, int64_t rows, int64_t k, float* sums) {
+inline void dot_chunk(const W* row, const X* x, int64_t rows, int64_t k, int64_t x_stride, float* sums) {
   switch (rows) {
-    case 1: dot_rows<1, 4>(row, x, k, sums); break;
-    case 2: dot_rows<2, 2>(row, x, k, sums); break;
-    case 3: dot_rows<3, 2>(row, x, k, sums); break;
-    case 4: dot_rows<4, 1>(row, x, k, sums); break;
-    case 5: dot_rows<5, 1>(row, x, k, sums); break;
-    case 6: dot_rows<6, 1>(row, x, k, sums); break;
-    case 7: dot_rows<7, 1>(row, x, k, sums); break;
-    default: dot_rows<8, 1>(row, x, k, sums); break;
+    case 1: dot_rows<1, 4>(row, x, k, x_stride, sums); break;
+    case 2: dot_rows<2, 2>(row, x, k, x_stride, sums); break;
+    case 3: dot_rows<3, 2>(row, x, k, x_stride, sums); break;
+    case 4: dot_rows<4, 1>(row, x, k, x_stride, sums); break;
+    case 5: dot_rows<5, 1>(row, x, k, x_stride, sums); break;
+    case 6: dot_rows<6, 1>(row, x, k, x_stride, sums); break;
+    case 7: dot_rows<7, 1>(row, x, k, x_stride, sums); break;
+    default: dot_rows<8, 1>(row, x, k, x_stride, sums); break;
   }
 }
 
@@ -168,8 +170,8 @@ inline void dot_chunk(const W* row, const X* x, int64_t rows, int64_t k, float* 
 // through it and stays in L2 for the other chunks, each chunk of x staying in L1 across the block. (Chunk by chunk
 // over whole rows of W, x no longer fit L1 past ~16 rows and the kernel fell to 5-10 GB/s.)
 template <typename W, typename Y, typename X>
-void gemv_typed(const W* w, int64_t w_stride, const X* x, const float* bias, Y* y, int64_t rows, int64_t n,
-                int64_t k) {
+void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, const float* bias, Y* y, int64_t rows,
+                int64_t n, int64_t k) {
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -190,7 +192,7 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, const float* bias, Y* 
       for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {
         const int64_t chunk = std::min<int64_t>(chunk_rows, rows - m0);
         for (int64_t r = i0; r < i1; ++r) {
-          dot_chunk(w + r * w_stride, x + m0 * k, chunk, k, sums);
+          dot_chunk(w + r * w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
           const float b = bias ? bias[r] : 0.f;
           for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r] = static_cast<Y>(sums[m] + b);
         }
@@ -240,15 +242,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   const int64_t w_stride = weight.stride(0);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {  // x stays bf16
+    // Rows of x whose length is not a multiple of 32 are packed 64 bytes apart from a 64-byte boundary, with
+    // zeros between: read from their own strides every vdpbf16ps operand of x straddled two cache lines, and
+    // from 8 rows the kernel took twice its time (K = 1000 or 1500 against 992; Zen 5).
     std::vector<at::BFloat16> packed;
     const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-    if (x.stride(1) != 1 || x.stride(0) != k) {
-      packed.resize(rows * k);
+    int64_t x_stride = x.stride(0);
+    if (x.stride(1) != 1 || x.stride(0) != k || k % 32 != 0) {
+      x_stride = (k + 31) / 32 * 32;
+      packed.assign(rows * x_stride + 32, at::BFloat16(0.0f));
+      at::BFloat16* base = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64 / 2;
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < k; ++j) packed[m * k + j] = xb[m * x.stride(0) + j * x.stride(1)];
-      xb = packed.data();
+        for (int64_t j = 0; j < k; ++j) base[m * x_stride + j] = xb[m * x.stride(0) + j * x.stride(1)];
+      xb = base;
     }
-    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xb, bias_data, y.data_ptr<at::BFloat16>(), rows, n, k);
+    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xb, x_stride, bias_data, y.data_ptr<at::BFloat16>(), rows,
+               n, k);
     return y;
   }
 #endif
@@ -262,9 +271,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
     xs = packed_x.data();
   }
   if (weight.scalar_type() == at::kFloat)
-    gemv_typed(weight.data_ptr<float>(), w_stride, xs, bias_data, y.data_ptr<float>(), rows, n, k);
+    gemv_typed(weight.data_ptr<float>(), w_stride, xs, k, bias_data, y.data_ptr<float>(), rows, n, k);
   else
-    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, bias_data, y.data_ptr<at::BFloat16>(), rows, n, k);
+    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, k, bias_data, y.data_ptr<at::BFloat16>(), rows, n, k);
   return y;
 }
 }  // namespace
