@@ -26,7 +26,6 @@ from torch import nn
 from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
-from rnnserve.kernels.backend import use_triton
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.gated_rms_norm import gated_rms_norm
 from rnnserve.kernels.mamba2_decode import mamba2_decode_stack, mamba2_mixer_step, mamba2_mixer_step_applies
@@ -117,12 +116,11 @@ class Mamba2Mixer(nn.Module):
         ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
         z, xbc, dt = self._split(h)
-        # The Triton conv applies F.silu's rounding in-kernel; the CPU conv kernel's SiLU rounds differently.
-        fused_silu = use_triton(xbc)
+        # The conv kernels apply F.silu's rounding to their rounded output (the PyTorch path runs F.silu itself).
         xbc, _ = causal_conv1d_varlen(
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_pool, silu=fused_silu, slot_ids=slot_ids
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, cu_seqlens, conv_pool, silu=True, slot_ids=slot_ids
         )
-        x, A, B, C = self._ssd_inputs(xbc if fused_silu else F.silu(xbc))
+        x, A, B, C = self._ssd_inputs(xbc)
         # dt's bias, softplus and clamp happen inside the scan (in-kernel on GPUs: no elementwise launches).
         y, _ = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens, self.D, ssm_pool, self.config.chunk_size,
                                dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self._dt_limit, slot_ids=slot_ids)

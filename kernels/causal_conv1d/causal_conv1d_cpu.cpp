@@ -1,6 +1,7 @@
 // Fused CPU causal depthwise conv1d, y = bias + sum_k w[:, k] * window[:, k] (optionally SiLU'd):
 // - the decode step reads each sequence's slot tail, emits y and shifts the new input into the tail in place;
 // - the packed varlen prefill runs each sequence from its initial tail and returns the final tails.
+// The SiLU takes the conv's output rounded to x's dtype, as F.silu after the conv does (two roundings in bf16).
 // Each is one pass over its inputs instead of the ~10 PyTorch ops (gathers, concatenations, scatters, dtype
 // conversions) that dominated the conv's share of a Mamba layer.
 #include <ATen/ATen.h>
@@ -37,7 +38,7 @@ void conv_update_row(const T* x, int64_t x_stride, float* tail, int64_t tail_str
   }
   if (silu) {
 #pragma omp simd
-    for (int64_t c = 0; c < channels; ++c) out[c] = rnnserve::silu(out[c]);
+    for (int64_t c = 0; c < channels; ++c) out[c] = rnnserve::silu(rnnserve::round_to<T>(out[c]));
   }
 }
 
@@ -129,7 +130,7 @@ void conv_prefill_block(const T* x, int64_t xs0, int64_t xs1, const float* w, co
     }
     if (silu) {
 #pragma omp simd
-      for (int64_t j = 0; j < count; ++j) acc[j] = rnnserve::silu(acc[j]);
+      for (int64_t j = 0; j < count; ++j) acc[j] = rnnserve::silu(rnnserve::round_to<T>(acc[j]));
     }
     T* out = y + t * channels + c0;
 #pragma omp simd

@@ -59,14 +59,14 @@ def test_fused_cpu_update_reads_strided_views(dtype: torch.dtype, silu: bool) ->
     x = torch.randn(channels, len(slots), generator=g).to(dtype).t()
     weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
     y_ref, new_ref = causal_conv1d_update_ref(x.float(), layer_view[slots], weight, bias)
-    if silu:
-        y_ref = F.silu(y_ref)
+    if silu:  # on the conv's output rounded to x's dtype, as F.silu after the conv (the model's PyTorch path)
+        y_ref = F.silu(y_ref.to(dtype)).float()
     before = pool.clone()
     y = causal_conv1d_update(x, layer_view, weight, bias, slots, silu=silu)
     assert y.dtype == dtype and y.is_contiguous()
     if dtype == torch.float32:
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
-    else:  # one rounding of the fp32 result
+    else:  # one rounding of the fp32 result (with the SiLU, the same roundings as the reference's bf16 ops)
         torch.testing.assert_close(y.float(), y_ref, atol=1e-6, rtol=2**-8)
     assert torch.equal(layer_view[slots], new_ref)
     changed = torch.zeros_like(pool, dtype=torch.bool)
@@ -105,11 +105,14 @@ def test_fused_cpu_varlen_equals_reference(dtype: torch.dtype, width: int, silu:
         for b in (bias, None):
             y, final = causal_conv1d_varlen(x, weight, b, cu, initial, silu=silu)
             y_ref, final_ref = causal_conv1d_varlen_ref(x.float(), weight, b, cu, initial)
-            if silu:
-                y_ref = F.silu(y_ref)
+            if silu:  # on the conv's output rounded to x's dtype, as F.silu after the conv
+                y_ref = F.silu(y_ref.to(dtype)).float()
             assert y.dtype == dtype and final.dtype == torch.float32
             if dtype == torch.float32:
                 torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
-            else:  # one rounding of the fp32 result
+            elif not silu:  # one rounding of the fp32 result
                 torch.testing.assert_close(y.float(), y_ref, atol=1e-6, rtol=2**-8)
+            else:  # the reference's two roundings; a conv output summed in another order may round the other way
+                torch.testing.assert_close(y.float(), y_ref, atol=1e-6, rtol=2**-6)
+                assert (y.float() != y_ref).float().mean() < 1e-3
             assert torch.equal(final, final_ref)
