@@ -1,5 +1,6 @@
-"""Mamba-2's gated group RMSNorm: the Triton kernel equals the reference, whose rounding steps are the model's
-op-by-op norm (fp32 gating and statistics, the normalised value rounded to z's dtype, then times the weight)."""
+"""Mamba-2's gated group RMSNorm: the Triton kernel and the C++ kernel equal the reference, whose rounding steps
+are the model's op-by-op norm (fp32 gating and statistics, the normalised value rounded to z's dtype, then times
+the weight)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rnnserve.kernels import gated_rms_norm as gated_rms_norm_module
+from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.gated_rms_norm import gated_rms_norm
 from rnnserve.kernels.gated_rms_norm.naive import gated_rms_norm_ref
+from tests.kernels.kernel_cases import record_op_calls
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 # (y, z, weight) dtypes: SSD output fp32 or in the activation dtype, a weight of z's dtype or an fp32 one.
@@ -73,8 +77,30 @@ def test_triton_kernel_on_three_dimensional_inputs(triton_on_cpu: None) -> None:
     torch.testing.assert_close(out, gated_rms_norm_ref(y3, z3, weight, 2, 1e-5), rtol=1e-6, atol=1e-6)
 
 
-def test_reference_off_gpu_is_the_op_by_op_norm() -> None:
-    """Without Triton the public function is the reference: weight * normalised value rounded to z's dtype."""
+@pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
+@pytest.mark.parametrize(("groups", "dim"), SHAPES)
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@torch.inference_mode()
+def test_cpu_kernel_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, groups: int, dim: int
+) -> None:
+    """fp32 y (the SSD's output), z a column slice in the activation dtype, the weight in z's dtype."""
+    y, z, weight = inputs(f32, dtype, dtype, groups, dim)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "gated_rms_norm")
+    out = gated_rms_norm(y, z, weight, groups, 1e-5)
+    ref = gated_rms_norm_ref(y, z, weight, groups, 1e-5)
+    assert len(calls) == 1 and out.dtype == ref.dtype == dtype and out.is_contiguous()
+    if dtype == bf16:  # its SiLU and sums are not torch's: rarely a value crosses a bf16 rounding boundary
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
+        assert (out != ref).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_off_gpu_is_the_op_by_op_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Triton or the C++ kernel the public function is the reference: weight * normalised value rounded to
+    z's dtype."""
+    monkeypatch.setattr(gated_rms_norm_module, "use_cpu_kernel", lambda x: False)
     y, z, weight = inputs(f32, bf16, bf16, 2, 64)
     gated = (y * F.silu(z.float())).view(-1, 2, 32)
     normed = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-5)).view(-1, 64).bfloat16()
