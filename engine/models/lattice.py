@@ -39,6 +39,7 @@ from rnnserve.engine.models.base import (
 )
 from rnnserve.engine.models.layers import GatedMLP, RMSNorm, gather_slots, linear, scatter_slots
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.gated_act import gated_act
 from rnnserve.kernels.lattice import VARIANTS, lattice_decode, lattice_varlen
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
 
@@ -132,7 +133,7 @@ class LatticeMixer(nn.Module):
         return q, k
 
     def _out(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return linear(self.out_proj, (y.reshape(g.shape).to(g.dtype) * F.gelu(g)))
+        return linear(self.out_proj, gated_act(g, y.reshape(g.shape).to(g.dtype), "gelu"))  # y * gelu(g)
 
     def prefill(
         self,

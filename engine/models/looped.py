@@ -52,6 +52,7 @@ from rnnserve.engine.models.base import (
 )
 from rnnserve.engine.models.layers import RMSNorm, linear, matmul_t, rms_normalize
 from rnnserve.kernels.cached_attention import cached_attention_decode, cached_attention_prefill
+from rnnserve.kernels.gated_act import gated_act
 
 __all__ = ["LoopedConfig", "LoopedTransformer", "TimestepModulatedLoopedTransformer", "timestep_frequencies"]
 
@@ -102,7 +103,7 @@ class LoopedBlock(nn.Module):
         self.fc_out = nn.Linear(4 * d, d, bias=bias)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.fc_out, F.gelu(linear(self.fc_in, x)))
+        return linear(self.fc_out, gated_act(linear(self.fc_in, x), None, "gelu"))
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.engine.models.base import (
@@ -36,6 +35,7 @@ from rnnserve.engine.models.base import (
 from rnnserve.engine.models.layers import gather_slots, linear, scatter_slots
 from rnnserve.kernels.add_norm import add_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from rnnserve.kernels.gated_act import gated_act
 from rnnserve.kernels.min_rnn_step import (
     g,
     log_g,
@@ -114,7 +114,7 @@ class MinRNNBlock(nn.Module):
         self.scan_chunk_size = config.scan_chunk_size
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        return linear(self.mlp_out, F.gelu(linear(self.mlp_in, normed)))
+        return linear(self.mlp_out, gated_act(linear(self.mlp_in, normed), None, "gelu"))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Unfused ``x + MLP(norm2(x))`` on a dense residual stream (used by the training script)."""

@@ -1,5 +1,5 @@
-"""The fused CPU gated activation, ``act(gate) * up``, == the reference's two PyTorch ops (tanh GELU and SiLU),
-each result rounded to the inputs' dtype; off the kernel the reference runs."""
+"""The fused CPU gated activation, ``act(gate) * up`` or ``act(gate)`` alone, == the reference's PyTorch ops (tanh
+GELU, SiLU, exact GELU), each result rounded to the inputs' dtype; off the kernel the reference runs."""
 
 from __future__ import annotations
 
@@ -15,15 +15,18 @@ needs_cpu_ops = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels coul
 
 
 @needs_cpu_ops
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_cpu_op_matches_reference(monkeypatch: pytest.MonkeyPatch, activation: str, dtype: torch.dtype) -> None:
+def test_cpu_op_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, activation: str, dtype: torch.dtype, gated: bool
+) -> None:
     g = torch.Generator().manual_seed(0)
     # Rows of a wider GEMM output (strided rows), values from tiny to past tanh's saturation; 37 rows: several
     # thread tasks; 300 columns: a vector tail.
     both = (torch.randn(37, 700, generator=g) * torch.logspace(-4, 1.5, 700)).to(dtype)
-    gate, up = both[:, :300], both[:, 350:650]
+    gate, up = both[:, :300], (both[:, 350:650] if gated else None)
     calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "gated_act")
     out = gated_act(gate, up, activation)
     expected = gated_act_ref(gate, up, activation)
@@ -36,7 +39,7 @@ def test_cpu_op_matches_reference(monkeypatch: pytest.MonkeyPatch, activation: s
 
 
 @needs_cpu_ops
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu", "gelu"])
 def test_saturated_and_infinite_gates(activation: str) -> None:
     gate = torch.tensor([[float("inf"), float("-inf"), 0.0, -30.0, 30.0, -9.5, 9.5]])
     up = torch.full_like(gate, 2.0)
