@@ -30,7 +30,29 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   return p * scale;
 }
 
+__attribute__((always_inline)) inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+
 __attribute__((always_inline)) inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+// tanh(t) = sign(t) (1 - e) / (1 + e) with e = exp(-2|t|) in (0, 1]: no overflow, a few fp32 units of the last
+// place where |t| >= 1/8; below, where 1 - e would cancel, its odd Taylor polynomial to t^7 (next term < 2e-10 t).
+// From |t| = 9.1, where tanh rounds to 1 in fp32, it is 1 outright: -ffast-math may divide by a reciprocal
+// estimate, which gave 1 - 6e-8 for t = inf in an AVX2 build.
+__attribute__((always_inline)) inline float tanh_approx(float t) {
+  const float a = std::fabs(t);
+  const float e = fast_exp(-2.0f * a);
+  const float t2 = t * t;
+  const float series = t * std::fma(t2, std::fma(t2, std::fma(t2, -17.0f / 315, 2.0f / 15), -1.0f / 3), 1.0f);
+  const float magnitude = a >= 9.1f ? 1.0f : (1.0f - e) / (1.0f + e);
+  return a < 0.125f ? series : std::copysign(magnitude, t);
+}
+
+// 1 / sqrt(v) with torch's fp32 rounding (a rounded sqrt, then a rounded division), immune to -ffast-math's
+// approximate reciprocal square root: both steps in double are exact before the final rounding to fp32.
+inline float torch_rsqrt(float v) {
+  const float root = static_cast<float>(std::sqrt(static_cast<double>(v)));
+  return static_cast<float>(1.0 / static_cast<double>(root));
+}
 
 // Asks for `bytes` from `p` on to be brought into cache. Long scans call it a few tokens ahead: rows of a
 // packed batch are pages apart, which the hardware prefetchers do not follow.

@@ -17,21 +17,10 @@ namespace {
 enum Kind : int64_t { kGeluTanh = 0, kSilu = 1, kGelu = 2 };  // the order of naive.py's ACTIVATIONS
 constexpr int64_t kRowsPerTask = 8;
 
-// tanh(t) = sign(t) (1 - e) / (1 + e), e = exp(-2|t|); its Taylor polynomial below |t| = 1/8 and 1 from 9.1 (as
-// the soft cap computes it: a few fp32 units of the last place).
-inline float tanh_of(float t) {
-  const float a = std::fabs(t);
-  const float e = rnnserve::fast_exp(-2.0f * a);
-  const float t2 = t * t;
-  const float series = t * std::fma(t2, std::fma(t2, std::fma(t2, -17.0f / 315, 2.0f / 15), -1.0f / 3), 1.0f);
-  const float magnitude = a >= 9.1f ? 1.0f : (1.0f - e) / (1.0f + e);
-  return a < 0.125f ? series : std::copysign(magnitude, t);
-}
-
-// ATen's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+// ATen's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh as the soft cap computes it.
 inline float gelu_tanh(float x) {
   constexpr float kBeta = 0.7978845608028654f;
-  return 0.5f * x * (1.0f + tanh_of(kBeta * (x + 0.044715f * x * x * x)));
+  return 0.5f * x * (1.0f + rnnserve::tanh_approx(kBeta * (x + 0.044715f * x * x * x)));
 }
 
 // ATen's exact GELU: 0.5 x (1 + erf(x / sqrt(2))).
@@ -40,7 +29,7 @@ inline float gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811
 template <int64_t K>
 inline float activation(float x) {
   if constexpr (K == kGeluTanh) return gelu_tanh(x);
-  if constexpr (K == kSilu) return x / (1.0f + rnnserve::fast_exp(-x));
+  if constexpr (K == kSilu) return rnnserve::silu(x);
   return gelu(x);
 }
 

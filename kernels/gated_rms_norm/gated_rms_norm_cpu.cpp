@@ -15,13 +15,6 @@
 
 namespace {
 
-// 1 / sqrt(v) as torch rounds it in fp32 (a rounded sqrt, then a rounded division), safe from -ffast-math's
-// approximate reciprocal square root.
-inline float torch_rsqrt(float v) {
-  const float root = static_cast<float>(std::sqrt(static_cast<double>(v)));
-  return static_cast<float>(1.0 / static_cast<double>(root));
-}
-
 template <typename T>
 void norm_rows(const float* y, int64_t y_row, const T* z, int64_t z_row, const T* weight, T* out, int64_t rows,
                int64_t width, int64_t group_size, float eps) {
@@ -39,7 +32,7 @@ void norm_rows(const float* y, int64_t y_row, const T* z, int64_t z_row, const T
         gated[j] = g;
         squares += g * g;
       }
-      const float scale = torch_rsqrt(squares / static_cast<float>(group_size) + eps);
+      const float scale = rnnserve::torch_rsqrt(squares / static_cast<float>(group_size) + eps);
       T* o = out + r * width + first;
 #pragma omp simd
       for (int64_t j = 0; j < group_size; ++j)

@@ -139,7 +139,8 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
     std::copy(p.q + row * m, p.q + row * m + m, sv.q);
     std::copy(p.k + row * m, p.k + row * m + m, sv.k);
 #pragma omp simd
-    for (int64_t i = 0; i < mp; ++i) sv.inv_n[i] = sv.sq[i] > 0.0f ? 1.0f / std::max(std::sqrt(sv.sq[i]), kTiny) : kHuge;
+    for (int64_t i = 0; i < mp; ++i)
+      sv.inv_n[i] = sv.sq[i] > 0.0f ? 1.0f / std::max(std::sqrt(sv.sq[i]), kTiny) : kHuge;
     if (p.variant == kDec) {
 #pragma omp simd
       for (int64_t i = 0; i < mp; ++i) sv.c[i] = sv.k[i] * sv.inv_n[i];  // phi weights for S k

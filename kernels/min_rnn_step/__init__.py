@@ -15,6 +15,7 @@ from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.diag_linear_scan import diag_log_scan
 from rnnserve.kernels.min_rnn_step.naive import (
     COEFFICIENTS,
+    LOG_COEFFICIENTS,
     g,
     log_g,
     min_rnn_step_ref,
@@ -53,9 +54,6 @@ def min_rnn_step(proj: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor
     h = min_rnn_step_ref(proj, state[slot_ids], cell)
     state[slot_ids] = h
     return h.to(proj.dtype)
-
-
-LOG_COEFFICIENTS = {"mingru": mingru_log_coefficients, "minlstm": minlstm_log_coefficients}
 
 
 def min_rnn_scan(

@@ -20,12 +20,10 @@ namespace {
 constexpr int64_t kRowsPerTask = 16;  // rows of a batch per thread task (a row is a few microseconds of work)
 constexpr int64_t kScanChannels = 256;  // channels of one prefill task (its state stays in L1)
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + rnnserve::fast_exp(-x)); }
-
 // torch.nn.functional.softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(rnnserve::fast_exp(x)); }
 
-inline float candidate(float x) { return x >= 0.0f ? x + 0.5f : sigmoid(x); }
+inline float candidate(float x) { return x >= 0.0f ? x + 0.5f : rnnserve::sigmoid(x); }
 
 // a h + b for channel j of a row proj[0, P * dim) (the columns of each projection `dim` apart).
 template <typename T>
@@ -33,10 +31,10 @@ __attribute__((always_inline)) inline float step(const T* p, int64_t dim, int64_
   float a, b;
   if (lstm) {
     const float d = softplus(-static_cast<float>(p[j])) - softplus(-static_cast<float>(p[dim + j]));
-    a = sigmoid(-d);
-    b = sigmoid(d) * candidate(static_cast<float>(p[2 * dim + j]));
+    a = rnnserve::sigmoid(-d);
+    b = rnnserve::sigmoid(d) * candidate(static_cast<float>(p[2 * dim + j]));
   } else {
-    const float z = sigmoid(static_cast<float>(p[j]));
+    const float z = rnnserve::sigmoid(static_cast<float>(p[j]));
     a = 1.0f - z;
     b = z * candidate(static_cast<float>(p[dim + j]));
   }

@@ -52,6 +52,7 @@ def minlstm_log_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 COEFFICIENTS = {"mingru": mingru_coefficients, "minlstm": minlstm_coefficients}
+LOG_COEFFICIENTS = {"mingru": mingru_log_coefficients, "minlstm": minlstm_log_coefficients}
 
 
 def min_rnn_step_ref(proj: torch.Tensor, h: torch.Tensor, cell: str) -> torch.Tensor:

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "cpu_bf16.h"
+#include "cpu_math.h"
 
 #include <cmath>
 #include <optional>
@@ -16,13 +17,6 @@
 #include <type_traits>
 
 namespace {
-
-// 1 / sqrt(v) with torch's fp32 rounding (a rounded sqrt, then a rounded division), immune to -ffast-math's
-// approximate reciprocal square root: both steps in double are exact before the final rounding to fp32.
-inline float torch_rsqrt(float v) {
-  const float root = static_cast<float>(std::sqrt(static_cast<double>(v)));
-  return static_cast<float>(1.0 / static_cast<double>(root));
-}
 
 template <typename S, typename T, typename U>
 void norm_rows(const S* stream, const T* delta, const T* weight, S* new_stream, T* normed, int64_t rows,
@@ -58,7 +52,7 @@ void norm_rows(const S* stream, const T* delta, const T* weight, S* new_stream, 
           sum += x * x;
         }
       }
-      const float scale = torch_rsqrt(sum / static_cast<float>(hidden) + eps);
+      const float scale = rnnserve::torch_rsqrt(sum / static_cast<float>(hidden) + eps);
 #pragma omp simd
       for (int64_t j = 0; j < hidden; ++j) {
         const float y = rnnserve::round_to<U>(rnnserve::round_to<U>(rnnserve::to_float(s[j])) * scale);

@@ -27,8 +27,6 @@ struct Inputs {
   int64_t x_row, pre_row, pre_head, width;
 };
 
-inline float sigmoid(float v) { return 1.0f / (1.0f + rnnserve::fast_exp(-v)); }
-
 // The square root of v >= 0 (0 where v is 0: under -ffast-math a vectorised sqrt is x * rsqrt(x), NaN at 0).
 inline float root_of(float v) { return v > 0.0f ? std::sqrt(v) : 0.0f; }
 
@@ -49,8 +47,8 @@ __attribute__((always_inline)) inline void coefficients(const Inputs<T>& in, int
   const float keep = in.first[t] ? 0.0f : 1.0f;  // a sequence's first token: a = 0 and a root of 1
 #pragma omp simd
   for (int64_t c = 0; c < count; ++c) {
-    const float gate_i = round_to<T>(sigmoid(to_float(pre_i[c])));
-    const float gate_r = round_to<T>(sigmoid(to_float(pre_r[c])));
+    const float gate_i = round_to<T>(rnnserve::sigmoid(to_float(pre_i[c])));
+    const float gate_r = round_to<T>(rnnserve::sigmoid(to_float(pre_r[c])));
     const float log_a = round_to<T>(round_to<T>(-8.0f * gate_r) * to_float(softplus[c]));
     const float root = round_to<T>(root_of(round_to<T>(1.0f - round_to<T>(rnnserve::fast_exp(2.0f * log_a)))));
     b[c] = round_to<T>(round_to<T>(to_float(x[c]) * gate_i) * (keep > 0.0f ? root : 1.0f));

@@ -103,9 +103,11 @@ def _cpu_scan_applies(
         return False
     if x.stride(-1) != 1 or B.stride(-1) != 1 or B.stride() != C.stride():
         return False
-    if slot_ids is None:
-        return True
-    pool = initial_state
+    return slot_ids is None or _slots_contiguous(initial_state)
+
+
+def _slots_contiguous(pool: torch.Tensor) -> bool:
+    """An fp32 state pool ``[S, H, P, N]`` with each slot's ``[H, P, N]`` contiguous (any slot stride)."""
     head_dim, d_state = pool.shape[2:]
     return (
         pool.dtype == torch.float32
@@ -121,12 +123,8 @@ def _cpu_op_applies(
     """The CPU op's layout and dtypes: an fp32 pool with each slot's ``[H, P, N]`` contiguous, fp32 ``dt``/``A``."""
     if state.dim() != 4 or x.dim() != 3:
         return False
-    head_dim, d_state = state.shape[2:]
     return (
-        state.dtype == torch.float32
-        and state.stride(-1) == 1
-        and state.stride(-2) == d_state
-        and state.stride(-3) == head_dim * d_state
+        _slots_contiguous(state)
         and all(t.dtype in (torch.float32, torch.bfloat16) for t in (x, B, C))
         and dt.dtype == torch.float32
         and A.dtype == torch.float32

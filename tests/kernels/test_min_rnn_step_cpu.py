@@ -8,8 +8,8 @@ import torch
 
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.diag_linear_scan.naive import diag_log_scan_ref
-from rnnserve.kernels.min_rnn_step import LOG_COEFFICIENTS, min_rnn_scan, min_rnn_step
-from rnnserve.kernels.min_rnn_step.naive import min_rnn_step_ref
+from rnnserve.kernels.min_rnn_step import min_rnn_scan, min_rnn_step
+from rnnserve.kernels.min_rnn_step.naive import LOG_COEFFICIENTS, min_rnn_step_ref
 from tests.kernels.kernel_cases import LENGTHS, cu_seqlens_of, record_op_calls, slot_ids_for
 
 pytestmark = pytest.mark.skipif(not cpu_ops(), reason="fused CPU kernels could not be built")
