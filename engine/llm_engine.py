@@ -251,9 +251,7 @@ class LLMEngine:
                 raise InvalidParameterError("prompt_logprobs", "prompt_logprobs cannot be combined with a context")
         if return_state and params.n != 1:
             raise InvalidParameterError("n", f"returning the state needs n=1, got n={params.n}")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.model.vocab_size]
-        if bad_stop:
-            raise InvalidParameterError("stop_token_ids", f"stop token id {bad_stop[0]} is outside the vocabulary")
+        self._check_token_params(params)
         self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -266,6 +264,28 @@ class LLMEngine:
         group.seqs = [Sequence(group, i, self.tokenizer) for i in range(params.n)]
         self.scheduler.add(group)
         return request_id
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """The token ids in ``params`` are in the vocabulary, and ``allowed_token_ids`` leaves a token to sample
+        while ``min_tokens`` forbids the stop tokens."""
+        vocab = self.model.vocab_size
+        for param, tokens in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in tokens if t >= vocab), None)
+            if bad is not None:
+                raise InvalidParameterError(param, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and params.min_tokens:
+            banned = set(params.stop_token_ids)
+            eos = self.tokenizer.eos_token_id
+            if eos is not None and not params.ignore_eos:
+                banned.add(eos)
+            if banned.issuperset(params.allowed_token_ids):
+                raise InvalidParameterError(
+                    "allowed_token_ids", "allowed_token_ids holds only stop tokens, which min_tokens forbids"
+                )
 
     def _context_token_ids(self, context: StateSnapshot) -> list[int]:
         """Validate a context (its state against the pool's specs, its tokens against the vocabulary) and

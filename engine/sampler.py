@@ -105,6 +105,18 @@ def _top_k_column(seqs: list[Sequence], vocab: int, device: torch.device, dtype:
     return _to_device([float(k if 0 < k < vocab else vocab) for k in (s.params.top_k for s in seqs)], device, dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Add each biased row's ``logit_bias`` row (``-inf`` outside its ``allowed_token_ids``)."""
+    rows = [i for i, s in enumerate(seqs) if s.logit_bias is not None]
+    if not rows:
+        return logits
+    bias = torch.stack([seqs[i].logit_bias for i in rows])  # type: ignore[misc]
+    if len(rows) == len(seqs):
+        return logits + bias
+    index = long_tensor(rows, logits.device)
+    return logits.index_put((index,), logits[index] + bias)
+
+
 def penalty_rows(seqs: list[Sequence]) -> list[int]:
     """The rows whose samples use penalties (and so have counters)."""
     return [i for i, s in enumerate(seqs) if s.token_counts is not None]
@@ -206,6 +218,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if all(map(_argmax_only, seqs)):  # the usual greedy batch: one pass over the samples, one kernel
         return SampledTokens(row_argmax(logits), [None] * len(seqs))
+    logits = apply_logit_bias(logits, seqs)
     rows = penalty_rows(seqs)
     logits = apply_penalties(logits, seqs, rows)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)

@@ -63,6 +63,8 @@ class SamplingParams:
     generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
     ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
+    ``logit_bias`` (OpenAI) adds a value in [-100, 100] to the logits of the tokens it names; ``allowed_token_ids``
+    (vLLM) restricts sampling to the tokens it lists. Both act before the penalties, and logprobs see them.
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
@@ -84,10 +86,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
 
     MAX_N = 128
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
     MIN_REPETITION_PENALTY = 0.01  # logits are divided by it in fp32: a tiny penalty would overflow them
     SEED_RANGE = (INT64_MIN, INT64_MAX - MAX_N)  # the samples draw from seed + index: int64 throughout
 
@@ -106,6 +111,13 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 setattr(self, name, as_number(name, getattr(self, name), integer=True))
         self.stop_token_ids = [as_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            self.logit_bias = {
+                as_number("logit_bias", token, integer=True): as_number("logit_bias", bias, integer=False)
+                for token, bias in self.logit_bias.items()
+            }
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [as_number("allowed_token_ids", t, integer=True) for t in self.allowed_token_ids]
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidParameterError("stop", "stop must be a string or a list of strings")
         seed_min, seed_max = self.SEED_RANGE
@@ -124,6 +136,12 @@ class SamplingParams:
             "prompt_logprobs": self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
             "seed": self.seed is None or seed_min <= self.seed <= seed_max,
             "stop_token_ids": all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+            "logit_bias": not self.logit_bias or all(
+                0 <= t <= INT64_MAX and abs(b) <= self.MAX_LOGIT_BIAS for t, b in self.logit_bias.items()
+            ),
+            "allowed_token_ids": self.allowed_token_ids is None or (
+                bool(self.allowed_token_ids) and all(0 <= t <= INT64_MAX for t in self.allowed_token_ids)
+            ),
         }
         for param, ok in in_range.items():
             if not ok:
@@ -148,11 +166,18 @@ class SamplingParams:
             "prompt_logprobs": f"prompt_logprobs must be between 0 and {cls.MAX_LOGPROBS}",
             "seed": f"seed must be between {seed_min} and {seed_max}",
             "stop_token_ids": f"stop_token_ids must be between 0 and {INT64_MAX}",
+            "logit_bias": f"logit_bias maps token ids (0 to {INT64_MAX}) to values within ±{cls.MAX_LOGIT_BIAS:g}",
+            "allowed_token_ids": f"allowed_token_ids must be a non-empty list of token ids between 0 and {INT64_MAX}",
         }[param]
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def biases_logits(self) -> bool:
+        """Whether ``logit_bias`` or ``allowed_token_ids`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def uses_penalties(self) -> bool:

@@ -51,16 +51,18 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
+        self.logit_bias: torch.Tensor | None = None
         eos = tokenizer.eos_token_id
         # the tokens that end the sample (not part of its text) and its length limit
         self._end_ids = frozenset(self.params.stop_token_ids) | (
             {eos} if eos is not None and not self.params.ignore_eos else frozenset()
         )
         self.max_tokens = self.params.max_tokens
-        # Sampling is a plain argmax: no draw, penalties, banned stop tokens or logprobs (the sampler's fast path)
+        # Sampling is a plain argmax: no draw, bias, penalties, banned stop tokens or logprobs (the sampler's fast
+        # path)
         self.argmax_only = (
             self.params.greedy and not self.params.uses_penalties and not self.params.min_tokens
-            and self.params.logprobs is None
+            and self.params.logprobs is None and not self.params.biases_logits
         )  # fmt: skip
 
     @property
@@ -93,8 +95,10 @@ class Sequence:
         return len(self.output_token_ids) + self.num_pending
 
     def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
-        """Create the seeded generator and penalty counters (constant size: one vocab-sized row)."""
+        """Create the seeded generator, penalty counters and logit bias (constant size: vocab-sized rows)."""
         params = self.params
+        if params.biases_logits:
+            self.logit_bias = self.group.logit_bias_row(vocab_size, device)
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed + self.index)
@@ -241,6 +245,22 @@ class SequenceGroup:
             self.prompt_logprobs = [None]
         # whether its caller reads each step's progress (else only the end: a sample's end is all it reports)
         self.reads_every_step = self.params.output_kind is not OutputKind.FINAL_ONLY
+        self._logit_bias_row: torch.Tensor | None = None
+
+    def logit_bias_row(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """The ``[vocab_size]`` row the sampler adds to this request's logits: ``logit_bias`` at its tokens and,
+        with ``allowed_token_ids``, ``-inf`` at every other token (built once, shared by the ``n`` samples)."""
+        if self._logit_bias_row is None:
+            params = self.params
+            row = torch.zeros(vocab_size, dtype=torch.float32)
+            if params.allowed_token_ids is not None:
+                row.fill_(float("-inf"))
+                row[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = 0.0
+            if params.logit_bias:
+                tokens = torch.tensor(list(params.logit_bias), dtype=torch.long)
+                row[tokens] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            self._logit_bias_row = row.to(device)
+        return self._logit_bias_row
 
     @cached_property
     def stop_fallbacks(self) -> list[array]:

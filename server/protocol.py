@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible API and their mapping onto :class:`SamplingParams`.
 
 Field names follow OpenAI; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``chat_template_kwargs``) are accepted too. Fields
+``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``prompt_logprobs``, ``chat_template_kwargs``) are
+accepted too. Fields
 this server does not know are ignored and named in a warning in the log, as vLLM does
 (:meth:`APIModel.unknown_fields`), so clients that send newer OpenAI fields keep working; known features it
-cannot serve (``logit_bias``, ``suffix``, tools, image parts, ...) are a 400. Parsing is strict (no bools or
+cannot serve (``suffix``, tools, image parts, ...) are a 400. Parsing is strict (no bools or
 floats where integers are expected, no NaN or infinities); the numeric ranges are :class:`SamplingParams`'
 own, so the server and the offline API accept the same values.
 """
@@ -63,13 +64,12 @@ class SamplingFields(APIModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     # rnnserve: continue a persistent session (POST /v1/sessions)
     session_id: str | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError(
                 "stream_options", "stream_options is only allowed when stream is true"
@@ -99,6 +99,8 @@ class SamplingFields(APIModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                logit_bias=self.token_biases(),
+                allowed_token_ids=self.allowed_token_ids,
                 output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
             )
         except InvalidParameterError as err:
@@ -107,6 +109,18 @@ class SamplingFields(APIModel):
                     max_tokens_param, str(err).replace("max_tokens", max_tokens_param)
                 ) from err
             raise
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids written as JSON strings) as integers."""
+        if self.logit_bias is None:
+            return None
+        biases: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            token = key.strip()
+            if not token.isdigit() or not token.isascii():
+                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            biases[int(token)] = bias
+        return biases
 
     @property
     def include_usage(self) -> bool:

@@ -124,6 +124,63 @@ def test_logprobs_report_the_sampled_token_and_top_n() -> None:
     assert sample(LOGITS[None].clone(), [_seq(SamplingParams(temperature=0))], None).logprobs == [None]
 
 
+def test_logit_bias_moves_the_greedy_token_and_the_draws() -> None:
+    assert _draws(SamplingParams(temperature=0, logit_bias={3: 1.5})) == {3}  # log 0.1 + 1.5 > log 0.4
+    assert _draws(SamplingParams(temperature=0, logit_bias={0: -100, 1: -0.5})) == {2}
+    assert _draws(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})) == {2, 3}
+    assert _draws(SamplingParams(temperature=1.0, logit_bias={5: 100})) == {5}  # from probability 0
+
+
+def test_allowed_token_ids_restrict_sampling_and_logprobs() -> None:
+    assert _draws(SamplingParams(temperature=0, allowed_token_ids=[2, 3])) == {2}
+    assert _draws(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3, 6])) == {1, 3}
+    assert _draws(SamplingParams(temperature=0, allowed_token_ids=[6])) == {6}
+    restricted = _seq(SamplingParams(temperature=0, allowed_token_ids=[1, 2], logprobs=3))
+    top = sample(LOGITS[None].clone(), [restricted], None).logprobs[0].top  # type: ignore[union-attr]
+    assert [t for t, _ in top[:2]] == [1, 2] and math.isinf(top[2][1])
+    assert [lp for _, lp in top[:2]] == pytest.approx([math.log(0.6), math.log(0.4)], abs=1e-5)
+    both = _seq(SamplingParams(temperature=0, allowed_token_ids=[1, 2], logit_bias={2: 1.0, 5: 50}))
+    assert sample(LOGITS[None].clone(), [both], None).token_ids == [2]  # the bias cannot reopen token 5
+
+
+def test_biased_rows_leave_their_neighbours_alone() -> None:
+    """Rows with and without a bias in one batch: each row samples what it samples alone, and the ``n`` samples
+    of a request share one bias row."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0, logit_bias={int(logits[i].argmin()): 100}) if i % 2 else
+              SamplingParams(temperature=0) for i in range(6)]  # fmt: skip
+    alone = [sample(logits[i : i + 1].clone(), [_seq(p)], None).token_ids[0] for i, p in enumerate(params)]
+    batch = sample(logits.clone(), [_seq(p) for p in params], None).token_ids
+    assert batch == alone
+    assert batch[1::2] == [int(logits[i].argmin()) for i in (1, 3, 5)]
+    assert batch[0::2] == [int(logits[i].argmax()) for i in (0, 2, 4)]
+    group = SequenceGroup("r", None, [7], SamplingParams(n=2, logit_bias={1: 1.0}))
+    samples = [Sequence(group, i, ByteTokenizer()) for i in range(2)]
+    for seq in samples:
+        seq.init_sampling_state(VOCAB, torch.device("cpu"))
+    assert samples[0].logit_bias is samples[1].logit_bias
+    assert samples[0].logit_bias.tolist() == [0, 1, 0, 0, 0, 0, 0, 0]  # type: ignore[union-attr]
+
+
+def test_logit_bias_and_allowed_tokens_in_the_engine() -> None:
+    """Through the engine (prefill's first token and decode steps): the biased token is every token; the
+    allowed tokens are the only ones; token ids past the vocabulary are a 400 naming the field."""
+    engine = make_engine()
+    plain, _, _ = _greedy(engine, "bias", max_tokens=8)
+    forced = next(t for t in range(40, 120) if t not in plain)
+    biased, _, _ = _greedy(engine, "bias", max_tokens=8, logit_bias={forced: 100})
+    assert biased == [forced] * 8
+    allowed = [plain[3], forced]
+    rid = engine.add_request("bias", SamplingParams(temperature=1.0, seed=3, max_tokens=30, allowed_token_ids=allowed))
+    assert set(run_to_completion(engine)[rid].outputs[0].token_ids) <= set(allowed)
+    vocab = engine.model.vocab_size
+    for field, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [0, vocab])):
+        with pytest.raises(InvalidParameterError) as err:
+            engine.add_request("bias", SamplingParams(**{field: value}))
+        assert err.value.param == field
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("logprobs", 50), ("min_p", 2.0),
@@ -142,7 +199,9 @@ def test_invalid_values_name_the_parameter(field: str, value: float) -> None:
      ("max_tokens", True), ("n", True), ("n", 2.0), ("min_tokens", 1.5), ("logprobs", True), ("seed", 2**64),
      ("seed", INT64_MAX), ("seed", -(2**63) - 1), ("seed", 1.5), ("stop_token_ids", [2**64]),
      ("stop_token_ids", [True]), ("temperature", "1"), ("temperature", True), ("top_p", None),
-     ("repetition_penalty", 1e-320), ("stop", ["ok", 3])],
+     ("repetition_penalty", 1e-320), ("stop", ["ok", 3]), ("logit_bias", {1: 100.5}), ("logit_bias", {-1: 1.0}),
+     ("logit_bias", {"1": 1.0}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: True}), ("allowed_token_ids", []),
+     ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0])],
     ids=lambda value: str(value)[:24],
 )  # fmt: skip
 def test_hostile_values_are_rejected_up_front(field: str, value: object) -> None:

@@ -130,6 +130,22 @@ def test_stop_string_truncates_and_reports_stop(client: TestClient) -> None:
     assert choice["text"] == text[: text.find(stop)] and choice["finish_reason"] == "stop"
 
 
+def test_logit_bias_and_allowed_token_ids(client: TestClient) -> None:
+    """OpenAI's ``logit_bias`` (token ids as JSON string keys) and vLLM's ``allowed_token_ids``, in completions
+    and chat, streamed and not."""
+    forced = ord("q")
+    body = complete(client, prompt="Hello", **GREEDY, logit_bias={str(forced): 100})
+    assert body["choices"][0]["text"] == "q" * 6
+    chat = {"messages": [{"role": "user", "content": "Hi"}], **GREEDY, "stream": True}
+    response = client.post("/v1/chat/completions", json={**chat, "logit_bias": {str(forced): 100, "120": -100}})
+    assert response.status_code == 200, response.text
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events(response.text)[:-1] if e["choices"])
+    assert text == "q" * 6
+    allowed = [ord(c) for c in "xyz"]
+    body = complete(client, prompt="Hello", temperature=1.0, seed=2, max_tokens=20, allowed_token_ids=allowed)
+    assert set(body["choices"][0]["text"]) <= set("xyz") and len(body["choices"][0]["text"]) == 20
+
+
 def test_vllm_extras_are_accepted(client: TestClient) -> None:
     first = complete(client, prompt="Hello", temperature=0, max_tokens=1)["choices"][0]["text"]
     body = complete(client, prompt="Hello", temperature=0, max_tokens=8, stop_token_ids=[ord(first)])

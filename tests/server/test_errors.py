@@ -61,7 +61,16 @@ BAD_COMPLETIONS = [
     ({"prompt": "y" * 65}, "prompt"),  # the fixture's max_prompt_tokens is 64
     ({}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"400": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [400]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [1], "stop_token_ids": [1], "min_tokens": 2}, "allowed_token_ids"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
 ]
 
