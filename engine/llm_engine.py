@@ -26,6 +26,7 @@ from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.state_snapshot import StateSnapshot, check_snapshot_tensors, model_fingerprint
+from rnnserve.engine.structured_output import GrammarCompiler
 from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.kernels.cpu_extension import build_cpu_extension
 
@@ -132,6 +133,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache, decoded_prompt_tokens)
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.model_fingerprint = model_fingerprint(model, self.pool.specs)
+        self.grammars = GrammarCompiler(tokenizer, model.vocab_size)
         self.async_scheduling = self.config.async_scheduling == "on" or (
             self.config.async_scheduling == "auto" and device.type == "cuda"
         )
@@ -254,9 +256,10 @@ class LLMEngine:
         self._check_token_params(params)
         self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        group = SequenceGroup(request_id, text, ids, params, metrics, return_state=return_state)
+        group = SequenceGroup(request_id, text, ids, params, metrics, return_state=return_state, grammar=grammar)
         if context is not None:
             group.from_context = True
             group.initial_state = context.tensors

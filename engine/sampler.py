@@ -17,6 +17,7 @@ from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import TokenLogprob
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.sequence import Sequence
+from rnnserve.engine.structured_output import allowed_tokens
 from rnnserve.kernels.row_argmax import row_argmax
 
 
@@ -115,6 +116,37 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         return logits + bias
     index = long_tensor(rows, logits.device)
     return logits.index_put((index,), logits[index] + bias)
+
+
+def grammar_rows(seqs: list[Sequence]) -> list[int]:
+    """The rows whose samples follow a grammar that has not ended (one that ended is finishing: its token is
+    dropped, with async scheduling, and needs no mask)."""
+    return [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.end is None]
+
+
+def mask_by_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Forbid, in each of ``rows``, the tokens its grammar does not allow next (masks computed on the host)."""
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    mask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for j, row in enumerate(rows):
+        seqs[row].grammar.fill_mask(mask, j)  # type: ignore[union-attr]
+    if logits.device.type == "cuda":
+        mask = mask.pin_memory().to(logits.device, non_blocking=True)
+    index = long_tensor(rows, logits.device)
+    forbidden = ~allowed_tokens(mask, vocab)
+    return logits.index_put((index,), logits[index].masked_fill(forbidden, float("-inf")))
+
+
+def advance_grammars(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """Feed each of ``rows`` its sampled token, now: the next step's mask depends on it (on a GPU this waits for
+    the tokens, in steps that have such rows only)."""
+    if not rows:
+        return
+    for row, token in zip(rows, tokens[long_tensor(rows, tokens.device)].tolist(), strict=True):
+        seq = seqs[row]
+        seq.grammar.advance(token, seq.num_sampled + 1)  # type: ignore[union-attr]
 
 
 def penalty_rows(seqs: list[Sequence]) -> list[int]:
@@ -219,6 +251,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     if all(map(_argmax_only, seqs)):  # the usual greedy batch: one pass over the samples, one kernel
         return SampledTokens(row_argmax(logits), [None] * len(seqs))
     logits = apply_logit_bias(logits, seqs)
+    constrained = grammar_rows(seqs)
+    logits = mask_by_grammar(logits, seqs, constrained)
     rows = penalty_rows(seqs)
     logits = apply_penalties(logits, seqs, rows)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)
@@ -233,8 +267,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     count_tokens(tokens, seqs, rows)
     wanted = [s.params.logprobs for s in seqs]
     if all(w is None for w in wanted):
-        return SampledTokens(tokens, wanted)
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    top_vals, top_ids = logp.topk(max(w or 0 for w in wanted), dim=-1)
-    return SampledTokens(tokens, wanted, (chosen, top_vals, top_ids))
+        sampled = SampledTokens(tokens, wanted)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+        top_vals, top_ids = logp.topk(max(w or 0 for w in wanted), dim=-1)
+        sampled = SampledTokens(tokens, wanted, (chosen, top_vals, top_ids))
+    advance_grammars(tokens, seqs, constrained)  # last: a batch that raises before it is sampled again row by row
+    return sampled

@@ -6,9 +6,11 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -54,6 +56,38 @@ def as_number(param: str, value: object, integer: bool) -> int | float:
     return number
 
 
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """One constraint (vLLM's ``structured_outputs`` names): ``json`` a JSON schema (a dict or its text),
+    ``json_object`` any JSON object, ``regex`` a regular expression (Rust ``regex`` syntax), ``choice`` one of
+    the strings, ``grammar`` a Lark grammar in llguidance's dialect. JSON is written compactly (``", "`` and
+    ``": "`` between items, as Python's ``json.dumps``; a schema's ``x-guidance`` options override that) unless
+    ``disable_any_whitespace`` is false, which allows any whitespace between tokens (vLLM's default).
+    ``param`` is the request field that errors name (``response_format`` where OpenAI's field asked for it)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            kinds = ", ".join(STRUCTURED_OUTPUT_KINDS)
+            raise InvalidParameterError(self.param, f"give exactly one of {kinds} (got {', '.join(given) or 'none'})")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameterError(self.param, "choice must be a non-empty list of non-empty strings")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidParameterError(self.param, f"{kind} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidParameterError(self.param, "json must be a JSON schema (an object)")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request.
@@ -65,6 +99,8 @@ class SamplingParams:
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
     ``logit_bias`` (OpenAI) adds a value in [-100, 100] to the logits of the tokens it names; ``allowed_token_ids``
     (vLLM) restricts sampling to the tokens it lists. Both act before the penalties, and logprobs see them.
+    ``structured_outputs`` makes every sample follow a JSON schema, regex, choice or grammar (see
+    :mod:`rnnserve.engine.structured_output`).
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
@@ -88,6 +124,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputParams | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
 
     MAX_N = 128
@@ -118,6 +155,8 @@ class SamplingParams:
             }
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [as_number("allowed_token_ids", t, integer=True) for t in self.allowed_token_ids]
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputParams):
+            raise InvalidParameterError("structured_outputs", "structured_outputs must be StructuredOutputParams")
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidParameterError("stop", "stop must be a string or a list of strings")
         seed_min, seed_max = self.SEED_RANGE

@@ -13,6 +13,7 @@ from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.engine.structured_output import CompiledGrammar, GrammarState
 from rnnserve.engine.tokenizer import Tokenizer
 
 TEXT_TAIL_CHARS = 4096  # characters a sample's text string grows by (past its longest stop string) between freezes
@@ -42,7 +43,10 @@ class Sequence:
         self._detokenizer = tokenizer.stream_decoder()
         # A FINAL_ONLY sample without stop strings decodes its text when its output is read, once, instead of
         # token by token (``_text_tokens`` tokens are in ``_text``); a stream reads it every step anyway.
-        self._lazy_text = not self.params.stop and self.params.output_kind is OutputKind.FINAL_ONLY
+        self._lazy_text = (
+            not self.params.stop and self.params.output_kind is OutputKind.FINAL_ONLY
+            and group.grammar is None
+        )  # fmt: skip
         self._text_tokens = 0
         self._flushed = False
         self._emitted_text = 0
@@ -52,6 +56,7 @@ class Sequence:
         self.token_counts: torch.Tensor | None = None
         self.seen_mask: torch.Tensor | None = None
         self.logit_bias: torch.Tensor | None = None
+        self.grammar: GrammarState | None = None
         eos = tokenizer.eos_token_id
         # the tokens that end the sample (not part of its text) and its length limit
         self._end_ids = frozenset(self.params.stop_token_ids) | (
@@ -63,6 +68,7 @@ class Sequence:
         self.argmax_only = (
             self.params.greedy and not self.params.uses_penalties and not self.params.min_tokens
             and self.params.logprobs is None and not self.params.biases_logits
+            and group.grammar is None
         )  # fmt: skip
 
     @property
@@ -95,8 +101,11 @@ class Sequence:
         return len(self.output_token_ids) + self.num_pending
 
     def init_sampling_state(self, vocab_size: int, device: torch.device) -> None:
-        """Create the seeded generator, penalty counters and logit bias (constant size: vocab-sized rows)."""
+        """Create the seeded generator, penalty counters, logit bias (constant size: vocab-sized rows) and
+        grammar state."""
         params = self.params
+        if self.group.grammar is not None:
+            self.grammar = self.group.grammar.start()
         if params.biases_logits:
             self.logit_bias = self.group.logit_bias_row(vocab_size, device)
         if params.seed is not None:
@@ -110,8 +119,9 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         """Record a sampled token, update text and decide whether the sample is finished: EOS (unless ignored)
-        or a stop token id ends it with ``stop``, ``max_tokens`` with ``length``, a stop string in the text with
-        ``stop`` (the penalty counters were updated on the device when it was sampled)."""
+        or a stop token id ends it with ``stop``, ``max_tokens`` with ``length``, a stop string in the text or a
+        completed grammar with ``stop`` (the penalty counters and the grammar state were updated when it was
+        sampled)."""
         output = self.output_token_ids
         output.append(token_id)
         if logprob is not None and self.logprobs is not None:
@@ -132,6 +142,12 @@ class Sequence:
         if at_limit:
             self._text += self._detokenizer.flush()
         if self.params.stop and self._truncate_at_stop_string(old_len):
+            self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.end == len(output):
+            if self.grammar.error is not None:
+                raise ValueError(f"structured output: {self.grammar.error}")
+            if not at_limit:
+                self._text += self._detokenizer.flush()
             self.finish_reason = "stop"
         elif at_limit:
             self.finish_reason = "length"
@@ -239,6 +255,7 @@ class SequenceGroup:
     return_state: bool = False
     final_state: StateSnapshot | None = None
     final_state_copied: torch.cuda.Event | None = None  # on CUDA: once done, ``final_state`` holds the state
+    grammar: CompiledGrammar | None = None  # the compiled ``structured_outputs`` each sample follows
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

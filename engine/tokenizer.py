@@ -34,6 +34,11 @@ class Tokenizer:
         size = self.vocab_size
         return next((t for t in ids if not 0 <= t < size), None)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (empty for special tokens and ids past the tokenizer's); this
+        default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
+        return self.decode([token_id]).encode()
+
     def stream_decoder(self) -> StreamDecoder:
         """A decoder for one generated sequence. This default decodes each token alone, right for tokenizers
         whose tokens are whole strings; tokenizers whose tokens merge or split characters override it."""
@@ -59,6 +64,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         # Special and out-of-vocabulary ids carry no text.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def stream_decoder(self) -> StreamDecoder:
         return Utf8StreamDecoder(self)
@@ -148,6 +156,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer serialised as ``tokenizer.json``."""
+        return self._tok.to_str()
 
     def stream_decoder(self) -> StreamDecoder:
         return HFStreamDecoder(self)

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API and their mapping onto :class:`SamplingParams`.
 
 Field names follow OpenAI; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``prompt_logprobs``, ``chat_template_kwargs``) are
-accepted too. Fields
+``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``structured_outputs``, ``prompt_logprobs``,
+``chat_template_kwargs``) are accepted too. Fields
 this server does not know are ignored and named in a warning in the log, as vLLM does
 (:meth:`APIModel.unknown_fields`), so clients that send newer OpenAI fields keep working; known features it
 cannot serve (``suffix``, tools, image parts, ...) are a 400. Parsing is strict (no bools or
@@ -16,7 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
+from rnnserve.engine.sampling_params import (
+    STRUCTURED_OUTPUT_KINDS,
+    InvalidParameterError,
+    OutputKind,
+    SamplingParams,
+    StructuredOutputParams,
+)
 
 
 class APIModel(BaseModel):
@@ -53,6 +59,7 @@ class SamplingFields(APIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -65,6 +72,7 @@ class SamplingFields(APIModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
     # rnnserve: continue a persistent session (POST /v1/sessions)
     session_id: str | None = None
@@ -101,6 +109,7 @@ class SamplingFields(APIModel):
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 logit_bias=self.token_biases(),
                 allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=self.structured_output_params(),
                 output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
             )
         except InvalidParameterError as err:
@@ -109,6 +118,41 @@ class SamplingFields(APIModel):
                     max_tokens_param, str(err).replace("max_tokens", max_tokens_param)
                 ) from err
             raise
+
+    def structured_output_params(self) -> StructuredOutputParams | None:
+        """OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
+        (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``, ``disable_any_whitespace``) as the engine's
+        constraint; ``None`` for plain text."""
+        from_format = self._response_format()
+        options = self.structured_outputs
+        if options is None:
+            return from_format
+        param = "structured_outputs"
+        if from_format is not None:
+            raise InvalidParameterError(param, "give response_format or structured_outputs, not both")
+        unknown = sorted(set(options) - {*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace"})
+        if unknown:
+            raise InvalidParameterError(param, f"structured_outputs does not support {', '.join(unknown)}")
+        for flag in ("json_object", "disable_any_whitespace"):
+            if flag in options and not isinstance(options[flag], bool):
+                raise InvalidParameterError(param, f"structured_outputs.{flag} must be a boolean")
+        return StructuredOutputParams(**options)
+
+    def _response_format(self) -> StructuredOutputParams | None:
+        param = "response_format"
+        response_format = self.response_format
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return StructuredOutputParams(json_object=True, param=param)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidParameterError(param, "response_format.json_schema.schema must be a JSON schema object")
+            return StructuredOutputParams(json=schema, param=param)
+        raise InvalidParameterError(param, "response_format type must be 'text', 'json_object' or 'json_schema'")
 
     def token_biases(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids written as JSON strings) as integers."""
@@ -218,7 +262,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -231,8 +274,6 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidParameterError("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise InvalidParameterError("tool_choice", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidParameterError("response_format", "only response_format type 'text' is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.max_completion_tokens is not None:

@@ -146,6 +146,39 @@ def test_logit_bias_and_allowed_token_ids(client: TestClient) -> None:
     assert set(body["choices"][0]["text"]) <= set("xyz") and len(body["choices"][0]["text"]) == 20
 
 
+def test_structured_outputs(client: TestClient) -> None:
+    """OpenAI's ``response_format`` (``json_schema``, ``json_object``) in chat and vLLM's ``structured_outputs``
+    in completions, streamed and not: the text follows the constraint and the choice ends with ``stop``."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["answer", "score"], "additionalProperties": False}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 1.0, "seed": 4, "max_tokens": 100}
+    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    for stream in (False, True):
+        response = client.post("/v1/chat/completions", json={**chat, "response_format": response_format,
+                                                              "stream": stream})  # fmt: skip
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [e for e in events(response.text)[:-1] if e["choices"]]
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = response.json()["choices"][0]
+            text, reason = choice["message"]["content"], choice["finish_reason"]
+        reply = json.loads(text)
+        assert reason == "stop" and set(reply) == {"answer", "score"} and reply["answer"] in ("yes", "no")
+        assert 0 <= reply["score"] <= 9
+    body = complete(client, prompt="Hello", temperature=1.0, seed=1, max_tokens=300,
+                    response_format={"type": "json_object"})  # fmt: skip
+    assert body["choices"][0]["text"].startswith("{")
+    choices = ["red", "green", "blue"]
+    for seed in range(3):
+        body = complete(client, prompt="Hello", temperature=1.0, seed=seed, structured_outputs={"choice": choices})
+        assert body["choices"][0]["text"] in choices and body["choices"][0]["finish_reason"] == "stop"
+    body = complete(client, prompt="Hello", temperature=1.0, n=3, seed=2, max_tokens=30,
+                    structured_outputs={"regex": "[0-9]{2}:[0-9]{2}"})  # fmt: skip
+    assert all(re.fullmatch("[0-9]{2}:[0-9]{2}", c["text"]) for c in body["choices"])
+
+
 def test_vllm_extras_are_accepted(client: TestClient) -> None:
     first = complete(client, prompt="Hello", temperature=0, max_tokens=1)["choices"][0]["text"]
     body = complete(client, prompt="Hello", temperature=0, max_tokens=8, stop_token_ids=[ord(first)])

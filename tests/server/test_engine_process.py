@@ -61,6 +61,8 @@ BODIES = [
     {"prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True},
     {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "prompt_logprobs": 1},
     {"prompt": ["one", "two"], "max_tokens": 4, "temperature": 0, "stop": ["e"]},
+    {"prompt": "Hi", "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2, "logit_bias": {"97": 5},
+     "structured_outputs": {"regex": "[a-f]{3,9}"}},  # fmt: skip
 ]
 VOLATILE = {"id", "created"}
 
@@ -130,6 +132,9 @@ def test_errors_raised_in_the_engine_process_keep_their_status(process_client: T
     bad_token = process_client.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2})
     assert bad_token.status_code == 400
     assert bad_token.json()["error"]["param"] == "prompt"
+    bad_schema = {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}
+    bad_grammar = process_client.post("/v1/completions", json=bad_schema)  # compiled in the engine process
+    assert bad_grammar.status_code == 400 and bad_grammar.json()["error"]["param"] == "response_format"
 
 
 def test_sessions_carry_state_across_the_process_boundary(tmp_path: os.PathLike) -> None:

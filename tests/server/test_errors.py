@@ -72,6 +72,21 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1], "stop_token_ids": [1], "min_tokens": 2}, "allowed_token_ids"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "structured_outputs": {}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": 5}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": ["a", 1]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json": [1]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "structural_tag": "t"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": "a"}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),  # fmt: skip
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format"),
 ]
 
 
@@ -93,10 +108,13 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
     (
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}},
         "response_format",
-    ),
+    ),  # fmt: skip
     ({"messages": [{"role": "user", "content": "y" * 80}]}, "prompt"),
 ]
 

@@ -1,0 +1,138 @@
+"""Structured outputs: a JSON schema, a regular expression, a list of choices or a Lark grammar that every sample
+of a request must follow, enforced by masking the logits with llguidance (one of vLLM's backends for the same
+feature).
+
+The engine compiles a request's grammar once when it is added (an invalid one is a 400 naming the field); each
+sample then walks it with its own :class:`GrammarState`: the sampler masks the tokens the grammar forbids before
+the penalties and filters, and advances the state by the sampled token right away (so the mask of the next step
+never waits for the host to append the token). A sample whose grammar is complete ends with ``stop`` at that
+token, whether or not the model would sample its end-of-text token next.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rnnserve.engine.sampling_params import InvalidParameterError, StructuredOutputParams
+from rnnserve.engine.tokenizer import HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+
+BITS = torch.arange(32, dtype=torch.int32)
+COMPACT_JSON = {"item_separator": ", ", "key_separator": ": "}
+
+
+def _lark_string(text: str) -> str:
+    """``text`` as a Lark string literal (JSON's escapes, which llguidance's Lark reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class _TokenTable:
+    """What llguidance's ``TokenizerWrapper`` reads from a tokenizer that is not a Hugging Face one: each id's
+    bytes, the special ids, EOS/BOS, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = [t for t in (self.eos_token_id, self.bos_token_id) if t is not None]
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+
+class GrammarCompiler:
+    """Compiles requests' constraints for one engine's tokenizer and vocabulary (llguidance is imported and the
+    token table built on first use)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lltokenizer: LLTokenizer | None = None
+
+    def _llguidance_tokenizer(self, param: str) -> LLTokenizer:
+        if self._lltokenizer is None:
+            try:
+                from llguidance import LLTokenizer, TokenizerWrapper
+            except ImportError as err:
+                raise InvalidParameterError(param, "structured outputs need the llguidance package") from err
+            tok = self._tokenizer
+            if tok.eos_token_id is None:
+                raise InvalidParameterError(param, "structured outputs need a tokenizer with an end-of-text token")
+            if isinstance(tok, HFTokenizer):
+                self._lltokenizer = LLTokenizer(tok.to_json(), n_vocab=self._vocab_size, eos_token=tok.eos_token_id)
+            else:
+                table = TokenizerWrapper(_TokenTable(tok, self._vocab_size))
+                self._lltokenizer = LLTokenizer(table, n_vocab=self._vocab_size)
+        return self._lltokenizer
+
+    def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
+        """The constraint as a checked llguidance grammar; :class:`InvalidParameterError` if it is invalid."""
+        from llguidance import LLMatcher
+
+        tokenizer = self._llguidance_tokenizer(params.param)
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else {"type": "object"}
+            whitespace = {"whitespace_flexible": not params.disable_any_whitespace}
+            try:
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults={**COMPACT_JSON, **whitespace})
+            except ValueError as err:
+                raise InvalidParameterError(params.param, f"invalid JSON schema: {err}") from err
+        elif params.regex is not None:
+            grammar = LLMatcher.grammar_from_regex(params.regex)
+        elif params.choice is not None:
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
+        else:
+            grammar = LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise InvalidParameterError(params.param, f"invalid structured output constraint: {error.strip()}")
+        return CompiledGrammar(tokenizer, grammar)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A request's checked grammar; each of its samples starts a :class:`GrammarState` from it."""
+
+    tokenizer: LLTokenizer
+    grammar: str
+
+    def start(self) -> GrammarState:
+        from llguidance import LLMatcher
+
+        return GrammarState(LLMatcher(self.tokenizer, self.grammar, log_level=0))
+
+
+class GrammarState:
+    """One sample's place in its grammar. ``end`` is the number of output tokens at which the grammar ended
+    (complete, or ``error`` set when a token it forbids was sampled anyway); ``None`` while it goes on."""
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self.matcher = matcher
+        self.end: int | None = None
+        self.error: str | None = None
+
+    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens as bits into ``mask[row]`` (int32, CPU, contiguous)."""
+        words = mask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+    def advance(self, token: int, num_tokens: int) -> None:
+        """Consume the sampled ``token``, the sample's ``num_tokens``-th output token."""
+        if not self.matcher.consume_token(token):
+            self.error = self.matcher.get_error() or f"token {token} is not allowed here"
+            self.end = num_tokens
+        elif self.matcher.is_stopped():
+            self.end = num_tokens
+
+
+def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``mask [R, ceil(V / 32)]`` (int32 bit words) as a bool ``[R, vocab_size]`` on the mask's device."""
+    bits = (mask[:, :, None] >> BITS.to(mask.device)) & 1
+    return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
