@@ -12,6 +12,8 @@ own, so the server and the offline API accept the same values.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -243,6 +245,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as a chat template reads it: role, text, and the tool-call fields that were sent (each
+        call's ``arguments`` as an object where they are JSON text, as Hugging Face templates expect)."""
+        fields: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            fields["name"] = self.name
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            fields["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
+        return fields
 
     def text(self) -> str:
         """The message's text; :class:`InvalidParameterError` for a part that is not text (an image, ...)."""
@@ -253,13 +269,57 @@ class ChatMessage(BaseModel):
         return "".join(part.checked_text() for part in self.content)
 
 
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: a function the model may be made to call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The arguments' JSON schema (a function without one takes an empty object)."""
+        return self.function.parameters or {"type": "object", "properties": {}}
+
+
+def with_tools(template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any] | None:
+    """A chat template's extra variables with ``tools`` (OpenAI's shape, as Hugging Face templates read it)."""
+    if not tools:
+        return template_kwargs
+    return {"tools": [tool.model_dump(exclude_none=True) for tool in tools], **(template_kwargs or {})}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extras
@@ -270,10 +330,6 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if not self.messages:
             raise InvalidParameterError("messages", "messages must not be empty")
-        if self.tools:
-            raise InvalidParameterError("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidParameterError("tool_choice", "tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.max_completion_tokens is not None:
@@ -283,22 +339,102 @@ class ChatCompletionRequest(SamplingFields):
             param = "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self.sampling_params(max_tokens, logprobs, param)
+            params = self.sampling_params(max_tokens, logprobs, param)
         except InvalidParameterError as err:
             if err.param == "logprobs":
                 raise InvalidParameterError(
                     "top_logprobs", str(err).replace("logprobs", "top_logprobs")
                 ) from err
             raise
+        calls = self.forced_tool_calls()
+        if calls is None:
+            return params
+        if params.structured_outputs is not None:
+            param = "response_format" if self.response_format is not None else "structured_outputs"
+            raise InvalidParameterError(param, f"{param} cannot be combined with tool_choice {self.tool_choice!r}")
+        params.structured_outputs = calls
+        return params
+
+    @property
+    def tool_mode(self) -> Literal["named", "required"] | None:
+        """How the answer calls tools: ``named`` (the one function ``tool_choice`` names: the output is its
+        arguments), ``required`` (one or more calls of any of ``tools``: the output is a JSON list of
+        ``{"name", "parameters"}``), or ``None`` (text). ``auto`` with tools (also implied: tools without a
+        ``tool_choice``) needs a parser of the model's own tool-call format, which this server does not have (as
+        vLLM without ``--tool-call-parser``): a 400."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none" or (choice == "auto" and not self.tools):
+            return None
+        if choice == "auto":
+            raise InvalidParameterError(
+                "tool_choice", "tool_choice 'auto' needs a parser of the model's tool-call format, which this server "
+                "does not have: ask for 'required' or name a function ({'type': 'function', 'function': {'name': ...}})"
+            )
+        if not self.tools:
+            raise InvalidParameterError("tools", f"tool_choice {choice!r} needs tools")
+        if choice == "required":
+            return "required"
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            return "named"
+        raise InvalidParameterError(
+            "tool_choice",
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        )
+
+    def named_tool(self) -> Tool:
+        """The tool ``tool_choice`` names."""
+        name = self.tool_choice["function"].get("name")  # type: ignore[index]
+        tool = next((t for t in self.tools or () if t.function.name == name), None)
+        if tool is None:
+            raise InvalidParameterError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        return tool
+
+    def forced_tool_calls(self) -> StructuredOutputParams | None:
+        """The constraint that makes the answer a call of the named tool or a list of calls (``required``), or
+        ``None`` when the answer is text."""
+        mode = self.tool_mode
+        if mode is None:
+            return None
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        bad = next((n for n in names if not TOOL_NAME.fullmatch(n)), None)
+        if bad is not None:
+            raise InvalidParameterError("tools", f"tool name {bad!r} must be 1 to 64 letters, digits, '_' or '-'")
+        if len(set(names)) != len(names):
+            raise InvalidParameterError("tools", "tool names must be unique")
+        if mode == "named":
+            return StructuredOutputParams(json=self.named_tool().parameters, param="tools")
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": t.parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return StructuredOutputParams(json=schema, param="tools")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``tools`` added as the template reads them (left out with
+        ``tool_choice: "none"``; ``chat_template_kwargs`` may set its own)."""
+        return with_tools(self.chat_template_kwargs, None if self.tool_choice == "none" else self.tools)
 
 
 class TokenizeRequest(APIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return with_tools(self.chat_template_kwargs, self.tools)
 
 
 class DetokenizeRequest(APIModel):

@@ -193,7 +193,7 @@ class OpenAIServing:
         if req.session_id is None:
             prompt = client_input(
                 lambda: self.render(
-                    req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+                    req.messages, req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
                 )
             )
             return await self.generate(request, ChatStream, req, model, [prompt], params)
@@ -259,7 +259,7 @@ class OpenAIServing:
         hold only the new messages, rendered as the template goes on after an assistant reply: the reply's
         end-of-turn text, the new messages, the generation prompt. When the session's history already ends
         with the EOS token, the EOS text the template would repeat is left out."""
-        options = (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        options = (req.add_generation_prompt, req.continue_final_message, req.template_kwargs())
         if stored.snapshot is None:
             return self.render(req.messages, *options)
         placeholder = [ChatMessage(role=role, content=SESSION_MARKER) for role in ("user", "assistant")]
@@ -323,7 +323,7 @@ class OpenAIServing:
     ) -> str:
         return render_chat(
             self.tokenizer,
-            [{"role": m.role, "content": m.text()} for m in messages],
+            [m.template_fields() for m in messages],
             add_generation_prompt,
             continue_final_message,
             self.chat_template,
@@ -338,7 +338,7 @@ class OpenAIServing:
             if req.prompt is not None:
                 text = req.prompt
             else:
-                text = self.render(req.messages or [], req.add_generation_prompt, False, req.chat_template_kwargs)
+                text = self.render(req.messages or [], req.add_generation_prompt, False, req.template_kwargs())
             tokens = self.tokenizer.encode(text)
         except (InvalidParameterError, ValueError) as err:
             raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable
@@ -26,7 +27,7 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
 from rnnserve.server.async_engine import EngineDeadError, RequestFailedError, Submission
 from rnnserve.server.errors import APIError
-from rnnserve.server.protocol import CompletionRequest, SamplingFields
+from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -380,10 +381,42 @@ class CompletionStream(Generation):
         return self.choice(out, index, text, sample, self.logprobs(index, entries), first=True)
 
 
+def tool_call_id() -> str:
+    return f"call_{random.getrandbits(96):024x}"
+
+
 class ChatStream(Generation):
+    """Chat answers: the message's content, or, when ``tool_choice`` forces calls, its ``tool_calls``. A named
+    function's arguments are the sample's text and stream as they are generated; ``required`` calls (the text
+    a JSON list of ``{"name", "parameters"}``) are sent whole with the sample's end, ``finish_reason``
+    ``tool_calls``. A named call cut by ``max_tokens`` has incomplete arguments (``finish_reason`` ``length``, as
+    OpenAI's); ``required`` calls cut so keep their text as content."""
+
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    req: ChatCompletionRequest
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.tool_mode = self.req.tool_mode
+        self.tool_name = self.req.named_tool().function.name if self.tool_mode == "named" else None
+        self.call_ids: dict[int, str] = {}  # a named call's id per choice, from its first chunk on
+        self.call_texts: dict[int, list[str]] = {}  # a stream's ``required`` calls so far, per choice
+
+    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls a finished sample's ``text`` makes, or ``None`` when it is not a complete list of calls."""
+        if self.tool_mode == "named":
+            return [self.call(tool_call_id(), self.tool_name, text)]  # type: ignore[arg-type]
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        return [self.call(tool_call_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+    @staticmethod
+    def call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
     def choices_json(self, choices: list[dict]) -> str:
         """The usual chunk, one choice without logprobs whose delta is content or nothing (``stream_choice``'s
@@ -424,6 +457,8 @@ class ChatStream(Generation):
 
     def stream_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         index = self.choice_index(out, sample)
+        if self.tool_mode is not None:
+            return self.tool_choice_delta(index, sample)
         delta = {"content": sample.text_delta} if sample.text_delta or sample.new_token_ids else {}
         wants_logprobs = self.params.logprobs is not None and sample.new_logprobs
         if not delta and not sample.finished and not wants_logprobs:
@@ -435,10 +470,42 @@ class ChatStream(Generation):
             "logprobs": self.logprobs(sample.new_logprobs),
         }
 
+    def tool_choice_delta(self, index: int, sample: CompletionOutput) -> dict | None:
+        """A streamed choice of a sample that makes forced calls: the named call's arguments as they grow (its
+        id, type and name in the first delta), or, for ``required`` calls, empty deltas until the end."""
+        delta: dict[str, Any] = {}
+        reason = sample.finish_reason
+        if self.tool_mode == "named" and (sample.text_delta or index not in self.call_ids):
+            call: dict[str, Any] = {"function": {"arguments": sample.text_delta}}
+            if index not in self.call_ids:
+                self.call_ids[index] = tool_call_id()
+                call = self.call(self.call_ids[index], self.tool_name, sample.text_delta)  # type: ignore[arg-type]
+            delta = {"tool_calls": [{"index": 0, **call}]}
+        elif self.tool_mode == "required":
+            self.call_texts.setdefault(index, []).append(sample.text_delta)
+            if sample.finished:
+                text = "".join(self.call_texts.pop(index))
+                calls = self.tool_calls(text) if reason == "stop" else None
+                if calls is None:
+                    delta = {"content": text}
+                else:
+                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                    reason = "tool_calls"
+        if not delta and not sample.finished and not sample.new_token_ids:
+            return None
+        return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": self.logprobs(sample.new_logprobs)}
+
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        reason = sample.finish_reason
+        forced = self.tool_mode == "named" or (self.tool_mode == "required" and reason == "stop")
+        calls = self.tool_calls(sample.text) if forced else None
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            reason = "tool_calls" if self.tool_mode == "required" else reason
         return {
             "index": sample.index,
-            "message": {"role": "assistant", "content": sample.text},
-            "finish_reason": sample.finish_reason,
+            "message": message,
+            "finish_reason": reason,
             "logprobs": self.logprobs(sample.logprobs or []),
         }

@@ -179,6 +179,74 @@ def test_structured_outputs(client: TestClient) -> None:
     assert all(re.fullmatch("[0-9]{2}:[0-9]{2}", c["text"]) for c in body["choices"])
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+    "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def valid_weather(arguments: str) -> bool:
+    parsed = json.loads(arguments)
+    return parsed["city"] in ("Paris", "Rome") and 1 <= parsed["days"] <= 7 and set(parsed) == {"city", "days"}
+
+
+def streamed_tool_calls(chunks: list[dict]) -> tuple[list[dict], str]:
+    """The calls a stream's deltas add up to (arguments concatenated per call index) and its finish reason."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for piece in chunk["choices"][0]["delta"].get("tool_calls", []):
+            call = calls.setdefault(piece["index"], {"id": None, "name": None, "arguments": ""})
+            call["id"] = piece.get("id", call["id"])
+            call["name"] = piece.get("function", {}).get("name", call["name"])
+            call["arguments"] += piece.get("function", {}).get("arguments", "")
+    return [calls[i] for i in sorted(calls)], chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_forced_tool_calls(client: TestClient) -> None:
+    """``tool_choice`` naming a function: the message's one call has arguments that follow its schema (streamed
+    as they grow, the id and name first); ``required``: a list of calls of the given tools (one with
+    ``parallel_tool_calls: false``), ``finish_reason: "tool_calls"``."""
+    chat = {"messages": [{"role": "user", "content": "Weather?"}], "temperature": 1.0, "max_tokens": 80,
+            "tools": [WEATHER, CLOCK]}  # fmt: skip
+    named = {**chat, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    for seed in range(3):
+        body = client.post("/v1/chat/completions", json={**named, "seed": seed}).json()
+        choice = body["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        assert call["id"].startswith("call_")
+        assert valid_weather(call["function"]["arguments"])
+        response = client.post("/v1/chat/completions", json={**named, "seed": seed, "stream": True})
+        chunks = [e for e in events(response.text)[:-1] if e["choices"]][1:]  # after the role chunk
+        calls, reason = streamed_tool_calls(chunks)
+        assert reason == "stop" and len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["id"]
+        assert calls[0]["arguments"] == call["function"]["arguments"]
+        assert "id" in chunks[0]["choices"][0]["delta"]["tool_calls"][0]
+    required = {**chat, "tool_choice": "required", "parallel_tool_calls": False}
+    names = set()
+    for seed in range(4):
+        body = client.post("/v1/chat/completions", json={**required, "seed": seed}).json()
+        choice = body["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        names.add(call["function"]["name"])
+        if call["function"]["name"] == "get_weather":
+            assert valid_weather(call["function"]["arguments"])
+        else:
+            assert json.loads(call["function"]["arguments"]) == {}
+        response = client.post("/v1/chat/completions", json={**required, "seed": seed, "stream": True})
+        calls, reason = streamed_tool_calls([e for e in events(response.text)[:-1] if e["choices"]])
+        assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+            (call["function"]["name"], call["function"]["arguments"])
+        ]
+    assert names <= {"get_weather", "get_time"}
+    cut = client.post("/v1/chat/completions", json={**named, "seed": 0, "max_tokens": 3}).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and len(cut["message"]["tool_calls"][0]["function"]["arguments"]) <= 3
+    plain = client.post("/v1/chat/completions", json={**chat, "tool_choice": "none", "max_tokens": 5}).json()
+    assert "tool_calls" not in plain["choices"][0]["message"] and plain["choices"][0]["message"]["content"] is not None
+
+
 def test_vllm_extras_are_accepted(client: TestClient) -> None:
     first = complete(client, prompt="Hello", temperature=0, max_tokens=1)["choices"][0]["text"]
     body = complete(client, prompt="Hello", temperature=0, max_tokens=8, stop_token_ids=[ord(first)])

@@ -77,6 +77,38 @@ def test_chat_template_kwargs_reach_the_template(template_file: Path) -> None:
         assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"
 
 
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}<tool {{ t.function.name }}: {{ t.function.parameters | tojson }}>{% endfor %}"
+    "{% for m in messages %}[{{ m.role }}{% if m.tool_call_id %} {{ m.tool_call_id }}{% endif %}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
+    "{% endfor %}"
+)
+
+
+def test_tools_and_earlier_calls_reach_the_template(tmp_path: Path) -> None:
+    """``tools`` (chat and /tokenize) and a history with an assistant's ``tool_calls`` (arguments given as JSON
+    text reach the template as an object) and the tool's answer with its ``tool_call_id``."""
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    history = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    expected = '<tool get_weather: {"type": "object"}>[user]Weather in Rome?[assistant]<call get_weather Rome>'
+    expected += "[tool call_1]sunny"
+    with serving("random:mingru-tiny", chat_template=str(template)) as client:
+        assert rendered(client, messages=history, tools=[tool]) == expected
+        chat = {"messages": history, "tools": [tool], "max_tokens": 1,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+        usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert usage["prompt_tokens"] == len(expected)
+        without = client.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).json()["usage"]
+        assert without["prompt_tokens"] == len(expected) - len('<tool get_weather: {"type": "object"}>')
+
+
 def test_a_bad_template_file_stops_the_server_at_start(tmp_path: Path) -> None:
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")

@@ -99,6 +99,13 @@ def test_invalid_completion_parameters_are_400(client: TestClient, body: dict, p
     assert error["type"] == "invalid_request_error"
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def NAMED(name: str) -> dict:  # noqa: N802 - reads as a constant in the table below
+    return {"type": "function", "function": {"name": name}}
+
+
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
@@ -108,6 +115,22 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tool_choice"),  # auto: no parser
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": NAMED("other")}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": NAMED("f")}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval", "function": {"name": "f"}}],
+      "tool_choice": "required"}, "tools"),  # fmt: skip
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL], "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}],
+      "tool_choice": "required"}, "tools"),  # fmt: skip
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f",
+      "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}], "tool_choice": NAMED("f")},
+     "tools"),  # fmt: skip
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),  # fmt: skip
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
     (

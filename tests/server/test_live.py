@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+from typing import Literal
 
 import httpx
 import openai
@@ -69,6 +71,37 @@ def test_official_openai_client(live_url: str) -> None:
         model=TINY, prompt="Hello", max_tokens=4, extra_body={"top_k": 3, "min_tokens": 4, "ignore_eos": True}
     )
     assert extra.usage.completion_tokens == 4
+
+
+def test_official_openai_client_structured_outputs_and_tool_calls(live_url: str) -> None:
+    """The official client's own helpers: ``parse`` with a pydantic model (a strict ``json_schema`` response
+    format), a forced function call read back as a ``tool_calls`` entry, and the streamed call accumulated by
+    the client's stream helper."""
+    from pydantic import BaseModel as Schema
+    from pydantic import Field
+
+    class Verdict(Schema):
+        answer: Literal["yes", "no"]
+        confidence: int = Field(ge=0, le=9)
+
+    client = openai.OpenAI(base_url=f"{live_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "Is water wet?"}]
+    parsed = client.chat.completions.parse(model=TINY, messages=messages, response_format=Verdict, max_tokens=60,
+                                           temperature=1.0, seed=2)  # fmt: skip
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer",
+        "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = client.chat.completions.create(model=TINY, messages=messages, tools=[weather], tool_choice=named,
+                                          max_tokens=60, temperature=1.0, seed=5)  # fmt: skip
+    [call] = chat.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
+    with client.chat.completions.stream(model=TINY, messages=messages, tools=[weather], tool_choice=named,
+                                        max_tokens=60, temperature=1.0, seed=5) as stream:  # fmt: skip
+        final = stream.get_final_completion()
+    assert json.loads(final.choices[0].message.tool_calls[0].function.arguments) == arguments
 
 
 def test_official_openai_client_errors(live_url: str) -> None:
