@@ -31,6 +31,7 @@ from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.cpu_peers import read_bandwidth  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import DecodeBatch, RecurrentLM  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
@@ -39,14 +40,6 @@ from rnnserve.kernels import mamba_decode as mamba_decode_module  # noqa: E402
 from rnnserve.kernels.cpu_extension import build_cpu_extension  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes/s of ``torch.sum`` over an fp32 array of ``nbytes`` (the best of ``repeats``)."""
-    data = torch.ones(nbytes // 4)
-    data.sum()
-    best = min(timed(data.sum) for _ in range(repeats))
-    return nbytes / best
 
 
 def timed(fn: Callable[[], object]) -> float:
