@@ -56,13 +56,15 @@ AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Most rows per weight dtype (the op takes up to 64), measured against the GEMM that takes over beyond them.
 # fp32 on AVX-512 (a 2-core Zen 5; decode of random:mamba-130m and mingru-100m with the limit at 8, 16, 24 and
 # 64 in one process, docs/performance.md): ahead of oneDNN to 16 rows, level at 24, behind from 32 in one model of
-# the two (against MKL, without oneDNN, 1.2-1.7x at 16 to 64 rows); 12 is the crossover against MKL measured on
-# AVX2 before the kernel took W's rows in L2 blocks, not measured again since. bf16 with bf16 arithmetic (the
-# kernel's vdpbf16ps path, Zen 5): 1.2-2.3x from 8 to 31 rows, level from 32, where oneDNN's bf16 GEMM catches up;
-# without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
+# the two (against MKL, without oneDNN, 1.2-1.7x at 16 to 64 rows); with three rows of W at once (2026-11-29) 32
+# and 64 rows gained 9% in mamba-130m and mamba2-130m but lost 10-23% in mingru-100m (K = 2048-4096 leaves 2-4
+# rows of x per L1 chunk), so 24 stays. 12 is the crossover against MKL measured on AVX2 before the kernel took
+# W's rows in L2 blocks, not measured again since. bf16 with bf16 arithmetic (the kernel's vdpbf16ps path, Zen 5):
+# with three rows of W at once, 1.03-1.20x oneDNN's bf16 GEMM at 32 and 64 rows in mamba, mamba2, mingru and hawk
+# decode; without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
 ROW_LIMITS = {
     torch.float32: (24 if ONEDNN_FP32_GEMM else 64) if AVX512 else 12,
-    torch.bfloat16: 64 if UPCAST_BF16_GEMM else 31,
+    torch.bfloat16: 64,
 }
 
 

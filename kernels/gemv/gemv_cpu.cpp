@@ -40,6 +40,8 @@ constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every 
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int kPrefetchFromRows = 4;
 constexpr int kPrefetchFromRowsBf16 = 8;
+// Rows of x from which several rows of W are multiplied at once (AVX-512; see dot_block).
+constexpr int64_t kBlockFromRows = 4;
 
 // bf16 -> fp32 is a shift into the high half: one widening load and one shift per vector.
 inline vfloat load(const at::BFloat16* p) {
@@ -148,6 +150,101 @@ inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, 
 }
 #endif
 
+#if defined(__AVX512F__)
+// With 8 rows of x the one-row loop above loads 9 vectors for 8 FMAs, and the load ports, not the FMA units, set
+// its pace once W is in L2 (from 8 rows of x). Three rows of W at once load 11 vectors for 24 FMAs: 32 vector
+// registers hold the 24 accumulators (AVX2's 16 do not, so it keeps one row).
+constexpr int kRowsOfW = 3;
+
+// sums[r * kRowChunk + m] = sum_j x[m, j] * w[r, j] for kRowsOfW rows of W (w_stride apart) and M rows of x.
+// One accumulator array per row of W: GCC keeps arrays of up to 8 vectors in registers, not a [3][8] one.
+template <int M, typename W>
+inline void dot_block(const W* w, int64_t w_stride, const float* x, int64_t k, int64_t x_stride, float* sums) {
+  static_assert(kRowsOfW == 3);
+  vfloat a0[M], a1[M], a2[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = a2[m] = vfloat{};
+  const W *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride;
+  int64_t j = 0;
+  for (; j + kLanes <= k; j += kLanes) {
+    const vfloat v0 = load(w0 + j), v1 = load(w1 + j), v2 = load(w2 + j);
+    for (int m = 0; m < M; ++m) {
+      vfloat xv = load(x + m * x_stride + j);
+      asm("" : "+v"(xv));  // one load into a register: GCC would fold it into each of the three FMAs
+      a0[m] += v0 * xv;
+      a1[m] += v1 * xv;
+      a2[m] += v2 * xv;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + m * x_stride;
+    float s0 = lane_sum(a0[m]), s1 = lane_sum(a1[m]), s2 = lane_sum(a2[m]);
+    for (int64_t t = j; t < k; ++t) {
+      s0 += static_cast<float>(w0[t]) * xm[t];
+      s1 += static_cast<float>(w1[t]) * xm[t];
+      s2 += static_cast<float>(w2[t]) * xm[t];
+    }
+    sums[m] = s0;
+    sums[kRowChunk + m] = s1;
+    sums[2 * kRowChunk + m] = s2;
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int M>
+inline void dot_block(const at::BFloat16* w, int64_t w_stride, const at::BFloat16* x, int64_t k, int64_t x_stride,
+                      float* sums) {
+  constexpr int64_t kPairs = 32;
+  __m512 a0[M], a1[M], a2[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = a2[m] = _mm512_setzero_ps();
+  const at::BFloat16 *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride;
+  int64_t j = 0;
+  for (; j + kPairs <= k; j += kPairs) {
+    const __m512bh v0 = load_bf16(w0 + j), v1 = load_bf16(w1 + j), v2 = load_bf16(w2 + j);
+    for (int m = 0; m < M; ++m) {
+      __m512bh xv = load_bf16(x + m * x_stride + j);
+      asm("" : "+v"(xv));
+      a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
+      a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+      a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
+    }
+  }
+  if (j < k) {  // the last vector, masked to the rows' end (zeros add nothing)
+    const __mmask32 mask = static_cast<__mmask32>((1u << (k - j)) - 1);
+    const __m512bh v0 = load_bf16(w0 + j, mask), v1 = load_bf16(w1 + j, mask), v2 = load_bf16(w2 + j, mask);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = load_bf16(x + m * x_stride + j, mask);
+      a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
+      a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+      a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    sums[m] = _mm512_reduce_add_ps(a0[m]);
+    sums[kRowChunk + m] = _mm512_reduce_add_ps(a1[m]);
+    sums[2 * kRowChunk + m] = _mm512_reduce_add_ps(a2[m]);
+  }
+}
+#endif
+
+// dot_block for a chunk of `rows` (<= kRowChunk) rows of x.
+template <typename W, typename X>
+inline void dot_block_chunk(const W* w, int64_t w_stride, const X* x, int64_t rows, int64_t k, int64_t x_stride,
+                            float* sums) {
+  switch (rows) {
+    case 1: dot_block<1>(w, w_stride, x, k, x_stride, sums); break;
+    case 2: dot_block<2>(w, w_stride, x, k, x_stride, sums); break;
+    case 3: dot_block<3>(w, w_stride, x, k, x_stride, sums); break;
+    case 4: dot_block<4>(w, w_stride, x, k, x_stride, sums); break;
+    case 5: dot_block<5>(w, w_stride, x, k, x_stride, sums); break;
+    case 6: dot_block<6>(w, w_stride, x, k, x_stride, sums); break;
+    case 7: dot_block<7>(w, w_stride, x, k, x_stride, sums); break;
+    default: dot_block<8>(w, w_stride, x, k, x_stride, sums); break;
+  }
+}
+#else
+constexpr int kRowsOfW = 1;
+#endif
+
 // sums[m] for one chunk of `rows` (<= kRowChunk) rows of x, `x_stride` apart (fp32, or bf16 for the vdpbf16ps
 // overload of dot_rows).
 template <typename W, typename X>
@@ -175,7 +272,7 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kRowChunk];
+    float sums[kRowsOfW * kRowChunk];
     int64_t i = begin;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if (rows == 1) {  // batch 1: eight rows of W per add tree (kRowChunk sums)
@@ -191,7 +288,19 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
       const int64_t i1 = std::min(end, i0 + block);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {
         const int64_t chunk = std::min<int64_t>(chunk_rows, rows - m0);
-        for (int64_t r = i0; r < i1; ++r) {
+        int64_t r = i0;
+#if defined(__AVX512F__)
+        if (m0 > 0) {  // the block of W is in L2 (the first chunk streamed it from memory)
+          for (; r + kRowsOfW <= i1; r += kRowsOfW) {
+            dot_block_chunk(w + r * w_stride, w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
+            for (int q = 0; q < kRowsOfW; ++q) {
+              const float b = bias ? bias[r + q] : 0.f;
+              for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r + q] = static_cast<Y>(sums[q * kRowChunk + m] + b);
+            }
+          }
+        }
+#endif
+        for (; r < i1; ++r) {
           dot_chunk(w + r * w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
           const float b = bias ? bias[r] : 0.f;
           for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r] = static_cast<Y>(sums[m] + b);

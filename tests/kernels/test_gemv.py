@@ -148,7 +148,7 @@ def test_the_upcast_follows_the_cpu() -> None:
     assert gemv_module.UPCAST_BF16_GEMM == (not native)
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # fp32 blocks measured there only
     fp32 = (24 if gemv_module.ONEDNN_FP32_GEMM else 64) if avx512 else 12
-    assert ROW_LIMITS == {torch.float32: fp32, torch.bfloat16: 31 if native else 64}
+    assert ROW_LIMITS == {torch.float32: fp32, torch.bfloat16: 64}
 
 
 def test_onednn_follows_the_build() -> None:
