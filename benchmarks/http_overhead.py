@@ -5,7 +5,8 @@ For each dtype, one ``rnnserve serve`` process and one offline worker process (t
 ``rnnserve bench --concurrency`` drives the server: a new request starts when one finishes, prefill included)
 load the same seeded ``random:<preset>`` checkpoint, written once with token-id prompts. Each round runs the
 same prompts through both, in alternating order, so drift of the machine hits both; the table gives medians,
-their ratio, and CPU per generated token: the whole server, its event-loop thread alone, and the offline worker.
+their ratio, and CPU per generated token: the whole server, its event-loop thread alone, the offline worker, and
+the load generator (this process), which shares the cores with the server.
 Both processes get the same environment (``OMP_NUM_THREADS`` from ``--threads``; ``OMP_WAIT_POLICY`` /
 ``GOMP_SPINCOUNT`` as set for this script, else what ``rnnserve serve`` chooses, passed to both so they run the
 same OpenMP policy)::
@@ -31,6 +32,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,6 +80,7 @@ class Sample:
     rate: float  # output tok/s
     cpu_per_token_ms: float
     loop_per_token_ms: float | None = None  # the server's event-loop thread (its main thread)
+    client_per_token_ms: float | None = None  # the load generator (this process), on the same cores
 
 
 class OfflineWorker:
@@ -117,7 +120,9 @@ class HttpServer:
     def run(self, config: BenchConfig) -> Sample:
         pid = self.proc.pid
         before, loop_before = cpu_seconds(pid), cpu_seconds(pid, main_thread_only=True)
+        client_before = time.process_time()
         figures = asyncio.run(benchmark(config))
+        client = time.process_time() - client_before
         if figures["failed"]:
             raise RuntimeError(f"{figures['failed']} requests failed: {figures['failures']}")
         tokens = figures["total_output_tokens"]
@@ -125,6 +130,7 @@ class HttpServer:
             figures["output_throughput"],
             1000 * (cpu_seconds(pid) - before) / tokens,
             1000 * (cpu_seconds(pid, main_thread_only=True) - loop_before) / tokens,
+            1000 * client / tokens,
         )
 
 
@@ -181,6 +187,7 @@ def measure(args: argparse.Namespace, model_dir: Path, vocab_size: int, dtype: s
                 fmt(median([s.cpu_per_token_ms for s in runs["offline"]]), 2),
                 fmt(median([s.cpu_per_token_ms for s in runs["http"]]), 2),
                 fmt(median([s.loop_per_token_ms for s in runs["http"]]), 3),
+                fmt(median([s.client_per_token_ms for s in runs["http"]]), 3),
             ])
     return rows
 
@@ -214,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for dtype in args.dtypes:
             rows += measure(args, model_dir, vocab_size, dtype, env, work)
     header = ["dtype", "streams", "offline tok/s", "HTTP tok/s", "HTTP / offline", "offline CPU ms/tok",
-              "server CPU ms/tok", "event loop CPU ms/tok"]
+              "server CPU ms/tok", "event loop CPU ms/tok", "bench client CPU ms/tok"]
     print(f"\nmedians of {args.rounds} rounds; load average at the end {os.getloadavg()[0]:.1f}\n")
     print(markdown_table(header, rows))
 
