@@ -57,6 +57,41 @@ inline vfloat load(const at::BFloat16* p) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// sums[m] = the lane sum of v[m] for m < M; 8 vectors (a full chunk of x) by one transposing add tree (24
+// instructions, where a horizontal sum takes about 8 apiece: at K = 768 the sums were 15% of a row's fp32 FMAs
+// and 29% of its vdpbf16ps). 48 products of mamba2-130m's shapes, cold: 3-8% faster at 8-64 rows, fp32 and bf16.
+// From 3 vectors, padded with zeros, the tree measured no better in a decode step at batch 4.
+template <int M>
+inline void lane_sums(const __m512* v, float* sums) {
+  if constexpr (M < 8) {
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(v[m]);
+  } else {
+    __m512 r[8];
+    for (int m = 0; m < 8; ++m) r[m] = m < M ? v[m] : _mm512_setzero_ps();
+    __m512 pairs[4];  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of vectors a, b = r[2i], r[2i + 1]
+    for (int i = 0; i < 4; ++i)
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+    __m512 quads[2];  // per 128-bit lane: that lane's sums of four vectors
+    for (int i = 0; i < 2; ++i)
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 halves = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 total = _mm512_add_ps(_mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(3, 1, 3, 1)));
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm512_castps512_ps256(total));
+    for (int m = 0; m < M; ++m) sums[m] = out[m];
+  }
+}
+#else
+template <int M>
+inline void lane_sums(const vfloat* v, float* sums) {
+  for (int m = 0; m < M; ++m) sums[m] = lane_sum(v[m]);
+}
+#endif
+
 // sums[m] = sum_j x[m, j] * row[j] for M rows of x (rows k apart), with U independent accumulators per row of
 // x so that short dot products still keep several FMAs in flight.
 template <int M, int U, typename W>
@@ -77,13 +112,14 @@ inline void dot_rows(const W* row, const float* x, int64_t k, int64_t x_stride, 
     const vfloat wv = load(row + j);
     for (int m = 0; m < M; ++m) acc[m][0] += wv * load(x + m * x_stride + j);
   }
+  vfloat totals[M];
   for (int m = 0; m < M; ++m) {
-    vfloat total = acc[m][0];
-    for (int u = 1; u < U; ++u) total += acc[m][u];
-    float s = lane_sum(total);
-    for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * x_stride + t];
-    sums[m] = s;
+    totals[m] = acc[m][0];
+    for (int u = 1; u < U; ++u) totals[m] += acc[m][u];
   }
+  lane_sums<M>(totals, sums);
+  for (int m = 0; m < M; ++m)
+    for (int64_t t = j; t < k; ++t) sums[m] += static_cast<float>(row[t]) * x[m * x_stride + t];
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -142,11 +178,12 @@ inline void dot_rows(const at::BFloat16* row, const at::BFloat16* x, int64_t k, 
     const __m512bh wv = load_bf16(row + j, mask);
     for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load_bf16(x + m * x_stride + j, mask));
   }
+  __m512 totals[M];
   for (int m = 0; m < M; ++m) {
-    __m512 total = acc[m][0];
-    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
-    sums[m] = _mm512_reduce_add_ps(total);
+    totals[m] = acc[m][0];
+    for (int u = 1; u < U; ++u) totals[m] = _mm512_add_ps(totals[m], acc[m][u]);
   }
+  lane_sums<M>(totals, sums);
 }
 #endif
 
@@ -175,17 +212,16 @@ inline void dot_block(const W* w, int64_t w_stride, const float* x, int64_t k, i
       a2[m] += v2 * xv;
     }
   }
+  lane_sums<M>(a0, sums);
+  lane_sums<M>(a1, sums + kRowChunk);
+  lane_sums<M>(a2, sums + 2 * kRowChunk);
   for (int m = 0; m < M; ++m) {
     const float* xm = x + m * x_stride;
-    float s0 = lane_sum(a0[m]), s1 = lane_sum(a1[m]), s2 = lane_sum(a2[m]);
     for (int64_t t = j; t < k; ++t) {
-      s0 += static_cast<float>(w0[t]) * xm[t];
-      s1 += static_cast<float>(w1[t]) * xm[t];
-      s2 += static_cast<float>(w2[t]) * xm[t];
+      sums[m] += static_cast<float>(w0[t]) * xm[t];
+      sums[kRowChunk + m] += static_cast<float>(w1[t]) * xm[t];
+      sums[2 * kRowChunk + m] += static_cast<float>(w2[t]) * xm[t];
     }
-    sums[m] = s0;
-    sums[kRowChunk + m] = s1;
-    sums[2 * kRowChunk + m] = s2;
   }
 }
 
@@ -218,11 +254,9 @@ inline void dot_block(const at::BFloat16* w, int64_t w_stride, const at::BFloat1
       a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    sums[m] = _mm512_reduce_add_ps(a0[m]);
-    sums[kRowChunk + m] = _mm512_reduce_add_ps(a1[m]);
-    sums[2 * kRowChunk + m] = _mm512_reduce_add_ps(a2[m]);
-  }
+  lane_sums<M>(a0, sums);
+  lane_sums<M>(a1, sums + kRowChunk);
+  lane_sums<M>(a2, sums + 2 * kRowChunk);
 }
 #endif
 
