@@ -5,12 +5,14 @@ safetensors) and ``lsrl`` (LSRL program tools)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
@@ -18,6 +20,7 @@ from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_de
 from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
 
 if TYPE_CHECKING:
+    from rnnserve.engine.sampling_params import StructuredOutputParams
     from rnnserve.server.engine_core import EngineInfo
 
 logger = logging.getLogger("rnnserve")
@@ -83,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)"
     )
+    constraint = generate.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="SCHEMA", help="the output follows this JSON schema (JSON text, or @FILE)"
+    )
+    constraint.add_argument("--json", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    constraint.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these texts (repeatable)"
+    )
+    constraint.add_argument("--grammar", metavar="LARK", help="the output follows this Lark grammar (or @FILE)")
 
     from rnnserve.clients.bench import add_bench_arguments
 
@@ -206,6 +219,34 @@ def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:
     )
 
 
+def read_argument(value: str | None) -> str | None:
+    """A flag's text, or the contents of the file it names as ``@FILE``."""
+    if value is None or not value.startswith("@"):
+        return value
+    return Path(value[1:]).read_text()
+
+
+def output_constraint(args: argparse.Namespace) -> StructuredOutputParams | None:
+    """``generate``'s structured-output flags as the engine's constraint (``None`` without one)."""
+    from rnnserve.engine.sampling_params import InvalidParameterError, StructuredOutputParams
+
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(read_argument(args.json_schema))  # type: ignore[arg-type]
+        except ValueError as err:
+            raise InvalidParameterError("json_schema", f"--json-schema is not JSON: {err}") from err
+        return StructuredOutputParams(json=schema, param="json_schema")
+    if args.json:
+        return StructuredOutputParams(json_object=True, param="json")
+    if args.regex is not None:
+        return StructuredOutputParams(regex=args.regex, param="regex")
+    if args.choice:
+        return StructuredOutputParams(choice=args.choice, param="choice")
+    if args.grammar is not None:
+        return StructuredOutputParams(grammar=read_argument(args.grammar), param="grammar")
+    return None
+
+
 def generate(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
@@ -220,10 +261,11 @@ def generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             max_tokens=args.max_tokens,
             output_kind=OutputKind.DELTA,
+            structured_outputs=output_constraint(args),
         )
         engine = LLMEngine.from_config(config_from_args(EngineConfig, args, max_num_seqs=1))
         request_id = engine.add_request(args.prompt, params)
-    except (ModelLoadError, InvalidParameterError, ValueError) as err:
+    except (ModelLoadError, InvalidParameterError, ValueError, OSError) as err:
         print(f"rnnserve generate: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -88,6 +89,25 @@ def test_generate_streams_the_greedy_completion(capsys: pytest.CaptureFixture[st
     [expected] = LLM(TINY, max_num_seqs=1).generate("Hello", SamplingParams(temperature=0, max_tokens=8))
     assert out == expected.outputs[0].text + "\n"
     assert "8 tokens" in err
+
+
+def test_generate_follows_a_constraint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--json-schema`` (inline or ``@FILE``), ``--regex``, ``--choice``: the streamed text follows it."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ["generate", "--model", TINY, "--max-tokens", "40", "--temperature", "1", "--seed", "4"]
+    for flag in (json.dumps(schema), f"@{tmp_path / 'schema.json'}"):
+        code, out, err = run_main([*base, "--json-schema", flag, "Hi"], capsys)
+        assert code == 0 and json.loads(out) in ({"ok": True}, {"ok": False}) and "finish_reason=stop" in err
+    code, out, _ = run_main([*base, "--regex", "[0-9]{4}", "Hi"], capsys)
+    assert code == 0 and re.fullmatch(r"[0-9]{4}\n", out)
+    code, out, _ = run_main([*base, "--choice", "red", "--choice", "blue", "Hi"], capsys)
+    assert code == 0 and out in ("red\n", "blue\n")
+    code, _, err = run_main([*base, "--json-schema", "{not json", "Hi"], capsys)
+    assert code == 2 and "--json-schema" in err
+    code, _, err = run_main([*base, "--regex", "(", "Hi"], capsys)
+    assert code == 2 and "regex" in err
 
 
 def test_generate_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
