@@ -49,17 +49,26 @@ gpu-bench:
 # The serving stack as wheels for a CUDA image that has torch and Triton but not the web stack (Python 3.12,
 # x86-64 by default), at the versions installed here: carry GPU_WHEELS to that machine, then
 #   python3 -m pip install --no-index --no-deps --target /tmp/site GPU_WHEELS/*.whl
+#   python3 -m pip install --no-index --no-deps --target /tmp/site GPU_WHEELS/optional/*.whl || true
 #   PYTHONPATH=/tmp/site make gpu-bench
 GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON_VERSION ?= 3.12
 GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 SERVING_STACK := fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions \
 	annotated-doc opentelemetry-api anyio idna sniffio uvicorn h11 click httptools uvloop
+# llguidance (structured outputs) is built for glibc 2.31+: it goes to GPU_WHEELS/optional, installed on its own so
+# that an older image still gets the serving stack.
+GPU_OPTIONAL := llguidance
 gpu-wheels: install
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
 		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS) \
 		$$($(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
 		$(SERVING_STACK))
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_31_x86_64 $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS)/optional \
+		$$($(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
+		$(GPU_OPTIONAL))
 
 # rnnserve vs llama.cpp on CPU with the same weights: offline decode, roofline, HTTP (not part of `make test`).
 # Builds llama.cpp once into ~/.cache/rnnserve/peers; the converter needs transformers (the test extras).
