@@ -68,9 +68,23 @@ ROW_LIMITS = {
 }
 
 
-def row_limit(dtype: torch.dtype) -> int:
-    """Most rows of ``x`` the kernel runs for weights of ``dtype`` (0 when disabled or not supported)."""
-    return ROW_LIMITS.get(dtype, 0) if ENABLED else 0
+# fp32 on AVX-512 beside oneDNN, weights of at most FP32_SHORT_K inputs: the kernel to FP32_SHORT_K_ROWS rows of x
+# (5-8 rows of x per 32 KB chunk meet its 3-row blocks of W; longer rows of W leave 2-4 and lose to oneDNN past 24
+# rows). Zen 5, in one process alternating the rule, 32 / 64 streams with 64 rows: mamba2-130m 1.13x / 1.15x,
+# lattice-110m 1.14x / 1.12x, hawk-100m 1.12x / 0.99x, mingru-100m 1.07x / 0.97x, mamba-130m 1.03x / 0.95x
+# (48: 0.94x); with K <= 1024 instead, less at 32 and still behind at 64. So: to 32 rows.
+FP32_SHORT_K = 1536
+FP32_SHORT_K_ROWS = 32
+
+
+def row_limit(dtype: torch.dtype, k: int | None = None) -> int:
+    """Most rows of ``x`` the kernel runs for weights of ``dtype`` with ``k`` inputs (0 when disabled or not
+    supported)."""
+    if not ENABLED:
+        return 0
+    if dtype == torch.float32 and AVX512 and ONEDNN_FP32_GEMM and k is not None and k <= FP32_SHORT_K:
+        return FP32_SHORT_K_ROWS
+    return ROW_LIMITS.get(dtype, 0)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -79,7 +93,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dim() == 2
         and weight.dim() == 2
         and x.dtype == weight.dtype
-        and 1 <= x.shape[0] <= row_limit(weight.dtype)
+        and 1 <= x.shape[0] <= row_limit(weight.dtype, weight.shape[1])
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and weight.device.type == "cpu"

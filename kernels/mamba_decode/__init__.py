@@ -123,10 +123,16 @@ def mamba_mixer_decode(
         ssm_pool,
         out_proj_weight,
         out_proj_bias,
-        row_limit(in_proj_weight.dtype),
+        gemv_row_limits(in_proj_weight, x_proj_weight, dt_proj_weight, out_proj_weight),
         gemv.UPCAST_BF16_GEMM,
         gemv.ONEDNN_FP32_GEMM,
     )
+
+
+def gemv_row_limits(*weights: torch.Tensor) -> list[int]:
+    """The gemv kernel's row limit for each projection of a mixer (in, x, dt, out), by its dtype and inputs, as
+    ``matmul_t`` applies it (an int8 weight's limit is unused: it runs its own kernel)."""
+    return [row_limit(w.dtype, w.shape[1]) for w in weights]
 
 
 def mamba_decode_stack(
@@ -183,7 +189,7 @@ def mamba_decode_stack(
         in_s,
         x_s,
         out_s,
-        row_limit(dt_w[0].dtype),
+        gemv_row_limits(in_w[0], x_w[0], dt_w[0], out_w[0]),
         gemv.UPCAST_BF16_GEMM,
         gemv.ONEDNN_FP32_GEMM,
     )

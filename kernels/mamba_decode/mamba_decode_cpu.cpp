@@ -11,6 +11,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <array>
+
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -27,20 +29,27 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// How matmul_t (engine/models/layers/linear.py) routes float products: `gemv_rows` is the most rows the gemv
-// kernel takes for the model's float dtype (kernels/gemv: row_limit; 0 when it is switched off), `upcast_bf16`
-// says bf16 products beyond them run in fp32 (kernels/gemv: UPCAST_BF16_GEMM) and `onednn_fp32` that fp32 ones
-// run oneDNN's inner product (kernels/gemv: ONEDNN_FP32_GEMM).
+// How matmul_t (engine/models/layers/linear.py) routes float products: `gemv_rows` holds the most rows the gemv
+// kernel takes for each projection (in, x, dt, out), by its dtype and inputs (kernels/gemv: row_limit; 0 when it
+// is switched off), `upcast_bf16` says bf16 products beyond them run in fp32 (kernels/gemv: UPCAST_BF16_GEMM) and
+// `onednn_fp32` that fp32 ones run oneDNN's inner product (kernels/gemv: ONEDNN_FP32_GEMM).
+enum Projection { kIn, kX, kDt, kOut };
+
 struct GemmRules {
-  int64_t gemv_rows;
+  std::array<int64_t, 4> gemv_rows;
   bool upcast_bf16;
   bool onednn_fp32;
 };
 
+GemmRules gemm_rules(at::IntArrayRef gemv_rows, bool upcast_bf16, bool onednn_fp32) {
+  TORCH_CHECK(gemv_rows.size() == 4, "gemv_rows: one limit per projection (in, x, dt, out)");
+  return GemmRules{{gemv_rows[0], gemv_rows[1], gemv_rows[2], gemv_rows[3]}, upcast_bf16, onednn_fp32};
+}
+
 // x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
 // with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& scale, const OptTensor& b,
-                   const GemmRules& rules) {
+                   const GemmRules& rules, Projection which) {
   using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
   static const auto skinny = find_op<Linear>("rnnserve::skinny_linear");
@@ -54,7 +63,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& sc
   if (amx && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && rows >= 1 &&
       rows <= kSkinnyMaxRows && unit_stride)
     return skinny.call(x, w, b);
-  if (x.scalar_type() == w.scalar_type() && rows >= 1 && rows <= rules.gemv_rows && unit_stride)
+  if (x.scalar_type() == w.scalar_type() && rows >= 1 && rows <= rules.gemv_rows[which] && unit_stride)
     return gemv.call(x, w, b);
   if (rules.upcast_bf16 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     const OptTensor b32 = b.has_value() ? OptTensor(b->to(at::kFloat)) : std::nullopt;
@@ -88,15 +97,15 @@ at::Tensor mixer_step(const at::Tensor& h, const at::Tensor& in_weight, const Op
                          bool)>("rnnserve::selective_state_update");
   TORCH_CHECK(h.dim() == 2, "h must be [B, d_model]");
   const int64_t d_inner = conv_weight.size(0), dt_rank = dt_proj_weight.size(1), d_state = A.size(1);
-  const at::Tensor xz = project(h, in_weight, scales.in_proj, in_bias, rules);
+  const at::Tensor xz = project(h, in_weight, scales.in_proj, in_bias, rules, kIn);
   const at::Tensor z = xz.narrow(1, d_inner, d_inner);
   const at::Tensor x = conv_update.call(xz.narrow(1, 0, d_inner), conv_pool, conv_weight, conv_bias, slot_ids, true);
-  const at::Tensor projected = project(x, x_proj_weight, scales.x_proj, std::nullopt, rules);
+  const at::Tensor projected = project(x, x_proj_weight, scales.x_proj, std::nullopt, rules, kX);
   const at::Tensor dt =
-      project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, std::nullopt, rules);
+      project(projected.narrow(1, 0, dt_rank), dt_proj_weight, std::nullopt, std::nullopt, rules, kDt);
   const at::Tensor y = state_update.call(ssm_pool, slot_ids, x, dt, dt_bias, A, projected.narrow(1, dt_rank, d_state),
                                          projected.narrow(1, dt_rank + d_state, d_state), D, z, true);
-  return project(y.to(h.scalar_type()), out_weight, scales.out_proj, out_bias, rules);
+  return project(y.to(h.scalar_type()), out_weight, scales.out_proj, out_bias, rules, kOut);
 }
 
 at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, const OptTensor& in_bias,
@@ -104,11 +113,11 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                               const at::Tensor& slot_ids, const at::Tensor& x_proj_weight,
                               const at::Tensor& dt_proj_weight, const at::Tensor& dt_bias, const at::Tensor& A,
                               const at::Tensor& D, at::Tensor ssm_pool, const at::Tensor& out_weight,
-                              const OptTensor& out_bias, int64_t gemv_rows, bool upcast_bf16,
+                              const OptTensor& out_bias, at::IntArrayRef gemv_rows, bool upcast_bf16,
                               bool onednn_fp32) {
   return mixer_step(h, in_weight, in_bias, std::move(conv_pool), conv_weight, conv_bias, slot_ids, x_proj_weight,
                     dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, Int8Scales{},
-                    GemmRules{gemv_rows, upcast_bf16, onednn_fp32});
+                    gemm_rules(gemv_rows, upcast_bf16, onednn_fp32));
 }
 
 // Every layer of a Mamba-1 decode step in one call (the Python loop costs a few dispatches per layer):
@@ -126,7 +135,7 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
                               at::TensorList Ds, at::Tensor ssm_pool, at::TensorList out_weights,
                               const c10::List<OptTensor>& out_biases, const c10::List<OptTensor>& in_scales,
                               const c10::List<OptTensor>& x_proj_scales, const c10::List<OptTensor>& out_scales,
-                              int64_t gemv_rows, bool upcast_bf16, bool onednn_fp32) {
+                              at::IntArrayRef gemv_rows, bool upcast_bf16, bool onednn_fp32) {
   static const auto add_norm =
       find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double, bool)>(
           "rnnserve::residual_rms_norm");
@@ -139,14 +148,14 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
   };
   TORCH_CHECK(per_layer(in_scales) && per_layer(x_proj_scales) && per_layer(out_scales),
               "mamba_decode_stack: one entry of each scale list per mixer");
+  const GemmRules rules = gemm_rules(gemv_rows, upcast_bf16, onednn_fp32);
   at::Tensor normed = normed_in, stream = stream_in;
   for (int64_t i = 0; i < layers; ++i) {
     const Int8Scales scales{in_scales.get(i), x_proj_scales.get(i), out_scales.get(i)};
     const at::Tensor out = mixer_step(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
                                       conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
                                       dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),
-                                      out_weights[i], out_biases.get(i), scales,
-                                      GemmRules{gemv_rows, upcast_bf16, onednn_fp32});
+                                      out_weights[i], out_biases.get(i), scales, rules);
     std::tie(normed, stream) = add_norm.call(stream, out, norm_weights[i], eps, i + 1 < layers);
   }
   return normed;
@@ -157,7 +166,7 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
   m.def(
       "mamba_mixer_decode(Tensor h, Tensor in_weight, Tensor? in_bias, Tensor(a!) conv_pool, Tensor conv_weight, "
       "Tensor? conv_bias, Tensor slot_ids, Tensor x_proj_weight, Tensor dt_proj_weight, Tensor dt_bias, Tensor A, "
-      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int gemv_rows, bool upcast_bf16, "
+      "Tensor D, Tensor(b!) ssm_pool, Tensor out_weight, Tensor? out_bias, int[] gemv_rows, bool upcast_bf16, "
       "bool onednn_fp32) -> Tensor",
       &mamba_mixer_decode);
   m.def(
@@ -165,6 +174,6 @@ TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
       "Tensor?[] in_biases, Tensor(a!) conv_pool, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor slot_ids, "
       "Tensor[] x_proj_weights, Tensor[] dt_proj_weights, Tensor[] dt_biases, Tensor[] As, Tensor[] Ds, "
       "Tensor(b!) ssm_pool, Tensor[] out_weights, Tensor?[] out_biases, Tensor?[] in_scales, "
-      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int gemv_rows, bool upcast_bf16, bool onednn_fp32) -> Tensor",
+      "Tensor?[] x_proj_scales, Tensor?[] out_scales, int[] gemv_rows, bool upcast_bf16, bool onednn_fp32) -> Tensor",
       &mamba_decode_stack);
 }

@@ -94,7 +94,7 @@ def test_other_operands_use_the_reference(case: str) -> None:
     elif case == "mixed dtypes":
         weight = weight.bfloat16()
     elif case == "too many rows":
-        x = torch.randn(ROW_LIMITS[torch.float32] + 1, 64)
+        x = torch.randn(65, 64)  # the op takes 64 rows at most
     elif case == "strided inputs":
         x = torch.randn(64, 4).t()
     elif case == "needs grad":
@@ -151,6 +151,16 @@ def test_the_upcast_follows_the_cpu() -> None:
     assert ROW_LIMITS == {torch.float32: fp32, torch.bfloat16: 64}
 
 
+def test_fp32_weights_with_short_rows_take_the_kernel_to_32_rows_beside_onednn() -> None:
+    beside_onednn = gemv_module.AVX512 and gemv_module.ONEDNN_FP32_GEMM
+    assert row_limit(torch.float32, 1536) == (32 if beside_onednn else ROW_LIMITS[torch.float32])
+    assert row_limit(torch.float32, 1537) == row_limit(torch.float32) == ROW_LIMITS[torch.float32]
+    assert row_limit(torch.bfloat16, 768) == ROW_LIMITS[torch.bfloat16]
+    x, weight = operands(30, 768, 16, torch.float32, seed=3)
+    assert gemv_applies(x, weight) == beside_onednn
+    assert_matches(torch.ops.rnnserve.gemv(x, weight, None), x, weight, None)
+
+
 def test_onednn_follows_the_build() -> None:
     x86 = platform.machine().lower() in {"x86_64", "amd64"}
     expected = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -165,7 +175,7 @@ def test_fp32_beyond_the_kernel_runs_onednn(rows: int, with_bias: bool, monkeypa
     paths' ``(W @ x^T)^T``), equal to ATen's up to summation order; clearing the switch restores those paths."""
     x, weight = operands(rows, 96, 200, torch.float32, seed=rows)
     bias = torch.randn(200, generator=torch.Generator().manual_seed(6)) if with_bias else None
-    if rows <= ROW_LIMITS[torch.float32]:
+    if rows <= row_limit(torch.float32, weight.shape[1]):
         monkeypatch.setattr(gemv_module, "ENABLED", False)
     calls = record_op_calls(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
     out = matmul_t(x, weight, bias)

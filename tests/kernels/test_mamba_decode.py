@@ -112,6 +112,14 @@ def test_model_fused_step_equals_its_op_by_op_step(dtype: torch.dtype, batch: in
         assert torch.equal(pools[0].tensors[name], pools[1].tensors[name])
 
 
+def test_fused_step_takes_each_projections_own_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the fp32 short-K limit between the projections' widths (in_proj K = 48 and dt_proj K = 3 take the
+    kernel at 40 rows beside oneDNN, x_proj and out_proj K = 96 do not), the op still routes each as matmul_t."""
+    monkeypatch.setattr(gemv, "FP32_SHORT_K", 64)
+    monkeypatch.setattr(gemv, "FP32_SHORT_K_ROWS", 64)
+    test_model_fused_step_equals_its_op_by_op_step(torch.float32, 40, True)
+
+
 @torch.inference_mode()
 def test_other_inputs_do_not_apply() -> None:
     args = mixer_args(torch.float32, 2, False)
@@ -130,7 +138,7 @@ def test_fused_op_takes_onednn_as_matmul_t_does(onednn: bool, monkeypatch: pytes
     """At the tests' small sizes oneDNN and MKL sum in the same order, so equal numbers do not show which GEMM
     ran: the profiler does (the op calls oneDNN through the dispatcher, past the kernel's rows, in fp32)."""
     monkeypatch.setattr(gemv, "ONEDNN_FP32_GEMM", onednn)
-    args = mixer_args(torch.float32, 40, use_bias=True)
+    args = mixer_args(torch.float32, 70, use_bias=True)  # past the kernel's 64 rows, whatever the weights' K
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         mamba_mixer_decode(**args)
     called = {event.key for event in prof.key_averages()}
