@@ -58,8 +58,9 @@ AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # 64 in one process, docs/performance.md): ahead of oneDNN to 16 rows, level at 24, behind from 32 in one model of
 # the two (against MKL, without oneDNN, 1.2-1.7x at 16 to 64 rows); with three rows of W at once (2026-11-29) 32
 # and 64 rows gained 9% in mamba-130m and mamba2-130m but lost 10-23% in mingru-100m (K = 2048-4096 leaves 2-4
-# rows of x per L1 chunk), so 24 stays. 12 is the crossover against MKL measured on AVX2 before the kernel took
-# W's rows in L2 blocks, not measured again since. bf16 with bf16 arithmetic (the kernel's vdpbf16ps path, Zen 5):
+# rows of x per L1 chunk), so 24 stays (32 for weights of at most FP32_SHORT_K inputs, below). 12 is the
+# crossover against MKL measured on AVX2 before the kernel took W's rows in L2 blocks, not measured again since.
+# bf16 with bf16 arithmetic (the kernel's vdpbf16ps path, Zen 5):
 # with three rows of W at once, 1.03-1.20x oneDNN's bf16 GEMM at 32 and 64 rows in mamba, mamba2, mingru and hawk
 # decode; without bf16 arithmetic ATen's bf16 GEMM is slow at every row count.
 ROW_LIMITS = {
