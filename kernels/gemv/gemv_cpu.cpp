@@ -112,14 +112,24 @@ inline void dot_rows(const W* row, const float* x, int64_t k, int64_t x_stride, 
     const vfloat wv = load(row + j);
     for (int m = 0; m < M; ++m) acc[m][0] += wv * load(x + m * x_stride + j);
   }
-  vfloat totals[M];
-  for (int m = 0; m < M; ++m) {
-    totals[m] = acc[m][0];
-    for (int u = 1; u < U; ++u) totals[m] += acc[m][u];
+  if constexpr (M < 8) {  // few rows of x (batch 1 among them): one horizontal sum each, as lane_sums would
+    for (int m = 0; m < M; ++m) {
+      vfloat total = acc[m][0];
+      for (int u = 1; u < U; ++u) total += acc[m][u];
+      float s = lane_sum(total);
+      for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * x_stride + t];
+      sums[m] = s;
+    }
+  } else {
+    vfloat totals[M];
+    for (int m = 0; m < M; ++m) {
+      totals[m] = acc[m][0];
+      for (int u = 1; u < U; ++u) totals[m] += acc[m][u];
+    }
+    lane_sums<M>(totals, sums);
+    for (int m = 0; m < M; ++m)
+      for (int64_t t = j; t < k; ++t) sums[m] += static_cast<float>(row[t]) * x[m * x_stride + t];
   }
-  lane_sums<M>(totals, sums);
-  for (int m = 0; m < M; ++m)
-    for (int64_t t = j; t < k; ++t) sums[m] += static_cast<float>(row[t]) * x[m * x_stride + t];
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -275,8 +285,25 @@ inline void dot_block_chunk(const W* w, int64_t w_stride, const X* x, int64_t ro
     default: dot_block<8>(w, w_stride, x, k, x_stride, sums); break;
   }
 }
-#else
-constexpr int kRowsOfW = 1;
+
+// y[m, r] for the chunk's rows of x and rows r of W from i0, kRowsOfW at a time while they fill a block; returns
+// the first row left. Not inlined: in the loop that streams W one row at a time (batch 1 among others) its code
+// made that loop 10-15% slower.
+template <typename W, typename Y, typename X>
+__attribute__((noinline)) int64_t block_rows(const W* w, int64_t w_stride, const X* x, int64_t x_stride,
+                                             const float* bias, Y* y, int64_t n, int64_t k, int64_t chunk,
+                                             int64_t i0, int64_t i1) {
+  float sums[kRowsOfW * kRowChunk];
+  int64_t r = i0;
+  for (; r + kRowsOfW <= i1; r += kRowsOfW) {
+    dot_block_chunk(w + r * w_stride, w_stride, x, chunk, k, x_stride, sums);
+    for (int q = 0; q < kRowsOfW; ++q) {
+      const float b = bias ? bias[r + q] : 0.f;
+      for (int64_t m = 0; m < chunk; ++m) y[m * n + r + q] = static_cast<Y>(sums[q * kRowChunk + m] + b);
+    }
+  }
+  return r;
+}
 #endif
 
 // sums[m] for one chunk of `rows` (<= kRowChunk) rows of x, `x_stride` apart (fp32, or bf16 for the vdpbf16ps
@@ -306,7 +333,7 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kRowsOfW * kRowChunk];
+    float sums[kRowChunk];
     int64_t i = begin;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if (rows == 1) {  // batch 1: eight rows of W per add tree (kRowChunk sums)
@@ -324,15 +351,8 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
         const int64_t chunk = std::min<int64_t>(chunk_rows, rows - m0);
         int64_t r = i0;
 #if defined(__AVX512F__)
-        if (m0 > 0) {  // the block of W is in L2 (the first chunk streamed it from memory)
-          for (; r + kRowsOfW <= i1; r += kRowsOfW) {
-            dot_block_chunk(w + r * w_stride, w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
-            for (int q = 0; q < kRowsOfW; ++q) {
-              const float b = bias ? bias[r + q] : 0.f;
-              for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r + q] = static_cast<Y>(sums[q * kRowChunk + m] + b);
-            }
-          }
-        }
+        if (m0 > 0)  // the block of W is in L2 (the first chunk streamed it from memory)
+          r = block_rows(w, w_stride, x + m0 * x_stride, x_stride, bias, y + m0 * n, n, k, chunk, i0, i1);
 #endif
         for (; r < i1; ++r) {
           dot_chunk(w + r * w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
