@@ -11,6 +11,16 @@
 
 namespace rnnserve {
 
+// run(T{}) with T the element type of a tensor of `type`, bf16 or (otherwise) fp32: the kernels check the dtype
+// first, then instantiate their loops for both.
+template <typename Run>
+inline void with_element_type(at::ScalarType type, Run&& run) {
+  if (type == at::kBFloat16)
+    run(at::BFloat16{});
+  else
+    run(float{});
+}
+
 // The bits of v rounded to bf16 (its upper 16 bits; the lower ones zero).
 inline uint32_t bf16_rounded_bits(float v) {
   uint32_t bits;

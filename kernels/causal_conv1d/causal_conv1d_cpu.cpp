@@ -200,10 +200,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_varlen(const at::Tensor& x, con
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(float{});
+  rnnserve::with_element_type(x.scalar_type(), run);
   return {y, final_state};
 }
 }  // namespace

@@ -81,10 +81,7 @@ at::Tensor gated_act(const at::Tensor& gate, const std::optional<at::Tensor>& up
     else
       rows_of<kGelu>(g, u, o, rows, width, gate.stride(0), up_row);
   };
-  if (gate.scalar_type() == at::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(float{});
+  rnnserve::with_element_type(gate.scalar_type(), run);
   return out;
 }
 }  // namespace

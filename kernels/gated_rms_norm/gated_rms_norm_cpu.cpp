@@ -59,10 +59,7 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const at::Te
     norm_rows<T>(y.data_ptr<float>(), y.stride(0), z.data_ptr<T>(), z.stride(0), weight.data_ptr<T>(),
                  out.data_ptr<T>(), rows, width, width / groups, static_cast<float>(eps));
   };
-  if (z.scalar_type() == at::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(float{});
+  rnnserve::with_element_type(z.scalar_type(), run);
   return out;
 }
 }  // namespace

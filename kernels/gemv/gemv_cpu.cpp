@@ -40,8 +40,6 @@ constexpr int64_t kBlockBytes = 128 * 1024;  // rows of W multiplied with every 
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int kPrefetchFromRows = 4;
 constexpr int kPrefetchFromRowsBf16 = 8;
-// Rows of x from which several rows of W are multiplied at once (AVX-512; see dot_block).
-constexpr int64_t kBlockFromRows = 4;
 
 // bf16 -> fp32 is a shift into the high half: one widening load and one shift per vector.
 inline vfloat load(const at::BFloat16* p) {

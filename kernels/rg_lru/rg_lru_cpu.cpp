@@ -118,10 +118,7 @@ at::Tensor rg_lru_scan(const at::Tensor& x, const at::Tensor& pre_i, const at::T
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(float{});
+  rnnserve::with_element_type(x.scalar_type(), run);
   return h;
 }
 
@@ -170,10 +167,7 @@ at::Tensor rg_lru_step(const at::Tensor& x, const at::Tensor& y, const at::Tenso
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(float{});
+  rnnserve::with_element_type(x.scalar_type(), run);
   return out;
 }
 }  // namespace
