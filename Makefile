@@ -59,16 +59,15 @@ SERVING_STACK := fastapi starlette pydantic pydantic-core annotated-types typing
 # llguidance (structured outputs) is built for glibc 2.31+: it goes to GPU_WHEELS/optional, installed on its own so
 # that an older image still gets the serving stack.
 GPU_OPTIONAL := llguidance
+PINNED = $(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))"
 gpu-wheels: install
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
 		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS) \
-		$$($(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
-		$(SERVING_STACK))
+		$$($(PINNED) $(SERVING_STACK))
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
 		--implementation cp --platform manylinux_2_31_x86_64 $(addprefix --platform ,$(GPU_PLATFORMS)) \
 		-d $(GPU_WHEELS)/optional \
-		$$($(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
-		$(GPU_OPTIONAL))
+		$$($(PINNED) $(GPU_OPTIONAL))
 
 # rnnserve vs llama.cpp on CPU with the same weights: offline decode, roofline, HTTP (not part of `make test`).
 # Builds llama.cpp once into ~/.cache/rnnserve/peers; the converter needs transformers (the test extras).
