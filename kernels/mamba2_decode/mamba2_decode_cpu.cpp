@@ -24,9 +24,6 @@ inline float read(const at::Tensor& t, int64_t offset) {
                                        : static_cast<float>(t.data_ptr<at::BFloat16>()[offset]);
 }
 
-// log(1 + e^v) with PyTorch's default threshold (v > 20 returns v).
-inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
-
 at::Tensor column_vector(const at::Tensor& t, int64_t numel, const char* name) {
   TORCH_CHECK(t.dim() == 1 && t.numel() == numel, "mamba2_mixer_step: ", name, " must be [", numel, "]");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": fp32 or bf16");
@@ -64,7 +61,7 @@ at::Tensor step_typed(const at::Tensor& xbc, const at::Tensor& dt_raw, const at:
       cs[b * bc + j] = silu_rounded(row[d_inner + bc + j]);
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const float v = softplus(static_cast<float>(dt_in[b * dt_raw.stride(0) + h]) + read(dt_bias, h));
+      const float v = rnnserve::softplus(static_cast<float>(dt_in[b * dt_raw.stride(0) + h]) + read(dt_bias, h));
       dts[b * heads + h] = std::min(std::max(v, static_cast<float>(dt_min)), static_cast<float>(dt_max));
     }
   }

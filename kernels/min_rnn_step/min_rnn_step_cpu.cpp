@@ -12,33 +12,42 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
 namespace {
 constexpr int64_t kRowsPerTask = 16;  // rows of a batch per thread task (a row is a few microseconds of work)
 constexpr int64_t kScanChannels = 256;  // channels of one prefill task (its state stays in L1)
 
-// torch.nn.functional.softplus (beta 1, threshold 20).
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(rnnserve::fast_exp(x)); }
-
-inline float candidate(float x) { return x >= 0.0f ? x + 0.5f : rnnserve::sigmoid(x); }
+__attribute__((always_inline)) inline float candidate(float x) { return x >= 0.0f ? x + 0.5f : rnnserve::sigmoid(x); }
 
 // a h + b for channel j of a row proj[0, P * dim) (the columns of each projection `dim` apart).
 template <typename T>
 __attribute__((always_inline)) inline float step(const T* p, int64_t dim, int64_t j, float h, bool lstm) {
+  using rnnserve::to_float;
   float a, b;
   if (lstm) {
-    const float d = softplus(-static_cast<float>(p[j])) - softplus(-static_cast<float>(p[dim + j]));
+    const float d = rnnserve::softplus(-to_float(p[j])) - rnnserve::softplus(-to_float(p[dim + j]));
     a = rnnserve::sigmoid(-d);
-    b = rnnserve::sigmoid(d) * candidate(static_cast<float>(p[2 * dim + j]));
+    b = rnnserve::sigmoid(d) * candidate(to_float(p[2 * dim + j]));
   } else {
-    const float z = rnnserve::sigmoid(static_cast<float>(p[j]));
+    const float z = rnnserve::sigmoid(to_float(p[j]));
     a = 1.0f - z;
-    b = z * candidate(static_cast<float>(p[dim + j]));
+    b = z * candidate(to_float(p[dim + j]));
   }
   return a * h + b;
+}
+
+// One row's channels as a vector loop. GCC vectorises it only with every call inlined and bf16 converted
+// bit-wise (rnnserve::to_float, store_as), as the scan's loop below.
+template <bool kLstm, typename T>
+__attribute__((always_inline)) inline void step_row(const T* p, int64_t dim, float* h, T* y) {
+#pragma omp simd
+  for (int64_t j = 0; j < dim; ++j) {
+    h[j] = step(p, dim, j, h[j], kLstm);
+    rnnserve::store_as(y, j, h[j]);
+  }
 }
 
 template <typename T>
@@ -49,11 +58,10 @@ void step_rows(const T* proj, int64_t proj_stride, float* pool, int64_t pool_str
       const T* p = proj + r * proj_stride;
       float* h = pool + slots[r] * pool_stride;
       T* y = out + r * dim;
-      for (int64_t j = 0; j < dim; ++j) {
-        const float next = step(p, dim, j, h[j], lstm);
-        h[j] = next;
-        y[j] = static_cast<T>(next);
-      }
+      if (lstm)
+        step_row<true>(p, dim, h, y);
+      else
+        step_row<false>(p, dim, h, y);
     }
   });
 }

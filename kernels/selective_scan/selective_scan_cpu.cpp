@@ -75,8 +75,7 @@ __attribute__((always_inline)) inline void load_token(const Args<T>& a, int64_t 
   if (a.softplus) {
 #pragma omp simd
     for (int64_t j = 0; j < width; ++j) {
-      const float v = delta[j] + bias[j];
-      delta[j] = v > 20.f ? v : std::log1p(std::exp(v));  // torch's softplus (threshold 20)
+      delta[j] = rnnserve::softplus(delta[j] + bias[j]);
     }
   } else {
 #pragma omp simd
