@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -375,10 +376,28 @@ void widen(const at::Tensor& t, int64_t offset, int64_t count, int64_t stride, f
 
 bool is_supported(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
 
+// An fp32 element of y holding its value rounded to bf16 (gemv_widened), assigned from the fp32 sum as a bf16
+// element of y would be.
+struct Bf16AsFloat {
+  float value;
+  Bf16AsFloat(float v) : value(rnnserve::round_to<at::BFloat16>(v)) {}
+};
+static_assert(sizeof(Bf16AsFloat) == sizeof(float), "Bf16AsFloat is stored as an fp32 tensor");
+
+// y's elements for a bf16 product: bf16, or (widened) fp32 holding the bf16-rounded values.
+template <typename Run>
+void with_bf16_output(at::Tensor& y, Run&& run) {
+  if (y.scalar_type() == at::kFloat)
+    run(reinterpret_cast<Bf16AsFloat*>(y.data_ptr<float>()));
+  else
+    run(y.data_ptr<at::BFloat16>());
+}
+
 // x [M, K] (1 <= M <= 64, any strides), weight [N, K] (unit stride along K) of the same dtype (fp32 or bf16),
-// bias [N] (fp32 or bf16) or None. Returns y [M, N] in x's dtype, contiguous: fp32 accumulation,
-// one rounding.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// bias [N] (fp32 or bf16) or None. Returns y [M, N] contiguous: fp32 accumulation, one rounding to x's dtype,
+// and y in fp32 if `widened` (the same values; an LM head's logits, which would be converted next).
+at::Tensor gemv_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     bool widened) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv: x must be [M, K] and weight [N, K]");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv: CPU tensors only");
   TORCH_CHECK(is_supported(x.scalar_type()) && x.scalar_type() == weight.scalar_type(),
@@ -391,7 +410,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gemv: bias must be [N]");
     TORCH_CHECK(is_supported(bias->scalar_type()), "gemv: bias must be fp32 or bf16");
   }
-  auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto y = at::empty({rows, n}, x.options().dtype(widened ? at::kFloat : x.scalar_type()));
   // x and the bias are converted and packed here, not by ATen ops: at batch 1 those few-KB copies cost more in
   // dispatch than in work, dozens of times per decode step.
   std::vector<float> bias32;
@@ -417,8 +436,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
         for (int64_t j = 0; j < k; ++j) base[m * x_stride + j] = xb[m * x.stride(0) + j * x.stride(1)];
       xb = base;
     }
-    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xb, x_stride, bias_data, y.data_ptr<at::BFloat16>(), rows,
-               n, k);
+    with_bf16_output(y, [&](auto* out) {
+      gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xb, x_stride, bias_data, out, rows, n, k);
+    });
     return y;
   }
 #endif
@@ -434,9 +454,24 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   if (weight.scalar_type() == at::kFloat)
     gemv_typed(weight.data_ptr<float>(), w_stride, xs, k, bias_data, y.data_ptr<float>(), rows, n, k);
   else
-    gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, k, bias_data, y.data_ptr<at::BFloat16>(), rows, n, k);
+    with_bf16_output(y, [&](auto* out) {
+      gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, k, bias_data, out, rows, n, k);
+    });
   return y;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return gemv_impl(x, weight, bias, false);
+}
+
+// gemv(x, weight, bias) widened to fp32 in the same pass: for a bf16 LM head of 256K outputs at 32 rows, writing
+// bf16 and converting it after took as long as a fifth of the head's own product.
+at::Tensor gemv_widened(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return gemv_impl(x, weight, bias, true);
 }
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(rnnserve, m) { m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &gemv); }
+TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &gemv);
+  m.def("gemv_widened(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &gemv_widened);
+}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.engine.models.layers import matmul_t
+from rnnserve.engine.models.layers import logits_matmul_t, matmul_t
 from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.gemv import ROW_LIMITS, gemv, gemv_applies, row_limit
@@ -59,6 +59,35 @@ def test_bias(dtype: torch.dtype, bias_dtype: torch.dtype) -> None:
     x, weight = operands(3, 100, 70, dtype, seed=4)
     bias = torch.randn(70, generator=torch.Generator().manual_seed(5)).to(bias_dtype)
     assert_matches(torch.ops.rnnserve.gemv(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 24, OP_MAX_ROWS])  # one row of W at a time, and the 3-row blocks
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_op_is_the_op_then_float(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
+    """``gemv_widened`` writes fp32 the values ``gemv`` would have rounded to x's dtype: bit for bit its
+    ``.float()``."""
+    x, weight = operands(rows, 200, 1000, dtype, seed=rows)
+    bias = torch.randn(1000, generator=torch.Generator().manual_seed(7)) if with_bias else None
+    widened = torch.ops.rnnserve.gemv_widened(x, weight, bias)
+    assert widened.dtype == torch.float32 and widened.is_contiguous()
+    assert torch.equal(widened, torch.ops.rnnserve.gemv(x, weight, bias).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, OP_MAX_ROWS + 1])
+def test_logits_matmul_t_widens_the_kernels_bf16_products(
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An LM head's product comes fp32 from the kernel where it takes a bf16 product (its values those of
+    ``matmul_t``), and is ``matmul_t``'s own result everywhere else."""
+    x, weight = operands(rows, 64, 300, dtype, seed=rows)
+    calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "gemv_widened")
+    logits = logits_matmul_t(x, weight)
+    widened = dtype == torch.bfloat16 and gemv_applies(x, weight) and not skinny_linear_applies(x, weight)
+    assert len(calls) == int(widened)
+    assert logits.dtype == (torch.float32 if widened else dtype)
+    assert torch.equal(logits.float(), matmul_t(x, weight).float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

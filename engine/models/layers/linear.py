@@ -22,6 +22,29 @@ def linear(layer: nn.Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return matmul_t(x, layer.weight, layer.bias)
 
 
+def logits_linear(layer: nn.Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(layer, x)`` for an LM head, whose output its caller makes fp32 logits (``.float()``,
+    :func:`~rnnserve.kernels.soft_cap.soft_cap`): see :func:`logits_matmul_t`."""
+    if isinstance(layer, Int8Linear):
+        return int8_linear(x, layer.weight, layer.scale, layer.bias)
+    return logits_matmul_t(x, layer.weight, layer.bias)
+
+
+def logits_matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`matmul_t` for an LM head: where the GEMV kernel takes a bf16 product, its result comes widened to
+    fp32 (the same bf16-rounded values), written once instead of as bf16 and then converted: for a 256K vocabulary
+    at 32 rows the conversion cost a fifth of the head's own product. Elsewhere ``matmul_t``'s result as it is."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and not skinny_linear_applies(x, weight)
+        and gemv_applies(x, weight)
+    ):
+        return torch.ops.rnnserve.gemv_widened(x, weight, bias)
+    return matmul_t(x, weight, bias)
+
+
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, with these CPU paths for decode batches and prefill chunks:
 
