@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -54,6 +55,15 @@ inline vfloat load(const at::BFloat16* p) {
   const vuint wide = __builtin_convertvector(*reinterpret_cast<const vhalf_unaligned*>(p), vuint) << 16;
   return reinterpret_cast<vfloat>(wide);
 #endif
+}
+
+using rnnserve::load_partial;
+
+// load_partial for bf16 weights: the tail's bits copied into a zeroed vector's worth, then widened.
+inline vfloat load_partial(const at::BFloat16* p, int64_t count) {
+  at::BFloat16 tail[kLanes] = {};
+  std::memcpy(tail, p, count * sizeof(at::BFloat16));
+  return load(tail);
 }
 
 #if defined(__AVX512F__)
@@ -111,13 +121,15 @@ inline void dot_rows(const W* row, const float* x, int64_t k, int64_t x_stride, 
     const vfloat wv = load(row + j);
     for (int m = 0; m < M; ++m) acc[m][0] += wv * load(x + m * x_stride + j);
   }
+  if (j < k) {
+    const vfloat wv = load_partial(row + j, k - j);
+    for (int m = 0; m < M; ++m) acc[m][0] += wv * load_partial(x + m * x_stride + j, k - j);
+  }
   if constexpr (M < 8) {  // few rows of x (batch 1 among them): one horizontal sum each, as lane_sums would
     for (int m = 0; m < M; ++m) {
       vfloat total = acc[m][0];
       for (int u = 1; u < U; ++u) total += acc[m][u];
-      float s = lane_sum(total);
-      for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[m * x_stride + t];
-      sums[m] = s;
+      sums[m] = lane_sum(total);
     }
   } else {
     vfloat totals[M];
@@ -126,8 +138,6 @@ inline void dot_rows(const W* row, const float* x, int64_t k, int64_t x_stride, 
       for (int u = 1; u < U; ++u) totals[m] += acc[m][u];
     }
     lane_sums<M>(totals, sums);
-    for (int m = 0; m < M; ++m)
-      for (int64_t t = j; t < k; ++t) sums[m] += static_cast<float>(row[t]) * x[m * x_stride + t];
   }
 }
 
@@ -146,9 +156,8 @@ inline void dot_eight_rows(const W* w, int64_t w_stride, const float* x, int64_t
     for (; j + 4 * kLanes <= k; j += 4 * kLanes)
       for (int u = 0; u < 4; ++u) acc[u] += load(row + j + u * kLanes) * load(x + j + u * kLanes);
     for (; j + kLanes <= k; j += kLanes) acc[0] += load(row + j) * load(x + j);
-    vfloat total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (int64_t t = j; t < k; ++t) total[0] += static_cast<float>(row[t]) * x[t];
-    folded[r] = reinterpret_cast<__m256>(total);
+    if (j < k) acc[1] += load_partial(row + j, k - j) * load_partial(x + j, k - j);
+    folded[r] = reinterpret_cast<__m256>((acc[0] + acc[1]) + (acc[2] + acc[3]));
   }
   const __m256 h01 = _mm256_hadd_ps(folded[0], folded[1]), h23 = _mm256_hadd_ps(folded[2], folded[3]);
   const __m256 h45 = _mm256_hadd_ps(folded[4], folded[5]), h67 = _mm256_hadd_ps(folded[6], folded[7]);
@@ -221,17 +230,19 @@ inline void dot_block(const W* w, int64_t w_stride, const float* x, int64_t k, i
       a2[m] += v2 * xv;
     }
   }
+  if (j < k) {
+    const vfloat v0 = load_partial(w0 + j, k - j), v1 = load_partial(w1 + j, k - j);
+    const vfloat v2 = load_partial(w2 + j, k - j);
+    for (int m = 0; m < M; ++m) {
+      const vfloat xv = load_partial(x + m * x_stride + j, k - j);
+      a0[m] += v0 * xv;
+      a1[m] += v1 * xv;
+      a2[m] += v2 * xv;
+    }
+  }
   lane_sums<M>(a0, sums);
   lane_sums<M>(a1, sums + kRowChunk);
   lane_sums<M>(a2, sums + 2 * kRowChunk);
-  for (int m = 0; m < M; ++m) {
-    const float* xm = x + m * x_stride;
-    for (int64_t t = j; t < k; ++t) {
-      sums[m] += static_cast<float>(w0[t]) * xm[t];
-      sums[kRowChunk + m] += static_cast<float>(w1[t]) * xm[t];
-      sums[2 * kRowChunk + m] += static_cast<float>(w2[t]) * xm[t];
-    }
-  }
 }
 
 #if defined(__AVX512BF16__)
@@ -442,20 +453,25 @@ at::Tensor gemv_impl(const at::Tensor& x, const at::Tensor& weight, const std::o
     return y;
   }
 #endif
+  // fp32 rows of x are packed as the bf16 ones above unless they are contiguous whole cache lines: with every
+  // load of x straddling two lines lstm-large's K = 1500 took 1.3-1.5x oneDNN's time from 8 rows (Zen 5).
   std::vector<float> packed_x;
   const float* xs = nullptr;
-  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == k) {
+  int64_t x_stride = k;
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == k && k % 16 == 0) {
     xs = x.data_ptr<float>();
   } else {
-    packed_x.resize(rows * k);
-    for (int64_t m = 0; m < rows; ++m) widen(x, m * x.stride(0), k, x.stride(1), packed_x.data() + m * k);
-    xs = packed_x.data();
+    x_stride = (k + 15) / 16 * 16;
+    packed_x.assign(rows * x_stride + 16, 0.0f);
+    float* base = packed_x.data() + (64 - reinterpret_cast<uintptr_t>(packed_x.data()) % 64) % 64 / 4;
+    for (int64_t m = 0; m < rows; ++m) widen(x, m * x.stride(0), k, x.stride(1), base + m * x_stride);
+    xs = base;
   }
   if (weight.scalar_type() == at::kFloat)
-    gemv_typed(weight.data_ptr<float>(), w_stride, xs, k, bias_data, y.data_ptr<float>(), rows, n, k);
+    gemv_typed(weight.data_ptr<float>(), w_stride, xs, x_stride, bias_data, y.data_ptr<float>(), rows, n, k);
   else
     with_bf16_output(y, [&](auto* out) {
-      gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, k, bias_data, out, rows, n, k);
+      gemv_typed(weight.data_ptr<at::BFloat16>(), w_stride, xs, x_stride, bias_data, out, rows, n, k);
     });
   return y;
 }
