@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 
@@ -40,6 +41,7 @@ namespace {
 using rnnserve::kLanes;
 using rnnserve::lane_sum;
 using rnnserve::load;
+using rnnserve::load_partial;
 using rnnserve::vfloat;
 
 constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
@@ -90,12 +92,16 @@ inline void dot_rows(const int8_t* row, const float* x, int64_t x_stride, int64_
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] += wv * load(x + r * x_stride + j);
   }
+  if (j < k) {  // the row's tail as one more vector step (see rnnserve::load_partial)
+    int8_t tail[kLanes] = {};
+    std::memcpy(tail, row + j, k - j);
+    const vfloat wv = load_int8(tail);
+    for (int r = 0; r < R; ++r) acc[r][0] += wv * load_partial(x + r * x_stride + j, k - j);
+  }
   for (int r = 0; r < R; ++r) {
     vfloat total = acc[r][0];
     for (int u = 1; u < U; ++u) total += acc[r][u];
-    float s = lane_sum(total);
-    for (int64_t t = j; t < k; ++t) s += static_cast<float>(row[t]) * x[r * x_stride + t];
-    sums[r] = s;
+    sums[r] = lane_sum(total);
   }
 }
 
