@@ -73,7 +73,9 @@ ROW_LIMITS = {
 # (5-8 rows of x per 32 KB chunk meet its 3-row blocks of W; longer rows of W leave 2-4 and lose to oneDNN past 24
 # rows). Zen 5, in one process alternating the rule, 32 / 64 streams with 64 rows: mamba2-130m 1.13x / 1.15x,
 # lattice-110m 1.14x / 1.12x, hawk-100m 1.12x / 0.99x, mingru-100m 1.07x / 0.97x, mamba-130m 1.03x / 0.95x
-# (48: 0.94x); with K <= 1024 instead, less at 32 and still behind at 64. So: to 32 rows.
+# (48: 0.94x); with K <= 1024 instead, less at 32 and still behind at 64. So: to 32 rows, for rows of W that are
+# whole cache lines (K a multiple of 16): each load of the others straddles two lines, and lstm-large (K = 1500)
+# at 28-32 streams ran 1.08-1.11x faster on oneDNN (alternating in one process).
 FP32_SHORT_K = 1536
 FP32_SHORT_K_ROWS = 32
 
@@ -83,7 +85,8 @@ def row_limit(dtype: torch.dtype, k: int | None = None) -> int:
     supported)."""
     if not ENABLED:
         return 0
-    if dtype == torch.float32 and AVX512 and ONEDNN_FP32_GEMM and k is not None and k <= FP32_SHORT_K:
+    short_rows = k is not None and k <= FP32_SHORT_K and k % 16 == 0
+    if dtype == torch.float32 and AVX512 and ONEDNN_FP32_GEMM and short_rows:
         return FP32_SHORT_K_ROWS
     return ROW_LIMITS.get(dtype, 0)
 

@@ -184,6 +184,7 @@ def test_fp32_weights_with_short_rows_take_the_kernel_to_32_rows_beside_onednn()
     beside_onednn = gemv_module.AVX512 and gemv_module.ONEDNN_FP32_GEMM
     assert row_limit(torch.float32, 1536) == (32 if beside_onednn else ROW_LIMITS[torch.float32])
     assert row_limit(torch.float32, 1537) == row_limit(torch.float32) == ROW_LIMITS[torch.float32]
+    assert row_limit(torch.float32, 1500) == ROW_LIMITS[torch.float32]  # rows of W that are not whole lines
     assert row_limit(torch.bfloat16, 768) == ROW_LIMITS[torch.bfloat16]
     x, weight = operands(30, 768, 16, torch.float32, seed=3)
     assert gemv_applies(x, weight) == beside_onednn

@@ -51,9 +51,9 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     * bf16, 1..32 rows, on CPUs with AMX: the :mod:`rnnserve.kernels.skinny_linear` kernel, which reads the weight
       as stored at memory speed (about 2x oneDNN at 1-32 rows);
     * up to :func:`rnnserve.kernels.gemv.row_limit` rows otherwise (fp32 12, or on AVX-512 24 before oneDNN,
-      32 for weights of at most 1536 inputs, and 64 without it; bf16 64): the :mod:`rnnserve.kernels.gemv`
-      kernel, which streams the weight once on all cores (1.1-1.9x ATen in fp32, 1.2-10x in bf16 on an AVX2
-      CPU; 1.2-3.3x a decode step on a Zen 5);
+      32 for weights of at most 1536 inputs in whole cache lines, and 64 without it; bf16 64): the
+      :mod:`rnnserve.kernels.gemv` kernel, which streams the weight once on all cores (1.1-1.9x ATen in fp32,
+      1.2-10x in bf16 on an AVX2 CPU; 1.2-3.3x a decode step on a Zen 5);
     * bf16 beyond those rows on CPUs without bf16 arithmetic (:data:`rnnserve.kernels.gemv.UPCAST_BF16_GEMM`):
       the fp32 GEMM of the upcast operands, rounded once to bf16 (4-8x ATen's bf16 GEMM there);
     * fp32 beyond those rows where PyTorch has oneDNN (:data:`rnnserve.kernels.gemv.ONEDNN_FP32_GEMM`): oneDNN's
