@@ -33,7 +33,9 @@ def test_cpu_step_matches_reference_in_place(cell: str, projections: int, dtype:
     h_ref = min_rnn_step_ref(proj, expected_pool[slots, layer], cell)
     expected_pool[slots, layer] = h_ref
     assert h.dtype == dtype and h.shape == (batch, DIM)
-    torch.testing.assert_close(h, h_ref.to(dtype), rtol=2e-6 if dtype == torch.float32 else 2**-8, atol=2e-6)
+    # The fp32 states agree to 2e-6; a bf16 h is that state rounded, one bf16 step apart where the two fp32 values
+    # straddle a rounding boundary.
+    torch.testing.assert_close(h, h_ref.to(dtype), rtol=2e-6 if dtype == torch.float32 else 2**-7, atol=2e-6)
     torch.testing.assert_close(pool, expected_pool, rtol=2e-6, atol=2e-6)
 
 
