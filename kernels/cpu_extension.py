@@ -127,4 +127,4 @@ def cpu_ops() -> bool:
 
 def use_cpu_kernel(x: torch.Tensor) -> bool:
     """True when an op on ``x`` should run its fused CPU kernel (not while tests force the Triton kernels)."""
-    return x.device.type == "cpu" and not use_triton(x) and cpu_ops()
+    return x.is_cpu and not use_triton(x) and cpu_ops()

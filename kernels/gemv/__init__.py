@@ -100,7 +100,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and 1 <= x.shape[0] <= row_limit(weight.dtype, weight.shape[1])
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and weight.device.type == "cpu"
+        and weight.is_cpu
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and use_cpu_kernel(x)
     )

@@ -31,7 +31,7 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     device: on one without AMX the other checks cost ~1.7 us a linear layer, a third of ``matmul_t``'s own time
     at batch 1.)"""
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and amx_available()
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
@@ -39,7 +39,7 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and weight.device.type == "cpu"
+        and weight.is_cpu
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and use_cpu_kernel(x)
     )

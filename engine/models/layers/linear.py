@@ -36,7 +36,7 @@ def logits_matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     at 32 rows the conversion cost a fifth of the head's own product. Elsewhere ``matmul_t``'s result as it is."""
     if (
         x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.dim() == 2
         and not skinny_linear_applies(x, weight)
         and gemv_applies(x, weight)
@@ -62,7 +62,7 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
       on every call; ``W @ x^T`` streams it as stored instead: 1.4-1.8x faster in fp32 and 1.5-2.5x in
       bf16 at 8-64 rows on these CPUs. The result is a transposed view.
     """
-    if x.device.type != "cpu" or x.dim() != 2:
+    if not x.is_cpu or x.dim() != 2:
         return F.linear(x, weight, bias)
     if skinny_linear_applies(x, weight):
         return torch.ops.rnnserve.skinny_linear(x, weight, bias)
