@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap
+from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap, retain_freed_memory
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
         freeze_startup_heap()
+        retain_freed_memory()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import itertools
 import logging
 import operator
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,6 +43,27 @@ DECODED_PROMPT_TOKENS = 32
 # once the startup heap is frozen; Python's default, 700, is crossed again and again by the live objects of a
 # few hundred requests in flight (see freeze_startup_heap).
 YOUNG_GENERATION_THRESHOLD = 50_000
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def retain_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse rather than hand it back to the OS: no mmap for large
+    blocks, no trimming of the heap's top. ATen's CPU allocator is malloc, and a prefill's activations (tens of MB
+    each) were mapped when allocated and unmapped when freed, so every prefill paid page faults on first touch:
+    a [2048, 3072] fp32 GELU took 4.3 ms in a prefill and 1.5 ms with the memory kept; bf16 prefills of 2 x 2048
+    tokens ran 1-16% faster (minlstm-100m, mamba-130m, mamba2-130m). The process keeps its peak heap, as a caching
+    allocator does. Nothing changes where the environment already tunes malloc (``MALLOC_*_``, ``GLIBC_TUNABLES``)
+    or the C library has no ``mallopt``; returns whether it applied. Called once per serving process."""
+    if any(name in os.environ for name in MALLOC_ENVIRONMENT):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def freeze_startup_heap() -> None:

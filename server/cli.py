@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rnnserve.engine.llm_engine import freeze_startup_heap
+    from rnnserve.engine.llm_engine import freeze_startup_heap, retain_freed_memory
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app
     from rnnserve.server.http_server import build_server, listen_socket
@@ -172,6 +172,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     freeze_startup_heap()
+    retain_freed_memory()
     log_serving(config, app.state.engine.info, "process" if config.uses_engine_process else "thread")
     server = build_server(app, config)
     server.run(sockets=[sock])

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap
+from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap, retain_freed_memory
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
@@ -705,6 +705,7 @@ def run_engine_process(conns: list[Connection], config: EngineConfig, factory: E
     for conn in conns:
         send_message(conn, info)
     freeze_startup_heap()
+    retain_freed_memory()
     links = ServerLinks(conns)
     EngineCore(engine, links.next_command, links.post, collect=lambda: engine.collect(links.encoder.row)).run()
 
