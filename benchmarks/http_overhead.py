@@ -44,7 +44,7 @@ from rnnserve.clients.bench import BenchConfig, benchmark
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import build_random, save_checkpoint
-from rnnserve.server.cli import omp_environment
+from rnnserve.server.cli import serving_environment
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -208,7 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    env = omp_environment({**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    env = serving_environment({**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     policy = ", ".join(f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env)
     rows = []
     with tempfile.TemporaryDirectory(prefix="http-overhead-") as tmp:

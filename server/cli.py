@@ -31,22 +31,30 @@ GENERATE_ENGINE_FLAGS_SKIPPED = ("max_num_seqs", "max_waiting", "state_memory") 
 # on a small machine; PASSIVE (no spin) pays a wake-up for each of the ~100 parallel regions of a decode step
 # (-30% at batch 1). 10,000 spins bridge the gaps between the regions of a step. See docs/performance.md.
 GOMP_SPINCOUNT_DEFAULT = "10000"
+# PyTorch's CPU allocator puts tensors of 2 MB and more on transparent huge pages when THP_MEM_ALLOC_ENABLE is set
+# (read once, as torch starts): the weights stream with fewer TLB misses. Zen 5, two threads, alternating runs:
+# mamba-370m bf16 decode at batch 1 3-5% faster, at batch 4 1-3%.
+THP_MEM_ALLOC_DEFAULT = "1"
 
 
-def omp_environment(environ: dict[str, str]) -> dict[str, str]:
-    """``environ`` with the server's OpenMP spin count added, unless it already chooses a wait policy
-    (``OMP_WAIT_POLICY`` or libgomp's ``GOMP_SPINCOUNT``)."""
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
-        return environ
-    return {**environ, "GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT}
+def serving_environment(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with what a serving process needs before torch loads: OpenMP's spin count unless it chooses a
+    wait policy (``OMP_WAIT_POLICY`` or libgomp's ``GOMP_SPINCOUNT``), and huge pages for large tensors unless it
+    sets ``THP_MEM_ALLOC_ENABLE``."""
+    added = {}
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        added["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
+    if "THP_MEM_ALLOC_ENABLE" not in environ:
+        added["THP_MEM_ALLOC_ENABLE"] = THP_MEM_ALLOC_DEFAULT
+    return {**environ, **added} if added else environ
 
 
-def reexec_with_omp_policy() -> None:
-    """Restart this process (same pid) with :func:`omp_environment` when it adds the spin count: libgomp reads
-    it once, when torch loads it, which importing this module has already done. Returns only when nothing
-    needs changing."""
-    environ = omp_environment(dict(os.environ))
-    if environ.get("GOMP_SPINCOUNT") != os.environ.get("GOMP_SPINCOUNT"):
+def reexec_with_serving_environment() -> None:
+    """Restart this process (same pid) with :func:`serving_environment` when it adds anything: libgomp and
+    PyTorch's allocator read those variables once, when torch loads, which importing this module has already
+    done. Returns only when nothing needs changing."""
+    environ = serving_environment(dict(os.environ))
+    if environ != dict(os.environ):
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
 
 
@@ -320,10 +328,10 @@ def lsrl(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``rnnserve`` program; ``argv`` defaults to the command line, whose ``serve`` first sets the OpenMP
-    wait policy (:func:`reexec_with_omp_policy`)."""
+    """The ``rnnserve`` program; ``argv`` defaults to the command line, whose ``serve`` first sets the serving
+    environment (:func:`reexec_with_serving_environment`)."""
     if argv is None and sys.argv[1:2] == ["serve"]:
-        reexec_with_omp_policy()
+        reexec_with_serving_environment()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lsrl"]:
         return lsrl(argv[1:])

@@ -134,25 +134,33 @@ def test_lsrl_subcommand_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch)
     assert seen == [["compile", "--help"]]
 
 
-def test_omp_environment_adds_a_short_spin_unless_a_policy_is_set() -> None:
-    assert cli.omp_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
-    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}):
-        assert cli.omp_environment(chosen) == chosen
+def test_serving_environment_adds_a_short_spin_and_huge_pages_unless_chosen() -> None:
+    assert cli.serving_environment({"PATH": "/bin"}) == {
+        "PATH": "/bin",
+        "GOMP_SPINCOUNT": "10000",
+        "THP_MEM_ALLOC_ENABLE": "1",
+    }
+    for policy in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        assert cli.serving_environment(policy) == {**policy, "THP_MEM_ALLOC_ENABLE": "1"}
+    chosen = {"GOMP_SPINCOUNT": "300000", "THP_MEM_ALLOC_ENABLE": "0"}
+    assert cli.serving_environment(chosen) == chosen
 
 
-def test_serve_reexecs_only_when_the_policy_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_reexecs_only_when_the_environment_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, list[str], dict[str, str]]] = []
     monkeypatch.setattr(cli.os, "execve", lambda path, args, env: calls.append((path, args, env)))
     monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"])
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    cli.reexec_with_omp_policy()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    cli.reexec_with_serving_environment()
     assert calls == []
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    cli.reexec_with_omp_policy()
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    cli.reexec_with_serving_environment()
     [(path, args, env)] = calls
     assert path == sys.executable and args == [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"]
-    assert env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env
+    assert env["GOMP_SPINCOUNT"] == "10000" and env["THP_MEM_ALLOC_ENABLE"] == "1" and "OMP_WAIT_POLICY" not in env
 
 
 def alive(pid: int) -> bool:
