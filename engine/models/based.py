@@ -51,7 +51,6 @@ from rnnserve.engine.models.layers import (
     apply_rope,
     gather_slots,
     linear,
-    logits_linear,
     rope_cos_sin,
     scatter_slots,
 )
@@ -432,7 +431,7 @@ class BasedLM(RecurrentLM):
 
     def _logits(self, stream: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         normed, _ = self._add_norm(stream, delta, self.transformer.ln_f)
-        return logits_linear(self.lm_head, normed).float()
+        return linear(self.lm_head, normed, widened=True).float()
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         slot_ids = batch.slot_ids

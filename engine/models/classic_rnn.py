@@ -29,7 +29,7 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import gather_slots, logits_linear, matmul_t, scatter_slots, time_major_packed
+from rnnserve.engine.models.layers import gather_slots, linear, matmul_t, scatter_slots, time_major_packed
 
 
 @dataclass
@@ -99,7 +99,7 @@ class ClassicRNNLM(RecurrentLM):
         packed_rows = time_major_packed(rows, batch.lengths).data
         out = self._run(time_major_packed(self.embed(batch.input_ids), batch.lengths), batch.slot_ids, state)
         hidden = out.new_empty(out.shape).index_copy_(0, packed_rows, out)
-        return logits_linear(self.lm_head, hidden[batch.logit_rows]).float()
+        return linear(self.lm_head, hidden[batch.logit_rows], widened=True).float()
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         x = self.embed(batch.input_ids)
@@ -107,7 +107,7 @@ class ClassicRNNLM(RecurrentLM):
             top = self._step(x, batch.slot_ids, state)
         else:
             top = self._run(x[:, None, :], batch.slot_ids, state)
-        return logits_linear(self.lm_head, top).float()
+        return linear(self.lm_head, top, widened=True).float()
 
     def _layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of one layer of the module (biases None without them)."""

@@ -37,7 +37,7 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import GatedMLP, RMSNorm, gather_slots, linear, logits_linear, scatter_slots
+from rnnserve.engine.models.layers import GatedMLP, RMSNorm, gather_slots, linear, scatter_slots
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.gated_act import gated_act
 from rnnserve.kernels.lattice import VARIANTS, lattice_decode, lattice_varlen
@@ -239,7 +239,7 @@ class LatticeLM(RecurrentLM):
         scatter_slots((conv_pool,), batch.slot_ids, (conv,))
         rows = batch.logit_rows  # only these rows need the final norm and logits
         normed, _ = self._add_norm(stream[rows], delta[rows], self.norm_f)
-        return logits_linear(self.lm_head, normed).float()
+        return linear(self.lm_head, normed, widened=True).float()
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
         conv_pool, s_pool = state["conv"], state["S"]
@@ -249,7 +249,7 @@ class LatticeLM(RecurrentLM):
             mixed = block.mixer.decode(normed, batch.slot_ids, conv_pool[:, i], s_pool[:, i])
             delta, stream = self._mlp(block, stream, mixed)
         normed, _ = self._add_norm(stream, delta, self.norm_f)
-        return logits_linear(self.lm_head, normed).float()
+        return linear(self.lm_head, normed, widened=True).float()
 
 
 register_preset("lattice-tiny", "lattice", d_model=64, n_layers=2, n_heads=2, head_dim=16, num_slots=8,

@@ -50,7 +50,7 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import RMSNorm, linear, logits_matmul_t, rms_normalize
+from rnnserve.engine.models.layers import RMSNorm, linear, matmul_t, rms_normalize
 from rnnserve.kernels.cached_attention import cached_attention_decode, cached_attention_prefill
 from rnnserve.kernels.gated_act import gated_act
 
@@ -151,7 +151,7 @@ class LoopedTransformer(RecurrentLM):
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return logits_matmul_t(self.final_norm(h), self.embed.weight).float()
+        return matmul_t(self.final_norm(h), self.embed.weight, widened=True).float()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.config.n_head, self.config.head_dim)

@@ -32,7 +32,7 @@ from rnnserve.engine.models.base import (
     register_model,
     register_preset,
 )
-from rnnserve.engine.models.layers import gather_slots, linear, logits_linear, scatter_slots
+from rnnserve.engine.models.layers import gather_slots, linear, scatter_slots
 from rnnserve.kernels.add_norm import add_norm
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.gated_act import gated_act
@@ -189,7 +189,7 @@ class MinRNNLM(RecurrentLM):
 
     def _logits(self, delta: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         normed, _ = _add_norm(self.norm_f, delta, stream)
-        return logits_linear(self.lm_head, normed).float()
+        return linear(self.lm_head, normed, widened=True).float()
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         pools = state["conv"], state["h"]

@@ -45,7 +45,6 @@ from rnnserve.engine.models.layers import (
     gather_slots,
     gelu_tanh,
     linear,
-    logits_linear,
     rope_cos_sin,
     scatter_slots,
 )
@@ -297,7 +296,7 @@ class RecurrentGemmaLM(RecurrentLM):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         cap = self.config.logits_soft_cap
-        return soft_cap(logits_linear(self.lm_head, self.model.final_norm(h)), cap)
+        return soft_cap(linear(self.lm_head, self.model.final_norm(h), widened=True), cap)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE ``cos, sin`` at ``positions``, shared by every attention layer (None without attention)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rnnserve.engine.models.layers import logits_matmul_t, matmul_t
+from rnnserve.engine.models.layers import matmul_t
 from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.gemv import ROW_LIMITS, gemv, gemv_applies, row_limit
@@ -76,14 +76,14 @@ def test_widened_op_is_the_op_then_float(dtype: torch.dtype, rows: int, with_bia
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, OP_MAX_ROWS + 1])
-def test_logits_matmul_t_widens_the_kernels_bf16_products(
+def test_matmul_t_widened_takes_the_kernels_bf16_products_to_fp32(
     dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An LM head's product comes fp32 from the kernel where it takes a bf16 product (its values those of
     ``matmul_t``), and is ``matmul_t``'s own result everywhere else."""
     x, weight = operands(rows, 64, 300, dtype, seed=rows)
     calls = record_op_calls(monkeypatch, torch.ops.rnnserve, "gemv_widened")
-    logits = logits_matmul_t(x, weight)
+    logits = matmul_t(x, weight, widened=True)
     widened = dtype == torch.bfloat16 and gemv_applies(x, weight) and not skinny_linear_applies(x, weight)
     assert len(calls) == int(widened)
     assert logits.dtype == (torch.float32 if widened else dtype)

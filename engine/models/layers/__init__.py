@@ -1,7 +1,6 @@
 """Building blocks shared by the model modules, one small module each:
 
-- :mod:`.linear`: ``linear``/``matmul_t``, linear layers with CPU fast paths for decode batches (``logits_*``:
-  for LM heads);
+- :mod:`.linear`: ``linear``/``matmul_t``, linear layers with CPU fast paths for decode batches;
 - :mod:`.norms`: RMSNorm variants (Mamba's ``weight``, Gemma's ``1 + weight``, weightless);
 - :mod:`.rope`: rotary position embeddings on all or part of each head;
 - :mod:`.sliding_window`: sliding-window attention over a per-slot ring buffer of keys and values;
@@ -11,7 +10,7 @@
 - :mod:`.mixer_stack`: the embedding -> mixer blocks -> norm -> head skeleton of Mamba-style models.
 """
 
-from rnnserve.engine.models.layers.linear import linear, logits_linear, logits_matmul_t, matmul_t
+from rnnserve.engine.models.layers.linear import linear, matmul_t
 from rnnserve.engine.models.layers.mixer_stack import MixerBackbone, MixerBlock, MixerStackLM
 from rnnserve.engine.models.layers.mlp import GatedMLP, gelu_tanh
 from rnnserve.engine.models.layers.norms import GemmaRMSNorm, RMSNorm, rms_normalize, weightless_rms_norm
@@ -32,8 +31,6 @@ __all__ = [
     "gather_slots",
     "gelu_tanh",
     "linear",
-    "logits_linear",
-    "logits_matmul_t",
     "matmul_t",
     "rms_normalize",
     "rope_cos_sin",

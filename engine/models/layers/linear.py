@@ -15,37 +15,17 @@ from rnnserve.kernels.skinny_linear import skinny_linear_applies
 SMALL_BATCH_ROWS = 128
 
 
-def linear(layer: nn.Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, through :func:`matmul_t`'s fast paths for few rows (int8 layers: their own kernel)."""
+def linear(layer: nn.Linear | Int8Linear, x: torch.Tensor, widened: bool = False) -> torch.Tensor:
+    """``layer(x)``, through :func:`matmul_t`'s fast paths for few rows (int8 layers: their own kernel, never
+    widened)."""
     if isinstance(layer, Int8Linear):
         return int8_linear(x, layer.weight, layer.scale, layer.bias)
-    return matmul_t(x, layer.weight, layer.bias)
+    return matmul_t(x, layer.weight, layer.bias, widened)
 
 
-def logits_linear(layer: nn.Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(layer, x)`` for an LM head, whose output its caller makes fp32 logits (``.float()``,
-    :func:`~rnnserve.kernels.soft_cap.soft_cap`): see :func:`logits_matmul_t`."""
-    if isinstance(layer, Int8Linear):
-        return int8_linear(x, layer.weight, layer.scale, layer.bias)
-    return logits_matmul_t(x, layer.weight, layer.bias)
-
-
-def logits_matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`matmul_t` for an LM head: where the GEMV kernel takes a bf16 product, its result comes widened to
-    fp32 (the same bf16-rounded values), written once instead of as bf16 and then converted: for a 256K vocabulary
-    at 32 rows the conversion cost a fifth of the head's own product. Elsewhere ``matmul_t``'s result as it is."""
-    if (
-        x.dtype == torch.bfloat16
-        and x.is_cpu
-        and x.dim() == 2
-        and not skinny_linear_applies(x, weight)
-        and gemv_applies(x, weight)
-    ):
-        return torch.ops.rnnserve.gemv_widened(x, weight, bias)
-    return matmul_t(x, weight, bias)
-
-
-def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_t(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False
+) -> torch.Tensor:
     """``x @ weight.T + bias``, with these CPU paths for decode batches and prefill chunks:
 
     * bf16, 1..32 rows, on CPUs with AMX: the :mod:`rnnserve.kernels.skinny_linear` kernel, which reads the weight
@@ -61,13 +41,19 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     * 2..128 rows otherwise: ``(W @ x^T)^T``. With few rows, MKL/oneDNN repack the weight for ``x @ W^T``
       on every call; ``W @ x^T`` streams it as stored instead: 1.4-1.8x faster in fp32 and 1.5-2.5x in
       bf16 at 8-64 rows on these CPUs. The result is a transposed view.
+
+    ``widened`` is for an LM head, whose output its caller makes fp32 logits: where the GEMV kernel takes a bf16
+    product, its result comes widened to fp32 (the same bf16-rounded values), written once instead of as bf16 and
+    then converted (for a 256K vocabulary at 32 rows the conversion cost a fifth of the head's own product).
+    Elsewhere the result is the same as without it.
     """
     if not x.is_cpu or x.dim() != 2:
         return F.linear(x, weight, bias)
     if skinny_linear_applies(x, weight):
         return torch.ops.rnnserve.skinny_linear(x, weight, bias)
     if gemv_applies(x, weight):
-        return torch.ops.rnnserve.gemv(x, weight, bias)
+        kernel = torch.ops.rnnserve.gemv_widened if widened and x.dtype == torch.bfloat16 else torch.ops.rnnserve.gemv
+        return kernel(x, weight, bias)
     if gemv.UPCAST_BF16_GEMM and x.dtype == weight.dtype == torch.bfloat16:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if gemv.ONEDNN_FP32_GEMM and onednn_applies(x, weight, bias):

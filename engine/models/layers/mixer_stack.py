@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM, StateTensors
-from rnnserve.engine.models.layers.linear import logits_linear
+from rnnserve.engine.models.layers.linear import linear
 from rnnserve.engine.models.layers.norms import RMSNorm
 from rnnserve.engine.models.layers.slots import slot_index
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
@@ -74,7 +74,7 @@ class MixerStackLM(RecurrentLM):
         return residual_rms_norm(stream, delta, norm.weight, norm.eps, layer < len(layers))
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return logits_linear(self.lm_head, normed).float()
+        return linear(self.lm_head, normed, widened=True).float()
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
         layers = self.backbone.layers
