@@ -395,6 +395,17 @@ struct Bf16AsFloat {
 };
 static_assert(sizeof(Bf16AsFloat) == sizeof(float), "Bf16AsFloat is stored as an fp32 tensor");
 
+// Room in `buffer` for `rows` rows of k elements, zeroed, each starting on a 64-byte line and a whole number of lines
+// long; returns the first row and sets `stride` (elements). Rows of x read in place from strides that are not whole
+// lines have every vector operand straddle two cache lines.
+template <typename T>
+T* line_aligned_rows(std::vector<T>& buffer, int64_t rows, int64_t k, int64_t& stride) {
+  constexpr int64_t per_line = 64 / sizeof(T);
+  stride = (k + per_line - 1) / per_line * per_line;
+  buffer.assign(rows * stride + per_line, T(0.0f));
+  return buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(T);
+}
+
 // y's elements for a bf16 product: bf16, or (widened) fp32 holding the bf16-rounded values.
 template <typename Run>
 void with_bf16_output(at::Tensor& y, Run&& run) {
@@ -440,9 +451,7 @@ at::Tensor gemv_impl(const at::Tensor& x, const at::Tensor& weight, const std::o
     const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
     int64_t x_stride = x.stride(0);
     if (x.stride(1) != 1 || x.stride(0) != k || k % 32 != 0) {
-      x_stride = (k + 31) / 32 * 32;
-      packed.assign(rows * x_stride + 32, at::BFloat16(0.0f));
-      at::BFloat16* base = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64 / 2;
+      at::BFloat16* base = line_aligned_rows(packed, rows, k, x_stride);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t j = 0; j < k; ++j) base[m * x_stride + j] = xb[m * x.stride(0) + j * x.stride(1)];
       xb = base;
@@ -461,9 +470,7 @@ at::Tensor gemv_impl(const at::Tensor& x, const at::Tensor& weight, const std::o
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == k && k % 16 == 0) {
     xs = x.data_ptr<float>();
   } else {
-    x_stride = (k + 15) / 16 * 16;
-    packed_x.assign(rows * x_stride + 16, 0.0f);
-    float* base = packed_x.data() + (64 - reinterpret_cast<uintptr_t>(packed_x.data()) % 64) % 64 / 4;
+    float* base = line_aligned_rows(packed_x, rows, k, x_stride);
     for (int64_t m = 0; m < rows; ++m) widen(x, m * x.stride(0), k, x.stride(1), base + m * x_stride);
     xs = base;
   }
