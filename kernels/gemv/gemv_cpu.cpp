@@ -296,21 +296,18 @@ inline void dot_block_chunk(const W* w, int64_t w_stride, const X* x, int64_t ro
   }
 }
 
-// y[m, r] for the chunk's rows of x and rows r of W from i0, kRowsOfW at a time while they fill a block; returns
-// the first row left. Not inlined: in the loop that streams W one row at a time (batch 1 among others) its code
-// made that loop 10-15% slower.
-template <typename W, typename Y, typename X>
-__attribute__((noinline)) int64_t block_rows(const W* w, int64_t w_stride, const X* x, int64_t x_stride,
-                                             const float* bias, Y* y, int64_t n, int64_t k, int64_t chunk,
-                                             int64_t i0, int64_t i1) {
+// y[m, r] for the chunk's rows of x and rows r of W from i0, kRowsOfW at a time while they fill a block, handed
+// to store(m, r, sum); returns the first row left. Not inlined: in the loop that streams W one row at a time
+// (batch 1 among others) its code made that loop 10-15% slower.
+template <typename W, typename X, typename Store>
+__attribute__((noinline)) int64_t block_rows(const W* w, int64_t w_stride, const X* x, int64_t x_stride, int64_t k,
+                                             int64_t chunk, int64_t i0, int64_t i1, Store&& store) {
   float sums[kRowsOfW * kRowChunk];
   int64_t r = i0;
   for (; r + kRowsOfW <= i1; r += kRowsOfW) {
     dot_block_chunk(w + r * w_stride, w_stride, x, chunk, k, x_stride, sums);
-    for (int q = 0; q < kRowsOfW; ++q) {
-      const float b = bias ? bias[r + q] : 0.f;
-      for (int64_t m = 0; m < chunk; ++m) y[m * n + r + q] = static_cast<Y>(sums[q * kRowChunk + m] + b);
-    }
+    for (int q = 0; q < kRowsOfW; ++q)
+      for (int64_t m = 0; m < chunk; ++m) store(m, r + q, sums[q * kRowChunk + m]);
   }
   return r;
 }
@@ -336,12 +333,15 @@ inline void dot_chunk(const W* row, const X* x, int64_t rows, int64_t k, int64_t
 // hardware prefetchers follow (reading several rows side by side measured up to 1.8x slower from DRAM). The range
 // is taken in blocks of about kBlockBytes: a block streams from memory while the first chunk of x's rows runs
 // through it and stays in L2 for the other chunks, each chunk of x staying in L1 across the block. (Chunk by chunk
-// over whole rows of W, x no longer fit L1 past ~16 rows and the kernel fell to 5-10 GB/s.)
+// over whole rows of W, x no longer fit L1 past ~16 rows and the kernel fell to 5-10 GB/s.) A chunk over K in
+// passes adds each pass's sums into `partial` and writes y after the last; every pass after the first finds the
+// block in L2, and the first reads it in pieces of k_pass elements, three rows at a time as well (as fast as one).
 template <typename W, typename Y, typename X>
 void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, const float* bias, Y* y, int64_t rows,
                 int64_t n, int64_t k) {
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, row_bytes));
+  const rnnserve::ChunkShape shape = rnnserve::chunk_shape(rows, k, kRowChunk, sizeof(X));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
     int64_t i = begin;
@@ -349,26 +349,49 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
     if (rows == 1) {  // batch 1: eight rows of W per add tree (kRowChunk sums)
       for (; i + 8 <= end; i += 8) {
         dot_eight_rows(w + i * w_stride, w_stride, x, k, sums);
-        for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[i + r] : 0.f));
+        for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[r + i] : 0.f));
       }
     }
 #endif
     const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, row_bytes));
-    const int64_t chunk_rows = sizeof(X) == sizeof(float) ? rnnserve::fp32_chunk_rows(k, kRowChunk) : kRowChunk;
+    std::vector<float> partial(shape.k_pass < k ? shape.rows * block : 0);
     for (int64_t i0 = i; i0 < end; i0 += block) {
-      const int64_t i1 = std::min(end, i0 + block);
-      for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {
-        const int64_t chunk = std::min<int64_t>(chunk_rows, rows - m0);
-        int64_t r = i0;
+      const int64_t i1 = std::min(end, i0 + block), block_rows_of_w = i1 - i0;
+      for (int64_t m0 = 0; m0 < rows; m0 += shape.rows) {
+        const int64_t chunk = std::min<int64_t>(shape.rows, rows - m0);
+        const X* xm = x + m0 * x_stride;
+        Y* ym = y + m0 * n;
+        if (shape.k_pass == k) {
+          const auto store = [&](int64_t m, int64_t r, float v) {
+            ym[m * n + r] = static_cast<Y>(v + (bias ? bias[r] : 0.f));
+          };
+          int64_t r = i0;
 #if defined(__AVX512F__)
-        if (m0 > 0)  // the block of W is in L2 (the first chunk streamed it from memory)
-          r = block_rows(w, w_stride, x + m0 * x_stride, x_stride, bias, y + m0 * n, n, k, chunk, i0, i1);
+          if (m0 > 0)  // the block of W is in L2 (the first chunk streamed it from memory)
+            r = block_rows(w, w_stride, xm, x_stride, k, chunk, i0, i1, store);
 #endif
-        for (; r < i1; ++r) {
-          dot_chunk(w + r * w_stride, x + m0 * x_stride, chunk, k, x_stride, sums);
-          const float b = bias ? bias[r] : 0.f;
-          for (int64_t m = 0; m < chunk; ++m) y[(m0 + m) * n + r] = static_cast<Y>(sums[m] + b);
+          for (; r < i1; ++r) {
+            dot_chunk(w + r * w_stride, xm, chunk, k, x_stride, sums);
+            for (int64_t m = 0; m < chunk; ++m) store(m, r, sums[m]);
+          }
+          continue;
         }
+        std::fill(partial.begin(), partial.begin() + chunk * block_rows_of_w, 0.f);
+        const auto add = [&](int64_t m, int64_t r, float v) { partial[m * block_rows_of_w + r - i0] += v; };
+        for (int64_t k0 = 0; k0 < k; k0 += shape.k_pass) {
+          const int64_t pass = std::min(shape.k_pass, k - k0);
+          int64_t r = i0;
+#if defined(__AVX512F__)
+          r = block_rows(w + k0, w_stride, xm + k0, x_stride, pass, chunk, i0, i1, add);
+#endif
+          for (; r < i1; ++r) {
+            dot_chunk(w + r * w_stride + k0, xm + k0, chunk, pass, x_stride, sums);
+            for (int64_t m = 0; m < chunk; ++m) add(m, r, sums[m]);
+          }
+        }
+        for (int64_t m = 0; m < chunk; ++m)
+          for (int64_t r = i0; r < i1; ++r)
+            ym[m * n + r] = static_cast<Y>(partial[m * block_rows_of_w + r - i0] + (bias ? bias[r] : 0.f));
       }
     }
   });

@@ -101,6 +101,22 @@ def test_strided_rows_and_weight_slices(dtype: torch.dtype) -> None:
     assert_matches(gemv(x, weight), x, weight, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 4, 8, 11, 24, OP_MAX_ROWS])
+def test_long_rows_of_w_taken_over_k_in_passes(dtype: torch.dtype, rows: int) -> None:
+    """Rows of W too long for a chunk of x to stay in L1 over all of K (8200 inputs: bf16 from 4 rows of x, fp32
+    from 8) are summed pass by pass: with a bias, a weight that is a column slice of a wider one, a last pass
+    that is not a whole vector, and a count of W's rows that the 3-row blocks do not divide."""
+    g = torch.Generator().manual_seed(rows)
+    inputs, outputs = 8200, 71
+    x = torch.randn(rows, inputs, generator=g).to(dtype)
+    weight = (torch.randn(outputs, inputs + 40, generator=g) / inputs**0.5).to(dtype)[:, 24 : 24 + inputs]
+    bias = torch.randn(outputs, generator=g)
+    assert_matches(torch.ops.rnnserve.gemv(x, weight, bias), x, weight, bias)
+    widened = torch.ops.rnnserve.gemv_widened(x, weight, bias)
+    assert torch.equal(widened, torch.ops.rnnserve.gemv(x, weight, bias).float())
+
+
 def test_the_op_rejects_what_it_cannot_run() -> None:
     weight = torch.zeros(16, 32)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
