@@ -28,6 +28,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_vector.h"
 #include "onednn_linear.h"
@@ -191,21 +192,39 @@ void stream_rows(const at::Tensor& x_rows, const at::Tensor& weight, const float
   out_t* out = y.data_ptr<out_t>();
   const int64_t w_stride = weight.stride(0), x_stride = x_rows.stride(0);
   // Blocks of about kBlockBytes of W's rows: a block streams from memory while the first chunk of x's rows
-  // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block.
+  // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block
+  // (over K in passes where its rows are long: rnnserve::chunk_shape).
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
   const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, k));
-  const int64_t chunk_rows = sizeof(X) == sizeof(float) ? rnnserve::fp32_chunk_rows(k, kFewRows) : kFewRows;
+  const rnnserve::ChunkShape shape = rnnserve::chunk_shape(rows, k, kFewRows, sizeof(X));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[kFewRows];
+    std::vector<float> partial(shape.k_pass < k ? shape.rows * block : 0);
     for (int64_t i0 = begin; i0 < end; i0 += block) {
-      const int64_t i1 = std::min(end, i0 + block);
-      for (int64_t m0 = 0; m0 < rows; m0 += chunk_rows) {
-        const int64_t chunk = std::min(chunk_rows, rows - m0);
-        for (int64_t i = i0; i < i1; ++i) {
-          dot_few_rows(w + i * w_stride, x + m0 * x_stride, x_stride, chunk, k, sums);
-          const float b = bias ? bias[i] : 0.f;
-          for (int64_t m = 0; m < chunk; ++m) out[(m0 + m) * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
+      const int64_t i1 = std::min(end, i0 + block), block_rows = i1 - i0;
+      for (int64_t m0 = 0; m0 < rows; m0 += shape.rows) {
+        const int64_t chunk = std::min(shape.rows, rows - m0);
+        const X* xm = x + m0 * x_stride;
+        out_t* ym = out + m0 * n;
+        if (shape.k_pass == k) {
+          for (int64_t i = i0; i < i1; ++i) {
+            dot_few_rows(w + i * w_stride, xm, x_stride, chunk, k, sums);
+            const float b = bias ? bias[i] : 0.f;
+            for (int64_t m = 0; m < chunk; ++m) ym[m * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
+          }
+          continue;
         }
+        std::fill(partial.begin(), partial.begin() + chunk * block_rows, 0.f);
+        for (int64_t k0 = 0; k0 < k; k0 += shape.k_pass) {
+          const int64_t pass = std::min(shape.k_pass, k - k0);
+          for (int64_t i = i0; i < i1; ++i) {
+            dot_few_rows(w + i * w_stride + k0, xm + k0, x_stride, chunk, pass, sums);
+            for (int64_t m = 0; m < chunk; ++m) partial[m * block_rows + i - i0] += sums[m];
+          }
+        }
+        for (int64_t m = 0; m < chunk; ++m)
+          for (int64_t i = i0; i < i1; ++i)
+            ym[m * n + i] = static_cast<out_t>(partial[m * block_rows + i - i0] * scale[i] + (bias ? bias[i] : 0.f));
       }
     }
   });

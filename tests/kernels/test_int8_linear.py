@@ -17,9 +17,10 @@ from tests.kernels.kernel_cases import count_calls
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_ops(), reason="needs the fused CPU kernels")
 
-# (K, N): odd sizes below and across the 8- and 16-lane vectors and the 64-weight steps, a projection-sized one, and
-# one long enough that fp32 rows of x go 2 at a time (L1).
-SHAPES = [(64, 48), (33, 17), (7, 40), (130, 9), (101, 11), (1, 5), (768, 100), (3000, 7)]
+# (K, N): odd sizes below and across the 8- and 16-lane vectors and the 64-weight steps, a projection-sized one,
+# one long enough that fp32 rows of x go 2 at a time (L1), and one that chunks of x take over K in passes (bf16
+# from 3 rows, fp32 from 8; the last pass not a whole line).
+SHAPES = [(64, 48), (33, 17), (7, 40), (130, 9), (101, 11), (1, 5), (768, 100), (3000, 7), (8200, 13)]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 32, 33, 40]  # one weight row at a time up to 8, 8-row chunks to 32, then GEMM
 
 
