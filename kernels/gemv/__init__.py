@@ -3,7 +3,8 @@
 ``naive.py`` is the reference (fp32 math on the operands' values, one rounding). ``gemv_cpu.cpp`` gives each
 thread a contiguous range of the weight's rows and reads each row from memory once, multiplying it with every
 row of ``x`` in fp32 registers (bf16 weights are widened in registers, or on CPUs with AVX512-BF16 multiplied
-as they are by ``vdpbf16ps``, in blocks of rows that stay in L2 while every chunk of ``x``'s rows passes). It
+as they are by ``vdpbf16ps``, in blocks of rows that stay in L2 while every chunk of ``x``'s rows passes, over
+K in passes where the chunk's rows are long). It
 applies to CPU tensors ``x [M, K]`` and ``weight [N, K]`` of one dtype, fp32 or bf16, with a unit stride along
 ``K`` and up to :data:`ROW_LIMITS` rows for that dtype (beyond them ATen's GEMM measured as fast or faster);
 elsewhere the callers keep their ATen paths.
