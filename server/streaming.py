@@ -63,6 +63,16 @@ def json_string(value: str | None) -> str:
     return "null" if value is None else _escape_line_breaks(_encode_string(value))
 
 
+# The logprob JSON gets for a token the request's constraint rules out (-inf in the engine), as vLLM and OpenAI
+# write it: JSON has no infinity, and strict parsers reject the `-Infinity` Python would write.
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` for a JSON body: at least :data:`MIN_JSON_LOGPROB` (also for NaN)."""
+    return logprob if logprob > MIN_JSON_LOGPROB else MIN_JSON_LOGPROB
+
+
 def _escape_line_breaks(text: str) -> str:
     if "\u2028" in text or "\u2029" in text or "\x85" in text:  # rare; a translate scans every character
         return text.translate(_LINE_BREAK_ESCAPES)
@@ -192,7 +202,7 @@ class Generation(ABC):
         return result
 
     def ranked(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage; ``prompt_tokens`` counts the whole sequence before the output (a session's history
@@ -325,7 +335,7 @@ class CompletionStream(Generation):
         self.offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob if e is not None else None for _, e in entries],
+            "token_logprobs": [json_logprob(e.logprob) if e is not None else None for _, e in entries],
             "top_logprobs": [self.top_by_text(e.top[:top_n]) if e is not None else None for _, e in entries],
             "text_offset": offsets,
         }
@@ -335,7 +345,7 @@ class CompletionStream(Generation):
         likely one is kept, so the first value is still the largest."""
         by_text: dict[str, float] = {}
         for token_id, logprob in top:
-            by_text.setdefault(self.token_text(token_id), logprob)
+            by_text.setdefault(self.token_text(token_id), json_logprob(logprob))
         return by_text
 
     def choices_json(self, choices: list[dict]) -> str:
@@ -438,7 +448,11 @@ class ChatStream(Generation):
             return None
 
         def item(token_id: int, logprob: float) -> dict:
-            return {"token": self.token_text(token_id), "logprob": logprob, "bytes": self.token_bytes(token_id)}
+            return {
+                "token": self.token_text(token_id),
+                "logprob": json_logprob(logprob),
+                "bytes": self.token_bytes(token_id),
+            }
 
         content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}

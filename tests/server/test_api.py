@@ -146,6 +146,26 @@ def test_logit_bias_and_allowed_token_ids(client: TestClient) -> None:
     assert set(body["choices"][0]["text"]) <= set("xyz") and len(body["choices"][0]["text"]) == 20
 
 
+def test_logprobs_of_ruled_out_tokens_are_finite_json(client: TestClient) -> None:
+    """Alternatives a constraint rules out have logprob -inf in the engine; the responses write them as -9999.0
+    (as vLLM and OpenAI do), streamed and not, since JSON has no infinity: a 500 before, and ``-Infinity``,
+    which strict JSON parsers reject, in streams."""
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} in a response")
+
+    completion = {"prompt": "Hi", "max_tokens": 2, "allowed_token_ids": [65], "logprobs": 2, "echo": False}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        for stream in (False, True):
+            response = client.post(path, json={**body, "stream": stream})
+            assert response.status_code == 200, response.text
+            text = response.text
+            for payload in [line[6:] for line in text.splitlines() if line.startswith("data: {")] if stream else [text]:
+                json.loads(payload, parse_constant=no_constants)
+            assert "-9999.0" in text, text
+
+
 def test_structured_outputs(client: TestClient) -> None:
     """OpenAI's ``response_format`` (``json_schema``, ``json_object``) in chat and vLLM's ``structured_outputs``
     in completions, streamed and not: the text follows the constraint and the choice ends with ``stop``."""
