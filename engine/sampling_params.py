@@ -78,7 +78,9 @@ class StructuredOutputParams:
         if len(given) != 1:
             kinds = ", ".join(STRUCTURED_OUTPUT_KINDS)
             raise InvalidParameterError(self.param, f"give exactly one of {kinds} (got {', '.join(given) or 'none'})")
-        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+        choice = self.choice
+        valid_choice = isinstance(choice, list) and choice and all(isinstance(c, str) and c for c in choice)
+        if choice is not None and not valid_choice:
             raise InvalidParameterError(self.param, "choice must be a non-empty list of non-empty strings")
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)

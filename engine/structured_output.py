@@ -90,10 +90,24 @@ class GrammarCompiler:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
-        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        error = LLMatcher.validate_grammar(grammar, tokenizer) or self._first_step_error(tokenizer, grammar)
         if error:
             raise InvalidParameterError(params.param, f"invalid structured output constraint: {error.strip()}")
         return CompiledGrammar(tokenizer, grammar)
+
+    def _first_step_error(self, tokenizer: LLTokenizer, grammar: str) -> str | None:
+        """What stops the grammar at its first token, which :meth:`LLMatcher.validate_grammar` does not try: the
+        lexer's and parser's size limits (a regex ``a{1000000}``, a choice of 2001 strings) are met there, and
+        a request would otherwise fail after it was accepted."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        mask = torch.zeros((self._vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        allowed = allowed_tokens(mask[None], self._vocab_size)[0].nonzero()
+        if not matcher.is_error() and len(allowed):
+            matcher.consume_token(int(allowed[0]))
+        return matcher_error(matcher) if matcher.is_error() else None
 
 
 @dataclass(frozen=True)
@@ -126,10 +140,15 @@ class GrammarState:
     def advance(self, token: int, num_tokens: int) -> None:
         """Consume the sampled ``token``, the sample's ``num_tokens``-th output token."""
         if not self.matcher.consume_token(token):
-            self.error = self.matcher.get_error() or f"token {token} is not allowed here"
+            self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
             self.end = num_tokens
         elif self.matcher.is_stopped():
             self.end = num_tokens
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """The matcher's error without the parser state and grammar llguidance appends (kilobytes of them)."""
+    return matcher.get_error().split("\n<state>", 1)[0].strip()
 
 
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

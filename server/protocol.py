@@ -26,6 +26,8 @@ from rnnserve.engine.sampling_params import (
     StructuredOutputParams,
 )
 
+MAX_TOKEN_ID_DIGITS = 18  # a logit_bias key longer than this is no token id (and int() refuses 4300 digits)
+
 
 class APIModel(BaseModel):
     """A request body: known fields strictly typed, unknown fields kept aside (ignored, then logged)."""
@@ -164,8 +166,11 @@ class SamplingFields(APIModel):
         for key, bias in self.logit_bias.items():
             token = key.strip()
             if not token.isdigit() or not token.isascii():
-                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
-            biases[int(token)] = bias
+                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids, got {key[:40]!r}")
+            digits = token.lstrip("0") or "0"
+            if len(digits) > MAX_TOKEN_ID_DIGITS:
+                raise InvalidParameterError("logit_bias", f"logit_bias key {digits[:40]}... is not a token id")
+            biases[int(digits)] = bias
         return biases
 
     @property

@@ -125,6 +125,12 @@ class OpenAIServing:
         self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, turn: SessionTurn | None = None
     ) -> Submission:
         context = turn.context if turn is not None else None
+        limit = self.config.engine.max_waiting
+        if limit is not None and len(prompts) > limit:  # a 429 would have it retried forever
+            raise bad_request(
+                f"{len(prompts)} prompts in one request; this server queues at most {limit} (--max-waiting)",
+                param="prompt",
+            )
         try:
             return await self.engine.submit(request_id, prompts, params, context, return_state=turn is not None)
         except InvalidParameterError as err:

@@ -145,12 +145,16 @@ def test_hugging_face_tokenizer(tmp_path: Path) -> None:
 def test_invalid_constraints_are_rejected_before_anything_runs() -> None:
     engine = make_engine()
     bad = [Constraint(regex="(a"), Constraint(grammar="start: nowhere"), Constraint(json={"type": "nonsense"}),
-           Constraint(json="{not json", param="response_format")]  # fmt: skip
+           Constraint(json="{not json", param="response_format"),
+           # valid, but past llguidance's lexer and parser limits at the first token
+           Constraint(regex="a{1000000}"),
+           Constraint(choice=[f"w{i}" for i in range(2001)], param="tools")]  # fmt: skip
     for constraint in bad:
         with pytest.raises(InvalidParameterError) as err:
             engine.add_request("x", SamplingParams(structured_outputs=constraint))
         assert err.value.param == constraint.param
-    for fields in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": ["", "a"]}, {"regex": ""}):
+    for fields in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": ["", "a"]}, {"choice": "abc"},
+                   {"regex": ""}):  # fmt: skip
         with pytest.raises(InvalidParameterError):
             Constraint(**fields)
     assert not engine.has_unfinished_requests() and engine.pool.num_used == 0

@@ -67,6 +67,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"400": 2}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1" * 5000: 2}}, "logit_bias"),  # past int()'s 4300 digits
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [400]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
@@ -78,6 +79,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "structured_outputs": {"regex": 5}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"choice": ["a", 1]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": "abc"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),  # the lexer's limit
     ({"prompt": "x", "structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"json": [1]}}, "structured_outputs"),
@@ -270,3 +273,14 @@ def test_text_the_tokenizer_rejects_is_400() -> None:
         assert_error(client.post("/tokenize", json={"prompt": "abz"}), 400, "prompt")
         ok = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_more_prompts_than_the_queue_holds_is_400_not_429() -> None:
+    """A request with more prompts than ``--max-waiting`` could never be queued: a 429 would have clients retry
+    it forever."""
+    with TestClient(create_app(tiny_config(max_waiting=2))) as client:
+        error = assert_error(client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1}), 400,
+                             "prompt")  # fmt: skip
+        assert "--max-waiting" in error["message"]
+        response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 2
