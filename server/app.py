@@ -38,15 +38,13 @@ from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig, rnnserve_version
 from rnnserve.server.dashboard import dashboard_router
 from rnnserve.server.engine_core import EngineDriver, EngineFactory, EngineThread, ProcessDriver, ThreadDriver
-from rnnserve.server.errors import APIError
+from rnnserve.server.errors import APIError, InternalErrors
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
 
 __all__ = ["ServerConfig", "create_app"]
-
-logger = logging.getLogger("rnnserve.server")
 
 
 def engine_driver(
@@ -108,6 +106,7 @@ def create_app(
         trusted_hosts=config.trusted_hosts,
         max_state_bytes=max_state_upload_bytes(driver.info.bytes_per_slot, driver.info.max_model_len),
     )
+    app.add_middleware(InternalErrors)  # added last: the outermost of ours, around the guard
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
@@ -117,11 +116,6 @@ def create_app(
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if err.status_code == 404 else None
         return APIError(err.status_code, str(err.detail), code=code, headers=err.headers).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, "internal server error", type="internal_error").response()
 
     add_api_routes(app.router, OpenAIServing(config, async_engine, metrics, sessions))
     app.include_router(dashboard_router(metrics))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("rnnserve.server")
 
 
 class APIError(Exception):
@@ -41,6 +45,36 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+class InternalErrors:
+    """ASGI middleware: an exception no handler took, raised before the response started, becomes OpenAI's
+    500 body as a complete response, and the connection stays open. (Starlette's last-resort handler sends its
+    500 and then raises again, and uvicorn closes the connection without a ``Connection: close``: a client
+    reusing it had its next, valid request fail.) One raised after the response started is raised again: the
+    response is cut short, and the connection has to close."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unhandled error")
+            await APIError(500, "internal server error", type="internal_error").response()(scope, receive, send)
 
 
 def from_validation_error(err: ValidationError) -> APIError:

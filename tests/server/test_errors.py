@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,6 +13,8 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import create_app
+from rnnserve.server.background import serve_in_thread
+from rnnserve.server.routes import OpenAIServing
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -284,3 +287,28 @@ def test_more_prompts_than_the_queue_holds_is_400_not_429() -> None:
         assert "--max-waiting" in error["message"]
         response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
         assert response.status_code == 200 and len(response.json()["choices"]) == 2
+
+
+def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no handler expects is OpenAI's 500 body, and the kept-alive connection serves the next
+    request (Starlette's own handler re-raised it and uvicorn closed the connection unannounced)."""
+
+    def broken(self: object, name: str) -> dict:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(OpenAIServing, "model_card", broken)
+    with serve_in_thread(create_app(tiny_config())) as url, socket.create_connection(url[7:].split(":")) as sock:
+        reader = sock.makefile("rb")
+
+        def get(path: str) -> tuple[int, bytes]:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+            status = int(reader.readline().split()[1])
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                length = int(value) if name.lower() == "content-length" else length
+            return status, reader.read(length)
+
+        status, body = get("/v1/models")
+        assert status == 500 and json.loads(body)["error"]["type"] == "internal_error"
+        assert get("/health")[0] == 200
