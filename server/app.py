@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,7 +39,7 @@ from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig, rnnserve_version
 from rnnserve.server.dashboard import dashboard_router
 from rnnserve.server.engine_core import EngineDriver, EngineFactory, EngineThread, ProcessDriver, ThreadDriver
-from rnnserve.server.errors import APIError, InternalErrors
+from rnnserve.server.errors import APIError, InternalErrors, bad_request
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
@@ -111,6 +112,13 @@ def create_app(
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def parameter_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        """A query or path parameter FastAPI parsed (the dashboard's): OpenAI's 400, not FastAPI's 422."""
+        first = err.errors()[0]
+        name = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return bad_request(f"invalid parameter {name}: {first.get('msg', 'invalid value')}", param=name).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -429,8 +429,10 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
 
     @router.get("/v1/models/{name:path}")
     async def get_model(name: str) -> JSONResponse:
-        serving.check_model(name)
-        return JSONResponse(serving.model_card(name))
+        if not name:  # check_model takes "" as a request's omitted model: the default one
+            raise APIError(404, "name a model: GET /v1/models/{model} (GET /v1/models lists them)",
+                           param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse(serving.model_card(serving.check_model(name)))
 
     @router.post("/v1/sessions")
     async def create_session(request: Request) -> JSONResponse:
