@@ -303,6 +303,11 @@ class LLMEngine:
             bad = next((t for t in tokens if t >= vocab), None)
             if bad is not None:
                 raise InvalidParameterError(param, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})")
+        bad = self.tokenizer.first_undecodable(params.allowed_token_ids) if params.allowed_token_ids else None
+        if bad is not None:  # a model's padding rows past its tokenizer: samples of nothing but empty text
+            raise InvalidParameterError(
+                "allowed_token_ids", f"token id {bad} in allowed_token_ids is not in the tokenizer's vocabulary"
+            )
         if params.allowed_token_ids is not None and params.min_tokens:
             banned = set(params.stop_token_ids)
             eos = self.tokenizer.eos_token_id

@@ -73,6 +73,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"1" * 5000: 2}}, "logit_bias"),  # past int()'s 4300 digits
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [400]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [65, 300]}, "allowed_token_ids"),  # a padding row: no text
     ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1], "stop_token_ids": [1], "min_tokens": 2}, "allowed_token_ids"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
