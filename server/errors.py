@@ -7,7 +7,7 @@ import logging
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -51,8 +51,9 @@ class InternalErrors:
     """ASGI middleware: an exception no handler took, raised before the response started, becomes OpenAI's
     500 body as a complete response, and the connection stays open. (Starlette's last-resort handler sends its
     500 and then raises again, and uvicorn closes the connection without a ``Connection: close``: a client
-    reusing it had its next, valid request fail.) One raised after the response started is raised again: the
-    response is cut short, and the connection has to close."""
+    reusing it had its next, valid request fail.) One raised after the response started is raised again (the
+    server refuses a second response start): the response is cut short, and the connection has to close. No
+    wrapper of ``send`` tracks the start: every streamed event would pay for it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -61,20 +62,14 @@ class InternalErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_tracked)
-        except Exception:
-            if started:
-                raise
-            logger.exception("unhandled error")
-            await APIError(500, "internal server error", type="internal_error").response()(scope, receive, send)
+            await self.app(scope, receive, send)
+        except Exception as err:
+            try:
+                await APIError(500, "internal server error", type="internal_error").response()(scope, receive, send)
+            except Exception:
+                raise err from None
+            logger.error("unhandled error", exc_info=err)
 
 
 def from_validation_error(err: ValidationError) -> APIError:

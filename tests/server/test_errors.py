@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -14,6 +15,7 @@ from rnnserve.engine.loader import load_model
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
+from rnnserve.server.errors import InternalErrors
 from rnnserve.server.routes import OpenAIServing
 from tests.server.conftest import TINY, tiny_config
 
@@ -320,3 +322,32 @@ def test_parameters_parsed_by_fastapi_and_an_empty_model_name_get_openai_errors(
     assert client.get("/dashboard/stats?since=1.5").status_code == 200
     assert_error(client.get("/v1/models/"), 404, "model")
     assert client.get(f"/v1/models/{TINY}").json()["id"] == TINY
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_internal_errors_answers_500_only_before_the_response_started(started: bool) -> None:
+    """Before the start: the 500 body is the response and nothing is raised. After: the server refuses a second
+    start (as uvicorn does), and the app's own exception is raised, so that the connection closes."""
+    sent: list[dict] = []
+
+    async def server_send(message: dict) -> None:
+        if message["type"] == "http.response.start" and any(m["type"] == message["type"] for m in sent):
+            raise RuntimeError("response already started")
+        sent.append(message)
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        raise KeyError("a bug")
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    call = InternalErrors(app)({"type": "http", "method": "GET", "path": "/"}, receive, server_send)  # type: ignore[arg-type]
+    if started:
+        with pytest.raises(KeyError):
+            asyncio.run(call)
+        assert [m["type"] for m in sent] == ["http.response.start"]
+    else:
+        asyncio.run(call)
+        assert sent[0]["status"] == 500 and json.loads(sent[1]["body"])["error"]["type"] == "internal_error"
