@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -78,7 +80,11 @@ def load_pickled_tensors(path: Path) -> Any:
     except FileNotFoundError as err:
         raise ConvertError(f"{path}: no such file") from err
     except Exception as err:  # torch raises UnpicklingError, RuntimeError or others for unsafe or bad files
-        raise ConvertError(f"{path}: not a plain tensor checkpoint (refused by weights_only=True): {err}") from err
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, pickle.UnpicklingError) and "weights_only" in str(err):  # not torch's advice to unpickle
+            found = re.search(r"GLOBAL (\S+)", str(err))
+            reason = f"it holds code or a class ({found[1] if found else 'not a tensor'}), which is never loaded"
+        raise ConvertError(f"{path}: not a plain tensor checkpoint (refused by weights_only=True): {reason}") from err
 
 
 def find_converter(src: Path, name: str | None = None) -> Converter:
@@ -129,6 +135,10 @@ def convert_checkpoint(
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
+    if dest.resolve() == src.resolve() or dest.resolve() in src.resolve().parents:
+        raise ConvertError(f"{dest} is or contains the source {src}: writing it would delete the source")
+    if dest.exists() and not dest.is_dir():
+        raise ConvertError(f"{dest} exists and is not a directory")
     tokenizer = Path(tokenizer_json).expanduser() if tokenizer_json is not None else None
     if tokenizer is not None and not tokenizer.is_file():
         raise ConvertError(f"{tokenizer}: no such tokenizer file")

@@ -51,9 +51,22 @@ def test_weights_only_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil.bin"
     with path.open("wb") as f:
         pickle.dump({"w": Payload()}, f)
-    with pytest.raises(ConvertError, match="weights_only"):
+    with pytest.raises(ConvertError, match="weights_only") as err:
         load_pickled_tensors(path)
     assert EXECUTED == []
+    message = str(err.value)  # one line naming what was refused, and no advice to turn the protection off
+    assert "\n" not in message and "holds code or a class" in message and "False" not in message
+
+
+def test_a_destination_that_is_or_holds_the_source_is_refused(tmp_path, toy_format):
+    """With --force the destination is replaced: were it the source's directory, the source would be gone."""
+    src = tmp_path / "release" / "a.toyckpt"
+    src.parent.mkdir()
+    torch.save({"w": torch.ones(4)}, src)
+    for dest in (src.parent, tmp_path, src):
+        with pytest.raises(ConvertError, match="is or contains the source|not a directory"):
+            convert_checkpoint(src, dest, overwrite=True)
+    assert torch.equal(load_pickled_tensors(src)["w"], torch.ones(4))
 
 
 def test_plain_tensors_load(tmp_path):
