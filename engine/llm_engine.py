@@ -212,6 +212,11 @@ class LLMEngine:
         empty prompt is a 400 unless ``allow_empty``."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.model.vocab_size:  # a tokenizer larger than the model's vocabulary
+                raise InvalidParameterError(
+                    "prompt", f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary "
+                    f"[0, {self.model.vocab_size})"
+                )
         else:
             text, ids = None, [int(t) for t in prompt]
             vocab = self.model.vocab_size

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
@@ -25,6 +26,7 @@ from rnnserve.engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
 from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenIdTokenizer, Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of floating weights
 
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -68,16 +70,27 @@ def build_random(preset: str, device: torch.device, dtype: torch.dtype | None, s
     return _finish(model, device, dtype), ByteTokenizer()
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object; :class:`ModelLoadError` naming the file for anything else."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{path}: cannot read it as JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None) -> Loaded:
     """Load a checkpoint directory (config.json + *.safetensors [+ tokenizer.json])."""
     config_path = path / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{path}: no config.json")
-    config = json.loads(config_path.read_text())
+    config = read_json_object(config_path)
     if "architecture" not in config and "model_type" in config:
         return load_hf_checkpoint(path, config, device, dtype)
     architecture = config.get("architecture")
-    if architecture not in MODEL_REGISTRY:
+    if not isinstance(architecture, str) or architecture not in MODEL_REGISTRY:
         raise ModelLoadError(
             f"{config_path}: unknown architecture {architecture!r}; "
             f"known: {', '.join(sorted(MODEL_REGISTRY))}"
@@ -115,7 +128,7 @@ def hf_eos_token_id(path: Path, config: dict) -> int | None:
     """The id ``transformers``' ``generate`` stops at: generation_config.json's eos, else config.json's (first
     of a list)."""
     generation_path = path / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    generation = read_json_object(generation_path) if generation_path.exists() else {}
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -140,16 +153,30 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     return _finish(model, device, dtype), tokenizer
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    """The shards named by ``model.safetensors.index.json``, else every ``*.safetensors`` file."""
+def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shards named by ``model.safetensors.index.json`` and its map of tensor names to shards, else every
+    ``*.safetensors`` file and ``None``. Shard names are files of the directory itself."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        absent = [n for n in names if not (path / n).exists()]
-        if absent:
-            raise ModelLoadError(f"{path}: shard {absent[0]} listed in {index.name} is missing")
-        return [path / n for n in names]
-    return sorted(path.glob("*.safetensors"))
+    if not index.exists():
+        return sorted(path.glob("*.safetensors")), None
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names")
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts or n != Path(n).name]
+    if outside:
+        raise ModelLoadError(f"{index}: shard {outside[0]!r} is not a file of {path}")
+    absent = [n for n in names if not (path / n).is_file()]
+    if absent:
+        raise ModelLoadError(f"{path}: shard {absent[0]} listed in {index.name} is missing")
+    return [path / n for n in names], weight_map
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise ModelLoadError(f"{file}: not a readable safetensors file: {err}") from err
 
 
 def load_safetensors_into(
@@ -161,19 +188,27 @@ def load_safetensors_into(
 
     ``rename`` maps checkpoint keys to parameter names. A tied parameter may be stored under either name.
     """
-    files = _safetensors_files(path)
+    files, weight_map = _safetensors_files(path)
     if not files:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise ModelLoadError(
                 f"{path}: only pickle weights ({', '.join(pickles)}); rnnserve loads safetensors only "
-                "(pickle files can execute code) — convert them with safetensors first"
+                "(pickle files can execute code); `rnnserve convert` reads the formats it knows without running "
+                "pickled code, or save the tensors with safetensors"
             )
         raise ModelLoadError(f"{path}: no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # parameter name -> the checkpoint key and file it came from
     for file in files:
-        for key, tensor in load_file(str(file)).items():
-            weights[rename(key) if rename else key] = tensor
+        for key, tensor in _read_safetensors(file).items():
+            if weight_map is not None and weight_map.get(key) != file.name:
+                raise ModelLoadError(f"{file}: holds {key}, which the shard index puts in {weight_map.get(key)}")
+            name = rename(key) if rename else key
+            if name in weights:
+                raise ModelLoadError(f"{path}: weight {name} is stored twice ({source[name]} and {key} in {file.name})")
+            weights[name] = tensor
+            source[name] = f"{key} in {file.name}"
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in weights and not _tied_and_present(model, k, weights))
     unexpected = sorted(k for k in weights if k not in expected)
@@ -188,9 +223,33 @@ def load_safetensors_into(
                 f"{path}: weight {key} has shape {tuple(tensor.shape)}, "
                 f"config expects {tuple(expected[key].shape)}"
             )
+        if expected[key].is_floating_point() and tensor.dtype not in LOADABLE_DTYPES:
+            raise ModelLoadError(
+                f"{path}: weight {key} has dtype {str(tensor.dtype).removeprefix('torch.')}; rnnserve loads "
+                "float32, bfloat16, float16 and float64 weights"
+            )
+    _check_tied_copies(model, weights, path)
     model.load_state_dict(weights, strict=False)
     float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
     model.to(dtype=float_dtypes[0] if float_dtypes else None)
+
+
+def _check_tied_copies(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """A parameter the model shares under two names (an LM head tied to the embedding) must not come from two
+    different tensors: the last one loaded would silently replace the other (``tie_word_embeddings`` set, or
+    defaulted, for a checkpoint trained untied)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for shared in names.values():
+        stored = [name for name in shared if name in weights]
+        for other in stored[1:]:
+            if not torch.equal(weights[stored[0]], weights[other]):
+                raise ModelLoadError(
+                    f"{path}: {stored[0]} and {other} are one tied weight in this model (tie_word_embeddings), "
+                    "but the checkpoint holds two different tensors; set tie_word_embeddings to false in "
+                    "config.json if the model was trained untied"
+                )
 
 
 def _tied_and_present(model: torch.nn.Module, key: str, weights: dict[str, torch.Tensor]) -> bool:

@@ -9,7 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rnnserve.engine.config import EngineConfig
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import ModelLoadError, load_model
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from tests.models_hf import hf_harness
 
 transformers = pytest.importorskip("transformers")
@@ -62,6 +65,53 @@ def test_missing_shard(checkpoint: Path, tmp_path: Path) -> None:
     assert f"shard {shards[-1].name} listed in model.safetensors.index.json is missing" in load_error(sharded)
 
 
+def test_an_untied_head_under_a_tied_config_is_refused(tmp_path: Path) -> None:
+    """A checkpoint trained untied, whose config says (or defaults to) tied: its lm_head.weight used to replace
+    the embedding without a word."""
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                      tie_word_embeddings=False)  # fmt: skip
+    untied = hf_harness.save_hf(transformers.MambaForCausalLM(config), tmp_path / "untied")
+    assert load_model(str(untied), device="cpu")[0] is not None
+    settings = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**settings, "tie_word_embeddings": True}))
+    assert "one tied weight" in load_error(untied) and "tie_word_embeddings" in load_error(untied)
+
+
+def test_a_weight_stored_twice_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, str(checkpoint / "zz_old.safetensors"))
+    assert "is stored twice" in load_error(checkpoint)
+    reference = transformers.MambaForCausalLM.from_pretrained(tmp_path / "ckpt")
+    sharded = hf_harness.save_hf(reference, tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    save_file({**load_file(str(shards[-1])), **load_file(str(shards[0]))}, str(shards[-1]))  # the first's too
+    assert "which the shard index puts in" in load_error(sharded)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn])
+def test_weights_of_other_dtypes_are_refused(checkpoint: Path, dtype: torch.dtype) -> None:
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    save_file({k: v.to(dtype) for k, v in weights.items()}, str(checkpoint / "model.safetensors"))
+    assert f"has dtype {str(dtype).removeprefix('torch.')}" in load_error(checkpoint)
+
+
+def test_broken_files_are_one_line_errors_naming_them(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    assert "model.safetensors: not a readable safetensors file" in load_error(checkpoint)
+    weights.write_bytes(data)
+    config = (checkpoint / "config.json").read_text()
+    for broken in ("{not json", "[1, 2]", "null"):
+        (checkpoint / "config.json").write_text(broken)
+        assert "config.json" in load_error(checkpoint)
+    (checkpoint / "config.json").write_text(config)
+    index = {"metadata": {}, "weight_map": {"backbone.embeddings.weight": "../elsewhere.safetensors"}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "is not a file of" in load_error(checkpoint)
+
+
 def _fake_cache(cache: Path, repo_id: str, snapshot_of: Path, commit: str = "0123abcd") -> None:
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
@@ -100,3 +150,19 @@ def test_engine_never_imports_transformers() -> None:
         "assert 'transformers' not in sys.modules and 'huggingface_hub' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_text_the_tokenizer_maps_past_the_models_vocabulary_is_a_parameter_error(checkpoint: Path) -> None:
+    """A tokenizer.json larger than the model's embedding: text reaching its extra ids is refused at the request
+    (an IndexError inside the step before), and text within the vocabulary still runs."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(200)}  # the model has 64 rows
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w1")).save(str(checkpoint / "tokenizer.json"))
+    model, tokenizer = load_model(str(checkpoint), device="cpu")
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1))
+    with pytest.raises(InvalidParameterError, match="outside the model's vocabulary") as err:
+        engine.add_request("w150", SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
+    engine.add_request("w5", SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        assert all(out.error is None for out in engine.step())
