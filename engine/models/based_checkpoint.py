@@ -59,7 +59,14 @@ def convert(src: Path) -> ConvertedCheckpoint:
     metrics = [k for k in state if "metrics" in k]
     if metrics:
         notes.append(f"dropped {len(metrics)} training metrics entries")
-    tensors = {BasedLM.hf_weight_name(k): v for k, v in state.items() if "metrics" not in k}
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if "metrics" in key:
+            continue
+        name = BasedLM.hf_weight_name(key)
+        if name in tensors:  # "model.x" and "x": one would silently replace the other
+            raise ConvertError(f"{src / WEIGHTS}: {key} and another key both name the weight {name}")
+        tensors[name] = value
     if config.tie_embeddings and all(k in tensors for k in TIED):
         embedding = tensors.pop(TIED[0])
         if not torch.equal(embedding, tensors[TIED[1]]):

@@ -56,6 +56,9 @@ def test_wrong_shapes_and_unknown_weights_are_refused(tmp_path: Path) -> None:
     _authors_release(tmp_path / "shape", {"model.transformer.ln_f.weight": torch.ones(3)})
     with pytest.raises(ConvertError, match=r"ln_f.weight has shape \(3,\)"):
         convert_checkpoint(tmp_path / "shape", tmp_path / "out")
+    _authors_release(tmp_path / "twice", {"transformer.ln_f.weight": torch.zeros(TINY_HF_CONFIG["n_embd"])})
+    with pytest.raises(ConvertError, match="both name the weight transformer.ln_f.weight"):
+        convert_checkpoint(tmp_path / "twice", tmp_path / "out")  # "model.x" and "x": one would replace the other
     assert not (tmp_path / "out").exists()
 
 
