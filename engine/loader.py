@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from rnnserve.engine.model_sources import Loaded, ModelLoadError, model_source
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS, RecurrentLM
+from rnnserve.engine.models.base import ModelConfig
 from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenIdTokenizer, Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -96,16 +97,17 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
             f"known: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     cls = MODEL_REGISTRY[architecture]
+    model_config = _parse_config(config_path, lambda: cls.config_class.from_dict(config))
     try:
-        model = cls(cls.config_class.from_dict(config))
-    except (TypeError, ValueError) as err:
-        raise ModelLoadError(f"{config_path}: {err}") from err
+        model = cls(model_config)
+    except Exception as err:  # sizes the layers cannot take (negative, zero where they divide)
+        raise ModelLoadError(f"{config_path}: cannot build the model: {type(err).__name__}: {err}") from err
     load_safetensors_into(model, path)
     tokenizer: Tokenizer
     if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
         tokenizer = CharTokenizer(config["alphabet"])
     elif (path / "tokenizer.json").exists():
-        tokenizer = HFTokenizer(path / "tokenizer.json")
+        tokenizer = read_hf_tokenizer(path)
     elif config.get("tokenizer") == "token_ids":  # converted without a tokenizer: prompts are token ids
         tokenizer = TokenIdTokenizer(model.vocab_size)
     else:
@@ -113,6 +115,28 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     if dtype is None:
         dtype = next(model.parameters()).dtype
     return _finish(model, device, dtype), tokenizer
+
+
+def read_hf_tokenizer(path: Path) -> HFTokenizer:
+    """``tokenizer.json`` (and ``tokenizer_config.json``) of the directory; :class:`ModelLoadError` naming them
+    when they cannot be read."""
+    if (path / "tokenizer_config.json").exists():
+        read_json_object(path / "tokenizer_config.json")
+    try:
+        return HFTokenizer(path / "tokenizer.json")
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"{path / 'tokenizer.json'}: not a readable tokenizer: {message}") from err
+
+
+def _parse_config(config_path: Path, parse: Callable[[], ModelConfig]) -> ModelConfig:
+    """The architecture's config from config.json, its plain fields checked against their types."""
+    try:
+        model_config = parse()
+        model_config.check_types()
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as err:
+        raise ModelLoadError(f"{config_path}: {type(err).__name__}: {err}") from err
+    return model_config
 
 
 def hf_architecture(model_type: str) -> type[RecurrentLM]:
@@ -138,15 +162,16 @@ def hf_eos_token_id(path: Path, config: dict) -> int | None:
 def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: torch.dtype | None) -> Loaded:
     """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
     cls = hf_architecture(str(config["model_type"]))
+    model_config = _parse_config(path / "config.json", lambda: cls.from_hf_config(config))
     try:
-        model = cls(cls.from_hf_config(config))
-    except (KeyError, TypeError, ValueError) as err:
-        message = f"{path / 'config.json'}: cannot map {config['model_type']} config: {err!r}"
+        model = cls(model_config)
+    except Exception as err:  # sizes the layers cannot take (negative, zero where they divide)
+        message = f"{path / 'config.json'}: cannot build the model: {type(err).__name__}: {err}"
         raise ModelLoadError(message) from err
     load_safetensors_into(model, path, rename=cls.hf_weight_name)
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
-    tokenizer = HFTokenizer(path / "tokenizer.json")
+    tokenizer = read_hf_tokenizer(path)
     tokenizer.eos_token_id = hf_eos_token_id(path, config)
     if dtype is None:
         dtype = next(model.parameters()).dtype

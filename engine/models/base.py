@@ -10,6 +10,8 @@ sequence's state from its slot and write the new state back in place.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,6 +58,30 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def check_types(self) -> None:
+        """ValueError for a field whose value is not of its declared type, for the plain ones (int, float, bool,
+        str, or None where allowed): a config.json writing ``"1e-5"`` for a float loaded and then failed every
+        request."""
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value, declared = getattr(self, field.name), hints.get(field.name)
+            allowed = typing.get_args(declared) if isinstance(declared, types.UnionType) else (declared,)
+            if value is None and type(None) in allowed:
+                continue
+            plain = [t for t in allowed if t in (int, float, bool, str)]
+            if len(plain) != len([t for t in allowed if t is not type(None)]):
+                continue  # containers, literals and the like: the architecture checks them
+            ok = any(
+                isinstance(value, bool) if t is bool
+                else isinstance(value, int | float) and not isinstance(value, bool) if t is float
+                else isinstance(value, int) and not isinstance(value, bool) if t is int
+                else isinstance(value, str)
+                for t in plain
+            )  # fmt: skip
+            if not ok:
+                names = " or ".join(t.__name__ for t in allowed)
+                raise ValueError(f"{field.name} must be {names}, got {value!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:

@@ -166,3 +166,24 @@ def test_text_the_tokenizer_maps_past_the_models_vocabulary_is_a_parameter_error
     engine.add_request("w5", SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests():
         assert all(out.error is None for out in engine.step())
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"layer_norm_epsilon": "1e-5"}, "norm_eps must be float"),  # loaded, then failed every request
+        ({"hidden_size": -16}, "cannot build the model"),
+        ({"num_hidden_layers": "2"}, "must be int"),
+    ],
+)
+def test_config_values_of_the_wrong_type_or_size_are_load_errors(checkpoint: Path, change: dict, expected: str) -> None:
+    settings = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**settings, **change}))
+    assert expected in load_error(checkpoint)
+
+
+@pytest.mark.parametrize(("name", "content"), [("tokenizer.json", "{broken"), ("tokenizer.json", "[]"),
+                                               ("tokenizer_config.json", "{broken"), ("tokenizer_config.json", "[1]")])
+def test_broken_tokenizer_files_are_load_errors_naming_them(checkpoint: Path, name: str, content: str) -> None:
+    (checkpoint / name).write_text(content)
+    assert name in load_error(checkpoint)
