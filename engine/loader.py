@@ -98,11 +98,7 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
         )
     cls = MODEL_REGISTRY[architecture]
     model_config = _parse_config(config_path, lambda: cls.config_class.from_dict(config))
-    try:
-        model = cls(model_config)
-    except Exception as err:  # sizes the layers cannot take (negative, zero where they divide)
-        raise ModelLoadError(f"{config_path}: cannot build the model: {type(err).__name__}: {err}") from err
-    load_safetensors_into(model, path)
+    model = load_safetensors_into(lambda: cls(model_config), path, config_path=config_path)
     tokenizer: Tokenizer
     if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
         tokenizer = CharTokenizer(config["alphabet"])
@@ -163,12 +159,7 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
     cls = hf_architecture(str(config["model_type"]))
     model_config = _parse_config(path / "config.json", lambda: cls.from_hf_config(config))
-    try:
-        model = cls(model_config)
-    except Exception as err:  # sizes the layers cannot take (negative, zero where they divide)
-        message = f"{path / 'config.json'}: cannot build the model: {type(err).__name__}: {err}"
-        raise ModelLoadError(message) from err
-    load_safetensors_into(model, path, rename=cls.hf_weight_name)
+    model = load_safetensors_into(lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json")
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
     tokenizer = read_hf_tokenizer(path)
@@ -205,11 +196,16 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 def load_safetensors_into(
-    model: torch.nn.Module, path: Path, rename: Callable[[str], str] | None = None
-) -> None:
-    """Read the ``*.safetensors`` weights in ``path`` into ``model``.
+    build: Callable[[], RecurrentLM],
+    path: Path,
+    rename: Callable[[str], str] | None = None,
+    config_path: Path | None = None,
+) -> RecurrentLM:
+    """The model ``build`` makes, with the ``*.safetensors`` weights in ``path``.
 
-    Errors name missing, unexpected and mis-shaped keys.
+    Errors name missing, unexpected, mis-shaped, duplicated and mistyped keys. The weights are checked against
+    the model built on the meta device first, so a config whose sizes disagree with them (a vocabulary of
+    millions) fails before the model's memory is allocated.
 
     ``rename`` maps checkpoint keys to parameter names. A tied parameter may be stored under either name.
     """
@@ -234,6 +230,27 @@ def load_safetensors_into(
                 raise ModelLoadError(f"{path}: weight {name} is stored twice ({source[name]} and {key} in {file.name})")
             weights[name] = tensor
             source[name] = f"{key} in {file.name}"
+    try:
+        with torch.device("meta"):
+            layout = build()
+    except Exception:  # noqa: BLE001 - a config it cannot take, or a layer that needs memory: built for real
+        layout = _build(build, config_path or path)
+    _check_weights(layout, weights, path)
+    model = _build(build, config_path or path) if next(layout.parameters()).is_meta else layout
+    model.load_state_dict(weights, strict=False)
+    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
+    return model.to(dtype=float_dtypes[0] if float_dtypes else None)
+
+
+def _build(build: Callable[[], RecurrentLM], config_path: Path) -> RecurrentLM:
+    try:
+        return build()
+    except Exception as err:  # sizes the layers cannot take (negative, zero where they divide)
+        raise ModelLoadError(f"{config_path}: cannot build the model: {type(err).__name__}: {err}") from err
+
+
+def _check_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """The weights' names, shapes and dtypes are the model's, and tied parameters get one tensor."""
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in weights and not _tied_and_present(model, k, weights))
     unexpected = sorted(k for k in weights if k not in expected)
@@ -254,9 +271,6 @@ def load_safetensors_into(
                 "float32, bfloat16, float16 and float64 weights"
             )
     _check_tied_copies(model, weights, path)
-    model.load_state_dict(weights, strict=False)
-    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
-    model.to(dtype=float_dtypes[0] if float_dtypes else None)
 
 
 def _check_tied_copies(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:

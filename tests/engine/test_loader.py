@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
+from rnnserve.engine.models import MODEL_REGISTRY
 from rnnserve.engine.models.base import PrefillBatch
 from rnnserve.engine.state_pool import StatePool
 from tests.engine.conftest import tiny_model
@@ -82,3 +83,30 @@ def test_auto_device_is_cpu_without_cuda() -> None:
     model, _ = load_model("random:mingru-tiny", device="auto")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert next(model.parameters()).device.type == expected
+
+
+def test_weights_are_checked_against_the_config_before_the_model_takes_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config.json whose sizes disagree with the weights (here a vocabulary of four million) fails on the
+    model's layout on the meta device: it used to allocate and initialise the whole model first (2.2 GB here,
+    an out-of-memory kill for larger sizes)."""
+    save_checkpoint(tiny_model("mingru"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 4_000_000}))
+    built_on: list[str] = []
+    architecture = MODEL_REGISTRY[config["architecture"]]
+
+    class Recorded(architecture):  # type: ignore[misc, valid-type]
+        def __init__(self, model_config: object) -> None:
+            built_on.append(torch.empty(0).device.type)
+            super().__init__(model_config)
+
+    monkeypatch.setitem(MODEL_REGISTRY, config["architecture"], Recorded)
+    with pytest.raises(ModelLoadError, match=r"config expects \(4000000, "):
+        load_model(str(tmp_path), device="cpu")
+    assert built_on == ["meta"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    built_on.clear()
+    load_model(str(tmp_path), device="cpu")
+    assert built_on == ["meta", "cpu"]
