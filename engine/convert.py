@@ -142,11 +142,42 @@ def convert_checkpoint(
     tokenizer = Path(tokenizer_json).expanduser() if tokenizer_json is not None else None
     if tokenizer is not None and not tokenizer.is_file():
         raise ConvertError(f"{tokenizer}: no such tokenizer file")
-    checkpoint = find_converter(src, format_name).load().convert(src)
+    converter = find_converter(src, format_name).load()
+    try:
+        checkpoint = converter.convert(src)
+    except ConvertError:
+        raise
+    except Exception as err:  # values the format does not allow (n_head 0, a list where a dict belongs)
+        raise ConvertError(f"{src}: cannot convert it: {type(err).__name__}: {err}") from err
     if "architecture" not in checkpoint.config:
         raise ConvertError("converter produced a config without 'architecture'")
-    write_native_checkpoint(dest, checkpoint, tokenizer or checkpoint.tokenizer_json, overwrite)
+    _check_loadable(checkpoint, src, tokenizer)
+    try:
+        write_native_checkpoint(dest, checkpoint, tokenizer or checkpoint.tokenizer_json, overwrite)
+    except OSError as err:
+        raise ConvertError(f"{dest}: cannot write it: {err}") from err
     return checkpoint
+
+
+def _check_loadable(checkpoint: ConvertedCheckpoint, src: Path, tokenizer: Path | None) -> None:
+    """What ``load_model`` would refuse in the written directory is refused before it is written: weights
+    that are not the architecture's (a row short, transposed), and a tokenizer file that is none."""
+    from rnnserve.engine.loader import check_native_weights
+    from rnnserve.engine.model_sources import ModelLoadError
+    from rnnserve.engine.models import MODEL_REGISTRY
+    from rnnserve.engine.tokenizer import HFTokenizer
+
+    try:
+        if checkpoint.config["architecture"] in MODEL_REGISTRY:  # else load_model names it
+            check_native_weights(checkpoint.config, checkpoint.tensors, src)
+    except ModelLoadError as err:
+        raise ConvertError(str(err)) from err
+    if tokenizer is not None:
+        try:
+            HFTokenizer(tokenizer)
+        except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConvertError(f"{tokenizer}: not a tokenizer.json: {reason}") from err
 
 
 def describe(checkpoint: ConvertedCheckpoint) -> Mapping[str, Any]:

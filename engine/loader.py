@@ -242,6 +242,19 @@ def load_safetensors_into(
     return model.to(dtype=float_dtypes[0] if float_dtypes else None)
 
 
+def check_native_weights(config: dict, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """``config.json`` values and tensors of a native checkpoint are a model of its architecture (names, shapes,
+    dtypes, ties; checked on the meta device): what ``rnnserve convert`` checks before it writes them."""
+    architecture = config.get("architecture")
+    if not isinstance(architecture, str) or architecture not in MODEL_REGISTRY:
+        raise ModelLoadError(f"{where}: unknown architecture {architecture!r}")
+    cls = MODEL_REGISTRY[architecture]
+    model_config = _parse_config(where, lambda: cls.config_class.from_dict(config))
+    with torch.device("meta"):
+        layout = _build(lambda: cls(model_config), where)
+    _check_weights(layout, weights, where)
+
+
 def _build(build: Callable[[], RecurrentLM], config_path: Path) -> RecurrentLM:
     try:
         return build()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer, models
 
 from rnnserve.engine import convert as convert_module
 from rnnserve.engine.convert import (
@@ -80,12 +81,12 @@ def test_convert_writes_native_directory(tmp_path, toy_format):
     src = tmp_path / "a.toyckpt"
     torch.save({"w": torch.ones(4)}, src)
     tokenizer = tmp_path / "tok.json"
-    tokenizer.write_text("{}")
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tokenizer))
     dest = tmp_path / "out"
     convert_checkpoint(src, dest, tokenizer_json=tokenizer)
     assert json.loads((dest / "config.json").read_text()) == {"architecture": "toy", "width": 4}
     assert torch.equal(load_file(str(dest / "model.safetensors"))["w"], torch.ones(4))
-    assert (dest / "tokenizer.json").read_text() == "{}"
+    assert (dest / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     with pytest.raises(ConvertError, match="not empty"):
         convert_checkpoint(src, dest)
     torch.save({"w": torch.ones(2)}, src)
@@ -120,3 +121,27 @@ def test_cli_convert(tmp_path, toy_format, capsys):
     out = capsys.readouterr().out
     assert "architecture=toy" in out and "parameters=3" in out and "note: toy" in out
     assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+
+
+def test_what_load_model_would_refuse_is_refused_before_writing(tmp_path):
+    """A converted checkpoint whose tensors are not its architecture's, a tokenizer file that is none, a
+    converter failing on values it did not expect, and a destination that cannot be written: ConvertErrors,
+    and nothing is written."""
+    from tests.engine.test_looped import save_authors_checkpoint
+
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    short = {**data, "model": {**data["model"], "_orig_mod.transformer.attn.q.weight": torch.zeros(31, 32)}}
+    torch.save(short, tmp_path / "short.pt")
+    with pytest.raises(ConvertError, match=r"has shape \(31, 32\)"):
+        convert_checkpoint(tmp_path / "short.pt", tmp_path / "out")
+    torch.save({**data, "model_args": {**data["model_args"], "n_head": 0}}, tmp_path / "heads.pt")
+    with pytest.raises(ConvertError, match="heads.pt"):
+        convert_checkpoint(tmp_path / "heads.pt", tmp_path / "out")
+    (tmp_path / "tok.json").write_text("{}")
+    with pytest.raises(ConvertError, match="not a tokenizer.json"):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out", tokenizer_json=tmp_path / "tok.json")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConvertError, match="not a directory"):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "file")
