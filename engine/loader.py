@@ -73,6 +73,8 @@ def build_random(preset: str, device: torch.device, dtype: torch.dtype | None, s
 
 def read_json_object(path: Path) -> dict:
     """A JSON file holding an object; :class:`ModelLoadError` naming the file for anything else."""
+    if not path.is_file():  # a directory, or a FIFO that would block the read
+        raise ModelLoadError(f"{path}: not a regular file")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -189,6 +191,8 @@ def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    if file.exists() and not file.is_file():  # a directory, or a FIFO that would block the read
+        raise ModelLoadError(f"{file}: not a regular file")
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,14 @@ def test_broken_files_are_one_line_errors_naming_them(checkpoint: Path) -> None:
         (checkpoint / "config.json").write_text(broken)
         assert "config.json" in load_error(checkpoint)
     (checkpoint / "config.json").write_text(config)
+    (checkpoint / "config.json").unlink()
+    os.mkfifo(checkpoint / "config.json")  # a read would block forever
+    assert "config.json: not a regular file" in load_error(checkpoint)
+    (checkpoint / "config.json").unlink()
+    (checkpoint / "config.json").write_text(config)
+    os.mkfifo(checkpoint / "extra.safetensors")
+    assert "extra.safetensors: not a regular file" in load_error(checkpoint)
+    (checkpoint / "extra.safetensors").unlink()
     index = {"metadata": {}, "weight_map": {"backbone.embeddings.weight": "../elsewhere.safetensors"}}
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "is not a file of" in load_error(checkpoint)
