@@ -212,9 +212,10 @@ class LLMEngine:
         empty prompt is a 400 unless ``allow_empty``."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-            if ids and max(ids) >= self.model.vocab_size:  # a tokenizer larger than the model's vocabulary
+            top = max(ids, default=0)
+            if top >= self.model.vocab_size:  # a tokenizer larger than the model's vocabulary
                 raise InvalidParameterError(
-                    "prompt", f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary "
+                    "prompt", f"the tokenizer gave token id {top}, outside the model's vocabulary "
                     f"[0, {self.model.vocab_size})"
                 )
         else:

@@ -105,7 +105,7 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
         tokenizer = CharTokenizer(config["alphabet"])
     elif (path / "tokenizer.json").exists():
-        tokenizer = read_hf_tokenizer(path)
+        tokenizer = read_hf_tokenizer(path / "tokenizer.json")
     elif config.get("tokenizer") == "token_ids":  # converted without a tokenizer: prompts are token ids
         tokenizer = TokenIdTokenizer(model.vocab_size)
     else:
@@ -115,16 +115,17 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
     return _finish(model, device, dtype), tokenizer
 
 
-def read_hf_tokenizer(path: Path) -> HFTokenizer:
-    """``tokenizer.json`` (and ``tokenizer_config.json``) of the directory; :class:`ModelLoadError` naming them
-    when they cannot be read."""
-    if (path / "tokenizer_config.json").exists():
-        read_json_object(path / "tokenizer_config.json")
+def read_hf_tokenizer(file: Path) -> HFTokenizer:
+    """The tokenizer in ``file`` (a ``tokenizer.json``, with the ``tokenizer_config.json`` beside it if there is
+    one); :class:`ModelLoadError` naming the file that cannot be read."""
+    config = file.with_name("tokenizer_config.json")
+    if config.exists():
+        read_json_object(config)
     try:
-        return HFTokenizer(path / "tokenizer.json")
+        return HFTokenizer(file)
     except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"{path / 'tokenizer.json'}: not a readable tokenizer: {message}") from err
+        raise ModelLoadError(f"{file}: not a tokenizer.json: {message}") from err
 
 
 def _parse_config(config_path: Path, parse: Callable[[], ModelConfig]) -> ModelConfig:
@@ -164,7 +165,7 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     model = load_safetensors_into(lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json")
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
-    tokenizer = read_hf_tokenizer(path)
+    tokenizer = read_hf_tokenizer(path / "tokenizer.json")
     tokenizer.eos_token_id = hf_eos_token_id(path, config)
     if dtype is None:
         dtype = next(model.parameters()).dtype
@@ -234,11 +235,7 @@ def load_safetensors_into(
                 raise ModelLoadError(f"{path}: weight {name} is stored twice ({source[name]} and {key} in {file.name})")
             weights[name] = tensor
             source[name] = f"{key} in {file.name}"
-    try:
-        with torch.device("meta"):
-            layout = build()
-    except Exception:  # noqa: BLE001 - a config it cannot take, or a layer that needs memory: built for real
-        layout = _build(build, config_path or path)
+    layout = _layout(build, config_path or path)
     _check_weights(layout, weights, path)
     model = _build(build, config_path or path) if next(layout.parameters()).is_meta else layout
     model.load_state_dict(weights, strict=False)
@@ -254,9 +251,16 @@ def check_native_weights(config: dict, weights: dict[str, torch.Tensor], where: 
         raise ModelLoadError(f"{where}: unknown architecture {architecture!r}")
     cls = MODEL_REGISTRY[architecture]
     model_config = _parse_config(where, lambda: cls.config_class.from_dict(config))
-    with torch.device("meta"):
-        layout = _build(lambda: cls(model_config), where)
-    _check_weights(layout, weights, where)
+    _check_weights(_layout(lambda: cls(model_config), where), weights, where)
+
+
+def _layout(build: Callable[[], RecurrentLM], config_path: Path) -> RecurrentLM:
+    """The model built on the meta device (no memory), or for real where an architecture cannot be."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:  # noqa: BLE001 - a config it cannot take (raised again, named) or a layer that needs memory
+        return _build(build, config_path)
 
 
 def _build(build: Callable[[], RecurrentLM], config_path: Path) -> RecurrentLM:

@@ -72,14 +72,7 @@ class ModelConfig:
             plain = [t for t in allowed if t in (int, float, bool, str)]
             if len(plain) != len([t for t in allowed if t is not type(None)]):
                 continue  # containers, literals and the like: the architecture checks them
-            ok = any(
-                isinstance(value, bool) if t is bool
-                else isinstance(value, int | float) and not isinstance(value, bool) if t is float
-                else isinstance(value, int) and not isinstance(value, bool) if t is int
-                else isinstance(value, str)
-                for t in plain
-            )  # fmt: skip
-            if not ok:
+            if not any(_of_plain_type(value, t) for t in plain):
                 names = " or ".join(t.__name__ for t in allowed)
                 raise ValueError(f"{field.name} must be {names}, got {value!r}")
 
@@ -90,6 +83,14 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown config keys {unknown}")
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _of_plain_type(value: object, declared: type) -> bool:
+    """``value`` is a ``declared`` (int, float, bool or str) as JSON gives it: an int is a float too, a bool is
+    neither."""
+    if isinstance(value, bool) or declared is bool:
+        return isinstance(value, bool) and declared is bool
+    return isinstance(value, int | float) if declared is float else isinstance(value, declared)
 
 
 def long_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:

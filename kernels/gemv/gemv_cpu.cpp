@@ -349,7 +349,7 @@ void gemv_typed(const W* w, int64_t w_stride, const X* x, int64_t x_stride, cons
     if (rows == 1) {  // batch 1: eight rows of W per add tree (kRowChunk sums)
       for (; i + 8 <= end; i += 8) {
         dot_eight_rows(w + i * w_stride, w_stride, x, k, sums);
-        for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[r + i] : 0.f));
+        for (int r = 0; r < 8; ++r) y[i + r] = static_cast<Y>(sums[r] + (bias ? bias[i + r] : 0.f));
       }
     }
 #endif
