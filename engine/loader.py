@@ -13,12 +13,12 @@ Weights are read with safetensors only: pickle files (``*.bin``, ``*.pt``, ...) 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from rnnserve.engine.hf_cache import HFCacheMiss, looks_like_repo_id, resolve_repo_id
 from rnnserve.engine.model_sources import Loaded, ModelLoadError, model_source
@@ -100,7 +100,7 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
         )
     cls = MODEL_REGISTRY[architecture]
     model_config = _parse_config(config_path, lambda: cls.config_class.from_dict(config))
-    model = load_safetensors_into(lambda: cls(model_config), path, config_path=config_path)
+    model = load_safetensors_into(lambda: cls(model_config), path, config_path=config_path, dtype=dtype)
     tokenizer: Tokenizer
     if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
         tokenizer = CharTokenizer(config["alphabet"])
@@ -162,7 +162,9 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
     cls = hf_architecture(str(config["model_type"]))
     model_config = _parse_config(path / "config.json", lambda: cls.from_hf_config(config))
-    model = load_safetensors_into(lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json")
+    model = load_safetensors_into(
+        lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json", dtype
+    )
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
     tokenizer = read_hf_tokenizer(path / "tokenizer.json")
@@ -191,11 +193,21 @@ def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [path / n for n in names], weight_map
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``file`` one at a time, each a fresh tensor of its own memory: floating ones of a loadable
+    dtype in ``dtype`` (``None``: the first such tensor's dtype, for every later one as well), the rest as
+    stored. Reading one at a time keeps the peak at the model's size: the file is mapped, not copied whole."""
     if file.exists() and not file.is_file():  # a directory, or a FIFO that would block the read
         raise ModelLoadError(f"{file}: not a regular file")
     try:
-        return load_file(str(file))
+        with safe_open(str(file), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = tensors.get_tensor(key)
+                if tensor.dtype in LOADABLE_DTYPES:
+                    dtype = dtype or tensor.dtype
+                    yield key, tensor.to(dtype, copy=True)
+                else:
+                    yield key, tensor.clone()
     except (SafetensorError, OSError) as err:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {err}") from err
 
@@ -205,14 +217,19 @@ def load_safetensors_into(
     path: Path,
     rename: Callable[[str], str] | None = None,
     config_path: Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> RecurrentLM:
-    """The model ``build`` makes, with the ``*.safetensors`` weights in ``path``.
+    """The model ``build`` makes, with the ``*.safetensors`` weights in ``path``, its floating weights in
+    ``dtype`` (``None``: the checkpoint's, that of the first floating tensor where they differ).
 
     Errors name missing, unexpected, mis-shaped, duplicated and mistyped keys. The weights are checked against
     the model built on the meta device first, so a config whose sizes disagree with them (a vocabulary of
     millions) fails before the model's memory is allocated.
 
     ``rename`` maps checkpoint keys to parameter names. A tied parameter may be stored under either name.
+
+    Each tensor is read and converted on its own and becomes the parameter itself: the peak is about the
+    loaded model's size, not the checkpoint's plus a randomly initialised fp32 copy of the model.
     """
     files, weight_map = _safetensors_files(path)
     if not files:
@@ -227,7 +244,7 @@ def load_safetensors_into(
     weights: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # parameter name -> the checkpoint key and file it came from
     for file in files:
-        for key, tensor in _read_safetensors(file).items():
+        for key, tensor in _read_safetensors(file, dtype or _first_float_dtype(weights)):
             if weight_map is not None and weight_map.get(key) != file.name:
                 raise ModelLoadError(f"{file}: holds {key}, which the shard index puts in {weight_map.get(key)}")
             name = rename(key) if rename else key
@@ -237,10 +254,60 @@ def load_safetensors_into(
             source[name] = f"{key} in {file.name}"
     layout = _layout(build, config_path or path)
     _check_weights(layout, weights, path)
-    model = _build(build, config_path or path) if next(layout.parameters()).is_meta else layout
-    model.load_state_dict(weights, strict=False)
-    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point()]  # int buffers keep theirs
-    return model.to(dtype=float_dtypes[0] if float_dtypes else None)
+    if next(layout.parameters()).is_meta:
+        model = _assign_weights(layout, weights)
+        if model is not None:
+            return model
+        layout = _build(build, config_path or path)
+    layout.load_state_dict(weights, strict=False)
+    return layout.to(dtype=dtype or _first_float_dtype(weights))
+
+
+def _first_float_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype | None:
+    return next((t.dtype for t in weights.values() if t.dtype in LOADABLE_DTYPES), None)
+
+
+def _assign_weights(layout: RecurrentLM, weights: dict[str, torch.Tensor]) -> RecurrentLM | None:
+    """The meta-device ``layout`` made real by taking the checked ``weights`` as its parameters and buffers
+    (no copy, no random initialisation), with tied parameters tied again; ``None`` when the model keeps a
+    tensor of its own that no weight replaces (one its constructor derived), which only a real build has."""
+    tied = _tied_groups(layout)
+    expected = layout.state_dict()
+    layout.load_state_dict(
+        {k: t if t.is_floating_point() else t.to(expected[k].dtype) for k, t in weights.items()},
+        strict=False,
+        assign=True,
+    )
+    for names in tied:
+        shared = layout.get_parameter(next(n for n in names if n in weights))
+        for name in names:
+            owner, _, attribute = name.rpartition(".")
+            setattr(layout.get_submodule(owner), attribute, shared)
+    return None if _holds_meta_tensor(layout) else layout
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter the model registers under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _holds_meta_tensor(model: torch.nn.Module) -> bool:
+    """True if a parameter, buffer or tensor attribute (also in a list, tuple or dict) of a module is on the
+    meta device."""
+
+    def meta(value: object) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.is_meta
+        if isinstance(value, list | tuple):
+            return any(meta(v) for v in value)
+        if isinstance(value, dict):
+            return any(meta(v) for v in value.values())
+        return False
+
+    return any(meta(value) for module in model.modules() for value in vars(module).values())
 
 
 def check_native_weights(config: dict, weights: dict[str, torch.Tensor], where: Path) -> None:

@@ -85,6 +85,20 @@ def test_auto_device_is_cpu_without_cuda() -> None:
     assert next(model.parameters()).device.type == expected
 
 
+def _record_builds(monkeypatch: pytest.MonkeyPatch, architecture: str) -> list[str]:
+    """The device each build of ``architecture`` is made on, in order."""
+    built_on: list[str] = []
+    cls = MODEL_REGISTRY[architecture]
+
+    class Recorded(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, model_config: object) -> None:
+            built_on.append(torch.empty(0).device.type)
+            super().__init__(model_config)
+
+    monkeypatch.setitem(MODEL_REGISTRY, architecture, Recorded)
+    return built_on
+
+
 def test_weights_are_checked_against_the_config_before_the_model_takes_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,19 +108,63 @@ def test_weights_are_checked_against_the_config_before_the_model_takes_memory(
     save_checkpoint(tiny_model("mingru"), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 4_000_000}))
-    built_on: list[str] = []
-    architecture = MODEL_REGISTRY[config["architecture"]]
-
-    class Recorded(architecture):  # type: ignore[misc, valid-type]
-        def __init__(self, model_config: object) -> None:
-            built_on.append(torch.empty(0).device.type)
-            super().__init__(model_config)
-
-    monkeypatch.setitem(MODEL_REGISTRY, config["architecture"], Recorded)
+    built_on = _record_builds(monkeypatch, config["architecture"])
     with pytest.raises(ModelLoadError, match=r"config expects \(4000000, "):
         load_model(str(tmp_path), device="cpu")
     assert built_on == ["meta"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     built_on.clear()
     load_model(str(tmp_path), device="cpu")
+    assert built_on == ["meta"]  # the weights became its parameters: no second, randomly initialised build
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weights_become_the_parameters_in_the_requested_dtype_and_tied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """The meta-device layout takes the checkpoint's tensors as its parameters, each converted as it is read:
+    a bf16 model from an fp32 checkpoint never holds an fp32 copy of the model. Tied parameters stay one
+    tensor, and every parameter owns memory from torch's allocator (aligned for the CPU kernels), not a view
+    of the mapped file."""
+    reference, _ = load_model("random:mamba-tiny", device="cpu")
+    save_checkpoint(reference, tmp_path)
+    built_on = _record_builds(monkeypatch, "mamba")
+    model, _ = load_model(str(tmp_path), device="cpu", dtype=dtype)
+    assert built_on == ["meta"]
+    assert model.lm_head.weight is model.backbone.embeddings.weight
+    reference = reference.to(getattr(torch, dtype))
+    for name, param in model.state_dict().items():
+        assert param.dtype == getattr(torch, dtype) and param.data_ptr() % 64 == 0, name
+        torch.testing.assert_close(param, reference.state_dict()[name], atol=0, rtol=0)
+    assert not any(p.requires_grad for p in model.parameters())
+    torch.testing.assert_close(_logits(model, [5, 6, 7]), _logits(reference, [5, 6, 7]), atol=0, rtol=0)
+
+
+def test_mixed_dtypes_load_in_the_first_floating_weights_dtype(tmp_path: Path) -> None:
+    model = tiny_model("mingru")
+    save_checkpoint(model, tmp_path)
+    tensors = {k: v if i % 2 else v.to(torch.bfloat16) for i, (k, v) in enumerate(model.state_dict().items())}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded, _ = load_model(str(tmp_path), device="cpu")
+    assert {p.dtype for p in loaded.state_dict().values()} == {torch.bfloat16}
+
+
+def test_a_model_deriving_a_tensor_in_its_constructor_is_built_for_real(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor a constructor computes and keeps outside the state dict would stay on the meta device if the
+    weights were only assigned; such a model is built on the CPU and the weights copied in."""
+    save_checkpoint(tiny_model("mingru", seed=2), tmp_path)
+    built_on = _record_builds(monkeypatch, "mingru")
+    architecture = MODEL_REGISTRY["mingru"]
+
+    class Derived(architecture):  # type: ignore[misc, valid-type]
+        def __init__(self, model_config: object) -> None:
+            super().__init__(model_config)
+            self.derived = [torch.arange(3.0)]
+
+    monkeypatch.setitem(MODEL_REGISTRY, "mingru", Derived)
+    model, _ = load_model(str(tmp_path), device="cpu")
     assert built_on == ["meta", "cpu"]
+    assert torch.equal(model.derived[0], torch.arange(3.0))
+    torch.testing.assert_close(_logits(model, [1, 2]), _logits(tiny_model("mingru", seed=2), [1, 2]), atol=0, rtol=0)
