@@ -4,9 +4,9 @@
 // Few rows (a decode batch): the layer is bound by streaming W, a quarter of the bytes of fp32. Each thread
 // takes a contiguous range of W's rows and reads it once from memory, converting int8 -> fp32 in registers
 // (16 lanes a vector on AVX-512, 8 on AVX2: GCC vector extensions, with intrinsics only for the conversion),
-// with fp32 FMAs against the rows of x. Up to 8 rows of x, one weight row at a time, front to back: one
-// sequential stream per core (tiles of 4 rows side by side streamed the 154 MB-fp32 LM head of mamba-130m at
-// half the speed here),
+// with fp32 FMAs against the rows of x (the loops over W's rows and x's chunks: kernels/weight_stream.h). Up to 8
+// rows of x, one weight row at a time, front to back: one sequential stream per core (tiles of 4 rows side by side
+// streamed the 154 MB-fp32 LM head of mamba-130m at half the speed here),
 // which the loop also prefetches a few KB ahead: on the Zen 3 VM where this was tuned, the hardware prefetchers
 // alone left a cold int8 weight at about 80% of torch.sum's read bandwidth at batch 1 and the software prefetch
 // brought it level (on a Zen 4 VM, against the loop without it: level at one row of x, 1.1-1.2x at eight). From 9 to
@@ -16,11 +16,9 @@
 // The scale is applied once per output, after the K loop.
 //
 // Many rows (prefill): the product is bound by arithmetic, where a BLAS GEMM is far ahead of a hand-written
-// loop. Blocks of W rows are dequantised (w * scale, exact in fp32 up to one rounding) into an fp32 buffer
-// that stays in cache and multiplied by oneDNN's fp32 inner product (x [M, K] @ W_block^T, copied into y's
-// columns) or, without oneDNN, by the BLAS (W_block [n, K] @ x^T [K, M] writes rows of y^T).
+// loop. Blocks of W rows are dequantised (w * scale, exact in fp32 up to one rounding) for the fp32 GEMM
+// (rnnserve::dequantized_gemm).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,10 +26,9 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
-#include <vector>
 
 #include "cpu_vector.h"
-#include "onednn_linear.h"
+#include "weight_stream.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -45,11 +42,7 @@ using rnnserve::load;
 using rnnserve::load_partial;
 using rnnserve::vfloat;
 
-constexpr int64_t kFewRows = 8;                 // up to here, one weight row at a time (8 accumulators at most)
-constexpr int64_t kBlockBytes = 128 << 10;      // beyond: weight rows taken with every chunk of x before the next
 constexpr int64_t kMaxStreamRows = 32;          // above this, the dequantise + GEMM path
-constexpr int64_t kGemmBlockBytes = 1 << 20;    // fp32 bytes of one dequantised block of W
-constexpr int64_t kMinBytesPerThread = 64 << 10;  // smaller products run on one thread (a barrier costs more)
 constexpr int64_t kLine = 64;                   // int8 weights per cache line: one prefetch each
 constexpr int64_t kPrefetchAhead = 2048;        // bytes of the weight stream prefetched ahead of the loads
 
@@ -166,7 +159,7 @@ inline void dot_rows(const int8_t* row, const at::BFloat16* x, int64_t x_stride,
 }
 #endif
 
-// dot_rows for 1..kFewRows rows of x (fp32, or bf16 where the CPU has bf16 dot products).
+// dot_rows for 1..kStreamChunkRows rows of x (fp32, or bf16 where the CPU has bf16 dot products).
 template <typename X>
 inline void dot_few_rows(const int8_t* row, const X* x, int64_t x_stride, int64_t rows, int64_t k, float* sums) {
   constexpr int kVectorsPerLine = std::is_same_v<X, float> ? kLine / kLanes : 2;
@@ -186,89 +179,13 @@ inline void dot_few_rows(const int8_t* row, const X* x, int64_t x_stride, int64_
 template <typename X, typename out_t>
 void stream_rows(const at::Tensor& x_rows, const at::Tensor& weight, const float* scale, const float* bias,
                  at::Tensor& y) {
-  const int64_t rows = x_rows.size(0), k = x_rows.size(1), n = weight.size(0);
   const int8_t* w = weight.data_ptr<int8_t>();
-  const X* x = x_rows.data_ptr<X>();
-  out_t* out = y.data_ptr<out_t>();
-  const int64_t w_stride = weight.stride(0), x_stride = x_rows.stride(0);
-  // Blocks of about kBlockBytes of W's rows: a block streams from memory while the first chunk of x's rows
-  // (kFewRows) runs through it and stays in L2 for the other chunks, each chunk staying in L1 across the block
-  // (over K in passes where its rows are long: rnnserve::chunk_shape).
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, k));
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, k));
-  const rnnserve::ChunkShape shape = rnnserve::chunk_shape(rows, k, kFewRows, sizeof(X));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kFewRows];
-    std::vector<float> partial(shape.k_pass < k ? shape.rows * block : 0);
-    for (int64_t i0 = begin; i0 < end; i0 += block) {
-      const int64_t i1 = std::min(end, i0 + block), block_rows = i1 - i0;
-      for (int64_t m0 = 0; m0 < rows; m0 += shape.rows) {
-        const int64_t chunk = std::min(shape.rows, rows - m0);
-        const X* xm = x + m0 * x_stride;
-        out_t* ym = out + m0 * n;
-        if (shape.k_pass == k) {
-          for (int64_t i = i0; i < i1; ++i) {
-            dot_few_rows(w + i * w_stride, xm, x_stride, chunk, k, sums);
-            const float b = bias ? bias[i] : 0.f;
-            for (int64_t m = 0; m < chunk; ++m) ym[m * n + i] = static_cast<out_t>(sums[m] * scale[i] + b);
-          }
-          continue;
-        }
-        std::fill(partial.begin(), partial.begin() + chunk * block_rows, 0.f);
-        for (int64_t k0 = 0; k0 < k; k0 += shape.k_pass) {
-          const int64_t pass = std::min(shape.k_pass, k - k0);
-          for (int64_t i = i0; i < i1; ++i) {
-            dot_few_rows(w + i * w_stride + k0, xm + k0, x_stride, chunk, pass, sums);
-            for (int64_t m = 0; m < chunk; ++m) partial[m * block_rows + i - i0] += sums[m];
-          }
-        }
-        for (int64_t m = 0; m < chunk; ++m)
-          for (int64_t i = i0; i < i1; ++i)
-            ym[m * n + i] = static_cast<out_t>(partial[m * block_rows + i - i0] * scale[i] + (bias ? bias[i] : 0.f));
-      }
-    }
-  });
-}
-
-// y = x @ dequantise(W)^T, block by block of W's rows. With oneDNN (x86 builds of PyTorch) each block's product
-// is its fp32 inner product, copied into y's columns; else the BLAS (MKL), y^T [N, M] = W_block @ x^T, and y is
-// returned as a transposed view. (MKL's sgemm takes its AVX2 code on AMD CPUs, where oneDNN's AVX-512 one was 2x
-// faster: see kernels/gemv.)
-at::Tensor gemm_rows(const at::Tensor& x32, const at::Tensor& weight, const at::Tensor& scale32,
-                     const std::optional<at::Tensor>& bias32) {
-  static const bool onednn = rnnserve::onednn_linear_available();
-  const int64_t rows = x32.size(0), k = x32.size(1), n = weight.size(0);
-  auto y = onednn ? at::empty({rows, n}, x32.options()) : at::empty({n, rows}, x32.options());
-  const int64_t block = std::max<int64_t>(16, kGemmBlockBytes / (4 * std::max<int64_t>(1, k)));
-  auto buffer = at::empty({std::min(block, n), k}, x32.options());
-  const at::Tensor x_t = x32.t();
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const float* scale = scale32.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += block) {
-    const int64_t count = std::min(block, n - n0);
-    float* dequant = buffer.data_ptr<float>();
-    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int8_t* src = w + (n0 + r) * weight.stride(0);
-        float* dst = dequant + r * k;
-        const float s = scale[n0 + r];
-        for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<float>(src[j]) * s;
-      }
-    });
-    const at::Tensor block_weight = buffer.narrow(0, 0, count);
-    if (onednn) {
-      y.narrow(1, n0, count).copy_(rnnserve::onednn_linear(x32, block_weight, std::nullopt));
-    } else {
-      auto out = y.narrow(0, n0, count);
-      at::mm_out(out, block_weight, x_t);
-    }
-  }
-  if (onednn) {
-    if (bias32.has_value()) y.add_(*bias32);
-    return y;
-  }
-  if (bias32.has_value()) y.add_(bias32->unsqueeze(1));
-  return y.t();
+  const int64_t w_stride = weight.stride(0);
+  const auto dot = [&](int64_t i, int64_t k0, int64_t count, const X* xm, int64_t x_stride, int64_t chunk,
+                       float* sums) { dot_few_rows(w + i * w_stride + k0, xm + k0, x_stride, chunk, count, sums); };
+  const auto finish = [&](int64_t i, float sum) { return sum * scale[i] + (bias ? bias[i] : 0.f); };
+  rnnserve::stream_weight_rows(x_rows.data_ptr<X>(), x_rows.stride(0), x_rows.size(0), x_rows.size(1),
+                               weight.size(0), weight.size(1), y.data_ptr<out_t>(), dot, finish);
 }
 
 // x [M, K] float (fp32, bf16, fp16), weight [N, K] int8 (unit stride along K), scale [N] fp32, bias [N] or None.
@@ -289,8 +206,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     bias32 = bias->to(at::kFloat).contiguous();
   }
   if (rows > kMaxStreamRows) {
-    const at::Tensor x32 = x.to(at::kFloat).contiguous();
-    return gemm_rows(x32, weight, scale32, bias32).to(dtype);
+    const int8_t* w = weight.data_ptr<int8_t>();
+    const float* s = scale32.data_ptr<float>();
+    const auto dequantize_row = [&](int64_t i, float* dst) {
+      const int8_t* src = w + i * weight.stride(0);
+      for (int64_t j = 0; j < k; ++j) dst[j] = static_cast<float>(src[j]) * s[i];
+    };
+    return rnnserve::dequantized_gemm(x.to(at::kFloat).contiguous(), n, bias32, dequantize_row).to(dtype);
   }
   auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
