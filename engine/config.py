@@ -23,7 +23,7 @@ BYTE_UNITS = {
 }
 DEVICES = ["auto", "cpu", "cuda"]
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
-QUANTIZATIONS = ["int8"]
+QUANTIZATIONS = ["int8", "int4"]
 DEFAULT_MAX_MODEL_LEN = 131072  # for models without a length limit of their own
 
 
@@ -129,8 +129,9 @@ class EngineConfig:
         "that would cross a multiple ends at it)", metavar="TOKENS",
     )
     quantize: str | None = option(
-        None, "weight-only quantization of the linear layers: int8 (per-output-channel symmetric scales, fp32 "
-        "accumulation; states are not quantized)", choices=QUANTIZATIONS,
+        None, "weight-only quantization of the linear layers: int8 (per-output-channel symmetric scales) or int4 "
+        "(groups of 32 inputs with an fp16 scale, as llama.cpp's Q4_0); fp32 accumulation, states are not "
+        "quantized", choices=QUANTIZATIONS,
     )
 
     def __post_init__(self) -> None:

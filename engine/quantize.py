@@ -1,9 +1,11 @@
-"""Weight-only int8 quantization of a loaded model's linear layers (``--quantize int8``).
+"""Weight-only quantization of a loaded model's linear layers (``--quantize int8`` or ``int4``).
 
-Every ``nn.Linear`` child of the model becomes an :class:`Int8Linear`: an int8 weight ``[N, K]`` with one
-symmetric fp32 scale per output row (``scale = max|w_row| / 127``, ``q = round(w / scale)``), the bias kept in
-the model's dtype. Activations stay in the model's dtype, products accumulate in fp32 and outputs come back in
-the model's dtype (:func:`rnnserve.kernels.int8_linear.int8_linear`); recurrent states, embeddings, norms,
+With ``int8`` every ``nn.Linear`` child of the model becomes an :class:`Int8Linear`: an int8 weight ``[N, K]``
+with one symmetric fp32 scale per output row (``scale = max|w_row| / 127``, ``q = round(w / scale)``). With
+``int4`` it becomes an :class:`Int4Linear`: groups of 32 inputs of a row, each with one fp16 scale and 4-bit
+values in ``[-8, 7]`` (the layout of :mod:`rnnserve.kernels.int4_linear.naive`; 4.5 bits a weight, as
+llama.cpp's Q4_0). The bias is kept in the model's dtype. Activations stay in the model's dtype, products
+accumulate in fp32 and outputs come back in the model's dtype; recurrent states, embeddings, norms,
 convolutions and gates are untouched. A head tied to the embedding gets its own int8 copy while the embedding
 keeps its dtype (a lookup reads one row, the head streams all of them every step).
 
@@ -16,11 +18,17 @@ sparse fp64 matrices) is refused with a ``ValueError`` at start-up rather than s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from rnnserve.kernels import int4_linear as int4
 from rnnserve.kernels.int8_linear import dequantize, int8_linear
 
 INT8_MAX = 127
+INT4_MIN = -8
+INT4_MAX = 7
+FP16_MAX = 65504.0
+METHODS = ("int8", "int4")
 
 
 class Int8Linear(nn.Module):
@@ -60,6 +68,72 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int4Linear(nn.Module):
+    """A linear layer with a group-wise int4 weight: ``weight [N, ceil(K / 32) * 16]`` uint8 (two 4-bit values a
+    byte) and ``scale [N, ceil(K / 32)]`` fp16 (buffers), and the original ``bias`` (a parameter, or None)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        groups = int4.groups_of(in_features)
+        if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != groups * int4.GROUP // 2:
+            raise ValueError(
+                f"Int4Linear needs a uint8 [N, {groups * int4.GROUP // 2}] weight for {in_features} inputs, got "
+                f"{weight.dtype} {tuple(weight.shape)}"
+            )
+        if scale.shape != (weight.shape[0], groups):
+            raise ValueError(f"Int4Linear needs a [{weight.shape[0]}, {groups}] scale, got {tuple(scale.shape)}")
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.in_features = in_features
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> Int4Linear:
+        """Quantize ``layer``'s weight in groups of 32 inputs; raises ``ValueError`` on non-finite weights and on
+        weights whose scales overflow fp16."""
+        weight, scale = quantize_weight_int4(layer.weight)
+        return cls(weight, scale, layer.bias, layer.in_features)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` this layer multiplies by."""
+        return int4.dequantize(self.weight, self.scale, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4.int4_linear(x, self.weight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+QuantizedLinear = Int8Linear | Int4Linear
+
+
+@torch.no_grad()
+def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> ``(packed [N, G * 16] uint8, scale [N, G] fp16)``, ``G = ceil(K / 32)``.
+
+    Each group of 32 inputs (the last one padded with zeros) takes the value of largest magnitude ``m`` and
+    ``scale = m / -8`` rounded to fp16, so ``m`` maps to ``-8`` exactly and the group uses all 16 levels of
+    ``[-8, 7]`` (llama.cpp's Q4_0 rule); ``q = clamp(round(w / scale), -8, 7)``. An all-zero group gets scale 0.
+    """
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("cannot quantize a weight with non-finite values")
+    n, k = w.shape
+    padded = F.pad(w, (0, int4.groups_of(k) * int4.GROUP - k)).view(n, -1, int4.GROUP)
+    largest = padded.gather(-1, padded.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    scale = (largest / INT4_MIN).to(torch.float16)
+    if bool(torch.isinf(scale).any()):
+        raise ValueError(f"cannot quantize to int4 a weight larger than {FP16_MAX * -INT4_MIN:g} (fp16 scales)")
+    divisor = scale.float().masked_fill(scale == 0, 1.0)[..., None]
+    q = torch.round(padded / divisor).clamp_(INT4_MIN, INT4_MAX).view(n, -1)
+    return int4.pack(q), scale
+
+
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` (any float dtype) -> ``(int8 [N, K], fp32 scale [N])`` with ``weight ~ q * scale[:, None]``.
@@ -90,27 +164,39 @@ def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linea
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Replace the model's linear layers in place by their ``method`` (``"int8"``) versions; returns how many.
+    """Replace the model's linear layers in place by their ``method`` (``"int8"`` or ``"int4"``) versions;
+    returns how many.
 
     Raises ``ValueError`` for an unknown method, for a model with no linear layer to quantize (naming the
     model) and for a layer with non-finite weights (naming the layer).
     """
-    if method != "int8":
-        raise ValueError(f"unknown quantization {method!r} (choices: int8)")
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r} (choices: {', '.join(METHODS)})")
     targets = quantizable_linears(model)
     model_name = getattr(model, "architecture", type(model).__name__)
     if not targets:
-        raise ValueError(f"--quantize int8: the {model_name} model has no linear layers to quantize")
+        raise ValueError(f"--quantize {method}: the {model_name} model has no linear layers to quantize")
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-    replaced: dict[int, Int8Linear] = {}  # a module shared by several parents stays shared
+    quantized = Int8Linear if method == "int8" else Int4Linear
+    replaced: dict[int, QuantizedLinear] = {}  # a module shared by several parents stays shared
     for parent, attribute, layer in targets:
         if id(layer) not in replaced:
             try:
-                replaced[id(layer)] = Int8Linear.from_linear(layer)
+                replaced[id(layer)] = quantized.from_linear(layer)
             except ValueError as err:
                 raise ValueError(f"{model_name} layer {names[id(layer)]}: {err}") from None
         setattr(parent, attribute, replaced[id(layer)])
     return len(replaced)
 
 
-__all__ = ["INT8_MAX", "Int8Linear", "quantizable_linears", "quantize_model", "quantize_weight"]
+__all__ = [
+    "INT8_MAX",
+    "METHODS",
+    "Int4Linear",
+    "Int8Linear",
+    "QuantizedLinear",
+    "quantizable_linears",
+    "quantize_model",
+    "quantize_weight",
+    "quantize_weight_int4",
+]

@@ -26,7 +26,7 @@ from torch import nn
 
 from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
 from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weightless_rms_norm
-from rnnserve.engine.quantize import Int8Linear
+from rnnserve.engine.quantize import Int4Linear, Int8Linear
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.mamba_decode import (
@@ -68,12 +68,13 @@ def _version_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def _linear_tensors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(weight, bias, scale)`` of an ``nn.Linear`` (scale None) or an :class:`Int8Linear`.
+    """``(weight, bias, scale)`` of an ``nn.Linear`` (scale None), an :class:`Int8Linear` or an
+    :class:`Int4Linear` (the fused stack tells them apart by the weight's dtype).
 
     Decode reads every layer's tensors on every step, so these (and the mixer's) are looked up in the modules'
     ``_parameters``/``_buffers``/``_modules`` dicts: ``nn.Module`` attribute access costs about 1 us each,
     which came to 0.9 ms of a 19 ms batch-1 step of mamba-130m."""
-    if isinstance(layer, Int8Linear):
+    if isinstance(layer, Int8Linear | Int4Linear):
         return layer._buffers["weight"], layer._parameters.get("bias"), layer._buffers["scale"]
     return layer._parameters["weight"], layer._parameters["bias"], None
 
@@ -143,7 +144,7 @@ class MambaMixer(nn.Module):
         return linear(self.out_proj, y)
 
     def fused_weights(self) -> bool:
-        """Whether the projections are plain float weights, which the per-layer fused op takes (int8 ones,
+        """Whether the projections are plain float weights, which the per-layer fused op takes (quantized ones,
         engine/quantize.py, only go through the one-op stack)."""
         return all(layer.weight.is_floating_point() for layer in (self.in_proj, self.x_proj, self.out_proj))
 
@@ -154,7 +155,7 @@ class MambaMixer(nn.Module):
         )
 
     def stack_decode_applies(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
-        """Whether this mixer's step can run in the one-op stack: on CPU with float or int8 projections, on a
+        """Whether this mixer's step can run in the one-op stack: on CPU with float or quantized projections, on a
         GPU (small batches) with float ones; not for FalconMamba's extra norms."""
         if self.config.bcdt_rms_norm:
             return False
@@ -165,7 +166,7 @@ class MambaMixer(nn.Module):
     def fused_decode_weights(self) -> tuple[torch.Tensor | None, ...]:
         """The fused ops' per-layer arguments: ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
         x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias, in_proj_scale,
-        x_proj_scale, out_proj_scale)``, each scale None unless that projection is an :class:`Int8Linear`."""
+        x_proj_scale, out_proj_scale)``, each scale None unless that projection is quantized."""
         A, D, dt_bias, conv_weight, conv_bias = self._fp32_params()
         children = self._modules
         in_w, in_b, in_s = _linear_tensors(children["in_proj"])
@@ -225,7 +226,7 @@ class MambaLM(MixerStackLM):
         self, normed: torch.Tensor, stream: torch.Tensor, slot_ids: torch.Tensor, state: StateTensors
     ) -> torch.Tensor:
         """Every layer in one fused op (:func:`~rnnserve.kernels.mamba_decode.mamba_decode_stack`): on CPU
-        with float or ``--quantize int8`` projections, on a GPU the Triton stack for small batches."""
+        with float or quantized (``--quantize``) projections, on a GPU the Triton stack for small batches."""
         layers = self.backbone.layers
         conv, ssm = state["conv"], state["ssm"]
         if not (mamba_decode_ops.STACK_ENABLED and layers[0].mixer.stack_decode_applies(normed, conv[:, 0], ssm[:, 0])):

@@ -6,12 +6,13 @@ whole step as one fused CPU op that chains the CPU kernels of ``skinny_linear``,
 without returning to Python between them.
 
 :func:`mamba_decode_stack` runs every layer of a decode step (the mixer, then the residual add and the next
-norm) in one op, saving the model's per-layer dispatches; on CPU it also takes weight-only int8 projections
-(``--quantize int8``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` CPU kernel, as the
-quantized model's op-by-op step does. On a GPU, decode batches of up to ``STACK_MAX_BATCH`` sequences with
-float projections run ``fused_recurrent.py``: three Triton kernels per layer instead of the op-by-op step's
-eight launches (batch-1 decode is the weight stream plus a launch and a tail per kernel); larger batches run
-the op-by-op step, whose GEMMs suit them (the kernels take up to ``fused_recurrent.MAX_ROWS``, 8).
+norm) in one op, saving the model's per-layer dispatches; on CPU it also takes weight-only quantized projections
+(``--quantize int8`` or ``int4``), which it multiplies with the :mod:`rnnserve.kernels.int8_linear` or
+:mod:`rnnserve.kernels.int4_linear` CPU kernel, as the quantized model's op-by-op step does. On a GPU, decode
+batches of up to ``STACK_MAX_BATCH`` sequences with float projections run ``fused_recurrent.py``: three Triton
+kernels per layer instead of the op-by-op step's eight launches (batch-1 decode is the weight stream plus a launch
+and a tail per kernel); larger batches run the op-by-op step, whose GEMMs suit them (the kernels take up to
+``fused_recurrent.MAX_ROWS``, 8).
 ``STACK_ENABLED`` and ``STACK_MAX_BATCH`` are read on every call:
 ``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
 (``benchmarks/cpu_decode.py`` compares both).
@@ -131,7 +132,7 @@ def mamba_mixer_decode(
 
 def gemv_row_limits(*weights: torch.Tensor) -> list[int]:
     """The gemv kernel's row limit for each projection of a mixer (in, x, dt, out), by its dtype and inputs, as
-    ``matmul_t`` applies it (an int8 weight's limit is unused: it runs its own kernel)."""
+    ``matmul_t`` applies it (a quantized weight's limit is unused: it runs its own kernel)."""
     return [row_limit(w.dtype, w.shape[1]) for w in weights]
 
 
@@ -154,7 +155,8 @@ def mamba_decode_stack(
     :func:`mamba_mixer_decode` arguments ``(in_proj_weight, in_proj_bias, conv_weight, conv_bias,
     x_proj_weight, dt_proj_weight, dt_bias, A, D, out_proj_weight, out_proj_bias)`` followed by
     ``(in_proj_scale, x_proj_scale, out_proj_scale)``: None for a weight in the model's dtype, the fp32
-    per-row scale ``[N]`` of an int8 weight ``[N, K]`` (:class:`~rnnserve.engine.quantize.Int8Linear`);
+    per-row scale ``[N]`` of an int8 weight ``[N, K]`` (:class:`~rnnserve.engine.quantize.Int8Linear`) or the fp16
+    group scales of a packed int4 weight (:class:`~rnnserve.engine.quantize.Int4Linear`);
     ``dt_proj_weight`` is always in the model's dtype. ``conv_pool [N, L, Di, K-1]`` and ``ssm_pool [N, L, Di,
     Ns]``: the whole pools, advanced in place at rows ``slot_ids``. Callers check
     :func:`mamba_mixer_decode_applies` (or :func:`mamba_decode_triton_applies`) on layer 0's pool views and

@@ -5,8 +5,8 @@
 // (engine/models/layers/linear.py) does, so it computes the same numbers as the Python mixer. The Python step
 // is about 30 calls plus their glue, which took about a quarter of a bf16 decode step at batch 1.
 // mamba_decode_stack runs the whole layer loop of a decode step (mixer, residual add, next norm) in one call,
-// for float projections or weight-only int8 ones (engine/quantize.py: Int8Linear), which it multiplies with the
-// int8_linear kernel exactly as the quantized Python mixer does.
+// for float projections or weight-only quantized ones (engine/quantize.py: Int8Linear, Int4Linear), which it
+// multiplies with the int8_linear or int4_linear kernel exactly as the quantized Python mixer does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -46,18 +46,20 @@ GemmRules gemm_rules(at::IntArrayRef gemv_rows, bool upcast_bf16, bool onednn_fp
   return GemmRules{{gemv_rows[0], gemv_rows[1], gemv_rows[2], gemv_rows[3]}, upcast_bf16, onednn_fp32};
 }
 
-// x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks an int8 weight
-// with one scale per output row (the int8_linear kernel); float weights go by matmul_t's rules.
+// x @ w^T + b, by the same rules as engine/models/layers/linear.py: linear. A `scale` marks a quantized weight:
+// int8 with one scale per output row (the int8_linear kernel) or packed int4 (uint8) with one fp16 scale per group
+// (int4_linear); float weights go by matmul_t's rules.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& scale, const OptTensor& b,
                    const GemmRules& rules, Projection which) {
   using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
   static const bool amx = find_op<bool()>("rnnserve::skinny_linear_available").call();
   static const auto skinny = find_op<Linear>("rnnserve::skinny_linear");
   static const auto gemv = find_op<Linear>("rnnserve::gemv");
-  static const auto int8_linear =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>(
-          "rnnserve::int8_linear");
-  if (scale.has_value()) return int8_linear.call(x, w, *scale, b);
+  using Quantized = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&);
+  static const auto int8_linear = find_op<Quantized>("rnnserve::int8_linear");
+  static const auto int4_linear = find_op<Quantized>("rnnserve::int4_linear");
+  if (scale.has_value())
+    return (w.scalar_type() == at::kByte ? int4_linear : int8_linear).call(x, w, *scale, b);
   const int64_t rows = x.size(0);
   const bool unit_stride = x.stride(1) == 1 && w.stride(1) == 1;
   if (amx && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && rows >= 1 &&
@@ -77,8 +79,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& sc
   return b.has_value() ? out + *b : out;
 }
 
-// The int8 scales of in_proj, x_proj and out_proj (each None for a float weight); dt_proj stays float.
-struct Int8Scales {
+// The quantized weights' scales of in_proj, x_proj and out_proj (each None for a float weight); dt_proj stays
+// float.
+struct QuantScales {
   OptTensor in_proj, x_proj, out_proj;
 };
 
@@ -86,7 +89,7 @@ at::Tensor mixer_step(const at::Tensor& h, const at::Tensor& in_weight, const Op
                       at::Tensor conv_pool, const at::Tensor& conv_weight, const OptTensor& conv_bias,
                       const at::Tensor& slot_ids, const at::Tensor& x_proj_weight, const at::Tensor& dt_proj_weight,
                       const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, at::Tensor ssm_pool,
-                      const at::Tensor& out_weight, const OptTensor& out_bias, const Int8Scales& scales,
+                      const at::Tensor& out_weight, const OptTensor& out_bias, const QuantScales& scales,
                       const GemmRules& rules) {
   static const auto conv_update =
       find_op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, const OptTensor&, const at::Tensor&, bool)>(
@@ -116,7 +119,7 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
                               const OptTensor& out_bias, at::IntArrayRef gemv_rows, bool upcast_bf16,
                               bool onednn_fp32) {
   return mixer_step(h, in_weight, in_bias, std::move(conv_pool), conv_weight, conv_bias, slot_ids, x_proj_weight,
-                    dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, Int8Scales{},
+                    dt_proj_weight, dt_bias, A, D, std::move(ssm_pool), out_weight, out_bias, QuantScales{},
                     gemm_rules(gemv_rows, upcast_bf16, onednn_fp32));
 }
 
@@ -125,7 +128,7 @@ at::Tensor mamba_mixer_decode(const at::Tensor& h, const at::Tensor& in_weight, 
 // starting from the first block's normed input and its residual stream; norm_weights[i] is block i + 1's
 // norm, the last one the final norm (which does not round to the weight's dtype: see kernels/residual_rms_norm).
 // conv_pool [N, L, Di, K-1] and ssm_pool [N, L, Di, Ns] are the whole pools; returns the final normed rows.
-// in_scales/x_proj_scales/out_scales[i]: layer i's int8 weight scales, None where that weight is float.
+// in_scales/x_proj_scales/out_scales[i]: layer i's quantized weight scales, None where that weight is float.
 at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& stream_in, at::TensorList norm_weights,
                               double eps, at::TensorList in_weights, const c10::List<OptTensor>& in_biases,
                               at::Tensor conv_pool, at::TensorList conv_weights,
@@ -151,7 +154,7 @@ at::Tensor mamba_decode_stack(const at::Tensor& normed_in, const at::Tensor& str
   const GemmRules rules = gemm_rules(gemv_rows, upcast_bf16, onednn_fp32);
   at::Tensor normed = normed_in, stream = stream_in;
   for (int64_t i = 0; i < layers; ++i) {
-    const Int8Scales scales{in_scales.get(i), x_proj_scales.get(i), out_scales.get(i)};
+    const QuantScales scales{in_scales.get(i), x_proj_scales.get(i), out_scales.get(i)};
     const at::Tensor out = mixer_step(normed, in_weights[i], in_biases.get(i), conv_pool.select(1, i),
                                       conv_weights[i], conv_biases.get(i), slot_ids, x_proj_weights[i],
                                       dt_proj_weights[i], dt_biases[i], As[i], Ds[i], ssm_pool.select(1, i),

@@ -36,6 +36,8 @@ from rnnserve.kernels.causal_conv1d.fused_recurrent import _conv_update_kernel
 from rnnserve.kernels.diag_linear_scan.chunk import _diag_scan_varlen_kernel
 from rnnserve.kernels.diag_linear_scan.fused_recurrent import _diag_scan_step_kernel
 from rnnserve.kernels.gated_rms_norm.fused import _gated_rms_norm_kernel
+from rnnserve.kernels.int4_linear.fused import _int4_linear_kernel
+from rnnserve.kernels.int4_linear.fused import block_sizes as int4_block_sizes
 from rnnserve.kernels.int8_linear.fused import NUM_STAGES as INT8_LINEAR_STAGES
 from rnnserve.kernels.int8_linear.fused import _int8_linear_kernel, block_sizes
 from rnnserve.kernels.lattice.fused_recurrent import _lattice_decode_kernel, _lattice_prefill_kernel
@@ -160,6 +162,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
     configs += _based_configs(act)
     configs += _lattice_configs(act)
     configs += _int8_linear_configs(act)
+    configs += _int4_linear_configs(act)
     configs.append((_cached_decode_attention_kernel, {"q_ptr": act, "k_ptr": act, "v_ptr": act, "slot_ids_ptr": i64,
                     "positions_ptr": i64, "out_ptr": f32, "scale": "fp32"}, {"D": 64, "BN": 32, "BD": 64}, 4))
     return configs
@@ -309,6 +312,19 @@ def _int8_linear_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, s
         block_m, block_n, block_k, warps = block_sizes(rows)
         configs.append((_int8_linear_kernel, types, {"HAS_BIAS": True, **dot, "BM": block_m, "BN": block_n,
                                                      "BK": block_k}, warps))
+    return configs
+
+
+def _int4_linear_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """The w4a16 linear at both of the wrapper's block shapes (decode batches, larger batches)."""
+    types = {"x_ptr": act, "w_ptr": "*u8", "scale_ptr": "*fp16", "bias_ptr": act, "y_ptr": act}
+    low = act != "*fp32"
+    dot = {"DOT_DTYPE": triton.language.bfloat16 if low else triton.language.float32,
+           "PRECISION": "tf32" if low else "ieee"}
+    configs = []
+    for rows in (1, 512):
+        block_m, block_n, warps = int4_block_sizes(rows, not low)
+        configs.append((_int4_linear_kernel, types, {"HAS_BIAS": True, **dot, "BM": block_m, "BN": block_n}, warps))
     return configs
 
 

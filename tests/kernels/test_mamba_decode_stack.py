@@ -1,5 +1,5 @@
 """The one-op Mamba decode step (every layer in C++) == the per-layer loop, bit for bit, logits and states; with
-``--quantize int8`` weights the loop is the quantized model's op-by-op step."""
+``--quantize int8`` or ``int4`` weights the loop is the quantized model's op-by-op step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from rnnserve.engine.models.base import DecodeBatch
 from rnnserve.engine.models.mamba import MambaConfig, MambaLM
-from rnnserve.engine.quantize import Int8Linear, quantize_model
+from rnnserve.engine.quantize import Int4Linear, Int8Linear, quantize_model
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
@@ -39,24 +39,25 @@ def tiny_mamba(dtype: torch.dtype, use_bias: bool, residual_in_fp32: bool) -> Ma
                                                     (torch.bfloat16, True)])  # fmt: skip
 @pytest.mark.parametrize("batch", [1, 3, 40, 70])
 @pytest.mark.parametrize(("use_bias", "residual_in_fp32"), [(False, True), (True, False)])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "int8", "int4"])
 def test_stack_equals_layer_loop(
     dtype: torch.dtype,
     batch: int,
     use_bias: bool,
     residual_in_fp32: bool,
-    quantized: bool,
+    quantized: str | None,
     upcast_bf16: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Slots out of order; 40 rows take the int8 kernel's GEMM path and transposed outputs, 70 rows the GEMMs
+    """Slots out of order; 40 rows take the quantized kernels' GEMM path and transposed outputs, 70 rows the GEMMs
     past the GEMV kernel (bf16 in fp32 where ``upcast_bf16``, as on CPUs without bf16 arithmetic)."""
     monkeypatch.setattr(gemv_module, "UPCAST_BF16_GEMM", upcast_bf16)
     model = tiny_mamba(dtype, use_bias, residual_in_fp32)
     if quantized:
-        quantize_model(model, "int8")
+        quantize_model(model, quantized)
         mixer = model.backbone.layers[0].mixer
-        assert all(isinstance(layer, Int8Linear) for layer in (mixer.in_proj, mixer.x_proj, mixer.out_proj))
+        kind = Int8Linear if quantized == "int8" else Int4Linear
+        assert all(isinstance(layer, kind) for layer in (mixer.in_proj, mixer.x_proj, mixer.out_proj))
     pools = twin_pools(model, batch + 5)
     slots = (torch.randperm(batch + 4, generator=torch.Generator().manual_seed(2))[:batch] + 1).tolist()
     module = "rnnserve.engine.models.mamba"
@@ -73,7 +74,7 @@ def test_stack_equals_layer_loop(
             assert stacked.dtype == looped.dtype == torch.float32
             assert torch.equal(stacked, looped)
     assert calls["mamba_decode_stack"] == 3
-    assert calls["mamba_mixer_decode"] == (0 if quantized else 3 * 3)  # int8: the loop runs op by op
+    assert calls["mamba_mixer_decode"] == (0 if quantized else 3 * 3)  # quantized: the loop runs op by op
     for name in pools[0].tensors:
         assert torch.equal(pools[0].tensors[name], pools[1].tensors[name])
 

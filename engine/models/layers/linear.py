@@ -6,20 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnserve.engine.quantize import Int8Linear
+from rnnserve.engine.quantize import Int4Linear, Int8Linear, QuantizedLinear
 from rnnserve.kernels import gemv
 from rnnserve.kernels.gemv import gemv_applies
+from rnnserve.kernels.int4_linear import int4_linear
 from rnnserve.kernels.int8_linear import int8_linear
 from rnnserve.kernels.skinny_linear import skinny_linear_applies
 
 SMALL_BATCH_ROWS = 128
 
 
-def linear(layer: nn.Linear | Int8Linear, x: torch.Tensor, widened: bool = False) -> torch.Tensor:
-    """``layer(x)``, through :func:`matmul_t`'s fast paths for few rows (int8 layers: their own kernel, never
-    widened)."""
+def linear(layer: nn.Linear | QuantizedLinear, x: torch.Tensor, widened: bool = False) -> torch.Tensor:
+    """``layer(x)``, through :func:`matmul_t`'s fast paths for few rows (quantized layers: their own kernels,
+    never widened)."""
     if isinstance(layer, Int8Linear):
         return int8_linear(x, layer.weight, layer.scale, layer.bias)
+    if isinstance(layer, Int4Linear):
+        return int4_linear(x, layer.weight, layer.scale, layer.bias)
     return matmul_t(x, layer.weight, layer.bias, widened)
 
 
