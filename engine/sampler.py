@@ -260,7 +260,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     if not all(s.params.greedy for s in seqs):
         probs = torch.softmax(filter_logits(logits, seqs), dim=-1)
         cdf = probs.cumsum(dim=-1)
-        u = draw_uniform(seqs, logits.device)[:, None] * cdf[:, -1:]
+        # A draw of exactly 0 (one in 2^24) would find the first token, even a masked one: it becomes the
+        # smallest positive float, which lands on the first token with mass.
+        u = draw_uniform(seqs, logits.device).clamp_min_(torch.finfo(torch.float32).tiny)[:, None] * cdf[:, -1:]
         drawn = torch.searchsorted(cdf, u).squeeze(1).clamp_max(logits.shape[1] - 1)
         greedy = _column(seqs, "greedy", logits.device, torch.float32) > 0
         tokens = torch.where(greedy, tokens, drawn)

@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
+from rnnserve.engine import sampler as sampler_module
 from rnnserve.engine import sequence as sequence_module
 from rnnserve.engine.sampler import filter_logits, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
@@ -54,6 +55,23 @@ def test_top_k_top_p_min_p_restrict_the_support() -> None:
     assert _draws(SamplingParams(top_p=0.75)) == {0, 1, 2}
     assert _draws(SamplingParams(min_p=0.6)) == {0, 1}
     assert _draws(SamplingParams(min_p=0.45)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(top_k=2, logit_bias={0: -100}), 1),
+        (SamplingParams(allowed_token_ids=[2]), 2),
+        (SamplingParams(top_p=0.5), 0),
+    ],
+)
+def test_a_draw_of_zero_takes_the_first_token_with_mass(
+    monkeypatch: pytest.MonkeyPatch, params: SamplingParams, expected: int
+) -> None:
+    """``torch.rand`` returns exactly 0 once in 2^24 draws; the inverse CDF must still skip tokens that the
+    filters and masks removed (it took token 0 whatever its probability, a grammar's 500 with structured outputs)."""
+    monkeypatch.setattr(sampler_module, "draw_uniform", lambda seqs, device: torch.zeros(len(seqs), device=device))
+    assert _draws(params, LOGITS, rows=4) == {expected}
 
 
 def test_rows_without_filters_keep_every_token_alone_and_beside_rows_with_them() -> None:
