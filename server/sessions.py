@@ -192,11 +192,14 @@ def data_end(entry: object) -> int | None:
 class SessionCodec:
     """Encodes sessions to the file format and decodes (and checks) them, for one model."""
 
-    def __init__(self, fingerprint: str, specs: list[StateSpec], vocab_size: int) -> None:
+    def __init__(
+        self, fingerprint: str, specs: list[StateSpec], vocab_size: int, max_model_len: int | None = None
+    ) -> None:
         self.fingerprint = fingerprint
         self.specs = {spec.name: spec for spec in specs}
         self.layout = state_layout(specs)
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
 
     def encode(self, snapshot: StateSnapshot | None, created: int, updated: int) -> bytes:
         token_ids = snapshot.token_ids if snapshot is not None else []
@@ -322,10 +325,27 @@ class SessionCodec:
 
     @staticmethod
     def timestamp(session_id: str, metadata: dict[str, str], key: str) -> int:
-        value = metadata.get(key, "")
-        if not value.isdigit():
-            raise corrupted(session_id, f"the metadata's {key!r} time is not an integer")
-        return int(value)
+        return metadata_int(session_id, metadata, key, f"the metadata's {key!r} time")
+
+    def check_continuable(self, session_id: str, num_tokens: int) -> None:
+        """422 for an imported history that leaves no room for another token under the model's length limit (every
+        later turn would be refused)."""
+        if self.max_model_len is not None and num_tokens >= self.max_model_len:
+            raise APIError(
+                422,
+                f"session {session_id!r} holds {num_tokens} tokens; this server's max_model_len is "
+                f"{self.max_model_len}, so no turn could follow",
+                code="session_too_long",
+            )
+
+
+def metadata_int(session_id: str, metadata: dict[str, str], key: str, what: str) -> int:
+    """A non-negative integer of at most 19 ASCII digits from the metadata; 422 for anything else (``str.isdigit``
+    takes digits such as ``'²'`` that ``int`` refuses, and ``int`` refuses more than 4300 digits)."""
+    value = metadata.get(key, "")
+    if not re.fullmatch(r"[0-9]{1,19}", value):
+        raise corrupted(session_id, f"{what} is not an integer")
+    return int(value)
 
 
 class SessionLease:
@@ -478,12 +498,10 @@ class SessionStore:
             raise self._missing(session_id) from None
         self._found(session_id, size)
         metadata, _ = self.codec.read_header(session_id, head, size)
-        num_tokens = metadata.get("num_tokens", "")
-        if not num_tokens.isdigit():
-            raise corrupted(session_id, "the metadata's token count is not an integer")
+        num_tokens = metadata_int(session_id, metadata, "num_tokens", "the metadata's token count")
         created = self.codec.timestamp(session_id, metadata, "created")
         updated = self.codec.timestamp(session_id, metadata, "updated")
-        return SessionInfo(session_id, created, updated, int(num_tokens), size)
+        return SessionInfo(session_id, created, updated, num_tokens, size)
 
     def export(self, session_id: str) -> bytes:
         """The session's file, checked first (a broken or foreign file is a 422, not a download)."""
@@ -513,6 +531,7 @@ class SessionStore:
         """Create or replace ``session_id`` from an exported file (checked like a stored one); whether it is
         new. 409 while a request uses the session."""
         stored = self.codec.decode(session_id, data)
+        self.codec.check_continuable(session_id, stored.info.num_tokens)
         with self._leased(session_id):
             new = not self.path(session_id).exists()
             info = self._store(session_id, stored.snapshot, stored.info.created, int(time.time()), new=new)
@@ -669,7 +688,7 @@ def session_dir(config: ServerConfig, fingerprint: str) -> Path:
 def open_session_store(config: ServerConfig, engine: EngineInfo) -> SessionStore:
     """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used); shared by
     the processes of ``--api-servers``."""
-    codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.vocab_size)
+    codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.vocab_size, engine.max_model_len)
     return SessionStore(
         session_dir(config, codec.fingerprint),
         codec,

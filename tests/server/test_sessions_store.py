@@ -125,9 +125,19 @@ def test_a_write_that_fails_leaves_the_old_file(tmp_path: Path, monkeypatch: pyt
 def damaged_files(good: bytes) -> dict[str, bytes]:
     (length,) = struct.unpack("<Q", good[:8])
     header = json.loads(good[8 : 8 + length])
+
+    def with_metadata(**values: str) -> bytes:
+        """``good`` with these metadata values (the header's length rewritten)."""
+        text = json.dumps(dict(header, __metadata__={**header["__metadata__"], **values})).encode()
+        return struct.pack("<Q", len(text)) + text + good[8 + length :]
+
     wrong_count = dict(header, __metadata__={**header["__metadata__"], "num_tokens": "99"})
     text = json.dumps(wrong_count).encode()
     return {
+        # str.isdigit takes these, int() does not (a 500 once): a superscript, and more than 4300 digits.
+        "unicode digit time": with_metadata(created="\u00b2"),
+        "huge time": with_metadata(updated="9" * 5000),
+        "unicode digit count": with_metadata(num_tokens="\u00b2"),
         "empty": b"",
         "short": good[:5],
         "truncated": good[:-3],
@@ -142,7 +152,7 @@ def damaged_files(good: bytes) -> dict[str, bytes]:
 
 DAMAGES = [
     "empty", "short", "truncated", "garbage", "huge header length", "not json", "plain safetensors",
-    "wrong token count", "other format version",
+    "wrong token count", "other format version", "unicode digit time", "huge time", "unicode digit count",
 ]  # fmt: skip
 
 
@@ -195,6 +205,21 @@ def test_import_creates_or_replaces(tmp_path: Path) -> None:
     _, created = target.import_state(info.id, source.export(info.id))
     assert not created and target.num_sessions == 1
     assert_same(snapshot(8), open_store(tmp_path / "b").load(info.id).snapshot)  # type: ignore[arg-type]
+
+
+def test_import_refuses_a_history_that_no_turn_could_follow(tmp_path: Path) -> None:
+    """A history at the server's max_model_len leaves no room for a prompt or a token: every later turn would be
+    a 400, so the import is a 422 and nothing is written."""
+    source = open_store(tmp_path / "a")
+    info = source.create()
+    source.save(info.id, snapshot(0, tokens=9), info.created)  # 10 tokens with the pending one
+    limits = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20}
+    target = SessionStore(tmp_path / "b", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=10), **limits)
+    err = error_of(target.import_state, info.id, source.export(info.id))
+    assert (err.status, err.code) == (422, "session_too_long") and "max_model_len is 10" in err.message
+    assert not target.path(info.id).exists()
+    roomy = SessionStore(tmp_path / "c", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=11), **limits)
+    assert roomy.import_state(info.id, source.export(info.id))[0].num_tokens == 10
 
 
 def test_fork_copies_the_state_under_a_new_id(tmp_path: Path) -> None:
