@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import gc
 import itertools
 import logging
@@ -235,8 +236,22 @@ class LLMEngine:
             )
         return text, ids
 
+    def fit_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_tokens`` cut to the room the prompt leaves under ``max_model_len`` when they ask
+        for it (``fit_max_tokens``) and there is room; else ``params`` as they are."""
+        room = self.max_model_len - num_prompt_tokens
+        if not params.fit_max_tokens or params.max_tokens <= room or room < 1:
+            return params
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
     def check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise InvalidParameterError (a 400) for a request beyond the engine's length or stop-string limits."""
+        if params.fit_max_tokens and num_prompt_tokens >= self.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"the prompt ({num_prompt_tokens} tokens) leaves no room for a token under the "
+                f"{self.max_model_len}-token limit (max_model_len)",
+            )
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise InvalidParameterError(
                 "max_tokens",
@@ -283,6 +298,7 @@ class LLMEngine:
         if return_state and params.n != 1:
             raise InvalidParameterError("n", f"returning the state needs n=1, got n={params.n}")
         self._check_token_params(params)
+        params = self.fit_max_tokens(len(ids), params)
         self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)

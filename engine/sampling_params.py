@@ -106,6 +106,9 @@ class SamplingParams:
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
+    ``fit_max_tokens`` makes ``max_tokens`` an upper bound: a prompt that leaves less room under the engine's
+    ``max_model_len`` gets what room there is instead of a 400 (the server sets it for requests that give no
+    ``max_tokens``, whose limit vLLM takes as the room the prompt leaves).
     """
 
     n: int = 1
@@ -128,6 +131,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputParams | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    fit_max_tokens: bool = False
 
     MAX_N = 128
     MAX_LOGPROBS = 20

@@ -88,10 +88,16 @@ class SamplingFields(APIModel):
             )
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, max_tokens_param: str, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        max_tokens_param: str,
+        prompt_logprobs: int | None = None,
+        fit_max_tokens: bool = False,
     ) -> SamplingParams:
         """Build and validate the engine's parameters (raises InvalidParameterError naming the field). A stream
-        reads each step's delta, a plain response only the final output."""
+        reads each step's delta, a plain response only the final output. ``fit_max_tokens`` for a default
+        ``max_tokens`` (the client gave none): the engine shortens it to the room the prompt leaves."""
         self.check_supported()
         try:
             return SamplingParams(
@@ -115,6 +121,7 @@ class SamplingFields(APIModel):
                 allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=self.structured_output_params(),
                 output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
+                fit_max_tokens=fit_max_tokens,
             )
         except InvalidParameterError as err:
             if err.param == "max_tokens":
@@ -221,7 +228,13 @@ class CompletionRequest(SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self.sampling_params(1 if self.echo_only else max_tokens, self.logprobs, "max_tokens", prompt_logprobs)
+        return self.sampling_params(
+            1 if self.echo_only else max_tokens,
+            self.logprobs,
+            "max_tokens",
+            prompt_logprobs,
+            fit_max_tokens=self.max_tokens is None,
+        )
 
 
 class ContentPart(BaseModel):
@@ -343,8 +356,9 @@ class ChatCompletionRequest(SamplingFields):
             max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
             param = "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        defaulted = self.max_tokens is None and self.max_completion_tokens is None
         try:
-            params = self.sampling_params(max_tokens, logprobs, param)
+            params = self.sampling_params(max_tokens, logprobs, param, fit_max_tokens=defaulted)
         except InvalidParameterError as err:
             if err.param == "logprobs":
                 raise InvalidParameterError(

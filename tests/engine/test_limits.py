@@ -9,7 +9,7 @@ from rnnserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
-from tests.engine.conftest import make_engine, tiny_model
+from tests.engine.conftest import make_engine, run_to_completion, tiny_model
 from tests.engine.test_toy_architecture import RunningSumConfig, RunningSumLM
 
 
@@ -40,6 +40,20 @@ def test_prompt_and_prompt_plus_max_tokens_are_bounded() -> None:
     assert tighter.max_prompt_tokens == 16
     _rejects(tighter, "prompt", "x" * 17, max_tokens=1)
     tighter.add_request("x" * 16, SamplingParams(max_tokens=48))
+
+
+def test_fit_max_tokens_shortens_a_default_to_the_room_the_prompt_leaves() -> None:
+    """A server request without max_tokens (``fit_max_tokens``) generates up to the room under max_model_len, as
+    vLLM takes a missing max_tokens; a prompt with no room left is a 400 on the prompt; an explicit max_tokens that
+    does not fit stays a 400, and the caller's params are not changed."""
+    engine = make_engine(max_model_len=64)
+    params = SamplingParams(max_tokens=256, min_tokens=10, ignore_eos=True, fit_max_tokens=True)
+    request = engine.add_request("x" * 60, params)
+    assert params.max_tokens == 256 and params.min_tokens == 10
+    out = run_to_completion(engine)[request]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    _rejects(engine, "prompt", "x" * 64, max_tokens=256, fit_max_tokens=True)
+    _rejects(engine, "max_tokens", "x" * 60, max_tokens=256)
 
 
 def test_huge_max_tokens_is_rejected_not_holding_slots() -> None:

@@ -355,6 +355,26 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts(client: TestClien
     assert same["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
 
 
+def test_a_missing_max_tokens_takes_the_room_the_prompt_leaves() -> None:
+    """Without max_tokens a chat (default --chat-max-tokens 256) or a completion (``"max_tokens": null``) on a
+    model limited to 40 tokens generates up to the limit instead of a 400 blaming a max_tokens nobody sent; an
+    explicit max_tokens that does not fit stays a 400."""
+    messages = [{"role": "user", "content": "Hi there"}]
+    with TestClient(create_app(tiny_config(max_model_len=40, max_prompt_tokens=40))) as small:
+        chat = small.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True})
+        assert chat.status_code == 200, chat.text
+        usage = chat.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 40
+        assert chat.json()["choices"][0]["finish_reason"] == "length"
+        completion = small.post("/v1/completions", json={"prompt": "x" * 30, "max_tokens": None, "ignore_eos": True})
+        assert completion.status_code == 200
+        assert completion.json()["usage"]["prompt_tokens"] + completion.json()["usage"]["completion_tokens"] == 40
+        explicit = small.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 100})
+        assert explicit.status_code == 400 and explicit.json()["error"]["param"] == "max_tokens"
+        full = small.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 60}]})
+        assert full.status_code == 400 and full.json()["error"]["param"] in ("prompt", "messages")
+
+
 def test_default_and_tokenizer_chat_templates() -> None:
     messages = [{"role": "user", "content": "Hi"}]
     assert render_chat(ByteTokenizer(), messages) == "User: Hi\nAssistant:"
