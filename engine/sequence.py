@@ -141,7 +141,7 @@ class Sequence:
         self._text += self._detokenizer.push(token_id)
         if at_limit:
             self._text += self._detokenizer.flush()
-        if self.params.stop and self._truncate_at_stop_string(old_len):
+        if self.params.stop and self._truncate_at_stop_string(old_len, len(output) > self.params.min_tokens):
             self.finish_reason = "stop"
         elif self.grammar is not None and self.grammar.end == len(output):
             if self.grammar.error is not None:
@@ -162,9 +162,10 @@ class Sequence:
         self._frozen_len += cut
         self._text = self._text[cut:]
 
-    def _truncate_at_stop_string(self, old_len: int) -> bool:
+    def _truncate_at_stop_string(self, old_len: int, active: bool) -> bool:
         """Cut ``text`` before the earliest stop string that the new text ``text[old_len:]`` completes (stop
-        strings are not emitted).
+        strings are not emitted). While not ``active`` (up to ``min_tokens`` output tokens, as vLLM counts them)
+        matches are passed over, and one that ends in a later token's text still stops the sample.
 
         Each stop string is matched incrementally (Knuth-Morris-Pratt): ``_stop_matched[i]`` is the length of
         the longest prefix of stop string ``i`` that ends the text, so only the new characters are read, at an
@@ -180,8 +181,10 @@ class Sequence:
                 if stop[matched] == char:
                     matched += 1
                     if matched == len(stop):
-                        first = min(first, pos - matched) if first is not None else pos - matched
-                        break
+                        if active:
+                            first = min(first, pos - matched) if first is not None else pos - matched
+                            break
+                        matched = fallback[matched - 1]
             self._stop_matched[i] = matched
         if first is None:
             return False
