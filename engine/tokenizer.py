@@ -27,6 +27,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def has_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` is one of the tokenizer's (a model's embedding may be larger)."""
+        return 0 <= token_id < 2**32 and self._tok.id_to_token(token_id) is not None
+
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id that is not one of this tokenizer's tokens (text or special), or ``None``; ids are
         ``0 .. vocab_size - 1`` unless a tokenizer says otherwise. A model's vocabulary may be padded beyond
@@ -39,9 +43,10 @@ class Tokenizer:
         default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
         return self.decode([token_id]).encode()
 
-    def stream_decoder(self) -> StreamDecoder:
-        """A decoder for one generated sequence. This default decodes each token alone, right for tokenizers
-        whose tokens are whole strings; tokenizers whose tokens merge or split characters override it."""
+    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
+        """A decoder for one generated sequence whose tokens follow ``context`` (the prompt). This default decodes
+        each token alone, right for tokenizers whose tokens are whole strings; tokenizers whose tokens merge or
+        split characters override it."""
         return StreamDecoder(self)
 
 
@@ -68,7 +73,7 @@ class ByteTokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
-    def stream_decoder(self) -> StreamDecoder:
+    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
         return Utf8StreamDecoder(self)
 
 
@@ -161,12 +166,16 @@ class HFTokenizer(Tokenizer):
         """The tokenizer serialised as ``tokenizer.json``."""
         return self._tok.to_str()
 
-    def stream_decoder(self) -> StreamDecoder:
-        return HFStreamDecoder(self)
+    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
+        return HFStreamDecoder(self, context)
+
+    def has_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` is one of the tokenizer's (a model's embedding may be larger)."""
+        return 0 <= token_id < 2**32 and self._tok.id_to_token(token_id) is not None
 
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id with no token (a ``tokenizer.json`` may leave gaps between its ids), or ``None``."""
-        return next((t for t in dict.fromkeys(ids) if not 0 <= t < 2**32 or self._tok.id_to_token(t) is None), None)
+        return next((t for t in dict.fromkeys(ids) if not self.has_token(t)), None)
 
 
 class StreamDecoder:
@@ -216,15 +225,26 @@ class Utf8StreamDecoder(StreamDecoder):
 class HFStreamDecoder(StreamDecoder):
     """``tokenizers``' ``DecodeStream``: it holds tokens while their text ends inside a character and decodes
     with the preceding tokens as context (merged leading spaces, byte fallback). It has no end-of-stream call,
-    so :meth:`flush` decodes what it still holds, after the tokens of the last delta as context."""
+    so :meth:`flush` decodes what it still holds, after the tokens of the last delta as context.
 
-    def __init__(self, tokenizer: HFTokenizer) -> None:
+    The stream starts after the last :data:`CONTEXT_TOKENS` tokens of ``context`` (the prompt; from a character's
+    start), as vLLM's detokenizer starts after the prompt: alone, a first token ``▁word`` of a Metaspace
+    (sentencepiece) tokenizer lost its space, which ``decode(prompt + output)`` keeps."""
+
+    CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
         from tokenizers.decoders import DecodeStream
 
         super().__init__(tokenizer)
         self._tok = tokenizer._tok
         self._stream = DecodeStream(skip_special_tokens=True)
-        self._context: list[int] = []
+        tail = [t for t in context[len(context) - self.CONTEXT_TOKENS :] if tokenizer.has_token(t)]
+        while tail and self._tok.decode(tail, skip_special_tokens=True).startswith("\ufffd"):
+            tail = tail[1:]  # the window starts inside a character: from its next token
+        self._context = tail
+        for token_id in self._context:
+            self._stream.step(self._tok, token_id)
         self._held: list[int] = []
 
     def push(self, token_id: int) -> str:

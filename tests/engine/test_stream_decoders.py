@@ -20,8 +20,8 @@ from rnnserve.engine.tokenizer import (
 CORPUS = ["the cat sat on the mat", "héllo wörld", "emoji 😀🎉 family 👨‍👩‍👧", "中文字符和日本語のテキスト"] * 20
 
 
-def stream(tokenizer, ids: list[int]) -> list[str]:  # type: ignore[no-untyped-def]
-    detok = tokenizer.stream_decoder()
+def stream(tokenizer, ids: list[int], context: list[int] | None = None) -> list[str]:  # type: ignore[no-untyped-def]
+    detok = tokenizer.stream_decoder(context or [])
     return [detok.push(i) for i in ids] + [detok.flush()]
 
 
@@ -50,10 +50,17 @@ def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HF
     fallback = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
     fallback.normalizer = normalizers.Replace(" ", "▁")
     fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Llama's own: a space prepended to the first word, and the decoder's Strip removing it again.
+    llama = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    llama.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    llama.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return {
         "byte_level": save(byte_level, root / "byte_level"),
         "metaspace": save(metaspace, root / "metaspace"),
         "byte_fallback": save(fallback, root / "byte_fallback"),
+        "llama": save(llama, root / "llama"),
     }
 
 
@@ -78,6 +85,24 @@ def test_hf_stream_pushed_in_runs_equals_the_token_by_token_stream(
         detok = tokenizer.stream_decoder()
         text = "".join(detok.push_many(ids[i : i + run]) for i in range(0, len(ids), run)) + detok.flush()
         assert text == "".join(stream(tokenizer, ids))
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback", "llama"])
+@pytest.mark.parametrize("text", ["the cat sat on the mat", "a héllo wörld", "x 中文 y"])
+def test_a_stream_after_a_prompt_is_the_decode_of_prompt_and_output_past_the_prompt(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, text: str
+) -> None:
+    """Cut anywhere into a prompt and an output, the output's stream is ``decode(prompt + output)`` past
+    ``decode(prompt)``, as vLLM and ``transformers`` give it: a Metaspace (sentencepiece) first token ``▁sat``
+    keeps its space (decoded alone it lost it)."""
+    tokenizer = tokenizers_by_kind[kind]
+    ids = tokenizer.encode(text)
+    cuts = [c for c in range(1, len(ids)) if tokenizer.decode(ids).startswith(tokenizer.decode(ids[:c]))]
+    assert len(cuts) >= 3  # not inside a character (there the prompt's own text ends in U+FFFD)
+    for cut in cuts:
+        prompt, output = ids[:cut], ids[cut:]
+        expected = tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :]
+        assert "".join(stream(tokenizer, output, prompt)) == expected, (kind, cut)
 
 
 def test_byte_fallback_holds_a_split_character(tokenizers_by_kind: dict[str, HFTokenizer]) -> None:
