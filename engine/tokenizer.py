@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -143,6 +144,8 @@ class HFTokenizer(Tokenizer):
         self.add_bos = bool(config.get("add_bos_token", False))
         self.eos_token_id = self._special_id(config.get("eos_token"))
         self.bos_token_id = self._special_id(config.get("bos_token"))
+        self._decoders = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
+        self._special_ids = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
 
     def _special_id(self, token: str | dict | None) -> int | None:
         if isinstance(token, dict):
@@ -162,6 +165,21 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for, also where it holds part of a character (whose text alone is U+FFFD):
+        a byte-level BPE token's characters mapped back to bytes (GPT-2's table), a byte-fallback ``<0xNN>``
+        token's byte, a Metaspace token with ``▁`` as a space; empty for special tokens."""
+        token = self._tok.id_to_token(token_id) if self.has_token(token_id) else None
+        if token is None or token_id in self._special_ids:
+            return b""
+        if "ByteLevel" in self._decoders and all(c in BYTE_LEVEL_BYTES for c in token):
+            return bytes(BYTE_LEVEL_BYTES[c] for c in token)
+        if "ByteFallback" in self._decoders and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+            return bytes([int(token[3:5], 16)])
+        if "Metaspace" in self._decoders or "▁" in self._decoders:
+            return token.replace("▁", " ").encode()
+        return self.decode([token_id]).encode()
+
     def to_json(self) -> str:
         """The tokenizer serialised as ``tokenizer.json``."""
         return self._tok.to_str()
@@ -176,6 +194,33 @@ class HFTokenizer(Tokenizer):
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id with no token (a ``tokenizer.json`` may leave gaps between its ids), or ``None``."""
         return next((t for t in dict.fromkeys(ids) if not self.has_token(t)), None)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte (printable Latin-1 bytes for
+    themselves, the others shifted past 255), inverted."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+BYTE_LEVEL_BYTES = _byte_level_table()
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    """The types of a ``tokenizer.json`` decoder and of those in its sequence, plus ``"▁"`` where one replaces
+    that character (Llama's Metaspace written as a Replace)."""
+    if not isinstance(decoder, dict):
+        return set()
+    found = {str(decoder.get("type"))}
+    pattern = decoder.get("pattern")
+    if decoder.get("type") == "Replace" and isinstance(pattern, dict) and pattern.get("String") == "▁":
+        found.add("▁")
+    for inner in decoder.get("decoders") or []:
+        found |= _decoder_types(inner)
+    return found
 
 
 class StreamDecoder:

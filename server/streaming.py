@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import SamplingParams
-from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
+from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.server.async_engine import EngineDeadError, RequestFailedError, Submission
 from rnnserve.server.errors import APIError
 from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -169,9 +169,7 @@ class Generation(ABC):
         return self.tokenizer.decode([token_id])
 
     def token_bytes(self, token_id: int) -> list[int]:
-        if isinstance(self.tokenizer, ByteTokenizer) and token_id < 256:
-            return [token_id]
-        return list(self.token_text(token_id).encode())
+        return list(self.tokenizer.token_bytes(token_id))
 
     def choice_index(self, out: RequestOutput, sample: CompletionOutput) -> int:
         return self.prompt_index[out.request_id] * self.params.n + sample.index

@@ -105,6 +105,26 @@ def test_a_stream_after_a_prompt_is_the_decode_of_prompt_and_output_past_the_pro
         assert "".join(stream(tokenizer, output, prompt)) == expected, (kind, cut)
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback", "llama"])
+def test_token_bytes_are_the_tokens_own_bytes(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, tmp_path: Path
+) -> None:
+    """Chat logprobs' ``bytes`` (OpenAI: the token's UTF-8 bytes, so that split characters can be rebuilt): a token
+    holding part of a character gives that part, not the U+FFFD its text alone decodes to, and a Metaspace token's
+    ``▁`` is a space; a special token gives none."""
+    tokenizer = tokenizers_by_kind[kind]
+    text = "a héllo 😀 wörld 中文"
+    ids = tokenizer.encode(text)
+    joined = b"".join(tokenizer.token_bytes(i) for i in ids)
+    assert joined.decode() in (text, " " + text)
+    if kind != "metaspace":  # its BPE learnt whole characters
+        assert any(0 < len(tokenizer.token_bytes(i)) < len(tokenizer.decode([i]).encode()) for i in ids)
+    special = Tokenizer.from_str(tokenizer.to_json())
+    special.add_special_tokens(["<eos>"])
+    with_special = save(special, tmp_path / "special")
+    assert with_special.token_bytes(with_special._tok.token_to_id("<eos>")) == b""
+
+
 def test_byte_fallback_holds_a_split_character(tokenizers_by_kind: dict[str, HFTokenizer]) -> None:
     tokenizer = tokenizers_by_kind["byte_fallback"]
     ids = tokenizer.encode("a😀")
