@@ -334,16 +334,18 @@ class CompletionStream(Generation):
         return {
             "tokens": tokens,
             "token_logprobs": [json_logprob(e.logprob) if e is not None else None for _, e in entries],
-            "top_logprobs": [self.top_by_text(e.top[:top_n]) if e is not None else None for _, e in entries],
+            "top_logprobs": [self.top_by_text(e.top[:top_n], e) if e is not None else None for _, e in entries],
             "text_offset": offsets,
         }
 
-    def top_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """Alternatives keyed by their text; of tokens with the same text (e.g. ids without text) the most
-        likely one is kept, so the first value is still the largest."""
+    def top_by_text(self, top: list[tuple[int, float]], chosen: TokenLogprob) -> dict[str, float]:
+        """Alternatives keyed by their text, and the chosen token after them where it is not among them (OpenAI:
+        up to ``logprobs + 1`` entries, as vLLM gives them); of tokens with the same text (e.g. ids without text)
+        the most likely one is kept, so the first value is still the largest."""
         by_text: dict[str, float] = {}
         for token_id, logprob in top:
             by_text.setdefault(self.token_text(token_id), json_logprob(logprob))
+        by_text.setdefault(self.token_text(chosen.token_id), json_logprob(chosen.logprob))
         return by_text
 
     def choices_json(self, choices: list[dict]) -> str:

@@ -42,8 +42,10 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs_then_the_generated_ones(
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][: len(PROMPT)] == pytest.approx(offline_logprobs(offline), abs=1e-5)
     for top, expected in zip(lp["top_logprobs"][1 : len(PROMPT)], offline.prompt_logprobs[1:], strict=True):
-        assert 1 <= len(top) <= 2  # keyed by token text: ids without text share the key ""
+        assert 1 <= len(top) <= 3  # keyed by token text: ids without text share the key ""
         assert max(top.values()) == pytest.approx(expected.top[0][1], abs=1e-5)  # type: ignore[union-attr]
+    for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:], strict=True):
+        assert token in top  # the token itself as well (OpenAI: up to logprobs + 1 entries)
     assert lp["text_offset"] == list(accumulate((len(t) for t in lp["tokens"][:-1]), initial=0))
     plain = complete(client, prompt=PROMPT, logprobs=2, max_tokens=3, **GREEDY)["choices"][0]["logprobs"]
     assert lp["token_logprobs"][len(PROMPT) :] == pytest.approx(plain["token_logprobs"], abs=1e-5)
