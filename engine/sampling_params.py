@@ -106,6 +106,7 @@ class SamplingParams:
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
+    ``include_stop_str_in_output`` (vLLM) keeps a stop string that ends the text in it.
     ``fit_max_tokens`` makes ``max_tokens`` an upper bound: a prompt that leaves less room under the engine's
     ``max_model_len`` gets what room there is instead of a 400 (the server sets it for requests that give no
     ``max_tokens``, whose limit vLLM takes as the room the prompt leaves).
@@ -125,6 +126,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None

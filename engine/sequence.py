@@ -164,15 +164,16 @@ class Sequence:
 
     def _truncate_at_stop_string(self, old_len: int, active: bool) -> bool:
         """Cut ``text`` before the earliest stop string that the new text ``text[old_len:]`` completes (stop
-        strings are not emitted). While not ``active`` (up to ``min_tokens`` output tokens, as vLLM counts them)
-        matches are passed over, and one that ends in a later token's text still stops the sample.
+        strings are not emitted; with ``include_stop_str_in_output``, after it). While not ``active`` (up to
+        ``min_tokens`` output tokens, as vLLM counts them) matches are passed over, and one that ends in a later
+        token's text still stops the sample.
 
         Each stop string is matched incrementally (Knuth-Morris-Pratt): ``_stop_matched[i]`` is the length of
         the longest prefix of stop string ``i`` that ends the text, so only the new characters are read, at an
         amortised O(number of stop strings) per character, whatever the length of the output so far.
         """
         new_text = self._text[old_len:]
-        first: int | None = None
+        first: tuple[int, int] | None = None  # the earliest match's start and end
         for i, (stop, fallback) in enumerate(zip(self.params.stop, self.group.stop_fallbacks, strict=True)):
             matched = self._stop_matched[i]
             for pos, char in enumerate(new_text, old_len + 1):
@@ -182,13 +183,13 @@ class Sequence:
                     matched += 1
                     if matched == len(stop):
                         if active:
-                            first = min(first, pos - matched) if first is not None else pos - matched
+                            first = min(first, (pos - matched, pos)) if first is not None else (pos - matched, pos)
                             break
                         matched = fallback[matched - 1]
             self._stop_matched[i] = matched
         if first is None:
             return False
-        self._text = self._text[:first]
+        self._text = self._text[: first[1] if self.params.include_stop_str_in_output else first[0]]
         return True
 
     def take_delta(self) -> tuple[str, list[int]]:

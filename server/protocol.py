@@ -74,6 +74,7 @@ class SamplingFields(APIModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -115,6 +116,7 @@ class SamplingFields(APIModel):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 logit_bias=self.token_biases(),

@@ -328,20 +328,26 @@ class WordTokenizer(Tokenizer):
         return "".join(self.words[i] for i in ids)
 
 
-def _reference_stream(pieces: list[str], stops: list[str], min_tokens: int = 0) -> tuple[list[str], str, bool]:
-    """Brute force: the streamable text after each piece, the final text (cut at the earliest stop string)
-    and whether a stop string ended it. Up to ``min_tokens`` pieces no stop string counts (vLLM); after, one
-    counts when it ends in the new piece's text."""
+def _reference_stream(
+    pieces: list[str], stops: list[str], min_tokens: int = 0, include: bool = False
+) -> tuple[list[str], str, bool]:
+    """Brute force: the streamable text after each piece, the final text (cut at the earliest stop string, after
+    it with ``include``) and whether a stop string ended it. Up to ``min_tokens`` pieces no stop string counts
+    (vLLM); after, one counts when it ends in the new piece's text."""
     text, streamed = "", []
     for count, piece in enumerate(pieces, 1):
         old_len = len(text)
         text += piece
         ends_in_piece = [
-            i for s in stops for i in range(len(text) - len(s) + 1) if text.startswith(s, i) and i + len(s) > old_len
+            (i, i + len(s))
+            for s in stops
+            for i in range(len(text) - len(s) + 1)
+            if text.startswith(s, i) and i + len(s) > old_len
         ]
         hits = ends_in_piece if count > min_tokens else []
         if hits:
-            text = text[: min(hits)]
+            start, end = min(hits)
+            text = text[: end if include else start]
             streamed.append(text)
             return streamed, text, True
         hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
@@ -352,8 +358,8 @@ def _reference_stream(pieces: list[str], stops: list[str], min_tokens: int = 0) 
 @pytest.mark.parametrize("tail", [4096, 1, 5])
 def test_stop_strings_match_a_brute_force_reference(monkeypatch: pytest.MonkeyPatch, tail: int) -> None:
     """Also with the text's head frozen every few characters (``TEXT_TAIL_CHARS``): a match in progress and
-    what a stream holds back stay reachable, and outputs read across the frozen pieces; and with ``min_tokens``,
-    which holds stop strings back until that many tokens are out."""
+    what a stream holds back stay reachable, and outputs read across the frozen pieces; with ``min_tokens``,
+    which holds stop strings back until that many tokens are out, and with ``include_stop_str_in_output``."""
     monkeypatch.setattr(sequence_module, "TEXT_TAIL_CHARS", tail)
     rng = random.Random(0)
     words = ["a", "b", "ab", "ba", "aab", "bba", "abab", "c"]
@@ -361,9 +367,11 @@ def test_stop_strings_match_a_brute_force_reference(monkeypatch: pytest.MonkeyPa
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
         ids = [rng.randrange(len(words)) for _ in range(30)]
         min_tokens = rng.choice([0, 0, 2, 5, 12])
+        include = rng.random() < 0.3
         samples = []
         for kind, limit in ((OutputKind.CUMULATIVE, 100), (OutputKind.DELTA, len(ids))):  # the stream ends
-            params = SamplingParams(max_tokens=limit, stop=stops, output_kind=kind, min_tokens=min_tokens)
+            params = SamplingParams(max_tokens=limit, stop=stops, output_kind=kind, min_tokens=min_tokens,
+                                    include_stop_str_in_output=include)  # fmt: skip
             group = SequenceGroup("r", None, [0], params)
             seq = Sequence(group, 0, WordTokenizer(words))
             group.seqs = [seq]
@@ -379,7 +387,7 @@ def test_stop_strings_match_a_brute_force_reference(monkeypatch: pytest.MonkeyPa
                 deltas.append(delta.take_output(OutputKind.DELTA).text)
             if cumulative.finished:
                 break
-        expected = _reference_stream([words[i] for i in ids], stops, min_tokens)
+        expected = _reference_stream([words[i] for i in ids], stops, min_tokens, include)
         assert (streamed, cumulative.text, cumulative.finish_reason == "stop") == expected, (stops, ids, min_tokens)
         assert "".join(deltas) == delta.text == expected[1] and (delta.finish_reason == "stop") == expected[2]
 

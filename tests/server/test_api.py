@@ -355,6 +355,19 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts(client: TestClien
     assert same["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
 
 
+def test_include_stop_str_in_output(client: TestClient) -> None:
+    """vLLM's extra: the stop string that ends the text stays in it (without it, the text stops before it)."""
+    body = {"prompt": "Hello", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[5:7]
+    assert len(stop) == 2 and text.find(stop) >= 0
+    cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    kept = client.post("/v1/completions", json={**body, "stop": [stop], "include_stop_str_in_output": True})
+    assert cut["text"] == text[: text.find(stop)]
+    assert kept.json()["choices"][0]["text"] == text[: text.find(stop) + 2]
+    assert kept.json()["choices"][0]["finish_reason"] == cut["finish_reason"] == "stop"
+
+
 def test_a_missing_max_tokens_takes_the_room_the_prompt_leaves() -> None:
     """Without max_tokens a chat (default --chat-max-tokens 256) or a completion (``"max_tokens": null``) on a
     model limited to 40 tokens generates up to the limit instead of a 400 blaming a max_tokens nobody sent; an
