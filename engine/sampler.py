@@ -174,7 +174,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int])
 
 def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> torch.Tensor:
     """Forbid EOS and stop tokens for samples that have not reached ``min_tokens`` yet (counting tokens sampled
-    but not yet read on the host)."""
+    but not yet read on the host). Where that would forbid every token a grammar or ``allowed_token_ids`` still
+    allows (a structured output that must end, or whose next character is a stop token), the constraint wins
+    and the row keeps its logits: a row of ``-inf`` took token 0 and failed the request."""
     vocab = logits.shape[1]
     rows: list[int] = []
     columns: list[int] = []
@@ -190,7 +192,8 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: i
     if not rows:
         return logits
     index = (long_tensor(rows, logits.device), long_tensor(columns, logits.device))
-    return logits.index_put(index, logits.new_full((), float("-inf")))
+    masked = logits.index_put(index, logits.new_full((), float("-inf")))
+    return torch.where(torch.isneginf(masked).all(dim=-1, keepdim=True), logits, masked)
 
 
 def filters_logits(params: SamplingParams, vocab: int) -> bool:

@@ -118,6 +118,16 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     assert sample(logits.clone(), [late], eos_token_id=5).token_ids == [5]
 
 
+def test_a_constraint_that_allows_only_stop_tokens_wins_over_min_tokens() -> None:
+    """A grammar can leave only a stop token (a choice whose next character is one of ``stop_token_ids``, or its
+    end); min_tokens' ban would then forbid every token, and a row of -inf took token 0 and failed the request
+    (a 500). The constraint wins for that row alone; its neighbour keeps the ban."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 8.0, 0.0]]).expand(2, -1).clone()
+    forced = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], allowed_token_ids=[6]))
+    free = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6]))
+    assert sample(logits, [forced, free], eos_token_id=5).token_ids == [6, 0]
+
+
 def test_seed_gives_reproducible_draws_independent_of_the_batch() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     alone = [sample(LOGITS[None].clone(), [s], None).token_ids[0] for s in [_seq(params)] for _ in range(30)]
