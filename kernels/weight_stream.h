@@ -37,7 +37,7 @@ void stream_weight_rows(const X* x, int64_t x_stride, int64_t rows, int64_t k, i
   const int64_t grain = std::max<int64_t>(1, kStreamMinBytesPerThread / std::max<int64_t>(1, row_bytes));
   const int64_t block = std::max<int64_t>(1, kStreamBlockBytes / std::max<int64_t>(1, row_bytes));
   const ChunkShape shape = chunk_shape(rows, k, kStreamChunkRows, sizeof(X));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain, [&, dot, finish](int64_t begin, int64_t end) {
     float sums[kStreamChunkRows];
     std::vector<float> partial(shape.k_pass < k ? shape.rows * block : 0);
     for (int64_t i0 = begin; i0 < end; i0 += block) {

@@ -3,10 +3,9 @@
 
 One program per ``[BM, BN]`` block of the output walks K one group of 32 inputs at a time. It unpacks the group's
 16 bytes of each of its weight rows into their 32 values in the order low, high nibble of each byte (that of
-``tl.join``), reads ``x``'s columns in the same order, takes one ``tl.dot`` of the exact values (every q in
-``[-8, 7]`` is exact in fp16 and bf16) and adds it times the group's scale to the fp32 accumulator: the
-reference's dequantised products up to summation order. The bias is added once, after the K loop, and the block is
-rounded once to the output dtype.
+``tl.join``), reads ``x``'s columns in the same order, and accumulates in fp32 one ``tl.dot`` of ``x`` and the
+weights ``q * scale`` rounded to the activations' dtype: the reference's weights, up to summation order. The bias
+is added once, after the K loop, and the block is rounded once to the output dtype.
 """
 
 from __future__ import annotations
@@ -54,9 +53,9 @@ def _int4_linear_kernel(
         x = tl.load(x_ptrs, mask=row_ok[:, None] & (g * 32 + x_cols < K)[None, :], other=0.0)
         packed = tl.load(w_ptrs, mask=col_ok[:, None], other=0x88).to(tl.int16)  # [BN, 16]
         q = tl.join((packed & 15) - 8, (packed >> 4) - 8).reshape(BN, 32)
-        part = tl.dot(x.to(DOT_DTYPE), tl.trans(q.to(DOT_DTYPE)), input_precision=PRECISION)  # [BM, BN]
         scale = tl.load(scale_ptrs + g, mask=col_ok, other=0.0).to(tl.float32)
-        acc += part * scale[None, :]
+        w = (q.to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=PRECISION)  # [BM, BN]
         x_ptrs += 32
         w_ptrs += 16
     if HAS_BIAS:

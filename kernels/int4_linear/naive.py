@@ -43,7 +43,9 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tenso
 def int4_linear_ref(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ dequantize(packed, scale).T + bias`` computed in fp32 and rounded once to ``x``'s dtype."""
-    weight = dequantize(packed, scale, x.shape[-1])
+    """``x @ W.T + bias`` computed in fp32 and rounded once to ``x``'s dtype, where ``W`` is
+    ``dequantize(packed, scale)`` rounded to ``x``'s dtype: the weights a model of that dtype would hold (and the
+    kernels' bf16 products can take exactly)."""
+    weight = dequantize(packed, scale, x.shape[-1]).to(x.dtype).float()
     out = F.linear(x.float(), weight, None if bias is None else bias.float())
     return out.to(x.dtype)

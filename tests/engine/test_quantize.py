@@ -251,7 +251,7 @@ def test_default_model_quality(default_models: tuple[LLM, LLM]) -> None:
     """On the embedded default model, int8 costs at most 2% of per-byte perplexity on unseen English and
     agrees with fp32 on at least 98% of the teacher-forced top-1 predictions.
 
-    Measured on this 240-byte passage: perplexity ratio 0.998, top-1 agreement 1.0 (benchmarks/int8_quality.py's
+    Measured on this 240-byte passage: perplexity ratio 0.998, top-1 agreement 1.0 (benchmarks/quantization.py's
     1631 held-out bytes: 0.9996 and 0.993). Top-1 agreement is the sharper check: rounding the same weights to
     31 / 15 / 7 levels per sign instead of 127 gives 0.983 / 0.958 / 0.900 here, while this small model's
     perplexity barely moves (ratios 1.010 / 0.999 / 1.006), so the perplexity bound only catches gross damage."""

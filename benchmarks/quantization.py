@@ -1,6 +1,7 @@
-"""Weight-only int8 (``--quantize int8``): the quality it costs and the decode speed it buys, in one run.
+"""Weight-only quantization (``--quantize int8`` / ``int4``): the quality it costs and the decode speed it buys,
+in one run.
 
-Quality, on the embedded default model (the byte-level minGRU that ``LLM()`` loads), fp32 vs int8:
+Quality, on the embedded default model (the byte-level minGRU that ``LLM()`` loads), fp32 vs int8 and int4:
 
 * perplexity per byte (and bits per byte) of held-out English: :data:`HELD_OUT`, passages written for this
   benchmark (not from the model's training corpus, Debian's ``fortunes``), each read in one teacher-forced
@@ -10,11 +11,11 @@ Quality, on the embedded default model (the byte-level minGRU that ``LLM()`` loa
   before the first divergence, and the fraction of positions with the same token overall.
 
 Speed, on ``--speed-model`` (random ``mamba-130m`` weights by default): engine decode tok/s at batch 1, 8 and 32
-for fp32, bf16, int8 on fp32 activations (an fp32 model quantized) and int8 on bf16 activations (a bf16 model
-quantized), measured interleaved in the same process, with the weight bytes one step reads and
+for fp32, bf16, and int8 and int4 each on fp32 activations (an fp32 model quantized) and on bf16 activations (a
+bf16 model quantized), measured interleaved in the same process, with the weight bytes one step reads and
 the roofline those bytes allow at the read bandwidth measured in the same run.
 
-    python benchmarks/int8_quality.py [--speed-model random:mamba-130m] [--threads 2] [--steps 16] [--repeats 3]
+    python benchmarks/quantization.py [--speed-model random:mamba-130m] [--threads 2] [--steps 16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -82,29 +83,34 @@ PROMPTS = [
 ]
 
 
-def perplexity_and_agreement(fp32: LLMEngine, int8: LLMEngine) -> dict[str, float]:
-    """Per-byte perplexity of :data:`HELD_OUT` for both engines' models, and their top-1 agreement."""
-    nll = {"fp32": 0.0, "int8": 0.0}
-    agree = total = 0
+def perplexity_and_agreement(engines: dict[str, LLMEngine]) -> dict[str, dict[str, float]]:
+    """Per-byte perplexity of :data:`HELD_OUT` for each engine's model, and the top-1 agreement of each with the
+    first (the fp32 reference)."""
+    nll = dict.fromkeys(engines, 0.0)
+    agree = dict.fromkeys(engines, 0)
+    total = 0
     for text in HELD_OUT:
         ids = torch.tensor([EOS, *text.encode()])
         logits = {}
-        for name, engine in (("fp32", fp32), ("int8", int8)):
+        for name, engine in engines.items():
             model = engine.model
             state = StatePool(model.state_spec(), 1).tensors
             with torch.inference_mode():
                 out = model.prefill(PrefillBatch.build([ids[:-1]], [0], all_logits=[True]), state)
             logits[name] = out.float()
             nll[name] -= torch.log_softmax(out.float(), -1).gather(1, ids[1:, None]).sum().item()
-        agree += int((logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).sum())
+        reference = next(iter(logits.values())).argmax(-1)
+        for name in engines:
+            agree[name] += int((logits[name].argmax(-1) == reference).sum())
         total += ids.numel() - 1
     return {
-        "ppl_fp32": math.exp(nll["fp32"] / total),
-        "ppl_int8": math.exp(nll["int8"] / total),
-        "bpb_fp32": nll["fp32"] / total / math.log(2),
-        "bpb_int8": nll["int8"] / total / math.log(2),
-        "top1": agree / total,
-        "bytes": total,
+        name: {
+            "ppl": math.exp(nll[name] / total),
+            "bpb": nll[name] / total / math.log(2),
+            "top1": agree[name] / total,
+            "bytes": total,
+        }
+        for name in engines
     }
 
 
@@ -148,26 +154,22 @@ def quality_section() -> None:
     def engine(quantize: str | None) -> LLMEngine:
         return LLMEngine.from_config(EngineConfig(device="cpu", quantize=quantize, max_num_seqs=len(PROMPTS)))
 
-    fp32, int8 = engine(None), engine("int8")
-    quality = perplexity_and_agreement(fp32, int8)
-    greedy = greedy_agreement(fp32, int8, 64)
-    print(f"## Quality: embedded default model ({fp32.model.architecture}), fp32 vs int8\n")
-    print(f"held-out text: {len(HELD_OUT)} passages written for this benchmark, {quality['bytes']} bytes\n")
-    print("| | fp32 | int8 | ratio |\n| --- | --- | --- | --- |")
-    print(
-        f"| perplexity per byte | {quality['ppl_fp32']:.4f} | {quality['ppl_int8']:.4f} | "
-        f"{quality['ppl_int8'] / quality['ppl_fp32']:.4f} |"
-    )
-    print(
-        f"| bits per byte | {quality['bpb_fp32']:.4f} | {quality['bpb_int8']:.4f} | "
-        f"{quality['bpb_int8'] / quality['bpb_fp32']:.4f} |"
-    )
-    print(f"\nteacher-forced top-1 agreement: {quality['top1']:.4f}")
-    print(
-        f"greedy, {len(PROMPTS)} prompts x 64 tokens: identical until the first divergence {greedy['prefix']:.4f} "
-        f"of tokens, identical positions {greedy['overall']:.4f}, identical continuations "
-        f"{greedy['identical']}/{len(PROMPTS)}\n"
-    )
+    engines = {"fp32": engine(None), "int8": engine("int8"), "int4": engine("int4")}
+    quality = perplexity_and_agreement(engines)
+    fp32 = quality["fp32"]
+    print(f"## Quality: embedded default model ({engines['fp32'].model.architecture}), fp32 vs int8 and int4\n")
+    print(f"held-out text: {len(HELD_OUT)} passages written for this benchmark, {fp32['bytes']} bytes\n")
+    print("| | perplexity per byte | ratio | bits per byte | teacher-forced top-1 agreement | greedy prefix | "
+          "greedy positions | identical continuations |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, values in quality.items():
+        greedy = greedy_agreement(engines["fp32"], engines[name], 64)
+        print(
+            f"| {name} | {values['ppl']:.4f} | {values['ppl'] / fp32['ppl']:.4f} | {values['bpb']:.4f} | "
+            f"{values['top1']:.4f} | {greedy['prefix']:.4f} | {greedy['overall']:.4f} | "
+            f"{greedy['identical']}/{len(PROMPTS)} |"
+        )
+    print(f"\n(greedy: {len(PROMPTS)} prompts x 64 tokens against fp32; prefix = tokens before the first divergence)\n")
 
 
 def speed_section(model: str, threads: int, steps: int, repeats: int, batches: list[int]) -> None:
@@ -176,6 +178,8 @@ def speed_section(model: str, threads: int, steps: int, repeats: int, batches: l
         "bf16": ("bfloat16", None),
         "int8": ("float32", "int8"),
         "int8 on bf16": ("bfloat16", "int8"),
+        "int4": ("float32", "int4"),
+        "int4 on bf16": ("bfloat16", "int4"),
     }
     engines = {
         name: LLMEngine.from_config(
@@ -206,9 +210,14 @@ def speed_section(model: str, threads: int, steps: int, repeats: int, batches: l
     print("\nratios (best of each):")
     for batch in batches:
         best = {name: max(rates[name, batch]) for name in engines}
-        fp32, bf16 = best["int8"] / best["fp32"], best["int8"] / best["bf16"]
-        on_bf16 = best["int8 on bf16"] / best["bf16"]
-        print(f"  batch {batch}: int8/fp32 {fp32:.2f}x, int8/bf16 {bf16:.2f}x, int8 on bf16/bf16 {on_bf16:.2f}x")
+        print(
+            f"  batch {batch}: int8/fp32 {best['int8'] / best['fp32']:.2f}x, "
+            f"int4/fp32 {best['int4'] / best['fp32']:.2f}x, "
+            f"int8 on bf16/bf16 {best['int8 on bf16'] / best['bf16']:.2f}x, "
+            f"int4 on bf16/bf16 {best['int4 on bf16'] / best['bf16']:.2f}x, "
+            f"int4/int8 {best['int4'] / best['int8']:.2f}x, int4 on bf16/int8 on bf16 "
+            f"{best['int4 on bf16'] / best['int8 on bf16']:.2f}x"
+        )
 
 
 def main() -> None:
