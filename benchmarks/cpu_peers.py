@@ -7,11 +7,11 @@ One command (``make cpu-peers``) runs everything with defaults sized for a quiet
    ``~/.cache/rnnserve/peers/llama.cpp-<version>`` (``$RNNSERVE_PEERS_CACHE`` or ``--cache-dir`` move it).
 2. **The same weights**: ``random:<preset>`` (seeded) written as a Hugging Face ``MambaForCausalLM`` checkpoint
    and as an rnnserve checkpoint that takes token-id prompts; llama.cpp's ``convert_hf_to_gguf.py`` (with the
-   ``gguf`` package it vendors beside it) writes f32 and f16 GGUF files and ``llama-quantize`` a Q8_0 one. The
+   ``gguf`` package it vendors beside it) writes f32 and f16 GGUF files and ``llama-quantize`` Q8_0 and Q4_0 ones. The
    report states whether llama.cpp's greedy tokens (f32) equal rnnserve's (fp32) on fixed prompts.
 3. **Offline decode** tok/s at each batch size: rnnserve's engine steps (greedy sampling and detokenizing
    included) against ``llama-batched-bench``'s generation rate (the model alone), for fp32 vs f32, bf16 vs f16
-   and int8 vs Q8_0 (when rnnserve has ``--quantize int8``), run alternately (rnnserve, llama.cpp, rnnserve, ...)
+   int8 vs Q8_0 and int4 (on bf16 activations) vs Q4_0, run alternately (rnnserve, llama.cpp, rnnserve, ...)
    for ``--reps`` repetitions: best, median and the ratio of the medians. Beside them the batch-1 roofline: the
    bytes one step must read (every weight once, the state read and written) over the read bandwidth of a
    ``torch.sum`` over 1 GiB, measured in the same run.
@@ -96,6 +96,7 @@ PAIRS = {
     "fp32": Pair("fp32", "float32", None, "f32"),
     "bf16": Pair("bf16", "bfloat16", None, "f16"),
     "int8": Pair("int8", "float32", "int8", "q8_0"),
+    "int4": Pair("int4", "bfloat16", "int4", "q4_0"),  # rnnserve's fast int4 path takes bf16 activations
 }
 
 
@@ -410,9 +411,9 @@ def convert_hf_to_gguf(llama_source: Path, hf_dir: Path, out: Path, outtype: str
 
 
 def gguf_files(llama: LlamaCpp, exported: ExportedModel, out: Path, threads: int) -> dict[str, Path]:
-    """f32 and f16 from the converter, Q8_0 quantized from f32 by ``llama-quantize``; kept in ``out`` and
-    reused while the exported weights and the llama.cpp build are the same."""
-    files = {t: out / f"model-{t}.gguf" for t in ("f32", "f16", "q8_0")}
+    """f32 and f16 from the converter, Q8_0 and Q4_0 quantized from f32 by ``llama-quantize``; kept in ``out``
+    and reused while the exported weights and the llama.cpp build are the same."""
+    files = {t: out / f"model-{t}.gguf" for t in ("f32", "f16", "q8_0", "q4_0")}
     stamp = out / "SOURCE"
     digest = hashlib.sha256((exported.hf_dir / "model.safetensors").read_bytes()).hexdigest()
     source = f"{digest} {llama.describe()}\n"
@@ -422,7 +423,8 @@ def gguf_files(llama: LlamaCpp, exported: ExportedModel, out: Path, threads: int
     out.mkdir(parents=True)
     for outtype in ("f32", "f16"):
         convert_hf_to_gguf(llama.source, exported.hf_dir, files[outtype], outtype)
-    run_checked([llama.tool("llama-quantize"), files["f32"], files["q8_0"], "Q8_0", str(threads)])
+    for outtype in ("q8_0", "q4_0"):
+        run_checked([llama.tool("llama-quantize"), files["f32"], files[outtype], outtype.upper(), str(threads)])
     stamp.write_text(source)
     return files
 
@@ -791,7 +793,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=sorted(PAIRS),
         default=list(PAIRS),
-        help="pairs to measure: fp32 vs f32, bf16 vs f16, int8 vs Q8_0 (default: all)",
+        help="pairs to measure: fp32 vs f32, bf16 vs f16, int8 vs Q8_0, int4 (bf16 activations) vs Q4_0 "
+        "(default: all)",
     )
     parser.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32], help="offline decode batches")
     parser.add_argument("--reps", type=positive_int, default=4, help="offline repetitions, alternating (default: 4)")
