@@ -124,13 +124,14 @@ def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if not bool(torch.isfinite(w).all()):
         raise ValueError("cannot quantize a weight with non-finite values")
     n, k = w.shape
-    padded = F.pad(w, (0, int4.groups_of(k) * int4.GROUP - k)).view(n, -1, int4.GROUP)
+    groups = int4.groups_of(k)
+    padded = F.pad(w, (0, groups * int4.GROUP - k)).view(n, groups, int4.GROUP)
     largest = padded.gather(-1, padded.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
     scale = (largest / INT4_MIN).to(torch.float16)
     if bool(torch.isinf(scale).any()):
         raise ValueError(f"cannot quantize to int4 a weight larger than {FP16_MAX * -INT4_MIN:g} (fp16 scales)")
     divisor = scale.float().masked_fill(scale == 0, 1.0)[..., None]
-    q = torch.round(padded / divisor).clamp_(INT4_MIN, INT4_MAX).view(n, -1)
+    q = torch.round(padded / divisor).clamp_(INT4_MIN, INT4_MAX).view(n, groups * int4.GROUP)
     return int4.pack(q), scale
 
 

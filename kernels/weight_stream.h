@@ -78,6 +78,10 @@ at::Tensor dequantized_gemm(const at::Tensor& x32, int64_t n, const std::optiona
                             const DequantizeRow& dequantize_row) {
   static const bool onednn = onednn_linear_available();
   const int64_t rows = x32.size(0), k = x32.size(1);
+  if (k == 0) {  // an empty product (oneDNN has no primitive for it): the bias alone
+    at::Tensor y = at::zeros({rows, n}, x32.options());
+    return bias32.has_value() ? y.add_(*bias32) : y;
+  }
   auto y = onednn ? at::empty({rows, n}, x32.options()) : at::empty({n, rows}, x32.options());
   const int64_t block = std::max<int64_t>(16, kDequantBlockBytes / (4 * std::max<int64_t>(1, k)));
   auto buffer = at::empty({std::min(block, n), k}, x32.options());

@@ -211,12 +211,13 @@ def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:
     from rnnserve.server.http_server import http_stack
 
     logger.info(
-        "serving model=%s name=%s device=%s dtype=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
+        "serving model=%s name=%s device=%s dtype=%s quantize=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
         "engine=%s http=%s auth=%s url=http://%s:%d",
         config.model_path,
         ",".join(config.model_names),
         info.device,
         info.dtype,
+        config.engine.quantize or "none",
         info.bytes_per_slot,
         info.num_slots,
         info.num_slots * info.bytes_per_slot,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rnnserve.kernels.int4_linear.naive import GROUP
+from rnnserve.kernels.backend import unit_stride_last
 
 
 @triton.jit
@@ -76,11 +76,13 @@ def block_sizes(rows: int, fp32: bool) -> tuple[int, int, int]:
 def int4_linear_triton(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x [M, K]`` (unit stride along K) -> ``[M, N]`` in ``x``'s dtype; ``packed [N, G * 16]`` uint8 (unit
-    stride along its columns), ``scale [N, G]`` fp16, contiguous."""
+    """``x [M, K]`` (unit stride along K) -> ``[M, N]`` in ``x``'s dtype; ``packed [N, G * 16]`` uint8 and
+    ``scale [N, G]`` fp16 (copied where the kernel's layout needs it: columns of unit stride, a contiguous scale
+    and bias)."""
     rows, k = x.shape
     n, groups = scale.shape
-    assert groups * GROUP >= k and scale.is_contiguous()
+    packed, scale = unit_stride_last(packed), scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y

@@ -23,21 +23,21 @@ def groups_of(k: int) -> int:
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """``packed [N, G * 16]`` uint8 -> ``q [N, G * 32]`` int8 in ``[-8, 7]``, in the weight's order."""
-    nibbles = packed.view(packed.shape[0], -1, GROUP_BYTES)
+    nibbles = packed.view(packed.shape[0], packed.shape[1] // GROUP_BYTES, GROUP_BYTES)
     low, high = nibbles & 15, nibbles >> 4
-    return (torch.cat([low, high], dim=-1).to(torch.int8) - 8).reshape(packed.shape[0], -1)
+    return (torch.cat([low, high], dim=-1).to(torch.int8) - 8).reshape(packed.shape[0], packed.shape[1] * 2)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """``q [N, G * 32]`` (integers in ``[-8, 7]``) -> ``packed [N, G * 16]`` uint8: the inverse of :func:`unpack`."""
-    nibbles = (q.to(torch.int16) + 8).to(torch.uint8).view(q.shape[0], -1, GROUP)
-    return (nibbles[..., :GROUP_BYTES] | (nibbles[..., GROUP_BYTES:] << 4)).reshape(q.shape[0], -1)
+    nibbles = (q.to(torch.int16) + 8).to(torch.uint8).view(q.shape[0], q.shape[1] // GROUP, GROUP)
+    return (nibbles[..., :GROUP_BYTES] | (nibbles[..., GROUP_BYTES:] << 4)).reshape(q.shape[0], q.shape[1] // 2)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
     """The fp32 weight ``[N, k]``: ``q * scale`` of each group (fp32 products of exact values, one rounding)."""
-    q = unpack(packed).float().view(packed.shape[0], -1, GROUP)
-    return (q * scale.float()[..., None]).reshape(packed.shape[0], -1)[:, :k]
+    q = unpack(packed).float().view(*scale.shape, GROUP)
+    return (q * scale.float()[..., None]).reshape(packed.shape[0], scale.shape[1] * GROUP)[:, :k]
 
 
 def int4_linear_ref(

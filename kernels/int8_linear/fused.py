@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnserve.kernels.backend import unit_stride_last
+
 
 @triton.jit
 def _int8_linear_kernel(
@@ -76,9 +78,12 @@ def block_sizes(rows: int) -> tuple[int, int, int, int]:
 def int8_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x [M, K]`` (unit stride along K) -> ``[M, N]`` in ``x``'s dtype; ``weight [N, K]`` int8, ``scale [N]`` fp32."""
+    """``x [M, K]`` (unit stride along K) -> ``[M, N]`` in ``x``'s dtype; ``weight [N, K]`` int8, ``scale [N]`` fp32
+    (copied where the kernel's layout needs it: rows of unit stride, a contiguous scale and bias)."""
     rows, k = x.shape
     n = weight.shape[0]
+    weight, scale = unit_stride_last(weight), scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y

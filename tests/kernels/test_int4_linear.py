@@ -103,6 +103,22 @@ def test_cpu_kernel_rejects_mismatched_layouts() -> None:
         torch.ops.rnnserve.int4_linear(x, packed, scale.float(), None)
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows", [3, 40])
+def test_no_inputs_gives_the_bias(rows: int) -> None:
+    """K = 0: the bias (the GEMM path gave oneDNN an empty product it has no primitive for)."""
+    packed, scale = quantize_weight_int4(torch.zeros(7, 0))
+    bias = torch.randn(7)
+    out = torch.ops.rnnserve.int4_linear(torch.zeros(rows, 0), packed, scale, bias)
+    torch.testing.assert_close(out, bias.expand(rows, 7))
+
+
+def test_reference_and_quantizer_take_no_output_rows() -> None:
+    packed, scale = quantize_weight_int4(torch.zeros(0, 40))
+    assert packed.shape == (0, 32) and scale.shape == (0, 2)
+    assert int4_linear_ref(torch.randn(3, 40), packed, scale).shape == (3, 0)
+
+
 @pytest.mark.parametrize("shape", [(5, 64), (2, 3, 64), (0, 64)])
 def test_public_function_keeps_leading_dimensions(shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(0)
@@ -137,6 +153,21 @@ def test_triton_kernel_reads_strided_rows(triton_on_cpu) -> None:
     x = torch.randn(5, 100, generator=g)[:, 10:74]
     packed, scale = quantize_weight_int4(torch.randn(20, 64, generator=g))
     assert_matches_reference(int4_linear(x, packed, scale), x, packed, scale, None)
+
+
+def test_triton_kernel_takes_strided_weights_and_bias(triton_on_cpu) -> None:
+    """Columns of the packed weight, the scale and the bias that are not contiguous are copied into the kernel's
+    layout (they were read as if contiguous: wrong numbers, no error)."""
+    g = torch.Generator().manual_seed(4)
+    packed, scale = quantize_weight_int4(torch.randn(20, 64, generator=g))
+    wide = torch.zeros(20, 64, dtype=torch.uint8)
+    wide[:, ::2] = packed
+    strided_scale = torch.zeros(20, 4, dtype=torch.float16)
+    strided_scale[:, ::2] = scale
+    bias = torch.randn(20, 2, generator=g)[:, 0]
+    x = torch.randn(3, 64, generator=g)
+    out = int4_linear(x, wide[:, ::2], strided_scale[:, ::2], bias)
+    assert_matches_reference(out, x, packed, scale, bias.contiguous())
 
 
 @pytest.mark.parametrize("preset", ["mamba2-tiny", "mingru-tiny"])

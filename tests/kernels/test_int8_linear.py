@@ -109,6 +109,28 @@ def test_triton_kernel_matches_reference(triton_on_cpu, rows: int, k: int, n: in
     assert_matches_reference(int8_linear(x, weight, scale, bias), x, weight, scale, bias)
 
 
+def test_triton_kernel_takes_strided_weights_and_bias(triton_on_cpu) -> None:
+    """A weight with strided columns and a strided bias are copied into the kernel's layout (they were read as if
+    contiguous: wrong numbers, no error)."""
+    g = torch.Generator().manual_seed(4)
+    weight, scale = quantize_weight(torch.randn(20, 64, generator=g))
+    wide = torch.zeros(20, 128, dtype=torch.int8)
+    wide[:, ::2] = weight
+    bias = torch.randn(20, 2, generator=g)[:, 0]
+    x = torch.randn(3, 64, generator=g)
+    assert_matches_reference(int8_linear(x, wide[:, ::2], scale, bias), x, weight, scale, bias.contiguous())
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows", [3, 40])
+def test_no_inputs_gives_the_bias(rows: int) -> None:
+    """K = 0: the bias (the GEMM path gave oneDNN an empty product it has no primitive for)."""
+    weight, scale = torch.zeros(7, 0, dtype=torch.int8), torch.ones(7)
+    bias = torch.randn(7)
+    out = torch.ops.rnnserve.int8_linear(torch.zeros(rows, 0), weight, scale, bias)
+    torch.testing.assert_close(out, bias.expand(rows, 7))
+
+
 def test_triton_kernel_reads_strided_rows(triton_on_cpu) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 100, generator=g)[:, 10:74]

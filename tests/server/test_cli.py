@@ -187,6 +187,7 @@ def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatc
         assert b"GOMP_SPINCOUNT=10000" in environ
         [startup] = [line for line in server.log if "serving model=" in line]
         assert f"model={TINY}" in startup and "device=cpu" in startup and "slots=3" in startup
+        assert "quantize=none" in startup
         assert "state_bytes_per_slot=" in startup and f"engine={engine}" in startup
         children = child_pids(server.proc.pid)
         assert bool(children) == (engine == "process")  # the engine (and multiprocessing's resource tracker)
