@@ -13,6 +13,7 @@ Weights are read with safetensors only: pickle files (``*.bin``, ``*.pt``, ...) 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -193,23 +194,38 @@ def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [path / n for n in names], weight_map
 
 
-def _read_safetensors(file: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(file: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``file`` one at a time, each a fresh tensor of its own memory: floating ones of a loadable
-    dtype in ``dtype`` (``None``: the first such tensor's dtype, for every later one as well), the rest as
-    stored. Reading one at a time keeps the peak at the model's size: the file is mapped, not copied whole."""
-    if file.exists() and not file.is_file():  # a directory, or a FIFO that would block the read
-        raise ModelLoadError(f"{file}: not a regular file")
+    dtype in ``dtype``, the rest as stored. Reading one at a time keeps the peak at the model's size: the file is
+    mapped, not copied whole."""
     try:
         with safe_open(str(file), framework="pt") as tensors:
             for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = tensors.get_tensor(key)
-                if tensor.dtype in LOADABLE_DTYPES:
-                    dtype = dtype or tensor.dtype
-                    yield key, tensor.to(dtype, copy=True)
-                else:
-                    yield key, tensor.clone()
+                yield key, tensor.to(dtype, copy=True) if tensor.dtype in LOADABLE_DTYPES else tensor.clone()
     except (SafetensorError, OSError) as err:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {err}") from err
+
+
+def _stored_dtype(files: list[Path]) -> torch.dtype:
+    """The dtype a checkpoint's weights load in when none is asked for: that of most of its floating weights'
+    elements (a mostly fp32 checkpoint with a bf16 embedding stays fp32), read from the headers alone; fp32 for
+    one without floating weights."""
+    by_name = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+    elements: dict[torch.dtype, int] = dict.fromkeys(LOADABLE_DTYPES, 0)
+    for file in files:
+        if file.exists() and not file.is_file():  # a directory, or a FIFO that would block the read
+            raise ModelLoadError(f"{file}: not a regular file")
+        try:
+            with safe_open(str(file), framework="pt") as tensors:
+                for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    piece = tensors.get_slice(key)
+                    dtype = by_name.get(piece.get_dtype())
+                    if dtype is not None:
+                        elements[dtype] += math.prod(piece.get_shape())
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: not a readable safetensors file: {err}") from err
+    return max(elements, key=lambda d: (elements[d], d.itemsize)) if any(elements.values()) else torch.float32
 
 
 def load_safetensors_into(
@@ -220,7 +236,7 @@ def load_safetensors_into(
     dtype: torch.dtype | None = None,
 ) -> RecurrentLM:
     """The model ``build`` makes, with the ``*.safetensors`` weights in ``path``, its floating weights in
-    ``dtype`` (``None``: the checkpoint's, that of the first floating tensor where they differ).
+    ``dtype`` (``None``: the checkpoint's, that of most of its weights where they differ).
 
     Errors name missing, unexpected, mis-shaped, duplicated and mistyped keys. The weights are checked against
     the model built on the meta device first, so a config whose sizes disagree with them (a vocabulary of
@@ -241,10 +257,11 @@ def load_safetensors_into(
                 "pickled code, or save the tensors with safetensors"
             )
         raise ModelLoadError(f"{path}: no *.safetensors weights")
+    dtype = dtype or _stored_dtype(files)
     weights: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # parameter name -> the checkpoint key and file it came from
     for file in files:
-        for key, tensor in _read_safetensors(file, dtype or _first_float_dtype(weights)):
+        for key, tensor in _read_safetensors(file, dtype):
             if weight_map is not None and weight_map.get(key) != file.name:
                 raise ModelLoadError(f"{file}: holds {key}, which the shard index puts in {weight_map.get(key)}")
             name = rename(key) if rename else key
@@ -260,11 +277,7 @@ def load_safetensors_into(
             return model
         layout = _build(build, config_path or path)
     layout.load_state_dict(weights, strict=False)
-    return layout.to(dtype=dtype or _first_float_dtype(weights))
-
-
-def _first_float_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype | None:
-    return next((t.dtype for t in weights.values() if t.dtype in LOADABLE_DTYPES), None)
+    return layout.to(dtype=dtype)
 
 
 def _assign_weights(layout: RecurrentLM, weights: dict[str, torch.Tensor]) -> RecurrentLM | None:
@@ -273,8 +286,8 @@ def _assign_weights(layout: RecurrentLM, weights: dict[str, torch.Tensor]) -> Re
     tensor of its own that no weight replaces (one its constructor derived), which only a real build has."""
     tied = _tied_groups(layout)
     expected = layout.state_dict()
-    layout.load_state_dict(
-        {k: t if t.is_floating_point() else t.to(expected[k].dtype) for k, t in weights.items()},
+    layout.load_state_dict(  # integer buffers (index tables) keep the model's dtype, whatever the file stored
+        {k: t if expected[k].is_floating_point() else t.to(expected[k].dtype) for k, t in weights.items()},
         strict=False,
         assign=True,
     )

@@ -196,25 +196,35 @@ class TimestepModulatedLoopedTransformer(LoopedTransformer):
         self.modulation_table = self._table()
         self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_modulation())
 
-    def modulation_at(self, t: torch.Tensor) -> torch.Tensor:
+    def modulation_at(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[gate_attn, gate_mlp, scale_attn, scale_mlp]`` of loop indices ``t [N]`` -> ``[N, 4, d]``, computed
-        step by step from the weights (what the table holds)."""
+        step by step from the weights in ``dtype`` (default: theirs)."""
         w = self.timestep_in.weight
-        embedding = self.timestep_out(F.silu(self.timestep_in(timestep_frequencies(t).to(w.device, w.dtype))))
-        return self.modulation(F.silu(embedding)).view(-1, 4, self.config.n_embd)
+        dtype = dtype or w.dtype
+
+        def apply(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, layer.weight.to(dtype), None if layer.bias is None else layer.bias.to(dtype))
+
+        frequencies = timestep_frequencies(t).to(w.device, dtype)
+        embedding = apply(self.timestep_out, F.silu(apply(self.timestep_in, frequencies)))
+        return apply(self.modulation, F.silu(embedding)).view(-1, 4, self.config.n_embd)
 
     @torch.no_grad()
     def _table(self) -> torch.Tensor:
-        return self.modulation_at(torch.arange(self.config.n_loop, device=self.modulation.weight.device))
+        """The per-loop modulation computed in fp32 from the weights, rounded to their dtype: the same table whether
+        a bf16 model was cast from fp32 in memory or loaded from a checkpoint (where the weights arrive in bf16)."""
+        loops = torch.arange(self.config.n_loop, device=self.modulation.weight.device)
+        dtype = torch.promote_types(self.modulation.weight.dtype, torch.float32)
+        return self.modulation_at(loops, dtype).to(self.modulation.weight.dtype)
 
     def refresh_modulation(self) -> None:
         """Recompute the per-loop table from the current weights (after initialising or loading them)."""
         self.modulation_table = self._table()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> nn.Module:
-        """Move and cast the table with the weights (``.to``, ``.cuda``, ``.half``)."""
+        """Recompute the table from the moved or cast weights (``.to``, ``.cuda``, ``.half``)."""
         super()._apply(fn, *args, **kwargs)
-        self.modulation_table = fn(self.modulation_table)
+        self.modulation_table = self._table()
         return self
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
 from rnnserve.engine.models import MODEL_REGISTRY
@@ -140,13 +140,52 @@ def test_weights_become_the_parameters_in_the_requested_dtype_and_tied(
     torch.testing.assert_close(_logits(model, [5, 6, 7]), _logits(reference, [5, 6, 7]), atol=0, rtol=0)
 
 
-def test_mixed_dtypes_load_in_the_first_floating_weights_dtype(tmp_path: Path) -> None:
-    model = tiny_model("mingru")
+@pytest.mark.parametrize(("odd_ones", "expected"), [("embeddings", torch.float32), ("A_log", torch.bfloat16)])
+def test_mixed_dtypes_load_in_the_dtype_of_most_weights(tmp_path: Path, odd_ones: str, expected: torch.dtype) -> None:
+    """Without a dtype asked for, a checkpoint whose weights differ loads in the dtype of most of its elements: an
+    fp32 model with a bf16 embedding stays fp32 (it once became bf16 whole, by the first tensor in key order), a
+    bf16 model with an fp32 ``A_log`` (as some releases store it) stays bf16."""
+    model, _ = load_model("random:mamba-tiny", device="cpu")
     save_checkpoint(model, tmp_path)
-    tensors = {k: v if i % 2 else v.to(torch.bfloat16) for i, (k, v) in enumerate(model.state_dict().items())}
+    minority = torch.bfloat16 if expected == torch.float32 else torch.float32
+    tensors = {k: v.to(minority if odd_ones in k else expected) for k, v in model.state_dict().items()}
+    tensors.pop("lm_head.weight")  # tied: stored once
     save_file(tensors, str(tmp_path / "model.safetensors"))
     loaded, _ = load_model(str(tmp_path), device="cpu")
-    assert {p.dtype for p in loaded.state_dict().values()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.state_dict().values()} == {expected}
+
+
+TINY_PRESETS = [
+    "mamba-tiny", "mamba2-tiny", "mingru-tiny", "minlstm-tiny", "hawk-tiny", "griffin-tiny", "based-tiny",
+    "lattice-tiny", "looped-tiny", "tmlt-tiny", "lstm-tiny", "gru-tiny", "rnn-tiny",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_a_checkpoint_loaded_in_bf16_is_the_model_cast_in_memory(tmp_path: Path, preset: str) -> None:
+    """Every architecture, saved in fp32 and loaded as bf16 (each weight converted as it is read), gives the
+    logits of the same model cast with ``.to(torch.bfloat16)``; also a table a model derives from its weights (the
+    timestep-modulated looped transformer's), which it once computed from the bf16 weights in bf16 arithmetic."""
+    model, _ = load_model(f"random:{preset}", device="cpu")
+    save_checkpoint(model, tmp_path)
+    loaded, _ = load_model(str(tmp_path), device="cpu", dtype="bfloat16")
+    ids = [5, 9, 2, 7, 1]
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model.to(torch.bfloat16), ids), atol=0, rtol=0)
+
+
+def test_integer_buffers_stored_as_floats_keep_the_models_dtype(tmp_path: Path) -> None:
+    """A compiled LSRL program's index tables stored as floats are cast back to int64 (loading in bf16 would
+    otherwise round indices above 256)."""
+    model, _ = load_model("lsrl:dictionary", device="cpu")
+    save_checkpoint(model, tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v.double() if "indices" in k else v for k, v in load_file(str(path)).items()}
+    assert any("indices" in k for k in tensors)
+    save_file(tensors, str(path))
+    loaded, _ = load_model(str(tmp_path), device="cpu")
+    for name, buffer in loaded.named_buffers():
+        if "indices" in name:
+            assert buffer.dtype == torch.int64 and torch.equal(buffer, model.get_buffer(name))
 
 
 def test_a_model_deriving_a_tensor_in_its_constructor_is_built_for_real(
