@@ -33,6 +33,7 @@ from rnnserve.server.engine_core import (
     Added,
     EngineDriver,
     Event,
+    LoadChanged,
     Prompt,
     StepFailed,
     Stepped,
@@ -273,6 +274,8 @@ class AsyncEngine:
             self._settle(accepted, event.error)
         elif isinstance(event, Aborted):
             self.metrics.observe_outputs(event.finals)
+            self.metrics.set_load(event.load)
+        elif isinstance(event, LoadChanged):
             self.metrics.set_load(event.load)
         elif isinstance(event, StepFailed):
             self._fail_all(RequestFailedError(event.message), False)

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from rnnserve.server.errors import APIError
 from rnnserve.server.metrics import ServerMetrics
 
 STATIC = Path(__file__).parent / "static"
@@ -196,6 +197,8 @@ def dashboard_router(metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/dashboard/stats")
     async def stats(since: float = 0.0) -> JSONResponse:
+        if not math.isfinite(since):
+            raise APIError(400, f"since must be a finite number of seconds, got {since}", param="since")
         return JSONResponse(
             {
                 "model": metrics.model_name,

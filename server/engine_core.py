@@ -151,6 +151,14 @@ class Aborted:
 
 
 @dataclass
+class LoadChanged:
+    """The engine's load after another API server's add or abort (``--api-servers``): every server's gauges
+    follow the engine, not only those of the server whose command changed it."""
+
+    load: EngineLoad
+
+
+@dataclass
 class Stepped:
     """Engine steps and their outputs: one step, or the steps run while the server handled the previous
     :class:`Stepped` (each request's output then covers them all); ``steps`` has each step's stats. In the
@@ -182,7 +190,7 @@ class LoadFailed:
     error: Exception
 
 
-Event = Added | Aborted | Stepped | StepFailed | Stopped
+Event = Added | Aborted | LoadChanged | Stepped | StepFailed | Stopped
 
 
 def portable_error(error: Exception) -> Exception:
@@ -511,12 +519,12 @@ class ServerLinks:
     from all of them, each event out to the server it concerns.
 
     The engine loop stays unaware of how many servers there are. A request's outputs go to the server that
-    added it; :class:`Added` and :class:`Aborted` to the server whose command the loop is running; a step's
-    stats to one server only (the first still connected), so that they are counted once; the load and step
-    failures to all. Every :class:`Stepped` goes to every server (the rows each one added) and counts as
-    handled once all have said so: the slowest server sets the pace of the loop's messages, as one server does
-    alone. A server that stops (or whose pipe closes) is answered :class:`Stopped` and its requests are
-    aborted; the loop stops once no server is left.
+    added it; :class:`Added` and :class:`Aborted` to the server whose command the loop is running, and the load
+    they carry to the others as :class:`LoadChanged`; a step's stats to one server only (the first still
+    connected), so that they are counted once; the load and step failures to all. Every :class:`Stepped` goes
+    to every server (the rows each one added) and counts as handled once all have said so: the slowest server
+    sets the pace of the loop's messages, as one server does alone. A server that stops (or whose pipe closes)
+    is answered :class:`Stopped` and its requests are aborted; the loop stops once no server is left.
 
     Each event crosses as one message, sent before ``post`` returns (a :class:`Stepped` as an
     :class:`EncodedStep`, an error as one the server can unpickle). A pipe that fails on send is a server gone;
@@ -614,6 +622,9 @@ class ServerLinks:
                 self.owners.pop(request_id, None)
         if index in self.live:
             self._send(index, event)
+        for other in self.live:  # without it, a server kept the load of its last step: a cancelled stream on
+            if other != index:  # another server left it showing a running request on an idle engine
+                self._send(other, LoadChanged(event.load))
 
     def _post_step(self, event: Stepped) -> None:
         rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}

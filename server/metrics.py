@@ -170,7 +170,7 @@ class LoadGauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
-        for index, (name, doc) in enumerate(TIER_GAUGES):
+        for index, (name, doc) in enumerate(TIER_GAUGES if load.prefix_cache else ()):  # absent with the cache off
             family = GaugeMetricFamily(name, doc, labels=["model_name", "tier"])
             for tier in load.prefix_cache:
                 value = (tier.used_bytes, tier.capacity_bytes, tier.num_snapshots)[index]

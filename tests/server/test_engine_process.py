@@ -41,6 +41,7 @@ from rnnserve.server.engine_core import (
     EncodedStep,
     EngineInfo,
     HandledCommand,
+    LoadChanged,
     OutputDecoder,
     OutputEncoder,
     ProcessDriver,
@@ -347,12 +348,14 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     links = ServerLinks([engine_end for _, engine_end in pipes])
     for index, server in enumerate(servers):  # the add ids are each server's own: the same number is no clash
         server.send_bytes(pickle.dumps([add_command(1, f"s{index}a", f"s{index}b")]))
-    for _ in servers:
+    for step in range(2):
         command = links.next_command(True)
         assert isinstance(command, AddCommand)
-        links.post(Added(1, None, "load"))  # type: ignore[arg-type]
+        links.post(Added(1, None, f"load {step}"))  # type: ignore[arg-type]
         owner = int(command.request_ids[0][1])
-        assert pickle.loads(servers[owner].recv_bytes()) == Added(1, None, "load")  # type: ignore[arg-type]
+        assert pickle.loads(servers[owner].recv_bytes()) == Added(1, None, f"load {step}")  # type: ignore[arg-type]
+        # the other server's gauges follow the engine's load too (they kept a cancelled stream's slot before)
+        assert pickle.loads(servers[1 - owner].recv_bytes()) == LoadChanged(f"load {step}")  # type: ignore[arg-type]
     assert not any(server.poll() for server in servers)
 
     rows = [(request_id, None, [], request_id == "s1b") for request_id in ("s0a", "s1b", "gone", "s0b")]
@@ -382,6 +385,7 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     assert pickle.loads(servers[1].recv_bytes()).message == SHUTDOWN_MESSAGE  # Stopped, and nothing after it
     assert not servers[1].poll()
     assert pickle.loads(servers[0].recv_bytes()).rows == []
+    assert pickle.loads(servers[0].recv_bytes()) == LoadChanged("load")  # type: ignore[arg-type]  # the abort's
 
     links.post(StepFailed("boom"))
     assert pickle.loads(servers[0].recv_bytes()) == StepFailed("boom")

@@ -319,6 +319,8 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_usable(monke
 
 def test_parameters_parsed_by_fastapi_and_an_empty_model_name_get_openai_errors(client: TestClient) -> None:
     assert_error(client.get("/dashboard/stats?since=abc"), 400, "since")
+    for bad in ("nan", "inf", "1e400"):  # floats, but no point in time
+        assert_error(client.get(f"/dashboard/stats?since={bad}"), 400, "since")
     assert client.get("/dashboard/stats?since=1.5").status_code == 200
     assert_error(client.get("/v1/models/"), 404, "model")
     assert client.get(f"/v1/models/{TINY}").json()["id"] == TINY

@@ -88,6 +88,8 @@ def test_the_load_gauges_show_the_latest_load_with_one_series_per_prefix_cache_t
         assert samples[f"rnnserve_prefix_cache_memory_total_bytes{labels}"] == total
         assert samples[f"rnnserve_prefix_cache_snapshots{labels}"] == count
     assert "# TYPE rnnserve_prefix_cache_snapshots gauge" in text and "# TYPE rnnserve_state_slots_used gauge" in text
+    metrics.set_load(EngineLoad(3, 0, 4, 3, 8, []))  # the cache off: the tier gauges are absent, not empty
+    assert "rnnserve_prefix_cache_snapshots" not in metrics.render().decode()
 
 
 def test_queue_full_answers_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
