@@ -126,18 +126,35 @@ class Progress:
 
 
 async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
+    """``model``, else the first model the server lists; :class:`BenchError` for an answer that is not a model
+    list (another web app at ``--url``, an error such as a 401, which names the server's own message)."""
     if model:
         return model
     response = await http.get("/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    if response.status_code != 200:
+        raise BenchError(f"{response.request.url} answered HTTP {response.status_code}: {error_message(response)}")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise BenchError(f"{response.request.url} did not answer an OpenAI model list ({err!r})") from err
+
+
+def error_message(response: httpx.Response) -> str:
+    """The OpenAI error message of ``response``, else the start of its body."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
 
 
 def local_token_counter(path: str) -> Callable[[str], int]:
     """Token counts of a local ``tokenizer.json`` (the ``tokenizers`` library)."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(Path(path).expanduser()))
+    try:
+        tokenizer = Tokenizer.from_file(str(Path(path).expanduser()))
+    except Exception as err:  # tokenizers raises a bare Exception for a missing or unreadable file
+        raise BenchError(f"--tokenizer {path}: cannot read it: {err}") from err
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
@@ -216,12 +233,16 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                 if data == "[DONE]":  # read on to the body's end: a response left unread closes its connection
                     continue
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    result.error = f"a stream chunk that is not a JSON object: {data[:100]}"
+                    return result
                 if "error" in chunk:
                     result.error = str(chunk["error"])
                     return result
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                usage = chunk.get("usage")
+                if isinstance(usage, dict):
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.output_tokens = usage.get("completion_tokens", 0)
                 choices = chunk.get("choices") or []
                 if choices:  # a streamed token (or the final chunk of an all-whitespace tail)
                     now = time.perf_counter()
@@ -232,7 +253,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                         result.itl.append(now - last)
                     last = now
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        result.error = f"{type(err).__name__}: {err}"
+        result.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         return result
     result.latency = time.perf_counter() - start
     result.output_tokens = result.output_tokens or chunks
@@ -360,9 +381,9 @@ async def drive(
 
     start = time.time()
     tasks = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         tasks.append(asyncio.create_task(run(prompt)))
-        if config.request_rate:
+        if config.request_rate and index + 1 < len(prompts):  # no gap after the last arrival
             await asyncio.sleep(arrivals.expovariate(config.request_rate))
     try:
         results = await asyncio.gather(*tasks)
@@ -539,21 +560,26 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.compare:
             figures = asyncio.run(compare(config, args.compare, args.rounds))
-            print(format_comparison(figures))
+            report = format_comparison(figures)
             failed = sum(run["failed"] for side in ("base", "other") for run in figures[side])
         else:
             figures = asyncio.run(benchmark(config))
-            print(format_report(figures))
+            report = format_report(figures)
             failed = figures["failed"]
     except httpx.HTTPError as err:
-        print(f"rnnserve bench: cannot reach a server: {err}", file=sys.stderr)
+        print(f"rnnserve bench: cannot reach a server: {err or type(err).__name__}", file=sys.stderr)
         return 1
     except BenchError as err:
         print(f"rnnserve bench: {err}", file=sys.stderr)
         return 1
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=2)
+        except OSError as err:  # the report still reaches stdout below
+            print(f"rnnserve bench: cannot write --json {args.json}: {err.strerror}", file=sys.stderr)
+            failed += 1
+    print(report)
     return 0 if failed == 0 else 1
 
 

@@ -29,6 +29,8 @@ package: ``pip install 'rnnserve[client]'``.
 
 from __future__ import annotations
 
+import os
+import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -68,7 +70,15 @@ class _Routes:
         return {**extra_body, "session_id": session_id}
 
     def session_url(self, session_id: str, action: str = "") -> str:
-        return self.url(f"/v1/sessions/{session_id}{action}")
+        """The route of ``session_id`` (percent-encoded: an id from elsewhere such as ``../../metrics`` must
+        reach the server's id check, not another route)."""
+        return self.url(f"/v1/sessions/{urllib.parse.quote(session_id, safe='')}{action}")
+
+
+def default_api_key(api_key: str | None) -> str:
+    """``api_key``, else ``$RNNSERVE_API_KEY`` or ``$OPENAI_API_KEY`` (as ``rnnserve bench`` and the ``openai``
+    client read them), else a placeholder that a server without auth ignores."""
+    return api_key or os.environ.get("RNNSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY") or NO_KEY
 
 
 class Client(_Routes):
@@ -84,7 +94,7 @@ class Client(_Routes):
     ) -> None:
         super().__init__(base_url)
         self.openai: openai.OpenAI = _openai().OpenAI(
-            base_url=self.url("/v1"), api_key=api_key or NO_KEY, timeout=timeout, max_retries=max_retries
+            base_url=self.url("/v1"), api_key=default_api_key(api_key), timeout=timeout, max_retries=max_retries
         )
 
     def __enter__(self) -> Client:
@@ -168,7 +178,7 @@ class AsyncClient(_Routes):
     ) -> None:
         super().__init__(base_url)
         self.openai: openai.AsyncOpenAI = _openai().AsyncOpenAI(
-            base_url=self.url("/v1"), api_key=api_key or NO_KEY, timeout=timeout, max_retries=max_retries
+            base_url=self.url("/v1"), api_key=default_api_key(api_key), timeout=timeout, max_retries=max_retries
         )
 
     async def __aenter__(self) -> AsyncClient:

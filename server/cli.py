@@ -5,6 +5,7 @@ safetensors) and ``lsrl`` (LSRL program tools)."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -261,6 +262,9 @@ def generate(args: argparse.Namespace) -> int:
     from rnnserve.engine.llm_engine import LLMEngine
     from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a console that cannot encode a character shows a replacement
+        sys.stdout.reconfigure(errors="replace")
+
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -330,7 +334,18 @@ def lsrl(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``rnnserve`` program; ``argv`` defaults to the command line, whose ``serve`` first sets the serving
-    environment (:func:`reexec_with_serving_environment`)."""
+    environment (:func:`reexec_with_serving_environment`). Ctrl-C exits with 130, and a reader of stdout that goes
+    away (``| head``) ends the program quietly with 141, as SIGPIPE ends other tools."""
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
+        return 128 + signal.SIGPIPE
+
+
+def run_command(argv: list[str] | None) -> int:
     if argv is None and sys.argv[1:2] == ["serve"]:
         reexec_with_serving_environment()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -29,6 +29,14 @@ def serving_engine_config(**overrides: Any) -> EngineConfig:
     return dataclasses.replace(config_from_args(EngineConfig, parser.parse_args([])), **overrides)
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the system picks a free one)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text}")
+    return value
+
+
 @dataclass
 class ServerConfig:
     """Everything ``rnnserve serve`` configures. ``engine.model=None`` serves the embedded default model.
@@ -43,7 +51,7 @@ class ServerConfig:
         "rnnserve-default)", metavar="NAME"
     )
     host: str = option("127.0.0.1", "address to listen on (default: 127.0.0.1, local only)")
-    port: int = option(8000, "TCP port", type=int)
+    port: int = option(8000, "TCP port (0: any free one)", type=port_number)
     api_key: str | None = field(
         default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
         metadata={

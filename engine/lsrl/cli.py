@@ -14,8 +14,10 @@ The file is executed as ordinary Python: compile only programs you trust.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path as FilePath
 from types import ModuleType
 
@@ -42,8 +44,23 @@ def _import(path: FilePath) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ProgramFileError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with _program_errors(path, "importing it"):
+        spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def _program_errors(path: FilePath, doing: str) -> Iterator[None]:
+    """A :class:`ProgramFileError` naming the file for whatever the program's own code raises while ``doing``
+    (a syntax error, an LSRL call with wrong arguments): one line, not a traceback through the CLI."""
+    try:
+        yield
+    except ProgramFileError:
+        raise
+    except SyntaxError as err:
+        raise ProgramFileError(f"{path}, line {err.lineno}: syntax error: {err.msg}") from err
+    except Exception as err:  # noqa: BLE001 - anything the user's program raises
+        raise ProgramFileError(f"{path}: {doing} raised {type(err).__name__}: {err}") from err
 
 
 def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
@@ -53,20 +70,24 @@ def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
     build = getattr(module, "build", None)
     if not callable(build):
         raise ProgramFileError(f"{path}: define build() returning the program's output node")
-    output = build()
+    with _program_errors(path, "build()"):
+        output = build()
     if not isinstance(output, Node):
         raise ProgramFileError(f"{path}: build() returned {type(output).__name__}, not an LSRL node")
-    alphabet = list(getattr(module, "ALPHABET", DEFAULT_ALPHABET))
+    alphabet = getattr(module, "ALPHABET", DEFAULT_ALPHABET)
+    if not isinstance(alphabet, str | list | tuple) or not alphabet:
+        raise ProgramFileError(f"{path}: ALPHABET must be a non-empty string or list of characters")
     embedding = getattr(module, "EMBEDDING", None)
     values = getattr(module, "VALUES", None)
-    if embedding is None and values is None:
-        return output, TokenInterface.scalar(alphabet)
-    scalar = TokenInterface.scalar(alphabet)
-    return output, TokenInterface.table(
-        alphabet,
-        scalar.embedding.tolist() if embedding is None else embedding,
-        scalar.values.tolist() if values is None else values,
-    )
+    with _program_errors(path, "its ALPHABET, EMBEDDING or VALUES"):
+        scalar = TokenInterface.scalar(list(alphabet))
+        if embedding is None and values is None:
+            return output, scalar
+        return output, TokenInterface.table(
+            list(alphabet),
+            scalar.embedding.tolist() if embedding is None else embedding,
+            scalar.values.tolist() if values is None else values,
+        )
 
 
 def compile_file(program: str | FilePath, out_dir: str | FilePath) -> tuple[Path, LSRLModel]:
@@ -125,6 +146,9 @@ def main(argv: list[str]) -> int:
         path, model = compile_file(args.program, args.output)
     except ValueError as err:  # includes ProgramFileError and invalid programs
         print(f"rnnserve lsrl: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # an output path that cannot be written
+        print(f"rnnserve lsrl: {err.filename or args.output}: {err.strerror}", file=sys.stderr)
         return 1
     print(f"compiled {args.program} -> {args.output}: {_summary(path, model)}")
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from rnnserve.clients.bench import BenchConfig, benchmark, summarize
 from rnnserve.server import cli
@@ -106,3 +106,68 @@ def test_the_load_generator_imports_without_torch() -> None:
     code = "import sys, rnnserve.clients.bench; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_bench_answers_that_are_not_model_lists_or_objects_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another web app at --url, an empty model list, an error answer (whose OpenAI message is shown) and stream
+    chunks that are JSON but not objects: a one-line error or a failed request, never a traceback."""
+    app = FastAPI()
+    answers = {"models": "not json", "chunk": "[1, 2]"}
+
+    @app.get("/v1/models")
+    def models() -> object:
+        if answers["models"] == "401":
+            return JSONResponse({"error": {"message": "missing or invalid API key"}}, status_code=401)
+        if answers["models"] == "empty":
+            return {"object": "list", "data": []}
+        return PlainTextResponse(answers["models"])
+
+    @app.post("/v1/completions")
+    def completions() -> StreamingResponse:
+        return StreamingResponse(iter([f"data: {answers['chunk']}\n\n", "data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")  # fmt: skip
+
+    with serve_in_thread(app) as url:
+        base = ["bench", "--url", url, "--num-prompts", "2", "--output-len", "2", "--no-progress"]
+        for models, expected in (("not json", "did not answer an OpenAI model list"), ("empty", "model list"),
+                                 ("401", "HTTP 401: missing or invalid API key")):  # fmt: skip
+            answers["models"] = models
+            assert cli.main(base) == 1
+            assert expected in capsys.readouterr().err
+        assert cli.main([*base, "--model", "m"]) == 1  # both requests failed, the report is still printed
+        out = capsys.readouterr().out
+        assert "not a JSON object" in out and "failed" in out
+
+
+def test_bench_tokenizer_and_json_paths_that_cannot_be_used(
+    live_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["bench", "--url", live_url, "--num-prompts", "1", "--output-len", "2", "--api-key", API_KEY,
+            "--no-progress"]  # fmt: skip
+    assert cli.main([*base, "--prompts", "text", "--tokenizer", str(tmp_path / "missing.json")]) == 1
+    assert "--tokenizer" in capsys.readouterr().err
+    assert cli.main([*base, "--json", str(tmp_path / "no" / "dir.json")]) == 1
+    out, err = capsys.readouterr()
+    assert "cannot write --json" in err and "output throughput" in out  # the figures are not lost
+
+
+def test_request_rate_waits_no_gap_after_the_last_arrival(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's duration ends with its last request, not an arrival gap after it (that understated the
+    throughput: one prompt at rate 0.5 measured 0.29 s for a 9 ms request)."""
+    from rnnserve.clients import bench
+
+    sleeps: list[float] = []
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    async def answer(http: object, body: dict) -> bench.RequestResult:
+        return bench.RequestResult(ok=True)
+
+    monkeypatch.setattr(bench, "send_one", answer)
+    monkeypatch.setattr(bench.asyncio, "sleep", record)
+    config = BenchConfig(url="http://127.0.0.1:9", num_prompts=3, request_rate=0.5, progress=False)
+    asyncio.run(bench.drive("m", ["a", "b", "c"], config))
+    assert len(sleeps) == 2

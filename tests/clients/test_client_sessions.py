@@ -93,3 +93,23 @@ def test_import_of_a_missing_session_creates_it(url: str) -> None:
         state = client.export_session(session)
         created = client.import_session("sess-" + "B" * 24, state)
         assert created["id"] == "sess-" + "B" * 24 and client.get_session(created["id"])["num_tokens"] == 0
+
+
+def test_session_ids_are_percent_encoded_and_reach_the_id_check(url: str) -> None:
+    """An id from elsewhere (``../../metrics``, one with ``?`` or ``/``) is sent as one path segment, so it is an
+    error, never another route's answer (``get_session("../../version")`` returned the server's version)."""
+    with Client(url, api_key=API_KEY) as client:
+        for hostile in ("../../version", "../../metrics", "sess-abc?x=1", "sess-abc/fork"):
+            with pytest.raises(openai.APIStatusError):
+                client.get_session(hostile)
+
+
+def test_the_api_key_comes_from_the_environment_when_not_given(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("RNNSERVE_API_KEY", API_KEY)
+    with Client(url) as client:
+        assert client.create_session()["object"] == "session"
+    monkeypatch.delenv("RNNSERVE_API_KEY")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    with Client(url) as client:
+        assert client.create_session()["object"] == "session"

@@ -217,3 +217,41 @@ def test_api_key_file(tmp_path: Path) -> None:
     for path in (tmp_path / "empty", tmp_path / "missing"):
         with pytest.raises(ValueError, match="api-key-file"):
             ServerConfig.build(api_key_file=str(path))
+
+
+def test_a_reader_that_goes_away_ends_generate_quietly() -> None:
+    """``rnnserve generate ... | head -c 5``: exit 141 (SIGPIPE's) without a traceback (a BrokenPipeError one
+    before)."""
+    import subprocess
+
+    # the default model: it writes text (a random one's greedy ids may have none, and head would wait for EOF)
+    command = f"{sys.executable} -m rnnserve.server.cli generate --max-tokens 20000 --temperature 0 Hi"
+    result = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {command} | head -c 5 > /dev/null; echo ${{PIPESTATUS[0]}}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.stdout.strip() == "141" and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str], port: str) -> None:
+    code, _, err = run_main(["serve", "--port", port], capsys)
+    assert code == 2 and "port number from 0 to 65535" in err
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def build(:\n", "line 1: syntax error"),
+        ("raise RuntimeError('at import')\n", "importing it raised RuntimeError: at import"),
+        ("def build():\n    return [][1]\n", "build() raised IndexError"),
+        ("ALPHABET = ''\nfrom rnnserve.engine.lsrl import Input\ndef build():\n    return Input(1)\n", "ALPHABET"),
+    ],
+)
+def test_lsrl_program_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, expected: str
+) -> None:
+    program = tmp_path / "program.py"
+    program.write_text(source)
+    code, _, err = run_main(["lsrl", "compile", str(program), "-o", str(tmp_path / "out")], capsys)
+    assert code == 1 and expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
