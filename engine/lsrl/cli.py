@@ -90,10 +90,16 @@ def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
         )
 
 
-def compile_file(program: str | FilePath, out_dir: str | FilePath) -> tuple[Path, LSRLModel]:
-    """Compile a program file and write it as an ``architecture: "lsrl"`` checkpoint to ``out_dir``."""
+def compile_file(program: str | FilePath, out_dir: str | FilePath, force: bool = False) -> tuple[Path, LSRLModel]:
+    """Compile a program file and write it as an ``architecture: "lsrl"`` checkpoint to ``out_dir``: a new or
+    empty directory, or with ``force`` one whose ``config.json`` and ``model.safetensors`` it replaces."""
     from rnnserve.engine.loader import save_checkpoint
 
+    out = FilePath(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ProgramFileError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ProgramFileError(f"{out}: exists and is not empty (pass --force to write the checkpoint into it)")
     output, tokens = load_program_file(program)
     path = compile_program(output)
     model = LSRLModel.from_path(path, tokens)
@@ -130,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile PROGRAM.py into a checkpoint directory")
     comp.add_argument("program", help="Python file defining build() (and optionally ALPHABET/EMBEDDING/VALUES)")
-    comp.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
+    comp.add_argument("-o", "--output", required=True, help="checkpoint directory to write (new or empty)")
+    comp.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     run = sub.add_parser("run", help="print per-token outputs of PROGRAM.py, interpreted and compiled")
     run.add_argument("program", help="Python file defining build()")
     run.add_argument("text", help="input text in the program's alphabet")
@@ -143,7 +150,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "run":
             return _run(args)
-        path, model = compile_file(args.program, args.output)
+        path, model = compile_file(args.program, args.output, args.force)
     except ValueError as err:  # includes ProgramFileError and invalid programs
         print(f"rnnserve lsrl: {err}", file=sys.stderr)
         return 1

@@ -255,3 +255,18 @@ def test_lsrl_program_errors_are_one_line(
     program.write_text(source)
     code, _, err = run_main(["lsrl", "compile", str(program), "-o", str(tmp_path / "out")], capsys)
     assert code == 1 and expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_lsrl_compile_refuses_an_output_in_use_without_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = Path(__file__).resolve().parents[2] / "examples" / "lsrl" / "majority.py"
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("keep")
+    code, _, err = run_main(["lsrl", "compile", str(program), "-o", str(used)], capsys)
+    assert code == 1 and "not empty" in err and not (used / "model.safetensors").exists()
+    assert run_main(["lsrl", "compile", str(program), "-o", str(used), "--force"], capsys)[0] == 0
+    assert (used / "model.safetensors").exists() and (used / "notes.txt").read_text() == "keep"
+    code, _, err = run_main(["lsrl", "compile", str(program), "-o", str(used / "notes.txt")], capsys)
+    assert code == 1 and "not a directory" in err
