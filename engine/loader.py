@@ -378,10 +378,7 @@ def _check_tied_copies(model: torch.nn.Module, weights: dict[str, torch.Tensor],
     """A parameter the model shares under two names (an LM head tied to the embedding) must not come from two
     different tensors: the last one loaded would silently replace the other (``tie_word_embeddings`` set, or
     defaulted, for a checkpoint trained untied)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    for shared in names.values():
+    for shared in _tied_groups(model):
         stored = [name for name in shared if name in weights]
         for other in stored[1:]:
             if not torch.equal(weights[stored[0]], weights[other]):
