@@ -102,12 +102,25 @@ def find_converter(src: Path, name: str | None = None) -> Converter:
     )
 
 
+# What write_native_checkpoint puts in a directory: all that --force may delete.
+NATIVE_CHECKPOINT_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json"})
+
+
 def write_native_checkpoint(
     dest: Path, checkpoint: ConvertedCheckpoint, tokenizer_json: Path | None = None, overwrite: bool = False
 ) -> None:
-    """Write ``checkpoint`` to the directory ``dest`` atomically: it appears whole or not at all."""
-    if dest.exists() and any(dest.iterdir()) and not overwrite:
-        raise ConvertError(f"{dest} exists and is not empty (pass --force to replace it)")
+    """Write ``checkpoint`` to the directory ``dest`` atomically: it appears whole or not at all. ``overwrite``
+    replaces a checkpoint this function wrote before, never a directory holding other files."""
+    if dest.exists() and any(dest.iterdir()):
+        if not overwrite:
+            raise ConvertError(f"{dest} exists and is not empty (pass --force to replace it)")
+        foreign = sorted(p.name for p in dest.iterdir() if p.name not in NATIVE_CHECKPOINT_FILES or not p.is_file())
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ConvertError(
+                f"{dest} holds files a converted checkpoint does not ({shown}): --force replaces only a "
+                "checkpoint written by convert; choose a new or empty directory"
+            )
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dest", metavar="DEST", help="output directory (created)")
     convert.add_argument("--format", default=None, help="source format (default: detected)")
     convert.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json to copy alongside")
-    convert.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    convert.add_argument("--force", action="store_true", help="replace DEST if it holds a checkpoint convert wrote")
 
     commands.add_parser(
         "lsrl", help="LSRL tools: compile and run LSRL programs (rnnserve lsrl --help)", add_help=False

@@ -95,6 +95,20 @@ def test_convert_writes_native_directory(tmp_path, toy_format):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toyckpt", "out", "tok.json"]  # no staging left
 
 
+def test_force_replaces_only_a_converted_checkpoint(tmp_path, toy_format):
+    """``--force`` into a directory with other files (a home directory, a project) refuses and deletes nothing."""
+    src = tmp_path / "a.toyckpt"
+    torch.save({"w": torch.ones(4)}, src)
+    dest = tmp_path / "project"
+    (dest / "notes").mkdir(parents=True)
+    (dest / "config.json").write_text("{}")
+    (dest / "thesis.tex").write_text("years of work")
+    with pytest.raises(ConvertError, match=r"holds files a converted checkpoint does not \(notes, thesis.tex\)"):
+        convert_checkpoint(src, dest, overwrite=True)
+    assert (dest / "thesis.tex").read_text() == "years of work" and (dest / "notes").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toyckpt", "project"]  # no staging left
+
+
 def test_failed_convert_leaves_nothing(tmp_path, toy_format):
     src = tmp_path / "bad.toyckpt"
     src.write_bytes(b"not a checkpoint")
