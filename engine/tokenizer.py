@@ -91,7 +91,7 @@ class TokenIdTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         words = text.split()
-        if not all(w.isdigit() for w in words):
+        if not all(w.isascii() and w.isdecimal() for w in words):  # "²" and "١٢" are digits to str.isdigit
             raise ValueError("this model has no tokenizer: send token ids (a list of ints, or decimal ids separated "
                              "by spaces)")
         return [int(w) for w in words]

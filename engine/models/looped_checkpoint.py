@@ -63,11 +63,29 @@ def detect(src: Path) -> bool:
     path = _checkpoint_file(src)
     if path.suffix != ".pt" or not path.is_file():
         return False
-    try:
-        checkpoint = load_pickled_tensors(path)
-    except ConvertError:
+    checkpoint = load_pickled_tensors(path)  # a .pt refused by weights_only=True is reported, not passed over
+    if _model_type(checkpoint) not in MODEL_TYPES:
         return False
-    return _model_type(checkpoint) in MODEL_TYPES
+    global _detected
+    _detected = (_file_key(path), checkpoint)
+    return True
+
+
+# The checkpoint detect() read, kept for the convert() that follows it: the file is read once, not twice.
+_detected: tuple[tuple[str, int, int], Any] | None = None
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_mtime_ns, stat.st_size
+
+
+def _read_checkpoint(path: Path) -> Any:
+    global _detected
+    detected, _detected = _detected, None
+    if detected is not None and detected[0] == _file_key(path):
+        return detected[1]
+    return load_pickled_tensors(path)
 
 
 def _model_type(checkpoint: Any) -> str | None:
@@ -90,7 +108,7 @@ def weight_names(model_type: str, bias: bool) -> dict[str, str]:
 def convert(src: Path) -> ConvertedCheckpoint:
     """Read the authors' checkpoint and map it to the ``lt`` / ``tmlt`` architecture."""
     path = _checkpoint_file(src)
-    checkpoint = load_pickled_tensors(path)
+    checkpoint = _read_checkpoint(path)
     model_type = _model_type(checkpoint)
     if model_type not in MODEL_TYPES:
         raise ConvertError(

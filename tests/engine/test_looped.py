@@ -193,6 +193,15 @@ def test_token_id_text_prompts_round_trip(converted) -> None:
         llm.generate("hello", SamplingParams(max_tokens=1))
 
 
+def test_token_id_prompts_take_ascii_digits_only() -> None:
+    """``str.isdigit`` takes "²" (int() then fails) and Arabic-Indic "١٢" (int() reads 12): both are refused."""
+    tokenizer = TokenIdTokenizer(100)
+    assert tokenizer.encode(" 12\t7 ") == [12, 7]
+    for text in ("1 ²", "١٢ 3", "-1", "3.0"):
+        with pytest.raises(ValueError, match="no tokenizer: send token ids"):
+            tokenizer.encode(text)
+
+
 def test_convert_with_a_tokenizer_serves_text(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -220,6 +229,34 @@ def test_converter_refuses_other_checkpoints(tmp_path: Path) -> None:
     torch.save(data, tmp_path / "mislabelled.pt")
     with pytest.raises(ConvertError, match="missing weights"):
         convert_checkpoint(tmp_path / "mislabelled.pt", tmp_path / "out")
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_an_unsafe_checkpoint_is_refused_with_its_reason_when_the_format_is_detected(tmp_path: Path) -> None:
+    torch.save({"model": {}, "model_args": {}, "config": {"model_type": "lt"}, "hook": _Payload()}, tmp_path / "x.pt")
+    with pytest.raises(ConvertError, match="holds code or a class"):
+        convert_checkpoint(tmp_path / "x.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_reads_the_checkpoint_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rnnserve.engine.models import looped_checkpoint
+
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    reads = []
+    load = looped_checkpoint.load_pickled_tensors
+    monkeypatch.setattr(looped_checkpoint, "load_pickled_tensors", lambda path: reads.append(path) or load(path))
+    convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native")  # detected, then converted
+    assert reads == [tmp_path / "ckpt.pt"] and looped_checkpoint._detected is None
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "tmlt")  # a file changed since it was detected is read again
+    assert find_converter(tmp_path / "ckpt.pt").name == "looped"
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native", format_name="looped", overwrite=True)
+    assert len(reads) == 3 and json.loads((tmp_path / "native" / "config.json").read_text())["architecture"] == "lt"
 
 
 # ---- consistency ---------------------------------------------------------------------------------------------
