@@ -302,6 +302,12 @@ class LLMEngine:
         self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        if grammar is not None and params.allowed_token_ids is not None and not grammar.allows_first(
+            params.allowed_token_ids
+        ):
+            raise InvalidParameterError(
+                "allowed_token_ids", "allowed_token_ids leave no token the structured output allows first"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         group = SequenceGroup(request_id, text, ids, params, metrics, return_state=return_state, grammar=grammar)
@@ -325,11 +331,11 @@ class LLMEngine:
             bad = next((t for t in tokens if t >= vocab), None)
             if bad is not None:
                 raise InvalidParameterError(param, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})")
-        bad = self.tokenizer.first_undecodable(params.allowed_token_ids) if params.allowed_token_ids else None
-        if bad is not None:  # a model's padding rows past its tokenizer: samples of nothing but empty text
-            raise InvalidParameterError(
-                "allowed_token_ids", f"token id {bad} in allowed_token_ids is not in the tokenizer's vocabulary"
-            )
+        favoured = [t for t, bias in (params.logit_bias or {}).items() if bias > 0]
+        for param, tokens in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", favoured)):
+            bad = self.tokenizer.first_undecodable(tokens) if tokens else None
+            if bad is not None:  # a model's padding rows past its tokenizer: samples of nothing but empty text
+                raise InvalidParameterError(param, f"token id {bad} in {param} is not in the tokenizer's vocabulary")
         if params.allowed_token_ids is not None and params.min_tokens:
             banned = set(params.stop_token_ids)
             eos = self.tokenizer.eos_token_id

@@ -35,6 +35,7 @@ class CompletionOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
 
     @property
     def finished(self) -> bool:
@@ -108,7 +109,7 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
                          a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else b.logprobs,
                          b.cumulative_logprob, a.text_delta + b.text_delta, a.new_token_ids + b.new_token_ids,
-                         a.new_logprobs + b.new_logprobs, b.num_tokens)  # fmt: skip
+                         a.new_logprobs + b.new_logprobs, b.num_tokens, b.stop_reason)  # fmt: skip
         for a, b in zip(first.outputs, second.outputs, strict=True)
     ]
     return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids, samples, second.finished,

@@ -124,8 +124,13 @@ def grammar_rows(seqs: list[Sequence]) -> list[int]:
     return [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.end is None]
 
 
-def mask_by_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-    """Forbid, in each of ``rows``, the tokens its grammar does not allow next (masks computed on the host)."""
+def mask_by_grammar(
+    logits: torch.Tensor, unbiased: torch.Tensor, seqs: list[Sequence], rows: list[int]
+) -> torch.Tensor:
+    """Forbid, in each of ``rows``, the tokens its grammar does not allow next (masks computed on the host). A
+    row whose ``logit_bias`` / ``allowed_token_ids`` leave no token the grammar allows takes the grammar's tokens
+    from its ``unbiased`` logits: the constraint wins (a row of ``-inf`` sampled a token the grammar refused, and
+    the request failed). Admission refuses the requests where that happens at the first token."""
     if not rows:
         return logits
     vocab = logits.shape[1]
@@ -136,7 +141,11 @@ def mask_by_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int])
         mask = mask.pin_memory().to(logits.device, non_blocking=True)
     index = long_tensor(rows, logits.device)
     forbidden = ~allowed_tokens(mask, vocab)
-    return logits.index_put((index,), logits[index].masked_fill(forbidden, float("-inf")))
+    masked = logits[index].masked_fill(forbidden, float("-inf"))
+    if unbiased is not logits:
+        fallback = unbiased[index].masked_fill(forbidden, float("-inf"))
+        masked = torch.where(torch.isneginf(masked).all(dim=-1, keepdim=True), fallback, masked)
+    return logits.index_put((index,), masked)
 
 
 def advance_grammars(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
@@ -253,9 +262,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if all(map(_argmax_only, seqs)):  # the usual greedy batch: one pass over the samples, one kernel
         return SampledTokens(row_argmax(logits), [None] * len(seqs))
+    unbiased = logits
     logits = apply_logit_bias(logits, seqs)
     constrained = grammar_rows(seqs)
-    logits = mask_by_grammar(logits, seqs, constrained)
+    logits = mask_by_grammar(logits, unbiased, seqs, constrained)
     rows = penalty_rows(seqs)
     logits = apply_penalties(logits, seqs, rows)
     logits = mask_stop_tokens(logits, seqs, eos_token_id)

@@ -33,6 +33,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         # The text is ``"".join(_frozen) + _text``: appending to one long string copies it whole each time, so
         # every TEXT_TAIL_CHARS all but what a stop string may still reach moves to ``_frozen`` (its length:
         # ``_frozen_len``). Text positions (``_emitted_text``) count from the start of the whole text.
@@ -62,6 +63,8 @@ class Sequence:
         self._end_ids = frozenset(self.params.stop_token_ids) | (
             {eos} if eos is not None and not self.params.ignore_eos else frozenset()
         )
+        # stop token ids whose text the output keeps (vLLM's include_stop_str_in_output)
+        self._kept_stop_ids = frozenset(self.params.stop_token_ids) if self.params.include_stop_str_in_output else ()
         self.max_tokens = self.params.max_tokens
         # Sampling is a plain argmax: no draw, bias, penalties, banned stop tokens or logprobs (the sampler's fast
         # path)
@@ -87,7 +90,9 @@ class Sequence:
         then, once the sample ended with ``stop`` or ``length``, what the decoder still holds."""
         output = self.output_token_ids
         reason = self.finish_reason
-        end = len(output) - 1 if reason == "stop" else len(output)  # a stop token has no text
+        end = len(output)
+        if reason == "stop" and output[-1] not in self._kept_stop_ids:  # a stop token has no text
+            end -= 1
         if end > self._text_tokens:
             self._text += self._detokenizer.push_many(output[self._text_tokens : end])
             self._text_tokens = end
@@ -129,7 +134,11 @@ class Sequence:
             self.cumulative_logprob += logprob.logprob
         if token_id in self._end_ids:
             self.finish_reason = "stop"
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
             if not self._lazy_text:
+                if token_id in self._kept_stop_ids:
+                    self._text += self._detokenizer.push(token_id)
                 self._text += self._detokenizer.flush()
             return
         at_limit = len(output) >= self.max_tokens
@@ -173,7 +182,7 @@ class Sequence:
         amortised O(number of stop strings) per character, whatever the length of the output so far.
         """
         new_text = self._text[old_len:]
-        first: tuple[int, int] | None = None  # the earliest match's start and end
+        first: tuple[int, int, int] | None = None  # the earliest match's start, end and stop string
         for i, (stop, fallback) in enumerate(zip(self.params.stop, self.group.stop_fallbacks, strict=True)):
             matched = self._stop_matched[i]
             for pos, char in enumerate(new_text, old_len + 1):
@@ -183,13 +192,15 @@ class Sequence:
                     matched += 1
                     if matched == len(stop):
                         if active:
-                            first = min(first, (pos - matched, pos)) if first is not None else (pos - matched, pos)
+                            found = (pos - matched, pos, i)
+                            first = min(first, found) if first is not None else found
                             break
                         matched = fallback[matched - 1]
             self._stop_matched[i] = matched
         if first is None:
             return False
         self._text = self._text[: first[1] if self.params.include_stop_str_in_output else first[0]]
+        self.stop_reason = self.params.stop[first[2]]
         return True
 
     def take_delta(self) -> tuple[str, list[int]]:
@@ -229,7 +240,7 @@ class Sequence:
             text, token_ids = self.text[:safe], list(self.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
         return (self.index, text, token_ids, self.finish_reason, logprobs, self.cumulative_logprob, delta, new_ids,
-                new_logprobs, self._emitted_tokens)  # fmt: skip
+                new_logprobs, self._emitted_tokens, self.stop_reason)  # fmt: skip
 
 
 @dataclass(eq=False)

@@ -122,6 +122,14 @@ class CompiledGrammar:
 
         return GrammarState(LLMatcher(self.tokenizer, self.grammar, log_level=0))
 
+    def allows_first(self, token_ids: list[int]) -> bool:
+        """Whether any of ``token_ids`` can be the grammar's first token."""
+        vocab = self.tokenizer.vocab_size
+        mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+        self.start().fill_mask(mask, 0)
+        allowed = allowed_tokens(mask, vocab)[0]
+        return any(allowed[t] for t in token_ids if t < vocab)
+
 
 class GrammarState:
     """One sample's place in its grammar. ``end`` is the number of output tokens at which the grammar ended

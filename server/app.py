@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -107,6 +108,13 @@ def create_app(
         trusted_hosts=config.trusted_hosts,
         max_state_bytes=max_state_upload_bytes(driver.info.bytes_per_slot, driver.info.max_model_len),
     )
+    if config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(InternalErrors)  # added last: the outermost of ours, around the guard
 
     @app.exception_handler(APIError)

@@ -68,6 +68,10 @@ class ServerConfig:
         [], "Host header values accepted, others get 400; '*' accepts any (default: localhost, 127.0.0.1, ::1 "
         "and --host; any IP address when --host is 0.0.0.0 or ::)", metavar="HOST",
     )
+    allowed_origins: list[str] = option(
+        [], "web origins (scheme://host[:port]) whose pages may call the API from a browser (CORS); '*' allows "
+        "any (default: none)", metavar="ORIGIN",
+    )
     max_body_bytes: int = option(
         1 << 20, "larger request bodies get 413 (default: 1MiB)", type=parse_bytes, metavar="BYTES"
     )

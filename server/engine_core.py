@@ -423,6 +423,7 @@ metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Reques
 
 
 COMPACT_ROW_LENGTH = 3  # (request id, text, token ids): see OutputEncoder
+NUM_TOKENS_FIELD = 9  # CompletionOutput.num_tokens in Sequence.take_output_fields' tuple
 
 
 class OutputEncoder:
@@ -493,7 +494,7 @@ class OutputDecoder:
             if finished:
                 self.known.pop(request_id, None)
             else:
-                self.known[request_id] = [prompt, samples[0][-1] if samples else 0, metrics, num_cached]
+                self.known[request_id] = [prompt, samples[0][NUM_TOKENS_FIELD] if samples else 0, metrics, num_cached]
             completions = [CompletionOutput(*fields) for fields in samples]
             text, token_ids, logprobs = prompt
             outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API and their mapping onto :class:`SamplingParams`.
 
 Field names follow OpenAI; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``structured_outputs``, ``prompt_logprobs``,
-``chat_template_kwargs``) are accepted too. Fields
+``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``structured_outputs`` and its earlier ``guided_*``
+spelling, ``prompt_logprobs``, ``chat_template_kwargs``) are accepted too. Fields
 this server does not know are ignored and named in a warning in the log, as vLLM does
 (:meth:`APIModel.unknown_fields`), so clients that send newer OpenAI fields keep working; known features it
 cannot serve (``suffix``, tools, image parts, ...) are a 400. Parsing is strict (no bools or
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from rnnserve.engine.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
@@ -33,6 +33,15 @@ class APIModel(BaseModel):
     """A request body: known fields strictly typed, unknown fields kept aside (ignored, then logged)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    # Fields OpenAI declares nullable whose value here is never null: ``null`` reads as the field left out.
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.NULL_MEANS_DEFAULT:
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_MEANS_DEFAULT}
+        return data
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of the fields this server ignored, nested request objects included."""
@@ -45,12 +54,16 @@ class APIModel(BaseModel):
 
 
 class StreamOptions(APIModel):
+    NULL_MEANS_DEFAULT = frozenset({"include_usage"})
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class SamplingFields(APIModel):
     """Fields shared by both endpoints."""
+
+    NULL_MEANS_DEFAULT = frozenset({"n", "stream"})
 
     model: str | None = None
     n: int = 1
@@ -78,6 +91,12 @@ class SamplingFields(APIModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier spelling of structured_outputs, still sent by many clients: read as structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     prompt_logprobs: int | None = None
     # rnnserve: continue a persistent session (POST /v1/sessions)
     session_id: str | None = None
@@ -87,6 +106,10 @@ class SamplingFields(APIModel):
             raise InvalidParameterError(
                 "stream_options", "stream_options is only allowed when stream is true"
             )
+
+    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
+        """An error the engine raised at submission, in this request's terms (the field the client sent)."""
+        return err
 
     def sampling_params(
         self,
@@ -138,6 +161,12 @@ class SamplingFields(APIModel):
         constraint; ``None`` for plain text."""
         from_format = self._response_format()
         options = self.structured_outputs
+        guided = self._guided()
+        if guided is not None:
+            if options is not None or from_format is not None:
+                raise InvalidParameterError(guided.param, f"give {guided.param} or response_format / "
+                                            "structured_outputs, not both")  # fmt: skip
+            return guided
         if options is None:
             return from_format
         param = "structured_outputs"
@@ -150,6 +179,23 @@ class SamplingFields(APIModel):
             if flag in options and not isinstance(options[flag], bool):
                 raise InvalidParameterError(param, f"structured_outputs.{flag} must be a boolean")
         return StructuredOutputParams(**options)
+
+    def _guided(self) -> StructuredOutputParams | None:
+        """vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` as the constraint."""
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidParameterError(
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern is not supported: structured_outputs.disable_any_whitespace (default "
+                "true) chooses between compact JSON and any whitespace",
+            )
+        given = {kind: value for kind in ("json", "regex", "choice", "grammar")
+                 if (value := getattr(self, f"guided_{kind}")) is not None}  # fmt: skip
+        if not given:
+            return None
+        names = [f"guided_{kind}" for kind in given]
+        if len(given) > 1:
+            raise InvalidParameterError(names[1], f"give one of {', '.join(names)}")
+        return StructuredOutputParams(**given, param=names[0])
 
     def _response_format(self) -> StructuredOutputParams | None:
         param = "response_format"
@@ -192,9 +238,14 @@ class SamplingFields(APIModel):
         return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
 class CompletionRequest(SamplingFields):
+    NULL_MEANS_DEFAULT = SamplingFields.NULL_MEANS_DEFAULT | {"echo"}
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # COMPLETIONS_DEFAULT_MAX_TOKENS, cut to the room the prompt leaves
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -216,7 +267,14 @@ class CompletionRequest(SamplingFields):
         """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (with its logprobs, if asked)."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
+        if self.echo_only and err.param == "max_tokens":  # the one token sampled and left out is the engine's
+            return InvalidParameterError(
+                "prompt", f"{err}: echo with max_tokens 0 needs the prompt one token shorter than the limit"
+            )
+        return err
+
+    def to_sampling_params(self, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> SamplingParams:
         """``echo`` with ``logprobs = N`` asks the engine for the prompt's logprobs with top ``N`` too. With
         ``echo_only`` the engine still samples one token (the prompt's logits are computed anyway), which the
         response leaves out, as vLLM does."""
@@ -322,8 +380,11 @@ class Tool(BaseModel):
 
     @property
     def parameters(self) -> dict[str, Any]:
-        """The arguments' JSON schema (a function without one takes an empty object)."""
-        return self.function.parameters or {"type": "object", "properties": {}}
+        """The arguments' JSON schema (a function without one takes an empty object, ``{}``: OpenAI's "empty
+        parameter list")."""
+        if not self.function.parameters:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.function.parameters
 
 
 def with_tools(template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any] | None:
@@ -334,6 +395,8 @@ def with_tools(template_kwargs: dict[str, Any] | None, tools: list[Tool] | None)
 
 
 class ChatCompletionRequest(SamplingFields):
+    NULL_MEANS_DEFAULT = SamplingFields.NULL_MEANS_DEFAULT | {"logprobs"}
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -342,14 +405,28 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated spelling of tools: refused with a 400 (its answers have a shape this server does not write)
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
+        if err.param == "max_tokens" and self.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+            return InvalidParameterError(param, str(err).replace("max_tokens", param))
+        return err
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if not self.messages:
             raise InvalidParameterError("messages", "messages must not be empty")
+        for deprecated, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, deprecated) is not None:
+                raise InvalidParameterError(
+                    deprecated, f"{deprecated} (deprecated by OpenAI) is not supported: send {current}"
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.max_completion_tokens is not None:

@@ -122,8 +122,15 @@ class OpenAIServing:
         }
 
     async def submit(
-        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, turn: SessionTurn | None = None
+        self,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        turn: SessionTurn | None = None,
+        explain: Callable[[InvalidParameterError], InvalidParameterError] = lambda err: err,
     ) -> Submission:
+        """Hand the prompts to the engine; its refusals become 400 / 429 / 503, a 400 named by ``explain`` in the
+        request's own terms."""
         context = turn.context if turn is not None else None
         limit = self.config.engine.max_waiting
         if limit is not None and len(prompts) > limit:  # a 429 would have it retried forever
@@ -134,7 +141,8 @@ class OpenAIServing:
         try:
             return await self.engine.submit(request_id, prompts, params, context, return_state=turn is not None)
         except InvalidParameterError as err:
-            raise bad_request(str(err), param=err.param) from err
+            explained = explain(err)
+            raise bad_request(str(explained), param=explained.param) from err
         except QueueFullError as err:
             raise APIError(
                 429,
@@ -165,7 +173,7 @@ class OpenAIServing:
             # 128 random bits, not uuid4: its os.urandom call releases the GIL, and with the engine in a thread
             # each request then waited for the engine to hand the GIL back.
             response_id = f"{generation.id_prefix}-{random.getrandbits(128):032x}"
-            submission = await self.submit(response_id, prompts, params, turn)
+            submission = await self.submit(response_id, prompts, params, turn, req.engine_error)
         except BaseException:
             if turn is not None:
                 turn.release()
@@ -181,7 +189,7 @@ class OpenAIServing:
 
     async def completions(self, request: Request, req: CompletionRequest) -> Response:
         model = self.check_model(req.model)
-        params = client_input(lambda: req.to_sampling_params(16))
+        params = client_input(req.to_sampling_params)
         prompts: list[str | list[int]] = client_input(req.prompts)
         if req.session_id is None:
             return await self.generate(request, CompletionStream, req, model, prompts, params)

@@ -10,6 +10,7 @@ for chat, in the first chunk of each choice when streaming completions).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import random
@@ -251,6 +252,8 @@ class Generation(ABC):
                 choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
                 if choices:
                     pending.append(self.chunk(choices))
+                if closing := self.closing_choices():
+                    pending.append(self.chunk(closing))
                 if pending and not self.submission.has_queued():
                     yield "".join(pending)
                     pending.clear()
@@ -274,6 +277,10 @@ class Generation(ABC):
 
     def opening_choices(self) -> list[dict]:
         """Choices streamed before any output, one chunk each."""
+        return []
+
+    def closing_choices(self) -> list[dict]:
+        """Choices to send in a chunk of their own after this step's (taken once)."""
         return []
 
     def response_fields(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -300,7 +307,7 @@ class CompletionStream(Generation):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.offsets: dict[int, int] = {}
+        self.offsets: dict[int, tuple[int, codecs.IncrementalDecoder]] = {}  # characters so far, their decoder
         self.started: set[int] = set()
         self.echo_only = self.req.echo_only
 
@@ -325,12 +332,14 @@ class CompletionStream(Generation):
             return None
         top_n = self.params.logprobs
         tokens = [self.token_text(token_id) for token_id, _ in entries]
+        # A token's offset is the character of the text where its bytes start: the bytes of one character split
+        # across tokens (a byte-level vocabulary) share its offset.
+        offset, utf8 = self.offsets.get(index) or (0, codecs.getincrementaldecoder("utf-8")("replace"))
         offsets = []
-        offset = self.offsets.get(index, 0)
-        for token in tokens:
+        for token_id, _ in entries:
             offsets.append(offset)
-            offset += len(token)
-        self.offsets[index] = offset
+            offset += len(utf8.decode(self.tokenizer.token_bytes(token_id)))
+        self.offsets[index] = (offset, utf8)
         return {
             "tokens": tokens,
             "token_logprobs": [json_logprob(e.logprob) if e is not None else None for _, e in entries],
@@ -361,6 +370,8 @@ class CompletionStream(Generation):
         """A choice; the first of each index carries ``prompt_logprobs`` when they were asked for."""
         finish = "length" if self.echo_only and sample.finished else sample.finish_reason
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        if finish is not None:
+            choice["stop_reason"] = sample.stop_reason
         if first and self.req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
         return choice
@@ -413,6 +424,7 @@ class ChatStream(Generation):
         self.tool_name = self.req.named_tool().function.name if self.tool_mode == "named" else None
         self.call_ids: dict[int, str] = {}  # a named call's id per choice, from its first chunk on
         self.call_texts: dict[int, list[str]] = {}  # a stream's ``required`` calls so far, per choice
+        self.finishing: list[dict] = []  # finish_reasons held back from a chunk that carries tool calls
 
     def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls a finished sample's ``text`` makes, or ``None`` when it is not a complete list of calls."""
@@ -459,10 +471,15 @@ class ChatStream(Generation):
 
     def opening_choices(self) -> list[dict]:
         """As OpenAI does, each choice's first chunk carries the role alone."""
+        content = None if self.tool_mode is not None else ""  # an answer of tool calls has no content (OpenAI's)
         return [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            {"index": i, "delta": {"role": "assistant", "content": content}, "finish_reason": None, "logprobs": None}
             for i in range(self.params.n)
         ]
+
+    def closing_choices(self) -> list[dict]:
+        closing, self.finishing = self.finishing, []
+        return closing
 
     def response_fields(self, finals: list[RequestOutput]) -> dict[str, Any]:
         if self.req.prompt_logprobs is None or not finals:
@@ -477,12 +494,15 @@ class ChatStream(Generation):
         wants_logprobs = self.params.logprobs is not None and sample.new_logprobs
         if not delta and not sample.finished and not wants_logprobs:
             return None
-        return {
+        choice = {
             "index": index,
             "delta": delta,
             "finish_reason": sample.finish_reason,
             "logprobs": self.logprobs(sample.new_logprobs),
         }
+        if sample.finished:
+            choice["stop_reason"] = sample.stop_reason
+        return choice
 
     def tool_choice_delta(self, index: int, sample: CompletionOutput) -> dict | None:
         """A streamed choice of a sample that makes forced calls: the named call's arguments as they grow (its
@@ -507,7 +527,19 @@ class ChatStream(Generation):
                     reason = "tool_calls"
         if not delta and not sample.finished and not sample.new_token_ids:
             return None
-        return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": self.logprobs(sample.new_logprobs)}
+        if reason is not None and "tool_calls" in delta:
+            # As OpenAI's streams end: the finish_reason in a chunk of its own. The openai SDK's stream helper
+            # closes the current call when it reads a finish_reason, before that chunk's calls: in one chunk, the
+            # last call would never get its `arguments.done` event.
+            self.finishing.append(
+                {"index": index, "delta": {}, "finish_reason": reason, "logprobs": None, "stop_reason": None}
+            )
+            reason = None
+        logprobs = self.logprobs(sample.new_logprobs)
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        if reason is not None:
+            choice["stop_reason"] = sample.stop_reason
+        return choice
 
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": sample.text}
@@ -521,5 +553,6 @@ class ChatStream(Generation):
             "index": sample.index,
             "message": message,
             "finish_reason": reason,
+            "stop_reason": sample.stop_reason,
             "logprobs": self.logprobs(sample.logprobs or []),
         }

@@ -107,3 +107,10 @@ def test_a_failed_step_first_posts_what_earlier_steps_left() -> None:
     assert not core._step()
     assert [type(e) for e in events] == [Stepped, StepFailed]
     assert len(events[0].steps) == 2 and len(events[0].outputs[0].outputs[0].new_token_ids) == 2  # type: ignore[union-attr]
+
+
+def test_the_num_tokens_index_follows_completion_output() -> None:
+    from rnnserve.engine.outputs import CompletionOutput
+    from rnnserve.server.engine_core import NUM_TOKENS_FIELD
+
+    assert list(CompletionOutput.__dataclass_fields__)[NUM_TOKENS_FIELD] == "num_tokens"
