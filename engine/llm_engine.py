@@ -337,10 +337,7 @@ class LLMEngine:
             if bad is not None:  # a model's padding rows past its tokenizer: samples of nothing but empty text
                 raise InvalidParameterError(param, f"token id {bad} in {param} is not in the tokenizer's vocabulary")
         if params.allowed_token_ids is not None and params.min_tokens:
-            banned = set(params.stop_token_ids)
-            eos = self.tokenizer.eos_token_id
-            if eos is not None and not params.ignore_eos:
-                banned.add(eos)
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids)
             if banned.issuperset(params.allowed_token_ids):
                 raise InvalidParameterError(
                     "allowed_token_ids", "allowed_token_ids holds only stop tokens, which min_tokens forbids"
@@ -543,14 +540,14 @@ class LLMEngine:
         """Sample the whole batch; if that raises, sample row by row (waiting for each) and fail only the
         requests whose rows raise (added to ``failed``)."""
         try:
-            return sample(logits, seqs, self.eos_token_id)
+            return sample(logits, seqs)
         except Exception:  # noqa: BLE001
             logger.warning("batched sampling failed; retrying row by row to isolate the request", exc_info=True)
         token_ids: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for row, seq in enumerate(seqs):
             try:
-                one = sample(logits[row : row + 1], [seq], self.eos_token_id).result()
+                one = sample(logits[row : row + 1], [seq]).result()
             except Exception as err:  # noqa: BLE001
                 if seq.group.error is None:
                     failed += self._fail_groups([seq.group], err)

@@ -148,15 +148,16 @@ def hf_architecture(model_type: str) -> type[RecurrentLM]:
     raise ModelLoadError(f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(known)}")
 
 
-def hf_eos_token_id(path: Path, config: dict) -> int | None:
-    """The id ``transformers``' ``generate`` stops at: generation_config.json's eos, else config.json's (first
-    of a list)."""
+def hf_eos_token_ids(path: Path, config: dict) -> list[int]:
+    """The ids ``transformers``' ``generate`` stops at: generation_config.json's eos, else config.json's (an id or
+    a list of them: instruction-tuned models often end a turn with a second one)."""
     generation_path = path / "generation_config.json"
     generation = read_json_object(generation_path) if generation_path.exists() else {}
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: torch.dtype | None) -> Loaded:
@@ -169,7 +170,9 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
     tokenizer = read_hf_tokenizer(path / "tokenizer.json")
-    tokenizer.eos_token_id = hf_eos_token_id(path, config)
+    eos_ids = hf_eos_token_ids(path, config)
+    tokenizer.eos_token_id = eos_ids[0] if eos_ids else None
+    tokenizer.extra_eos_token_ids = tuple(eos_ids[1:])
     if dtype is None:
         dtype = next(model.parameters()).dtype
     return _finish(model, device, dtype), tokenizer

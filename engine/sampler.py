@@ -181,11 +181,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int])
     return logits
 
 
-def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> torch.Tensor:
-    """Forbid EOS and stop tokens for samples that have not reached ``min_tokens`` yet (counting tokens sampled
-    but not yet read on the host). Where that would forbid every token a grammar or ``allowed_token_ids`` still
-    allows (a structured output that must end, or whose next character is a stop token), the constraint wins
-    and the row keeps its logits: a row of ``-inf`` took token 0 and failed the request."""
+def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Forbid the tokens that end a sample (EOS and stop tokens) for samples that have not reached ``min_tokens``
+    yet (counting tokens sampled but not yet read on the host). Where that would forbid every token a grammar or
+    ``allowed_token_ids`` still allows (a structured output that must end, or whose next character is a stop
+    token), the constraint wins and the row keeps its logits: a row of ``-inf`` took token 0 and failed the
+    request."""
     vocab = logits.shape[1]
     rows: list[int] = []
     columns: list[int] = []
@@ -193,9 +194,7 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: i
         min_tokens = seq.params.min_tokens
         if not min_tokens or seq.num_sampled >= min_tokens:
             continue
-        banned = [t for t in seq.params.stop_token_ids if t < vocab]
-        if eos_token_id is not None and not seq.params.ignore_eos and eos_token_id < vocab:
-            banned.append(eos_token_id)
+        banned = [t for t in seq.end_ids if t < vocab]
         rows += [row] * len(banned)
         columns += banned
     if not rows:
@@ -256,7 +255,7 @@ def count_tokens(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) ->
 _argmax_only = attrgetter("argmax_only")
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> SampledTokens:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
     without waiting for the device."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -268,7 +267,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None)
     logits = mask_by_grammar(logits, unbiased, seqs, constrained)
     rows = penalty_rows(seqs)
     logits = apply_penalties(logits, seqs, rows)
-    logits = mask_stop_tokens(logits, seqs, eos_token_id)
+    logits = mask_stop_tokens(logits, seqs)
     tokens = row_argmax(logits)
     if not all(s.params.greedy for s in seqs):
         probs = torch.softmax(filter_logits(logits, seqs), dim=-1)

@@ -58,10 +58,9 @@ class Sequence:
         self.seen_mask: torch.Tensor | None = None
         self.logit_bias: torch.Tensor | None = None
         self.grammar: GrammarState | None = None
-        eos = tokenizer.eos_token_id
-        # the tokens that end the sample (not part of its text) and its length limit
-        self._end_ids = frozenset(self.params.stop_token_ids) | (
-            {eos} if eos is not None and not self.params.ignore_eos else frozenset()
+        # the tokens that end the sample (not part of its text)
+        self.end_ids = frozenset(self.params.stop_token_ids) | (
+            tokenizer.eos_token_ids if not self.params.ignore_eos else frozenset()
         )
         # stop token ids whose text the output keeps (vLLM's include_stop_str_in_output)
         self._kept_stop_ids = frozenset(self.params.stop_token_ids) if self.params.include_stop_str_in_output else ()
@@ -132,7 +131,7 @@ class Sequence:
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob.logprob
-        if token_id in self._end_ids:
+        if token_id in self.end_ids:
             self.finish_reason = "stop"
             if token_id in self.params.stop_token_ids:
                 self.stop_reason = token_id

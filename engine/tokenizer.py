@@ -15,8 +15,15 @@ class Tokenizer:
     """Minimal tokenizer interface the engine and server rely on."""
 
     eos_token_id: int | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()  # more ids that end generation as EOS does (a config's list)
     bos_token_id: int | None = None
     chat_template: str | None = None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation unless ``ignore_eos``: ``eos_token_id`` and ``extra_eos_token_ids``."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return frozenset((*first, *self.extra_eos_token_ids))
 
     @property
     def vocab_size(self) -> int:

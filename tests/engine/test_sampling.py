@@ -25,16 +25,20 @@ PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
 LOGITS = torch.log(PROBS.clamp_min(1e-30))
 
 
-def _seq(params: SamplingParams, prompt: list[int] | None = None) -> Sequence:
+def _seq(params: SamplingParams, prompt: list[int] | None = None, eos: int | None = None) -> Sequence:
+    """A sample of ``params``; ``eos`` (inside ``VOCAB``) replaces the byte tokenizer's EOS."""
     group = SequenceGroup("r", None, prompt or [7], params)
-    seq = Sequence(group, 0, ByteTokenizer())
+    tokenizer = ByteTokenizer()
+    if eos is not None:
+        tokenizer.eos_token_id = eos
+    seq = Sequence(group, 0, tokenizer)
     seq.init_sampling_state(VOCAB, torch.device("cpu"))
     return seq
 
 
 def _draws(params: SamplingParams, logits: torch.Tensor = LOGITS, rows: int = 400) -> set[int]:
     seqs = [_seq(params) for _ in range(rows)]
-    return set(sample(logits.expand(rows, -1).clone(), seqs, eos_token_id=None).token_ids)
+    return set(sample(logits.expand(rows, -1).clone(), seqs).token_ids)
 
 
 def test_greedy_takes_the_argmax_and_temperature_spreads() -> None:
@@ -43,8 +47,8 @@ def test_greedy_takes_the_argmax_and_temperature_spreads() -> None:
 
 
 def test_temperature_sharpens_and_flattens() -> None:
-    cold = sample(LOGITS.expand(400, -1).clone(), [_seq(SamplingParams(temperature=0.05)) for _ in range(400)], None)
-    hot = sample(LOGITS.expand(400, -1).clone(), [_seq(SamplingParams(temperature=5.0)) for _ in range(400)], None)
+    cold = sample(LOGITS.expand(400, -1).clone(), [_seq(SamplingParams(temperature=0.05)) for _ in range(400)])
+    hot = sample(LOGITS.expand(400, -1).clone(), [_seq(SamplingParams(temperature=5.0)) for _ in range(400)])
     assert cold.token_ids.count(0) > 390
     assert hot.token_ids.count(3) > 60  # p(3) rises from 0.1 to ~0.2
 
@@ -89,8 +93,8 @@ def test_rows_without_filters_keep_every_token_alone_and_beside_rows_with_them()
 
 def test_repetition_penalty_covers_prompt_tokens() -> None:
     logits = torch.tensor([[3.0, 2.9, 0, 0, 0, 0, 0, 0]])
-    plain = sample(logits.clone(), [_seq(SamplingParams(temperature=0), prompt=[0])], None)
-    penalised = sample(logits.clone(), [_seq(SamplingParams(temperature=0, repetition_penalty=1.2), prompt=[0])], None)
+    plain = sample(logits.clone(), [_seq(SamplingParams(temperature=0), prompt=[0])])
+    penalised = sample(logits.clone(), [_seq(SamplingParams(temperature=0, repetition_penalty=1.2), prompt=[0])])
     assert plain.token_ids == [0] and penalised.token_ids == [1]
 
 
@@ -101,21 +105,21 @@ def test_presence_and_frequency_penalties_use_generated_counts() -> None:
     weak_frequency = _seq(SamplingParams(temperature=0, frequency_penalty=0.4))
     certain_zero = torch.tensor([[9.0, 0, 0, 0, 0, 0, 0, 0]])  # each sampled token counts, before it is read
     for _ in range(3):
-        sample(certain_zero.expand(2, -1).clone(), [presence, frequency], None)
-    sample(certain_zero.clone(), [weak_frequency], None)
+        sample(certain_zero.expand(2, -1).clone(), [presence, frequency])
+    sample(certain_zero.clone(), [weak_frequency])
     assert presence.token_counts is not None and presence.token_counts[0] == 3
-    assert sample(logits.clone(), [presence], None).token_ids == [1]
-    assert sample(logits.clone(), [frequency], None).token_ids == [1]  # 3 * 0.4 > 1
-    assert sample(logits.clone(), [weak_frequency], None).token_ids == [0]  # 1 * 0.4 < 1
+    assert sample(logits.clone(), [presence]).token_ids == [1]
+    assert sample(logits.clone(), [frequency]).token_ids == [1]  # 3 * 0.4 > 1
+    assert sample(logits.clone(), [weak_frequency]).token_ids == [0]  # 1 * 0.4 < 1
 
 
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 8.0, 0.0]])
-    early = _seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6]))
-    assert sample(logits.clone(), [early], eos_token_id=5).token_ids == [0]
-    late = _seq(SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[6]))
+    early = _seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6]), eos=5)
+    assert sample(logits.clone(), [early]).token_ids == [0]
+    late = _seq(SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[6]), eos=5)
     late.append_token(1, None)
-    assert sample(logits.clone(), [late], eos_token_id=5).token_ids == [5]
+    assert sample(logits.clone(), [late]).token_ids == [5]
 
 
 def test_a_constraint_that_allows_only_stop_tokens_wins_over_min_tokens() -> None:
@@ -123,33 +127,33 @@ def test_a_constraint_that_allows_only_stop_tokens_wins_over_min_tokens() -> Non
     end); min_tokens' ban would then forbid every token, and a row of -inf took token 0 and failed the request
     (a 500). The constraint wins for that row alone; its neighbour keeps the ban."""
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 8.0, 0.0]]).expand(2, -1).clone()
-    forced = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], allowed_token_ids=[6]))
-    free = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6]))
-    assert sample(logits, [forced, free], eos_token_id=5).token_ids == [6, 0]
+    forced = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], allowed_token_ids=[6]), eos=5)
+    free = _seq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6]), eos=5)
+    assert sample(logits, [forced, free]).token_ids == [6, 0]
 
 
 def test_seed_gives_reproducible_draws_independent_of_the_batch() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
-    alone = [sample(LOGITS[None].clone(), [s], None).token_ids[0] for s in [_seq(params)] for _ in range(30)]
+    alone = [sample(LOGITS[None].clone(), [s]).token_ids[0] for s in [_seq(params)] for _ in range(30)]
     seeded = _seq(params)
     batch = []
     for _ in range(30):
         others = [_seq(SamplingParams(temperature=1.0)) for _ in range(5)]
-        batch.append(sample(LOGITS.expand(6, -1).clone(), [*others[:2], seeded, *others[2:]], None).token_ids[2])
+        batch.append(sample(LOGITS.expand(6, -1).clone(), [*others[:2], seeded, *others[2:]]).token_ids[2])
     assert alone == batch
     other_seed = _seq(SamplingParams(temperature=1.0, seed=99))
-    assert [sample(LOGITS[None].clone(), [other_seed], None).token_ids[0] for _ in range(30)] != alone
+    assert [sample(LOGITS[None].clone(), [other_seed]).token_ids[0] for _ in range(30)] != alone
 
 
 def test_logprobs_report_the_sampled_token_and_top_n() -> None:
     seq = _seq(SamplingParams(temperature=0, logprobs=3))
-    result = sample(LOGITS[None].clone(), [seq], None)
+    result = sample(LOGITS[None].clone(), [seq])
     entry = result.logprobs[0]
     assert entry is not None and entry.token_id == 0
     assert entry.logprob == pytest.approx(math.log(0.4), abs=1e-5)
     assert [t for t, _ in entry.top] == [0, 1, 2]
     assert [lp for _, lp in entry.top] == pytest.approx([math.log(p) for p in (0.4, 0.3, 0.2)], abs=1e-5)
-    assert sample(LOGITS[None].clone(), [_seq(SamplingParams(temperature=0))], None).logprobs == [None]
+    assert sample(LOGITS[None].clone(), [_seq(SamplingParams(temperature=0))]).logprobs == [None]
 
 
 def test_logit_bias_moves_the_greedy_token_and_the_draws() -> None:
@@ -164,11 +168,11 @@ def test_allowed_token_ids_restrict_sampling_and_logprobs() -> None:
     assert _draws(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3, 6])) == {1, 3}
     assert _draws(SamplingParams(temperature=0, allowed_token_ids=[6])) == {6}
     restricted = _seq(SamplingParams(temperature=0, allowed_token_ids=[1, 2], logprobs=3))
-    top = sample(LOGITS[None].clone(), [restricted], None).logprobs[0].top  # type: ignore[union-attr]
+    top = sample(LOGITS[None].clone(), [restricted]).logprobs[0].top  # type: ignore[union-attr]
     assert [t for t, _ in top[:2]] == [1, 2] and math.isinf(top[2][1])
     assert [lp for _, lp in top[:2]] == pytest.approx([math.log(0.6), math.log(0.4)], abs=1e-5)
     both = _seq(SamplingParams(temperature=0, allowed_token_ids=[1, 2], logit_bias={2: 1.0, 5: 50}))
-    assert sample(LOGITS[None].clone(), [both], None).token_ids == [2]  # the bias cannot reopen token 5
+    assert sample(LOGITS[None].clone(), [both]).token_ids == [2]  # the bias cannot reopen token 5
 
 
 def test_biased_rows_leave_their_neighbours_alone() -> None:
@@ -177,8 +181,8 @@ def test_biased_rows_leave_their_neighbours_alone() -> None:
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0, logit_bias={int(logits[i].argmin()): 100}) if i % 2 else
               SamplingParams(temperature=0) for i in range(6)]  # fmt: skip
-    alone = [sample(logits[i : i + 1].clone(), [_seq(p)], None).token_ids[0] for i, p in enumerate(params)]
-    batch = sample(logits.clone(), [_seq(p) for p in params], None).token_ids
+    alone = [sample(logits[i : i + 1].clone(), [_seq(p)]).token_ids[0] for i, p in enumerate(params)]
+    batch = sample(logits.clone(), [_seq(p) for p in params]).token_ids
     assert batch == alone
     assert batch[1::2] == [int(logits[i].argmin()) for i in (1, 3, 5)]
     assert batch[0::2] == [int(logits[i].argmax()) for i in (0, 2, 4)]
@@ -249,7 +253,7 @@ def test_extreme_valid_values_sample_and_numbers_are_normalised() -> None:
     Sequence(group, last.n - 1, ByteTokenizer()).init_sampling_state(VOCAB, torch.device("cpu"))  # seed + 127
     seq = _seq(SamplingParams(temperature=1.0, top_k=2))
     seq.params.top_k = 10**400  # past validation (e.g. set after construction): the sampler still copes
-    assert sample(LOGITS[None].clone(), [seq], None).token_ids[0] in {0, 1, 2, 3}
+    assert sample(LOGITS[None].clone(), [seq]).token_ids[0] in {0, 1, 2, 3}
 
 
 # Engine-level behaviour of the stopping parameters.

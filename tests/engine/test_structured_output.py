@@ -173,9 +173,9 @@ def test_sampler_masks_only_rows_whose_grammar_goes_on() -> None:
     seq.init_sampling_state(300, torch.device("cpu"))
     logits = torch.zeros(1, 300)
     logits[0, ord("y")] = 50.0
-    assert sample(logits.clone(), [seq], eos_token_id=256).token_ids == [ord("x")]
+    assert sample(logits.clone(), [seq]).token_ids == [ord("x")]
     assert seq.grammar is not None and seq.grammar.end == 1  # the regex is complete after one token
-    assert sample(logits.clone(), [seq], eos_token_id=256).token_ids == [ord("y")]  # not masked, and dropped
+    assert sample(logits.clone(), [seq]).token_ids == [ord("y")]  # not masked, and dropped
     seq.append_token(ord("x"), None)
     assert seq.finish_reason == "stop" and seq.text == "x"
     assert LLMatcher.validate_grammar(group.grammar.grammar) == ""  # type: ignore[union-attr]

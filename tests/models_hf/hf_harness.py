@@ -117,25 +117,28 @@ def check_greedy_generation(
 
 
 def check_eos_agrees(reference: torch.nn.Module, path: Path) -> None:
-    """Both engines stop at the checkpoint's eos id (taken from generation_config.json)."""
+    """Both engines stop at the checkpoint's eos id (taken from generation_config.json), and at each id of a
+    list of them (the first of which, here, never comes)."""
     prompt = prompts(reference.config.vocab_size, [7])[0]
     free_run = hf_greedy(reference, prompt, 12, stop_at_eos=False)
     eos = free_run[5]
-    reference.generation_config.eos_token_id = eos
-    reference.generation_config.save_pretrained(path)
-    model, tokenizer = load_model(str(path), device="cpu", dtype="float32")
-    assert tokenizer.eos_token_id == eos
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2))
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            final = out
-    assert final is not None
-    theirs = hf_greedy(reference, prompt, 12, stop_at_eos=True)
-    assert theirs[-1] == eos and len(theirs) <= 6
-    assert final.outputs[0].token_ids == theirs
-    assert final.outputs[0].finish_reason == "stop"
+    absent = next(t for t in range(reference.config.vocab_size) if t not in free_run)
+    for configured in (eos, [absent, eos]):
+        reference.generation_config.eos_token_id = configured
+        reference.generation_config.save_pretrained(path)
+        model, tokenizer = load_model(str(path), device="cpu", dtype="float32")
+        assert tokenizer.eos_token_ids == ({eos} if configured == eos else {absent, eos})
+        engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2))
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        assert final is not None
+        theirs = hf_greedy(reference, prompt, 12, stop_at_eos=True)
+        assert theirs[-1] == eos and len(theirs) <= 6
+        assert final.outputs[0].token_ids == theirs
+        assert final.outputs[0].finish_reason == "stop"
 
 
 def run_all(reference: torch.nn.Module, path: Path, use_cache: bool = True) -> None:
