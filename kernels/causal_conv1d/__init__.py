@@ -33,7 +33,7 @@ def causal_conv1d_varlen(
     ``initial_state`` is an fp32 state pool ``[num_slots, C, K-1]`` whose rows ``slot_ids`` are read and
     overwritten in place (the Triton kernel addresses them directly); the pool is returned as the final state.
     """
-    if use_triton(x):
+    if use_triton(x) and weight.shape[1] >= 2:  # width 1 (no state) runs the PyTorch path
         from rnnserve.kernels.causal_conv1d.chunk import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_state, silu, slot_ids)
@@ -72,7 +72,7 @@ def causal_conv1d_update(
     ``conv_state`` is a pool ``[N, C, K-1]`` (a strided view such as ``pool[:, layer]`` is fine), updated in
     place.
     """
-    if use_triton(x):
+    if use_triton(x) and weight.shape[1] >= 2:
         from rnnserve.kernels.causal_conv1d.fused_recurrent import causal_conv1d_update_triton
 
         return causal_conv1d_update_triton(x, conv_state, weight, bias, slot_ids, silu)

@@ -28,6 +28,6 @@ def causal_conv1d_update_torch(
         y = y + bias.float()
     for tap in range(width - 1):
         y.addcmul_(tail[:, :, tap], w[:, tap])
-    shifted = torch.cat([tail[:, :, 1:], x32[:, :, None]], dim=2)
+    shifted = torch.cat([tail, x32[:, :, None]], dim=2)[:, :, 1:]  # the last K-1 inputs (none for width 1)
     conv_state.index_copy_(0, slot_ids, shifted.to(conv_state.dtype))
     return y.to(x.dtype)

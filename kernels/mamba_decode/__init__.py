@@ -40,10 +40,12 @@ STACK_MAX_BATCH = 2
 
 def mamba_mixer_decode_applies(h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
     """Whether :func:`mamba_mixer_decode` runs the fused CPU op for ``h [B, d_model]`` and these pool views
-    (it has no autograd formula: only with gradients off, as the engine runs)."""
+    (it has no autograd formula: only with gradients off, as the engine runs; conv widths 2-4, as the fused
+    conv's)."""
     d_state = ssm_pool.shape[-1]
     return (
         h.dim() == 2
+        and 1 <= conv_pool.shape[-1] <= 3
         and h.dtype in (torch.float32, torch.bfloat16)
         and conv_pool.dtype == torch.float32
         and conv_pool.stride(-1) == 1

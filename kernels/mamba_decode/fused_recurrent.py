@@ -456,10 +456,12 @@ def _mamba_out_proj_kernel(
 
 def stack_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
     """Whether a Triton decode stack (this one or Mamba-2's) takes ``normed [B, d_model]`` of 1 to
-    :data:`MAX_ROWS` rows and these fp32 pools (unit stride on their last dimension), with gradients off."""
+    :data:`MAX_ROWS` rows and these fp32 pools (unit stride on their last dimension; a conv of width 2 or more),
+    with gradients off."""
     return (
         normed.dim() == 2
         and 1 <= normed.shape[0] <= MAX_ROWS
+        and conv_pool.shape[-1] >= 1
         and conv_pool.dtype == torch.float32
         and conv_pool.stride(-1) == 1
         and ssm_pool.dtype == torch.float32

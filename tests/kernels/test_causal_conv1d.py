@@ -140,3 +140,20 @@ def test_update_reads_a_column_slice_and_fuses_silu(triton_on_cpu, dtype):
     assert y.is_contiguous() and y.dtype == dtype
     torch.testing.assert_close(y, F.silu(y_ref).to(dtype), **_tolerance(dtype))
     torch.testing.assert_close(pool, expected_pool)
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "cpu"])
+def test_width_one_keeps_no_state(triton_on_cpu, triton):
+    """A conv of width 1 (an ablation some checkpoints ship) has an empty tail: each path computes ``x w + b``
+    and writes no state (the update once wrote one column into zero, failing every decode step)."""
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = _params(1, torch.float32)
+    pool = torch.empty(6, CHANNELS, 0)
+    slots = torch.tensor([4, 1])
+    x = torch.randn(2, CHANNELS, generator=gen)
+    with force_triton(triton):
+        y = causal_conv1d_update(x, pool, weight, bias, slots)
+        y_varlen, final = causal_conv1d_varlen(x, weight, bias, cu_seqlens_of([1, 1]), pool, slot_ids=slots)
+    torch.testing.assert_close(y, x * weight[:, 0] + bias)
+    torch.testing.assert_close(y_varlen, y)
+    assert final.shape[-1] == 0

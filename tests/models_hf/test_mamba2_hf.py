@@ -31,6 +31,7 @@ CASES = {
         "conv_kernel": 3,
     },
     "mamba2-2-groups-wide-heads": {"num_heads": 2, "head_dim": 32, "n_groups": 2, "state_size": 16},
+    "mamba2-conv1": {"conv_kernel": 1},  # no conv state: decode once failed writing one
 }
 
 

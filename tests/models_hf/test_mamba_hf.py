@@ -27,6 +27,9 @@ CASES = {
         {"max_shard_size": "40KB"},
     ),
     "falcon-mamba": ("falcon_mamba", {"state_size": 6, "mixer_rms_eps": 1e-5}, {}),
+    # widths the fused CPU decode ops do not take (2-4): the unfused path, not a failed request
+    "mamba-conv1": ("mamba", {"conv_kernel": 1}, {}),
+    "mamba-conv5": ("mamba", {"conv_kernel": 5}, {}),
 }
 
 

@@ -28,6 +28,7 @@ CASES = {
         "attention_window_size": 7,
     },
     "hawk": {"block_types": ["recurrent"], "num_hidden_layers": 2},
+    "hawk-conv1": {"block_types": ["recurrent"], "num_hidden_layers": 2, "conv1d_width": 1},
 }
 
 
