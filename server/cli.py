@@ -284,6 +284,7 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     start = time.perf_counter()
     tokens = 0
+    error = None
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -291,6 +292,7 @@ def generate(args: argparse.Namespace) -> int:
                 tokens += len(sample.new_token_ids)
                 sys.stdout.write(sample.text_delta)
                 sys.stdout.flush()
+                error = out.error or error
     except KeyboardInterrupt:
         engine.abort_request(request_id)
         print(file=sys.stderr)
@@ -302,6 +304,9 @@ def generate(args: argparse.Namespace) -> int:
         f"finish_reason={sample.finish_reason}]",
         file=sys.stderr,
     )
+    if error is not None:
+        print(f"rnnserve generate: generation failed: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

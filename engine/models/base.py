@@ -183,7 +183,7 @@ class RecurrentLM(nn.Module):
     Subclasses set ``architecture`` and ``config_class`` and implement ``state_spec``, ``prefill`` and
     ``decode``. ``prefill`` continues each sequence of a :class:`PrefillBatch` from the state in its slot (so
     a prompt may arrive in chunks), writes the final state back and returns the logits of each sequence's
-    last token, ``[B, V]`` in fp32 (fp64 for fp64 models). ``decode`` advances the ``B`` sequences of a
+    last token, ``[B, V]`` in fp32 (fp64 for LSRL's fp64 models). ``decode`` advances the ``B`` sequences of a
     :class:`DecodeBatch` by one token each and returns ``[B, V]`` logits.
 
     A model whose sequences have a length limit sets ``max_model_len``; :meth:`check_request` turns a request

@@ -54,6 +54,10 @@ class ClassicRNNLM(RecurrentLM):
         c = config
         if c.tie_embeddings and c.d_embed != c.hidden_size:
             raise ValueError("tie_embeddings needs d_embed == hidden_size")
+        allowed = ("tanh", "relu") if self.rnn_class is nn.RNN else ("tanh",)  # torch.nn's LSTM and GRU: tanh only
+        if c.nonlinearity not in allowed:
+            raise ValueError(f"nonlinearity {c.nonlinearity!r} is not supported by {self.rnn_class.__name__} "
+                             f"(supported: {', '.join(allowed)})")
         self.embed = nn.Embedding(c.vocab_size, c.d_embed)
         kwargs = {"nonlinearity": c.nonlinearity} if self.rnn_class is nn.RNN else {}
         self.rnn = self.rnn_class(

@@ -238,9 +238,10 @@ class RecurrentGemmaLM(RecurrentLM):
             raise ValueError(f"hidden_activation {hf['hidden_activation']!r} is not supported")
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hidden // heads
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # rope_scaling: transformers 4's name
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (as in transformers, only 'default')")
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
         return RecurrentGemmaConfig(
             vocab_size=hf["vocab_size"],

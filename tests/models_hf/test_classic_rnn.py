@@ -88,3 +88,11 @@ def test_checkpoint_chunked_prefill_and_serving(case: str, tmp_path: Path) -> No
         for _ in range(12):
             tokens.append(int(reference_logits(model, tokens)[-1].argmax()))
         assert out.outputs[0].token_ids == tokens[len(seq) :]
+
+
+@pytest.mark.parametrize(("architecture", "nonlinearity"), [("lstm", "relu"), ("gru", "relu"), ("rnn", "gelu")])
+def test_a_nonlinearity_torch_nn_does_not_have_is_refused(architecture: str, nonlinearity: str) -> None:
+    """An LSTM or GRU config asking for ReLU was served as tanh: torch.nn's LSTM and GRU have tanh only."""
+    config = ClassicRNNConfig(vocab_size=16, d_embed=8, hidden_size=8, n_layers=1, nonlinearity=nonlinearity)
+    with pytest.raises(ValueError, match=f"nonlinearity '{nonlinearity}' is not supported"):
+        MODEL_REGISTRY[architecture](config)

@@ -64,3 +64,16 @@ def test_state_is_constant_size(tmp_path: Path) -> None:
         "k": (1, 15, 1, 8),  # the 15 keys before the current token: with it, the 16-token window
         "v": (1, 15, 1, 8),
     }
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("type_key", ["rope_type", "type"])
+def test_scaled_rope_is_refused_under_either_name(key: str, type_key: str) -> None:
+    """transformers 4 wrote RoPE scaling as ``rope_scaling`` (``type`` or ``rope_type``): it was read as plain
+    RoPE, the positions of a long-context fine-tune silently wrong. transformers refuses it for this model."""
+    from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaLM
+
+    config = {**BASE, "vocab_size": 64, key: {type_key: "linear", "factor": 4.0}}
+    with pytest.raises(ValueError, match="rope_type 'linear' is not supported"):
+        RecurrentGemmaLM.from_hf_config(config)
+    assert RecurrentGemmaLM.from_hf_config({**config, key: {type_key: "default"}}).rope_theta == 10000.0

@@ -117,6 +117,20 @@ def test_generate_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "temperature" in err
 
 
+def test_generate_exits_non_zero_when_generation_fails(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the engine failed printed finish_reason=error and exited 0: a script could not tell."""
+    from rnnserve.engine.models import MODEL_REGISTRY
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("decode broke")
+
+    monkeypatch.setattr(MODEL_REGISTRY["mingru"], "decode", broken)
+    code, _, err = run_main(["generate", "--model", TINY, "--max-tokens", "8", "--temperature", "0", "Hello"], capsys)
+    assert code == 1 and "generation failed" in err and "decode broke" in err
+
+
 def test_serve_without_the_default_model_explains_itself(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
