@@ -196,3 +196,9 @@ def test_config_values_of_the_wrong_type_or_size_are_load_errors(checkpoint: Pat
 def test_broken_tokenizer_files_are_load_errors_naming_them(checkpoint: Path, name: str, content: str) -> None:
     (checkpoint / name).write_text(content)
     assert name in load_error(checkpoint)
+
+
+@pytest.mark.parametrize("eos", [[1, "2"], "3", True, -1])
+def test_an_eos_token_id_that_is_no_token_id_is_a_load_error(checkpoint: Path, eos: object) -> None:
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert "eos_token_id must be a token id or a list of them" in load_error(checkpoint)
