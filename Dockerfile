@@ -32,7 +32,9 @@ COPY server ./server
 COPY clients ./clients
 RUN pip install . "torch==${TORCH_VERSION}"
 
-# Compile the C++ CPU kernels now, as the user that serves, so a container starts ready.
+# Compile the C++ CPU kernels now, as the user that serves, so a container starts ready on CPUs of the build
+# machine's kind (they are compiled for its instruction set); on another kind the server compiles its own at
+# start (a minute or two, within the startup probe's five).
 RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" && chown 10001:10001 "${TORCH_EXTENSIONS_DIR}"
 USER 10001:10001
 WORKDIR /home/rnnserve

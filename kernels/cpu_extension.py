@@ -19,9 +19,11 @@ it: under that lock no other build of ours is running, so a lock file found is s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,32 @@ SOURCES = sorted(str(p) for p in Path(__file__).parent.glob("*/*_cpu.cpp"))  # p
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 _built: bool | None = None
+_name: str | None = None
+
+
+def extension_name() -> str:
+    """The extension's name on this CPU. ``-march=native`` compiles for the CPU that builds, and PyTorch's builder
+    loads a cached build on any machine sharing its cache (a container image built elsewhere, a home directory
+    on a network share), where a CPU without those instructions dies of SIGILL. The name carries a hash of the
+    target the compiler resolves ``native`` to (else of the CPU's flags), so another kind of CPU builds its own."""
+    global _name
+    if _name is None:
+        try:
+            target = subprocess.run([os.environ.get("CXX", "c++"), "-march=native", "-Q", "--help=target"],
+                                    capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):  # no compiler (the build will say so), or not GCC's flags
+            target = cpu_flags()
+        _name = f"{EXTENSION}_{hashlib.sha256(target.encode()).hexdigest()[:12]}"
+    return _name
+
+
+def cpu_flags() -> str:
+    """The first ``flags`` line of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def ensure_ninja_on_path() -> None:
@@ -99,9 +127,10 @@ def build_cpu_extension() -> bool:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         ensure_ninja_on_path()
-        with exclusive_build(Path(_get_build_directory(EXTENSION, verbose=False))):
+        name = extension_name()
+        with exclusive_build(Path(_get_build_directory(name, verbose=False))):
             load(
-                name=EXTENSION,
+                name=name,
                 sources=SOURCES,
                 extra_cflags=FLAGS,
                 extra_include_paths=[str(Path(__file__).parent)],

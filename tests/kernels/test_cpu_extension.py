@@ -121,3 +121,29 @@ def test_the_build_lock_goes_with_a_killed_process(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_extension_is_named_after_the_cpu_it_is_compiled_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-march=native binaries cached under one name ran on any CPU sharing the cache (an image built on an
+    AVX-512 machine died of SIGILL on an AVX2 node): the name now hashes the target native resolves to."""
+    targets = iter(["-march= znver5\n-mavx512f [enabled]\n", "-march= haswell\n-mavx512f [disabled]\n"])
+
+    def compiler(args: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        assert args[1:] == ["-march=native", "-Q", "--help=target"]
+        return subprocess.CompletedProcess(args, 0, next(targets), "")
+
+    monkeypatch.setattr(cpu_extension.subprocess, "run", compiler)
+    names = []
+    for _ in range(2):
+        monkeypatch.setattr(cpu_extension, "_name", None)
+        names.append(cpu_extension.extension_name())
+    assert names[0] != names[1] and all(n.startswith(cpu_extension.EXTENSION + "_") for n in names)
+    assert cpu_extension.extension_name() == names[1]  # asked once a process
+
+    def no_compiler(args: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        raise FileNotFoundError(args[0])
+
+    monkeypatch.setattr(cpu_extension.subprocess, "run", no_compiler)
+    monkeypatch.setattr(cpu_extension, "_name", None)
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: "flags : fpu avx2")
+    assert cpu_extension.extension_name() not in names
