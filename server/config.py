@@ -55,7 +55,7 @@ class ServerConfig:
     api_key: str | None = field(
         default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
         metadata={
-            "help": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+            "help": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /tokenizer_info "
             f"(default: ${API_KEY_ENV}, else no auth)",
             "metavar": "KEY",
         },
@@ -65,8 +65,9 @@ class ServerConfig:
         "not visible in ps)", metavar="PATH",
     )
     allowed_hosts: list[str] = option(
-        [], "Host header values accepted, others get 400; '*' accepts any (default: localhost, 127.0.0.1, ::1 "
-        "and --host; any IP address when --host is 0.0.0.0 or ::)", metavar="HOST",
+        [], "Host header values accepted, others get 400 (/health, /ready and /metrics answer any); '*' accepts "
+        "any; the list replaces the default: localhost, 127.0.0.1, ::1 and --host, and any IP address when "
+        "--host is 0.0.0.0 or ::", metavar="HOST",
     )
     allowed_origins: list[str] = option(
         [], "web origins (scheme://host[:port]) whose pages may call the API from a browser (CORS); '*' allows "

@@ -12,7 +12,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rnnserve.server.errors import APIError
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # "/tokenize" covers /tokenizer_info
+# Read by probes and scrapers that name the pod by its address (kubelet, Prometheus, a container's HEALTHCHECK):
+# not held to --allowed-hosts, which guards the API against DNS rebinding.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 JSON_MEDIA_TYPE = b"application/json"
 STATE_UPLOAD_PATH = re.compile(r"/v1/sessions/[^/]+/state")  # PUT: a session's state, MBs, its own body limit
 
@@ -95,7 +98,7 @@ class RequestGuard:
     def _check_headers(self, scope: Scope, headers: dict[str, bytes]) -> APIError | None:
         """The first error the request line and headers alone show, or None."""
         host = headers.get("host")
-        if host is not None and not self._host_allowed(host_name(host)):
+        if host is not None and scope["path"] not in PROBE_PATHS and not self._host_allowed(host_name(host)):
             return APIError(
                 400, f"Host {host.decode('latin-1')!r} is not allowed (see --allowed-hosts)", code="invalid_host"
             )

@@ -103,7 +103,7 @@ def test_guard_on_a_real_socket(server: ServerProcess) -> None:
     body = json.dumps({"prompt": "Hi", "max_tokens": 1})
     form = httpx.post(f"{server.url}/v1/completions", content=body, headers={**AUTH, "Content-Type": "text/plain"})
     assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
-    rebound = httpx.get(f"{server.url}/health", headers={"Host": "attacker.example"})
+    rebound = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Host": "attacker.example"})
     assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     [card] = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]

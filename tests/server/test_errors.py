@@ -218,9 +218,18 @@ def test_post_bodies_must_be_json(client: TestClient) -> None:
 
 def test_host_header_is_checked(client: TestClient) -> None:
     for host in ("evil.example", "evil.example:8000", "10.1.2.3"):
-        assert assert_error(client.get("/health", headers={"Host": host}), 400)["code"] == "invalid_host"
+        assert assert_error(client.get("/v1/models", headers={"Host": host}), 400)["code"] == "invalid_host"
     for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST"):
-        assert client.get("/health", headers={"Host": host}).status_code == 200
+        assert client.get("/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_probes_and_scrapes_answer_any_host() -> None:
+    """kubelet's probes and Prometheus name a pod by its address, a container's HEALTHCHECK by 127.0.0.1: with
+    --allowed-hosts set to a service name (as docs/deploy.md advises) they all got 400."""
+    with TestClient(create_app(tiny_config(allowed_hosts=["api.example"])), base_url="http://api.example") as client:
+        for path in ("/health", "/ready", "/metrics"):
+            assert client.get(path, headers={"Host": "10.1.2.3:8000"}).status_code == 200, path
+        assert client.get("/v1/models", headers={"Host": "10.1.2.3:8000"}).status_code == 400
 
 
 @pytest.mark.parametrize(
@@ -233,8 +242,8 @@ def test_host_header_is_checked(client: TestClient) -> None:
 )
 def test_allowed_hosts(options: dict, accepted: list[str], rejected: list[str]) -> None:
     with TestClient(create_app(tiny_config(**options)), base_url="http://localhost") as client:
-        assert [h for h in accepted if client.get("/health", headers={"Host": h}).status_code != 200] == []
-        assert [h for h in rejected if client.get("/health", headers={"Host": h}).status_code != 400] == []
+        assert [h for h in accepted if client.get("/v1/models", headers={"Host": h}).status_code != 200] == []
+        assert [h for h in rejected if client.get("/v1/models", headers={"Host": h}).status_code != 400] == []
 
 
 def test_models_do_not_expose_local_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
