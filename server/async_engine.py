@@ -164,6 +164,7 @@ class AsyncEngine:
         self.draining = False
         self.stat_logger = StatLogger()
         self._consumers: dict[str, Submission] = {}
+        self._step_failures: dict[str, str] = {}  # request id -> why its step failed, until its abort is counted
         self._adds: dict[int, tuple[asyncio.Future[None], SamplingParams, int]] = {}
         self._add_ids = itertools.count()
         self._started = False
@@ -273,11 +274,16 @@ class AsyncEngine:
             self.metrics.set_load(event.load)
             self._settle(accepted, event.error)
         elif isinstance(event, Aborted):
+            for out in event.finals:  # a request failed with its step answered a 500: counted as an error
+                failure = self._step_failures.pop(out.request_id, None)
+                if failure is not None and out.error is None:
+                    out.error = failure
             self.metrics.observe_outputs(event.finals)
             self.metrics.set_load(event.load)
         elif isinstance(event, LoadChanged):
             self.metrics.set_load(event.load)
         elif isinstance(event, StepFailed):
+            self._step_failures.update(dict.fromkeys(self._consumers, event.message))
             self._fail_all(RequestFailedError(event.message), False)
         else:
             self._fail_all(EngineDeadError(event.message), True)

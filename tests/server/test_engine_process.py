@@ -219,7 +219,12 @@ def test_a_failed_step_in_the_engine_process_fails_its_requests_alone() -> None:
         assert "device fell over" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
         after = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
-        assert metric(client.get("/metrics").text, "rnnserve_state_slots_used") == 0
+        page = client.get("/metrics").text
+        assert metric(page, "rnnserve_state_slots_used") == 0
+        # the failed request's client got an error: so do the error-rate alert and dashboards (it was an abort)
+        finished = {line.split('finished_reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                    for line in page.splitlines() if line.startswith("rnnserve_request_success_total{")}  # fmt: skip
+        assert finished["error"] == 1 and finished["abort"] == 0, finished
 
 
 def test_a_disconnected_stream_frees_its_slot_in_the_engine_process() -> None:
