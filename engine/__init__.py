@@ -2,6 +2,6 @@
 
 from rnnserve.engine.llm import LLM
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import SamplingParams, StructuredOutputParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput"]

@@ -163,8 +163,15 @@ class SamplingParams:
             }
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [as_number("allowed_token_ids", t, integer=True) for t in self.allowed_token_ids]
+        if isinstance(self.structured_outputs, dict):  # vLLM's keyword spelling: {"json": schema}, {"regex": ...}
+            unknown = sorted(set(self.structured_outputs) - {*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace"})
+            if unknown:
+                raise InvalidParameterError("structured_outputs", f"structured_outputs does not support {unknown}")
+            self.structured_outputs = StructuredOutputParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputParams):
-            raise InvalidParameterError("structured_outputs", "structured_outputs must be StructuredOutputParams")
+            raise InvalidParameterError(
+                "structured_outputs", "structured_outputs must be StructuredOutputParams or a dict of its fields"
+            )
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidParameterError("stop", "stop must be a string or a list of strings")
         seed_min, seed_max = self.SEED_RANGE

@@ -14,9 +14,9 @@ if not (_Path(__file__).parent / "engine").is_dir() and (_checkout / "engine" / 
     __path__.append(str(_checkout))  # type: ignore[name-defined]  # noqa: F821
 
 if TYPE_CHECKING:
-    from rnnserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+    from rnnserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> object:

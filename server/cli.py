@@ -182,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     freeze_startup_heap()
     retain_freed_memory()
-    log_serving(config, app.state.engine.info, "process" if config.uses_engine_process else "thread")
+    log_serving(config, app.state.engine.info, "process" if config.uses_engine_process else "thread", sock)
     server = build_server(app, config)
     server.run(sockets=[sock])
     return 0
@@ -200,16 +200,18 @@ def serve_api_servers(config: ServerConfig, sock: socket.socket, start: float) -
         return 1
     logger.info("model loaded in %.1f s (weights, state pool and kernels)", time.perf_counter() - start)
     pids = ", ".join(str(server.pid) for server in servers.servers)
-    log_serving(config, servers.info, f"process (pid {servers.engine.process.pid}), API server pids {pids}")
+    log_serving(config, servers.info, f"process (pid {servers.engine.process.pid}), API server pids {pids}", sock)
     try:
         return servers.wait()
     finally:
         sock.close()
 
 
-def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:
-    """The line that says what ``rnnserve serve`` serves, and where."""
+def log_serving(config: ServerConfig, info: EngineInfo, engine: str, sock: socket.socket) -> None:
+    """The line that says what ``rnnserve serve`` serves, and where (the bound address: ``--port 0`` picks one)."""
     from rnnserve.server.http_server import http_stack
+
+    host, port = sock.getsockname()[:2]
 
     logger.info(
         "serving model=%s name=%s device=%s dtype=%s quantize=%s state_bytes_per_slot=%d slots=%d state_memory=%d "
@@ -225,8 +227,8 @@ def log_serving(config: ServerConfig, info: EngineInfo, engine: str) -> None:
         engine,
         http_stack(config.http),
         "on" if config.api_key else "off",
-        config.host,
-        config.port,
+        f"[{host}]" if ":" in host else host,
+        port,
     )
 
 

@@ -179,3 +179,16 @@ def test_sampler_masks_only_rows_whose_grammar_goes_on() -> None:
     seq.append_token(ord("x"), None)
     assert seq.finish_reason == "stop" and seq.text == "x"
     assert LLMatcher.validate_grammar(group.grammar.grammar) == ""  # type: ignore[union-attr]
+
+
+def test_structured_outputs_may_be_given_as_a_dict() -> None:
+    """vLLM users write ``structured_outputs={"choice": [...]}``: it was refused ("must be StructuredOutputParams",
+    a class the README did not name)."""
+    from rnnserve import StructuredOutputParams
+
+    params = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert params.structured_outputs == StructuredOutputParams(choice=["yes", "no"])
+    with pytest.raises(InvalidParameterError, match="structural_tag"):
+        SamplingParams(structured_outputs={"structural_tag": "x"})
+    with pytest.raises(InvalidParameterError, match="give exactly one"):
+        SamplingParams(structured_outputs={"choice": ["a"], "regex": "a"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import sys
@@ -284,3 +285,21 @@ def test_lsrl_compile_refuses_an_output_in_use_without_force(
     assert (used / "model.safetensors").exists() and (used / "notes.txt").read_text() == "keep"
     code, _, err = run_main(["lsrl", "compile", str(program), "-o", str(used / "notes.txt")], capsys)
     assert code == 1 and "not a directory" in err
+
+
+def test_the_serving_line_gives_the_bound_address(caplog: pytest.LogCaptureFixture) -> None:
+    """``--port 0`` logged ``url=http://127.0.0.1:0`` and ``--host ::`` ``http://:::8000``."""
+    import socket
+
+    info = types.SimpleNamespace(device="cpu", dtype="float32", bytes_per_slot=8, num_slots=2)
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            sock = socket.socket(family)
+            sock.bind((host, 0))
+        except OSError:
+            continue  # no IPv6 here
+        with sock, caplog.at_level(logging.INFO, logger="rnnserve"):
+            cli.log_serving(ServerConfig.build(model=TINY, host=host, port=0), info, "thread", sock)
+            port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        assert f"url=http://{shown}:{port}" in caplog.text and port != 0
