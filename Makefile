@@ -13,9 +13,14 @@ install: $(STAMP)
 install-test: $(TEST_STAMP)
 
 # Runtime dependencies only (what `make serve` needs); reinstall only when the package metadata changes.
-# torch is pinned so pip never pulls a CUDA build.
+# torch comes first, alone, from PyTorch's CPU index: on Linux, PyPI's torch of the same version is the CUDA
+# build (GBs of nvidia-* packages). Where that index cannot be reached, pip's own configuration (a local CPU
+# wheel, or PyPI) provides it; its dependencies come from the usual indexes either way.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-deps --retries 1 --index-url $(TORCH_INDEX_URL) "torch==$(TORCH_VERSION)" \
+		|| echo "torch: $(TORCH_INDEX_URL) not reachable, installing it from pip's configured indexes"
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e . "torch==$(TORCH_VERSION)"
 	touch $(STAMP)
