@@ -107,12 +107,16 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module", params=["base", "overlays/gpu"])
 def rendered(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
-    return {doc["kind"]: doc for doc in kustomize(DEPLOY / "k8s" / request.param)}
+    """The documents by kind; a second one of a kind (the sessions Service and Ingress) as ``kind/name``."""
+    docs = kustomize(DEPLOY / "k8s" / request.param)
+    return {d["kind"] if d["metadata"]["name"] == "rnnserve" else f"{d['kind']}/{d['metadata']['name']}": d
+            for d in docs}  # fmt: skip
 
 
 def test_manifests_validate_against_kubernetes_schemas(rendered: dict[str, dict[str, Any]]) -> None:
     validator = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (a test extra)")
-    kinds = {"Deployment", "Service", "Ingress", "ServiceMonitor", "PrometheusRule", "HorizontalPodAutoscaler"}
+    kinds = {"Deployment", "Service", "Ingress", "ServiceMonitor", "PrometheusRule", "HorizontalPodAutoscaler",
+             "Service/rnnserve-sessions", "Ingress/rnnserve-sessions"}  # fmt: skip
     assert set(rendered) == kinds
     for doc in rendered.values():
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -141,9 +145,29 @@ def test_manifests_agree_with_the_server(rendered: dict[str, dict[str, Any]]) ->
     assert monitor["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
     assert monitor["endpoints"][0]["path"] == "/metrics"
 
-    ingress = rendered["Ingress"]
-    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
-    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == "rnnserve"
+    # Requests without X-Session-ID spread (an Ingress hashing on the header sent them all to one replica: an
+    # empty key hashes to one endpoint); those with one go through a header-matched canary Ingress that hashes
+    # it, over a Service of its own selecting the same pods, on the same host and path.
+    ingress, sessions = rendered["Ingress"], rendered["Ingress/rnnserve-sessions"]
+    prefix = "nginx.ingress.kubernetes.io/"
+    assert not any(key.startswith(prefix + "upstream-hash") for key in ingress["metadata"]["annotations"])
+    assert {key.removeprefix(prefix): value for key, value in sessions["metadata"]["annotations"].items()} == {
+        "canary": "true", "canary-by-header": "X-Session-ID", "canary-by-header-pattern": ".+",
+        "upstream-hash-by": "$http_x_session_id",
+    }  # fmt: skip
+    (rule,), (session_rule,) = ingress["spec"]["rules"], sessions["spec"]["rules"]
+    assert rule["http"]["paths"][0]["backend"]["service"]["name"] == "rnnserve"
+    assert session_rule["host"] == rule["host"]
+    assert session_rule["http"]["paths"][0]["path"] == rule["http"]["paths"][0]["path"]
+    assert session_rule["http"]["paths"][0]["backend"]["service"]["name"] == "rnnserve-sessions"
+    assert rendered["Service/rnnserve-sessions"]["spec"]["selector"] == labels
+    assert not monitor["selector"]["matchLabels"].items() <= rendered["Service/rnnserve-sessions"]["metadata"].get(
+        "labels", {}).items()  # fmt: skip  # scraped once, through the first Service
+    # the server accepts a session state import of MBs: the ingress must let it through
+    assert ingress["metadata"]["annotations"][prefix + "proxy-body-size"] == "64m"
+    session_dir = args[args.index("--session-dir") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[session_dir] in {v["name"] for v in pod["volumes"]}
 
     alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     assert rendered["PrometheusRule"]["spec"] == alerts
