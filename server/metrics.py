@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -49,6 +49,65 @@ N_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STATS_LOG_INTERVAL = 10.0
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class ServerProcesses:
+    """The CPU time and memory of all of a server's processes (Linux): the ``rnnserve serve`` process and what it
+    started, the engine process (``--engine-process``) and the API servers (``--api-servers``), which the
+    ``process_*`` series, of the scraped process alone, leave out.
+
+    CPU counts each live process's own time and that of the children it reaped (a kernel build's compilers), so
+    the sum does not fall when such a child ends. ``root`` is the serve process: this one, or its parent for an
+    API server of several."""
+
+    def __init__(self, model_name: str, root: int) -> None:
+        self.model_name = model_name
+        self.root = root
+        self.ticks = os.sysconf("SC_CLK_TCK")
+        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
+
+    def collect(self) -> Iterator[Metric]:
+        processes = self.tree()
+        if not processes:  # no /proc
+            return
+        cpu = CounterMetricFamily("rnnserve_server_processes_cpu_seconds",
+                                  "CPU time of all the server's processes, user + system, reaped children included.",
+                                  labels=["model_name"])  # fmt: skip
+        cpu.add_metric([self.model_name], sum(ticks for ticks, _ in processes.values()) / self.ticks)
+        rss = GaugeMetricFamily("rnnserve_server_processes_resident_memory_bytes",
+                                "Resident memory of all the server's processes (pages they share counted in each).",
+                                labels=["model_name"])  # fmt: skip
+        rss.add_metric([self.model_name], sum(pages for _, pages in processes.values()) * self.page_bytes)
+        count = GaugeMetricFamily("rnnserve_server_processes", "Processes of the server.", labels=["model_name"])
+        count.add_metric([self.model_name], len(processes))
+        yield from (cpu, rss, count)
+
+    def tree(self) -> dict[int, tuple[int, int]]:
+        """``{pid: (CPU ticks, resident pages)}`` of the root and its descendants (empty without /proc)."""
+        stats: dict[int, tuple[int, int, int]] = {}  # pid -> parent, ticks, pages
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            return {}
+        for name in names:
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command, which may hold spaces
+            except (OSError, IndexError):
+                continue  # ended meanwhile, or not ours to read
+            # fields[0] is the state (stat's 3rd field): parent 4th, utime..cstime 14th-17th, rss 24th
+            stats[int(name)] = (int(fields[1]), sum(map(int, fields[11:15])), int(fields[21]))
+        children: dict[int, list[int]] = collections.defaultdict(list)
+        for pid, (parent, _, _) in stats.items():
+            children[parent].append(pid)
+        found, todo = {}, [self.root] if self.root in stats else []
+        while todo:
+            pid = todo.pop()
+            found[pid] = stats[pid][1:]
+            todo += children[pid]
+        return found
 
 
 def token_buckets(max_len: int) -> tuple[int, ...]:
@@ -190,6 +249,7 @@ class ServerMetrics:
             self._own = CollectorRegistry()
             MultiProcessCollector(self.registry)
         ProcessCollector(registry=self.registry)
+        self.registry.register(ServerProcesses(model_name, os.getppid() if self.multiprocess else os.getpid()))
         tokens = token_buckets(max_model_len)
         self._load = LoadGauges(model_name, self.registry)
         self.state_slots_total = self._gauge("rnnserve_state_slots_total", "State slots in the pool.")

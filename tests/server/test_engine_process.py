@@ -129,6 +129,25 @@ def test_metrics_and_load_are_kept_by_the_server_process(process_client: TestCli
     assert process_client.get("/ready").status_code == 200
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_server_processes_series_count_the_engine_process(process_client: TestClient) -> None:
+    """process_* describe the HTTP server alone: with the engine in a process of its own they missed almost all
+    of the CPU (its step) and most of the memory (the model)."""
+    engine_pid = process_client.app.state.engine.driver.pid  # type: ignore[attr-defined]
+    body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True}
+    assert process_client.post("/v1/completions", json=body).status_code == 200
+    page = process_client.get("/metrics").text
+    assert metric(page, "rnnserve_server_processes") >= 2
+    with open(f"/proc/{engine_pid}/statm") as statm:
+        engine_rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    total_rss = metric(page, "rnnserve_server_processes_resident_memory_bytes")
+    assert total_rss >= metric(page, "process_resident_memory_bytes") + 0.9 * engine_rss
+    with open(f"/proc/{engine_pid}/stat") as stat:
+        engine_cpu = sum(map(int, stat.read().rsplit(")", 1)[1].split()[11:13])) / os.sysconf("SC_CLK_TCK")
+    total_cpu = metric(page, "rnnserve_server_processes_cpu_seconds_total")
+    assert total_cpu >= metric(page, "process_cpu_seconds_total") + engine_cpu - 0.05
+
+
 def test_errors_raised_in_the_engine_process_keep_their_status(process_client: TestClient) -> None:
     bad_token = process_client.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2})
     assert bad_token.status_code == 400
