@@ -17,17 +17,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-from rnnserve.engine.scheduler import QueueFullError
-from rnnserve.engine.tokenizer import Tokenizer
-from rnnserve.server.async_engine import AsyncEngine, EngineDeadError, Submission
-from rnnserve.server.chat_template import (
+from rnnserve.engine.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     find_chat_template,
     model_directory,
     render_chat,
     special_token_text,
 )
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
+from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.engine.tokenizer import Tokenizer
+from rnnserve.server.async_engine import AsyncEngine, EngineDeadError, Submission
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.errors import APIError, bad_request, from_validation_error
 from rnnserve.server.metrics import ServerMetrics

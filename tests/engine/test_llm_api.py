@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rnnserve.engine import LLM, SamplingParams
 from rnnserve.engine.sampling_params import InvalidParameterError
@@ -49,3 +50,38 @@ def test_empty_or_out_of_vocab_prompt_is_rejected(llm: LLM) -> None:
 
 def test_cpu_never_captures_cuda_graphs(llm: LLM) -> None:
     assert llm.engine.runner.graphs is None
+
+
+def test_chat_renders_conversations_as_the_server_does(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's ``LLM.chat``: the reply equals the server's chat completion for the same conversation (one, or a
+    list); a model directory's ``chat_template.jinja`` and a ``chat_template`` argument are used as the server
+    uses ``--chat-template``."""
+    from fastapi.testclient import TestClient
+
+    from rnnserve.engine.loader import build_random, save_checkpoint
+    from rnnserve.server.app import create_app
+    from tests.server.conftest import tiny_config
+
+    model, _ = build_random("mingru-tiny", torch.device("cpu"), None)
+    save_checkpoint(model, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    llm = LLM(str(tmp_path / "ckpt"), max_num_seqs=2)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [reply] = llm.chat(chat, greedy)
+    with TestClient(create_app(tiny_config(model=str(tmp_path / "ckpt")))) as client:
+        body = {"messages": chat, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+        served = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert reply.outputs[0].text == served
+    assert reply.prompt == "<system>Be brief.<user>Hi there<a>"
+    other = [{"role": "user", "content": "Bye"}]
+    both = llm.chat([chat, other], greedy)
+    assert [o.prompt for o in both] == [reply.prompt, "<user>Bye<a>"] and both[0].outputs[0].text == served
+    [custom] = llm.chat(other, greedy, chat_template="{{ messages[0]['content'] }}!", add_generation_prompt=False)
+    assert custom.prompt == "Bye!"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    [with_tools] = llm.chat(other, greedy, chat_template="{{ tools[0]['function']['name'] }}", tools=tools)
+    assert with_tools.prompt == "f"

@@ -8,9 +8,9 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.app import create_app
-from rnnserve.server.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)

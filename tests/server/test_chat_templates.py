@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.chat_template import model_directory
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR
 from rnnserve.server.app import ServerConfig, create_app
-from rnnserve.server.chat_template import model_directory
 from tests.server.tiny_checkpoint import EOS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(60)

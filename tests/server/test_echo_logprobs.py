@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rnnserve import LLM, SamplingParams
+from rnnserve.engine.chat_template import DEFAULT_CHAT_TEMPLATE
 from rnnserve.engine.outputs import RequestOutput
-from rnnserve.server.chat_template import DEFAULT_CHAT_TEMPLATE
 from tests.server.conftest import TINY
 from tests.server.test_api import complete, events
 
