@@ -270,7 +270,8 @@ class CompletionRequest(SamplingFields):
     def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
         if self.echo_only and err.param == "max_tokens":  # the one token sampled and left out is the engine's
             return InvalidParameterError(
-                "prompt", f"{err}: echo with max_tokens 0 needs the prompt one token shorter than the limit"
+                "prompt", "the prompt is too long for echo with max_tokens 0, which needs it at least one token "
+                "shorter than max_model_len"
             )
         return err
 
