@@ -35,7 +35,10 @@ RUN pip install . "torch==${TORCH_VERSION}"
 # Compile the C++ CPU kernels now, as the user that serves, so a container starts ready on CPUs of the build
 # machine's kind (they are compiled for its instruction set); on another kind the server compiles its own at
 # start (a minute or two, within the startup probe's five).
-RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" && chown 10001:10001 "${TORCH_EXTENSIONS_DIR}"
+# /var/lib/rnnserve/sessions: where Compose and Kubernetes mount a volume for --session-dir (a new named volume
+# takes the owner of the image's folder).
+RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" /var/lib/rnnserve/sessions \
+    && chown 10001:10001 "${TORCH_EXTENSIONS_DIR}" /var/lib/rnnserve/sessions
 USER 10001:10001
 WORKDIR /home/rnnserve
 RUN python -c "from rnnserve.kernels.cpu_extension import build_cpu_extension; assert build_cpu_extension()"
