@@ -110,6 +110,32 @@ def render_chat(
     return text
 
 
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-style messages as a template reads them: ``content`` as text (a list of ``text`` parts joined,
+    ``None`` as ``""``); :class:`InvalidParameterError` for a message without a role or a part that is not text
+    (these models read text only)."""
+    rendered = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidParameterError("messages", f"a message is a dict with a 'role', got {message!r:.80}")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidParameterError(
+                        "messages", f"only content parts of type 'text' can be read by this model, got {part!r:.80}"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidParameterError("messages", f"content must be text or a list of parts, got {content!r:.80}")
+        rendered.append({**message, "content": content})
+    return rendered
+
+
 def special_token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     """Text of a special token for templates that insert it (byte-level specials carry no text)."""
     if token_id is None:

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rnnserve.engine.chat_template import find_chat_template, model_directory, render_chat
+from rnnserve.engine.chat_template import find_chat_template, model_directory, render_chat, template_messages
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine, freeze_startup_heap, retain_freed_memory
 from rnnserve.engine.outputs import RequestOutput
@@ -18,13 +19,39 @@ Prompt = str | list[int]
 Message = dict[str, Any]  # {"role": ..., "content": ...} and what a chat template reads (tool_calls, name, ...)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # type: ignore[list-item]
-    return prompts  # type: ignore[return-value]
+class GenerationError(RuntimeError):
+    """The engine failed some of a call's requests; ``outputs`` holds every request's final output, in prompt
+    order (the failed ones with ``error`` set and ``finish_reason`` ``"error"``)."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        failed = [out for out in outputs if out.error is not None]
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}")
+        self.outputs = outputs
+
+
+def _one_prompt(prompt: Any) -> Prompt:
+    """A text, a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``."""
+    if isinstance(prompt, Mapping):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"}:
+            return list(prompt["prompt_token_ids"])
+        raise TypeError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' alone, got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple):
+        return list(prompt)  # token ids, checked by the engine
+    raise TypeError(f"a prompt is a text, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+
+
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, str | Mapping):
+        return [_one_prompt(prompts)]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts: a prompt or a list of prompts, got {type(prompts).__name__}")
+    if prompts and not isinstance(prompts[0], str | list | tuple | Mapping):  # one prompt of token ids
+        return [_one_prompt(prompts)]
+    return [_one_prompt(p) for p in prompts]
 
 
 class LLM:
@@ -34,11 +61,16 @@ class LLM:
     registered name (e.g. ``lsrl:majority``); ``None`` is the embedded default model. Every other
     :class:`~rnnserve.engine.config.EngineConfig` field is a keyword (``device``, ``dtype``, ``max_num_seqs``,
     ``state_memory``, ``max_model_len``, ...), the same options as ``rnnserve serve``'s flags.
+
+    Building one freezes the process's heap for the garbage collector (see ``freeze_startup_heap``): objects
+    alive then are not collected as cycles later; ``gc.unfreeze()`` undoes it. Calls from several threads run
+    one after the other.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
         self._model_dir = model_directory(model) if model is not None else None
+        self._lock = threading.Lock()
         freeze_startup_heap()
         retain_freed_memory()
 
@@ -48,31 +80,45 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order (the engine builds only the final
-        outputs, whatever the params' ``output_kind``)."""
+        """Generate for every prompt (a text, token ids, vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        ...}``, or a list of those); results come back in prompt order (the engine builds only the final outputs,
+        whatever the params' ``output_kind``). A prompt or parameter the engine refuses raises
+        :class:`~rnnserve.engine.sampling_params.InvalidParameterError`, a request it fails
+        :class:`GenerationError`; either way, and on Ctrl-C, none of the call's requests is left running."""
         prompt_list = _as_prompt_list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            param_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
-            param_list = list(params)
+            param_list = list(sampling_params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
         final_only = {id(sp): dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY) for sp in param_list}
-        ids = [self.engine.add_request(p, final_only[id(sp)]) for p, sp in zip(prompt_list, param_list, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        with self._lock:
+            ids: list[str] = []
+            try:
+                for prompt, sp in zip(prompt_list, param_list, strict=True):
+                    ids.append(self.engine.add_request(prompt, final_only[id(sp)]))
+                final: dict[str, RequestOutput] = {}
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+            except BaseException:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                raise
+        outputs = [final[i] for i in ids]
+        if any(out.error is not None for out in outputs):
+            raise GenerationError(outputs)
+        return outputs
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
@@ -80,17 +126,19 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to each of a list of them,
-        as vLLM's ``LLM.chat``: each is rendered with the chat template the server would use (``chat_template``,
-        a template's source, overrides it: see :mod:`rnnserve.engine.chat_template`), then generated like
-        :meth:`generate`'s prompts. ``tools`` (OpenAI's shape) and ``chat_template_kwargs`` become template
-        variables."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Reply to one conversation (a list of ``{"role", "content"}`` messages, content as text or OpenAI's
+        text parts) or to each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the chat template
+        the server would use (``chat_template``, a template's source, overrides it: see
+        :mod:`rnnserve.engine.chat_template`), then generated like :meth:`generate`'s prompts. ``tools``
+        (OpenAI's shape) and ``chat_template_kwargs`` become template variables."""
+        if not messages or isinstance(messages, str | Mapping):
+            raise TypeError("messages: a list of message dicts, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else messages
         template = chat_template or find_chat_template(self.tokenizer, None, self._model_dir)
         variables = {**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})}
         prompts = [
-            render_chat(self.tokenizer, list(conversation), add_generation_prompt, continue_final_message, template,
-                        variables)  # fmt: skip
+            render_chat(self.tokenizer, template_messages(list(conversation)), add_generation_prompt,
+                        continue_final_message, template, variables)  # fmt: skip
             for conversation in conversations
         ]
-        return self.generate(prompts, params)
+        return self.generate(prompts, sampling_params)

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import numbers
 import operator
 import os
 import time
@@ -220,6 +221,9 @@ class LLMEngine:
                     f"[0, {self.model.vocab_size})"
                 )
         else:
+            bad = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+            if bad is not None:  # 72.5 was read as 72, True as 1
+                raise InvalidParameterError("prompt", f"token ids must be integers, got {bad!r}")
             text, ids = None, [int(t) for t in prompt]
             vocab = self.model.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)

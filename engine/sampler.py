@@ -285,7 +285,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     else:
         logp = torch.log_softmax(logits, dim=-1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-        top_vals, top_ids = logp.topk(max(w or 0 for w in wanted), dim=-1)
+        top_vals, top_ids = logp.topk(min(max(w or 0 for w in wanted), logp.shape[1]), dim=-1)  # a vocabulary < N
         sampled = SampledTokens(tokens, wanted, (chosen, top_vals, top_ids))
     advance_grammars(tokens, seqs, constrained)  # last: a batch that raises before it is sampled again row by row
     return sampled

@@ -144,7 +144,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
+        self.stop = [s for s in self.stop or () if s]  # None: none, as vLLM takes it
+        self.stop_token_ids = list(self.stop_token_ids or ())
         self.validate()
 
     def validate(self) -> None:

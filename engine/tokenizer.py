@@ -32,12 +32,16 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The text's ids without a BOS token the tokenizer adds on its own (``add_special_tokens: false``)."""
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
     def has_token(self, token_id: int) -> bool:
         """Whether ``token_id`` is one of the tokenizer's (a model's embedding may be larger)."""
-        return 0 <= token_id < 2**32 and self._tok.id_to_token(token_id) is not None
+        return 0 <= token_id < self.vocab_size
 
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id that is not one of this tokenizer's tokens (text or special), or ``None``; ids are
@@ -164,10 +168,15 @@ class HFTokenizer(Tokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        """The text's ids, after BOS where ``tokenizer_config.json`` asks for it (``add_bos_token``) and the text
+        does not begin with BOS's own text already, as a chat template's ``{{ bos_token }}`` writes it."""
+        ids = self.encode_plain(text)
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -353,11 +353,9 @@ class OpenAIServing:
                 text = req.prompt
             else:
                 text = self.render(req.messages or [], req.add_generation_prompt, False, req.template_kwargs())
-            tokens = self.tokenizer.encode(text)
+            tokens = self.tokenizer.encode(text) if req.add_special_tokens else self.tokenizer.encode_plain(text)
         except (InvalidParameterError, ValueError) as err:
             raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err
-        if not req.add_special_tokens and tokens[:1] == self.tokenizer.encode("") != []:
-            tokens = tokens[1:]  # the tokenizer adds a BOS token on its own
         limit = self.engine.info.max_model_len
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 

@@ -85,3 +85,79 @@ def test_chat_renders_conversations_as_the_server_does(tmp_path) -> None:  # typ
     tools = [{"type": "function", "function": {"name": "f"}}]
     [with_tools] = llm.chat(other, greedy, chat_template="{{ tools[0]['function']['name'] }}", tools=tools)
     assert with_tools.prompt == "f"
+
+
+def test_a_refused_prompt_leaves_no_request_of_its_call_running(llm: LLM) -> None:
+    """Prompt 2 of 3 was refused after prompts 0 and 1 were queued: they ran on, and the next call waited for
+    them (12 s behind one long orphan)."""
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    with pytest.raises(InvalidParameterError):
+        llm.generate(["a", "b", [10**9]], long)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.pool.num_used == 0
+    assert llm.generate("c", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_failed_requests_raise_with_every_output(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine failed came back as empty text with finish_reason 'error', easy to miss."""
+    from rnnserve.engine.llm import GenerationError
+
+    real = llm.engine.model.decode
+    calls = iter(range(10**6))
+
+    def failing_once(*args: object) -> object:
+        if next(calls) == 1:
+            raise RuntimeError("the device fell over")
+        return real(*args)
+
+    monkeypatch.setattr(llm.engine.model, "decode", failing_once)
+    with pytest.raises(GenerationError, match="the device fell over") as err:
+        llm.generate(["a", "b"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.error is not None for o in err.value.outputs] == [True, True]  # one step: both failed
+    monkeypatch.undo()
+    assert llm.generate("a", SamplingParams(max_tokens=2))[0].error is None
+
+
+def test_vllm_prompt_dicts_and_clear_type_errors(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    by_text, by_ids = llm.generate([{"prompt": "Hi"}, {"prompt_token_ids": [72, 105]}], sampling_params=greedy)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert llm.generate({"prompt": "Hi"}, greedy)[0].outputs[0].token_ids == by_text.outputs[0].token_ids
+    for bad in ({"text": "Hi"}, 3.5, [{"prompt": "a", "x": 1}]):
+        with pytest.raises(TypeError, match="prompt"):
+            llm.generate(bad, greedy)  # type: ignore[arg-type]
+    for ids in ([72.5], [True, 3]):  # 72.5 was read as 72, True as 1
+        with pytest.raises(InvalidParameterError, match="integers"):
+            llm.generate([ids], greedy)
+    with pytest.raises(TypeError, match="message"):
+        llm.chat("hello", greedy)  # type: ignore[arg-type]
+    assert llm.generate([], greedy) == []
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # vLLM's None: none
+
+
+def test_chat_reads_content_parts_as_the_server_does(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+             {"role": "assistant", "content": None}]  # fmt: skip
+    [with_parts] = llm.chat(parts, greedy, add_generation_prompt=False)
+    assert with_parts.prompt == "User: Hello\nAssistant:\n"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidParameterError, match="type 'text'"):
+        llm.chat(image, greedy)
+
+
+def test_logprobs_beyond_the_vocabulary_give_the_whole_vocabulary() -> None:
+    """lsrl:majority has 4 tokens: logprobs=5 failed the request ('selected index k out of range')."""
+    small = LLM("lsrl:majority", max_num_seqs=1)
+    [out] = small.generate("10110", SamplingParams(temperature=0, max_tokens=2, logprobs=5))
+    assert out.error is None and all(len(lp.top) == small.engine.model.vocab_size for lp in out.outputs[0].logprobs)
+
+
+def test_threads_sharing_an_llm_take_turns(llm: LLM) -> None:
+    """Two threads stepping one engine took each other's outputs (a KeyError and lost results)."""
+    import concurrent.futures
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["a", "b", "c", "d"], params)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: llm.generate(p, params)[0].outputs[0].token_ids, ["a", "b", "c", "d"]))
+    assert results == alone

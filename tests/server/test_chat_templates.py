@@ -164,3 +164,20 @@ def test_a_reply_sent_back_resumes_from_the_state_after_it() -> None:
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
         second = client.post("/v1/chat/completions", json={"messages": messages, **body}).json()
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] + 8 - 1
+
+
+def test_a_template_that_writes_bos_gets_one_bos(tmp_path: Path) -> None:
+    """Gemma's setup: ``add_bos_token`` and a template starting with ``{{ bos_token }}``. The rendered text was
+    encoded with the automatic BOS in front of the template's: two, where transformers and vLLM have one."""
+    from rnnserve import LLM, SamplingParams
+
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = write_tiny_checkpoint(tmp_path, bos_token=EOS, add_bos_token=True, chat_template=template)
+    llm = LLM(str(path), max_num_seqs=1)
+    [out] = llm.chat([{"role": "user", "content": "The fox"}], SamplingParams(max_tokens=1))
+    bos = llm.tokenizer.bos_token_id
+    assert out.prompt_token_ids[:2] == [bos, *llm.tokenizer.encode_plain("The fox")[:1]]
+    assert llm.tokenizer.encode("The fox")[0] == bos  # text without it still gets the automatic one
+    with serving(path) as client:
+        chat = {"messages": [{"role": "user", "content": "The fox"}]}
+        assert client.post("/tokenize", json=chat).json()["tokens"] == out.prompt_token_ids
