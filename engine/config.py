@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -137,6 +138,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = None
+        self._check_types()
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills", "long_prefill_token_threshold",
             "max_model_len", "max_prompt_tokens", "max_waiting", "max_stop_sequences", "max_stop_length",
@@ -157,6 +159,31 @@ class EngineConfig:
             raise ValueError(
                 f"max_prompt_tokens ({self.max_prompt_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
+
+    def _check_types(self) -> None:
+        """The types the command line's parsing gives, for values passed as keywords (``LLM(max_num_seqs="8")``
+        failed deep inside, ``async_scheduling="yes"`` was taken as off): byte sizes may be strings (``"1GiB"``),
+        an ``int`` is a ``float``, a choice must be one of the choices (a device also ``cuda:N`` or a
+        ``torch.device``, a dtype also a ``torch.dtype``)."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value, expected = getattr(self, f.name), _value_type(hints[f.name])
+            if isinstance(value, os.PathLike) and f.name == "model":
+                value = os.fspath(value)
+            elif isinstance(value, str) and f.metadata.get("type") is parse_bytes:
+                value = parse_bytes(value)
+            elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            setattr(self, f.name, value)
+            if value is None and hints[f.name] != expected:
+                continue
+            if f.name in ("device", "dtype") and not isinstance(value, str):
+                continue  # torch.device / torch.dtype, resolved by the loader
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
+            choices = f.metadata.get("choices")
+            if choices and value not in choices and not (f.name == "device" and re.fullmatch(r"cuda:\d+", value)):
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 ConfigT = TypeVar("ConfigT")

@@ -36,10 +36,10 @@ def test_sampling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch, 
     expected = reference(prompts)
     real_sample = llm_engine.sample
 
-    def sample(logits, seqs: list[Sequence], eos):  # type: ignore[no-untyped-def]
+    def sample(logits, seqs: list[Sequence]):  # type: ignore[no-untyped-def]
         if any(s.group.request_id == "victim" and len(s.output_token_ids) == 3 for s in seqs):
             raise OverflowError("cannot convert float infinity to integer")
-        return real_sample(logits, seqs, eos)
+        return real_sample(logits, seqs)
 
     monkeypatch.setattr(llm_engine, "sample", sample)
     final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)

@@ -161,3 +161,19 @@ def test_threads_sharing_an_llm_take_turns(llm: LLM) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: llm.generate(p, params)[0].outputs[0].token_ids, ["a", "b", "c", "d"]))
     assert results == alone
+
+
+def test_engine_options_passed_as_keywords_are_checked_as_the_command_line_checks_them() -> None:
+    """``async_scheduling="yes"`` was taken as off, ``max_num_seqs="8"`` failed deep inside."""
+    from pathlib import Path
+
+    from rnnserve.engine.config import EngineConfig
+
+    for options, message in (({"async_scheduling": "yes"}, "one of auto, on, off"), ({"device": "tpu"}, "device"),
+                             ({"max_num_seqs": "8"}, "must be int"), ({"max_num_seqs": 2.5}, "must be int"),
+                             ({"enforce_eager": 1}, "must be bool"), ({"quantize": "int3"}, "int8, int4")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**options)
+    config = EngineConfig(model=Path("some/dir"), state_memory="1GiB", prefill_time_share=1, device="cuda:1",
+                          dtype=torch.bfloat16)  # fmt: skip
+    assert (config.model, config.state_memory, config.prefill_time_share) == ("some/dir", 2**30, 1.0)

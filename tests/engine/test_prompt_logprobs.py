@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rnnserve import LLM, SamplingParams
+from rnnserve.engine.llm import GenerationError
 from rnnserve.engine.models.base import DecodeBatch, PrefillBatch, RecurrentLM
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import InvalidParameterError
@@ -113,7 +114,9 @@ def test_a_request_whose_prompt_logprobs_fail_fails_alone(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(SequenceGroup, "record_prompt_logprobs", record)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, ignore_eos=True)
-    victim, survivor = llm.generate([PROMPTS[1], PROMPTS[2]], params)
+    with pytest.raises(GenerationError) as failed:
+        llm.generate([PROMPTS[1], PROMPTS[2]], params)
+    victim, survivor = failed.value.outputs
     assert victim.error == "RuntimeError: broken row" and victim.outputs[0].token_ids == []
     assert survivor.error is None and len(survivor.outputs[0].token_ids) == 2
     assert len(survivor.prompt_logprobs) == len(PROMPTS[2])  # type: ignore[arg-type]
