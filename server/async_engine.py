@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,6 +56,8 @@ class EngineDeadError(RuntimeError):
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone while processing it."""
 
+
+logger = logging.getLogger("rnnserve.server")
 
 COALESCE_BACKLOG = 16  # queued outputs of a stream beyond which new ones are merged into the last
 
@@ -179,6 +182,7 @@ class AsyncEngine:
         self._adds: dict[int, tuple[asyncio.Future[None], SamplingParams, int]] = {}
         self._add_ids = itertools.count()
         self._started = False
+        self._stopping = False
         self._accepting = False
         metrics.set_pool(self.info.num_slots, self.info.bytes_per_slot)
         metrics.set_load(self.info.load)
@@ -205,6 +209,7 @@ class AsyncEngine:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine loop and wait for it (bounded); pending requests fail with EngineDeadError. Blocks:
         call it off the event loop."""
+        self._stopping = True
         self.driver.stop(timeout)
 
     async def submit(
@@ -297,6 +302,8 @@ class AsyncEngine:
             self._step_failures.update(dict.fromkeys(self._consumers, event.message))
             self._fail_all(RequestFailedError(event.message), False)
         else:
+            if not self._stopping:  # it died: /health says 503 from now on, and the log says why
+                logger.error("the engine stopped: %s; /health answers 503 from now on", event.message)
             self._fail_all(EngineDeadError(event.message), True)
 
     def _route(self, outputs: list[RequestOutput]) -> None:

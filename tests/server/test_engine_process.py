@@ -180,7 +180,7 @@ def test_a_load_error_is_raised_by_create_app() -> None:
         create_app(tiny_config(model="random:no-such-preset", engine_process="on"))
 
 
-def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies() -> None:
+def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies(caplog: pytest.LogCaptureFixture) -> None:
     app = create_app(tiny_config(engine_process="on"))
     pid = app.state.engine.driver.pid
 
@@ -202,6 +202,8 @@ def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies() -> None:
         rest, health, ready, late = asyncio.run(scenario(url))
     assert "the engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
     assert (health, ready, late) == (503, 503, 503)
+    # the log says so (it said nothing: a server answering 503 to everything, with no reason given)
+    assert any(r.levelname == "ERROR" and "the engine stopped" in r.getMessage() for r in caplog.records)
 
 
 def engine_failing_on_step_3(config: EngineConfig) -> LLMEngine:
