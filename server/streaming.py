@@ -113,6 +113,8 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # ASGI 2.4: a send to a closed connection raises
             pass
+        except asyncio.CancelledError:  # the end of a drain cancels a stream whose client stopped reading: not
+            logger.info("a stream's client stopped reading; it was cancelled")  # a crash, as a traceback said
         finally:
             watcher.cancel()
             self.submission.abort()
