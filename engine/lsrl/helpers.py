@@ -115,10 +115,13 @@ def f_ifelse(
 
 
 def f_modulo_counter(x: Node, divisor: int, mu: float = DEFAULT_MU) -> Node:
-    """``t mod divisor`` at token ``t`` (from 0), by a unit vector rotating ``1/divisor`` turn per token."""
+    """``t mod divisor`` at token ``t`` (from 0), by a unit vector rotating ``1/divisor`` turn per token. The
+    current slot clears the threshold ``cos(pi / divisor)`` by ``1 - cos(pi / divisor)``: the step's gain is
+    raised to twice its inverse where ``mu`` is smaller (``mu = 100`` resolves divisors up to 22 only)."""
     if divisor < 1:
         raise ValueError(f"divisor must be >= 1, got {divisor}")
     angle = 2.0 * math.pi / divisor
+    mu = max(mu, 2.0 / (1.0 - math.cos(angle / 2)))
     rotation = torch.tensor(
         [[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]], dtype=sparse.DTYPE
     )

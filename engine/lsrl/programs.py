@@ -42,6 +42,9 @@ def majority() -> Node:
     return f_larger(ones, zeros, mu=10.0)
 
 
+POSITION_BOUND = 1e9  # lam of an f_ifelse that passes a token position (exact in fp64: integers below 2^53)
+
+
 def dictionary(n: int = 3, form: IfElseForm = "multiplicative") -> Node:
     """Listing 2: dictionary lookup over token sequences (tokens are positive integers).
 
@@ -75,7 +78,8 @@ def dictionary(n: int = 3, form: IfElseForm = "multiplicative") -> Node:
 
     # Remember where the matching value starts, and copy its n tokens into the output registers.
     starts_here = f_and(all_matching, is_first_copy)
-    started_on = _accumulator(f_ifelse(starts_here, position, form=form))
+    # the position is unbounded: the ReLU forms need their bound lam above any prompt's length
+    started_on = _accumulator(f_ifelse(starts_here, position, form=form, lam=POSITION_BOUND))
     copying = f_and(is_copy, f_smaller(position, started_on + float(n)))
     registers = [_accumulator(f_ifelse(f_and(copying, mod_n_is[i]), x, form=form)) for i in range(n)]
 

@@ -67,6 +67,31 @@ def test_dictionary_relu_ifelse_also_compiles_exactly() -> None:
         assert exact(y[-3:], [letters(value)[t % 3] for t in (30, 31, 32)]), query
 
 
+@pytest.mark.parametrize("divisor", [22, 23, 50, 120])
+def test_modulo_counter_resolves_every_divisor(divisor: int) -> None:
+    """With the default gain (mu = 100) the step resolved divisors up to 22 only: 23 counted 0.93, 1.86, ..."""
+    from rnnserve.engine.lsrl.helpers import f_modulo_counter
+    from rnnserve.engine.lsrl.program import Input
+
+    x = Input(1)
+    y = run_program(f_modulo_counter(x, divisor), torch.zeros(3 * divisor, 1, dtype=torch.float64))
+    assert exact(y, [t % divisor for t in range(3 * divisor)])
+
+
+@pytest.mark.parametrize("form", ["multiplicative", "relu", "step"])
+def test_dictionary_keys_of_twelve_tokens_and_prompts_past_the_relu_bound(form: str) -> None:
+    """dictionary(12) answered zeros (its modulo-24 counter was wrong); the ReLU forms of f_ifelse answered
+    garbage past ~100 tokens (the position they pass exceeded their default bound lam = 100)."""
+    rng = random.Random(12)
+    n, pairs = 12, 8
+    keys = [[rng.randint(1, 26) for _ in range(n)] for _ in range(pairs)]
+    values = [[rng.randint(1, 26) for _ in range(n)] for _ in range(pairs)]
+    ids = keys[5] + [t for key, value in zip(keys, values, strict=True) for t in key + value]
+    assert len(ids) > 200
+    y = run_program(dictionary(n, form=form), torch.tensor(ids, dtype=torch.float64).reshape(-1, 1))
+    assert exact(y[-n:], [values[5][t % n] for t in range(len(ids) - n, len(ids))])
+
+
 @pytest.mark.parametrize(("query", "expected"), APPROXIMATOR)
 def test_approximator(builtin, query: str, expected: list[int]) -> None:
     model, tokenizer = builtin["approximator"]
