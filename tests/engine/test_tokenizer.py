@@ -111,3 +111,14 @@ def test_first_undecodable_id(hf_tokenizer_dir: Path, tmp_path: Path) -> None:
     Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 5}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
     gaps = HFTokenizer(tmp_path / "tokenizer.json")
     assert gaps.first_undecodable([0, 1, 5]) is None and gaps.first_undecodable([5, 3]) == 3
+
+
+def test_char_tokenizer_takes_the_longest_symbol_and_names_where_none_starts() -> None:
+    tokenizer = CharTokenizer(["a", "ab", "abc", "b", "(0,1)", "0"])
+    assert tokenizer.encode("abcab(0,1)0ba") == [2, 1, 4, 5, 3, 0]
+    with pytest.raises(ValueError, match=r"no symbol of this model's alphabet starts at '\(0,2\)' \(character 2\)"):
+        tokenizer.encode("ab(0,2)")
+    long = CharTokenizer([f"<{i}>" for i in range(5000)])  # the message names a few symbols, not 40 KB of them
+    with pytest.raises(ValueError) as err:
+        long.encode("<1><x>")
+    assert len(str(err.value)) < 200
