@@ -42,6 +42,9 @@ from rnnserve.engine.models.base import (
 from rnnserve.engine.models.layers import gather_slots, scatter_slots
 
 FLOAT = torch.float64
+# The head's scale: one unit of distance between the program's output and a token's value costs 100 in logit, so
+# the nearest token is the sample whatever the temperature (the next is e^-100 as likely at y = v).
+HEAD_SHARPNESS = 100.0
 logger = logging.getLogger(__name__)
 
 
@@ -264,9 +267,11 @@ class LSRLModel(RecurrentLM):
         return spec.initial.to(self.embedding.device).expand(batch, -1).clone()
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """``2 v y - v^2`` for every token value ``v`` (``-inf`` for tokens without a value)."""
+        """``-HEAD_SHARPNESS (y - v)^2`` for every token value ``v`` (``-inf`` for tokens without a value): the
+        nearest value wins, and a program's answer is a sample's at any temperature (at unit scale, sampling at
+        OpenAI's default temperature 1 picked the nearest token of a dictionary answer with p = 0.56)."""
         v = self.token_values
-        scores = 2.0 * v * y.reshape(-1, 1) - v * v
+        scores = -HEAD_SHARPNESS * (y.reshape(-1, 1) - v) ** 2
         return scores.masked_fill(torch.isnan(v), float("-inf"))
 
     def _run(
