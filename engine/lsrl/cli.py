@@ -40,12 +40,19 @@ class ProgramFileError(ValueError):
 def _import(path: FilePath) -> ModuleType:
     if not path.is_file():
         raise ProgramFileError(f"{path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"lsrl_program_{path.stem}", path)
+    name = f"lsrl_program_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ProgramFileError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
-    with _program_errors(path, "importing it"):
-        spec.loader.exec_module(module)
+    # as `python program.py` runs it: registered (a @dataclass needs its module) and its folder importable
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        with _program_errors(path, "importing it"):
+            spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.resolve().parent))
     return module
 
 
@@ -101,8 +108,13 @@ def compile_file(program: str | FilePath, out_dir: str | FilePath, force: bool =
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ProgramFileError(f"{out}: exists and is not empty (pass --force to write the checkpoint into it)")
     output, tokens = load_program_file(program)
-    path = compile_program(output)
-    model = LSRLModel.from_path(path, tokens)
+    with _program_errors(FilePath(program), "compiling it"):  # a node type of its own, weights it cannot take
+        path = compile_program(output)
+        model = LSRLModel.from_path(path, tokens)
+    bad = next((name for name, t in model.state_dict().items()
+                if name != "token_values" and t.is_floating_point() and not torch.isfinite(t).all()), None)  # fmt: skip
+    if bad is not None:
+        raise ProgramFileError(f"{program}: the compiled model's {bad} holds NaN or infinite numbers")
     save_checkpoint(model, out_dir)
     return path, model
 

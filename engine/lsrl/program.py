@@ -29,6 +29,10 @@ _ids = itertools.count()
 class Node:
     """A variable of an LSRL program: a ``dim``-dimensional vector per token."""
 
+    # numpy defers to the node's reflected operators: `np.array([1, 2]) * x` built an array of nodes, which
+    # sum() then folded into 3 x
+    __array_ufunc__ = None
+
     def __init__(self, dim: int, inputs: Sequence[Node] = ()) -> None:
         if dim < 1:
             raise ValueError(f"{type(self).__name__}: dimension must be >= 1, got {dim}")

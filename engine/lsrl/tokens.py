@@ -2,8 +2,8 @@
 
 Scalar models (one input dimension) use ``E[v] = v``: token ``v`` feeds the number ``v``. Programs with
 several input dimensions use an embedding table, one input vector per token. The head scores token ``v``
-by ``2 v y - v^2 = y^2 - (y - v)^2`` for the program output ``y``, so greedy decoding returns the token
-whose value is nearest to ``y``; tokens without a value (NaN) are never generated.
+by ``-(y - v)^2`` (scaled, see ``rnnserve.engine.models.lsrl``) for the program output ``y``, so decoding
+returns the token whose value is nearest to ``y``; tokens without a value (NaN) are never generated.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class TokenInterface:
 
     def __post_init__(self) -> None:
         size = len(self.alphabet)
+        if not all(isinstance(s, str) for s in self.alphabet):  # ALPHABET = [1, 2, 3] compiled, then failed to load
+            raise ValueError("token strings must be strings")
         if len(set(self.alphabet)) != size or any(not s for s in self.alphabet):
             raise ValueError("token strings must be distinct and non-empty")
         if self.embedding.dim() != 2 or self.embedding.shape[0] != size or tuple(self.values.shape) != (size,):
@@ -33,6 +35,10 @@ class TokenInterface:
                 f"{size} tokens need an embedding [{size}, input_dim] and values [{size}]; got "
                 f"{tuple(self.embedding.shape)} and {tuple(self.values.shape)}"
             )
+        if not torch.isfinite(self.embedding).all() or torch.isinf(self.values).any():
+            raise ValueError("embeddings must be finite and values finite (or None for input-only tokens)")
+        if torch.isnan(self.values).all():  # every token input-only: the head would have nothing to generate
+            raise ValueError("at least one token needs a value (None marks an input-only token)")
 
     @property
     def input_dim(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -105,6 +106,52 @@ def test_cli_reports_bad_program_files(tmp_path: Path, capsys) -> None:
     bad.write_text("x = 1\n")
     assert lsrl_main(["compile", str(bad), "-o", str(tmp_path / "out")]) == 1
     assert "define build()" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("program", "message"),
+    [
+        ("ALPHABET = [1, 2]\ndef build():\n    return Input(1)\n", "token strings must be strings"),
+        ("ALPHABET = 'ab'\nEMBEDDING = [[0], [1]]\nVALUES = [None, None]\ndef build():\n    return Input(1)\n",
+         "at least one token needs a value"),
+        ("def build():\n    x = Input(1)\n    return Lin(x, [[float('nan')]])\n", "holds NaN or infinite numbers"),
+        ("class Own(Node):\n    pass\ndef build():\n    return Own(1, [Input(1)])\n", "unknown LSRL node"),
+    ],
+)
+def test_cli_refuses_programs_that_would_serve_wrongly(tmp_path: Path, capsys, program: str, message: str) -> None:
+    """Each compiled (or crashed with a traceback), then failed to load or served tokens it should not."""
+    (tmp_path / "p.py").write_text("from rnnserve.engine.lsrl import Input, Lin\nfrom rnnserve.engine.lsrl.program "
+                                   "import Node\n" + program)  # fmt: skip
+    assert lsrl_main(["compile", str(tmp_path / "p.py"), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_imports_a_program_as_python_runs_it(tmp_path: Path) -> None:
+    """A @dataclass under `from __future__ import annotations` and an import of a sibling module failed."""
+    (tmp_path / "shapes.py").write_text("WIDTH = 1\n")
+    (tmp_path / "p.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\nimport shapes\n"
+        "from rnnserve.engine.lsrl import Input, LinState\n\n@dataclass\nclass Spec:\n    width: int\n\n"
+        "def build():\n    return LinState(Input(Spec(shapes.WIDTH).width), A=[[1]], B=[[1]])\n"
+    )
+    assert lsrl_main(["compile", str(tmp_path / "p.py"), "-o", str(tmp_path / "out")]) == 0
+
+
+def test_numpy_on_the_left_of_an_operator_builds_one_node() -> None:
+    """`np.array([1, 2]) * x` gave an ndarray of nodes, which sum() folded into 3 x."""
+    import numpy as np
+
+    from rnnserve.engine.lsrl import Input
+    from rnnserve.engine.lsrl.program import Node
+
+    x = Input(2)
+    for expression in (lambda: np.array([1.0, 2.0]) * x, lambda: np.array([1.0, 2.0]) + x):
+        try:
+            node = expression()
+        except TypeError:
+            continue  # refused, also right
+        assert isinstance(node, Node)
 
 
 def test_served_builtins_greedy_known_answers() -> None:
