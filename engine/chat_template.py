@@ -110,30 +110,36 @@ def render_chat(
     return text
 
 
+def content_text(content: Any) -> str:
+    """A message's OpenAI ``content`` as text: a string, ``None`` (``""``) or a list of ``text`` parts (joined);
+    :class:`InvalidParameterError` on ``messages`` for anything else (an image part: the models read text only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameterError("messages", f"content must be text or a list of parts, got {content!r:.80}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise InvalidParameterError(
+                "messages",
+                f"content parts of type {kind!r} are not supported: this server's models read text only, "
+                "so send the content as a string or as parts of type 'text'",
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidParameterError("messages", "a content part of type 'text' needs a 'text' string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-style messages as a template reads them: ``content`` as text (a list of ``text`` parts joined,
-    ``None`` as ``""``); :class:`InvalidParameterError` for a message without a role or a part that is not text
-    (these models read text only)."""
-    rendered = []
+    """OpenAI-style messages as a template reads them, each ``content`` as text (:func:`content_text`)."""
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidParameterError("messages", f"a message is a dict with a 'role', got {message!r:.80}")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidParameterError(
-                        "messages", f"only content parts of type 'text' can be read by this model, got {part!r:.80}"
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise InvalidParameterError("messages", f"content must be text or a list of parts, got {content!r:.80}")
-        rendered.append({**message, "content": content})
-    return rendered
+    return [{**message, "content": content_text(message.get("content"))} for message in messages]
 
 
 def special_token_text(tokenizer: Tokenizer, token_id: int | None) -> str:

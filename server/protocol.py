@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from rnnserve.engine.chat_template import content_text
 from rnnserve.engine.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
     InvalidParameterError,
@@ -306,17 +307,6 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
 
-    def checked_text(self) -> str:
-        if self.type != "text":
-            raise InvalidParameterError(
-                "messages",
-                f"content parts of type {self.type!r} are not supported: this server's models read text only, "
-                "so send the content as a string or as parts of type 'text'",
-            )
-        if self.text is None:
-            raise InvalidParameterError("messages", "a content part of type 'text' needs a 'text' string")
-        return self.text
-
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -341,11 +331,8 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The message's text; :class:`InvalidParameterError` for a part that is not text (an image, ...)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.checked_text() for part in self.content)
+        content = self.content
+        return content_text([part.model_dump() for part in content] if isinstance(content, list) else content)
 
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
