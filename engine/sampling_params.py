@@ -89,6 +89,18 @@ class StructuredOutputParams:
         if self.json is not None and not isinstance(self.json, dict | str):
             raise InvalidParameterError(self.param, "json must be a JSON schema (an object)")
 
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> StructuredOutputParams:
+        """vLLM's ``structured_outputs`` dict (``{"choice": [...]}``, ...), its keys and flags checked."""
+        param = "structured_outputs"
+        unknown = sorted(set(options) - {*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace"})
+        if unknown:
+            raise InvalidParameterError(param, f"structured_outputs does not support {', '.join(unknown)}")
+        for flag in ("json_object", "disable_any_whitespace"):
+            if flag in options and not isinstance(options[flag], bool):
+                raise InvalidParameterError(param, f"structured_outputs.{flag} must be a boolean")
+        return cls(**options)
+
 
 @dataclass
 class SamplingParams:
@@ -165,10 +177,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [as_number("allowed_token_ids", t, integer=True) for t in self.allowed_token_ids]
         if isinstance(self.structured_outputs, dict):  # vLLM's keyword spelling: {"json": schema}, {"regex": ...}
-            unknown = sorted(set(self.structured_outputs) - {*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace"})
-            if unknown:
-                raise InvalidParameterError("structured_outputs", f"structured_outputs does not support {unknown}")
-            self.structured_outputs = StructuredOutputParams(**self.structured_outputs)
+            self.structured_outputs = StructuredOutputParams.from_options(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputParams):
             raise InvalidParameterError(
                 "structured_outputs", "structured_outputs must be StructuredOutputParams or a dict of its fields"

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from rnnserve.engine.chat_template import content_text
 from rnnserve.engine.sampling_params import (
-    STRUCTURED_OUTPUT_KINDS,
     InvalidParameterError,
     OutputKind,
     SamplingParams,
@@ -170,16 +169,9 @@ class SamplingFields(APIModel):
             return guided
         if options is None:
             return from_format
-        param = "structured_outputs"
         if from_format is not None:
-            raise InvalidParameterError(param, "give response_format or structured_outputs, not both")
-        unknown = sorted(set(options) - {*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace"})
-        if unknown:
-            raise InvalidParameterError(param, f"structured_outputs does not support {', '.join(unknown)}")
-        for flag in ("json_object", "disable_any_whitespace"):
-            if flag in options and not isinstance(options[flag], bool):
-                raise InvalidParameterError(param, f"structured_outputs.{flag} must be a boolean")
-        return StructuredOutputParams(**options)
+            raise InvalidParameterError("structured_outputs", "give response_format or structured_outputs, not both")
+        return StructuredOutputParams.from_options(options)
 
     def _guided(self) -> StructuredOutputParams | None:
         """vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` as the constraint."""
