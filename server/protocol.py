@@ -107,15 +107,15 @@ class SamplingFields(APIModel):
                 "stream_options", "stream_options is only allowed when stream is true"
             )
 
-    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
-        """An error the engine raised at submission, in this request's terms (the field the client sent)."""
+    def in_request_terms(self, err: InvalidParameterError) -> InvalidParameterError:
+        """A parameter error, raised building the engine's parameters or by the engine at submission, in this
+        request's terms (the field the client sent)."""
         return err
 
     def sampling_params(
         self,
         max_tokens: int,
         logprobs: int | None,
-        max_tokens_param: str,
         prompt_logprobs: int | None = None,
         fit_max_tokens: bool = False,
     ) -> SamplingParams:
@@ -149,11 +149,10 @@ class SamplingFields(APIModel):
                 fit_max_tokens=fit_max_tokens,
             )
         except InvalidParameterError as err:
-            if err.param == "max_tokens":
-                raise InvalidParameterError(
-                    max_tokens_param, str(err).replace("max_tokens", max_tokens_param)
-                ) from err
-            raise
+            explained = self.in_request_terms(err)
+            if explained is err:
+                raise
+            raise explained from err
 
     def structured_output_params(self) -> StructuredOutputParams | None:
         """OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
@@ -260,7 +259,7 @@ class CompletionRequest(SamplingFields):
         """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (with its logprobs, if asked)."""
         return self.echo and self.max_tokens == 0
 
-    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
+    def in_request_terms(self, err: InvalidParameterError) -> InvalidParameterError:
         if self.echo_only and err.param == "max_tokens":  # the one token sampled and left out is the engine's
             return InvalidParameterError(
                 "prompt", "the prompt is too long for echo with max_tokens 0, which needs it at least one token "
@@ -283,11 +282,7 @@ class CompletionRequest(SamplingFields):
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         return self.sampling_params(
-            1 if self.echo_only else max_tokens,
-            self.logprobs,
-            "max_tokens",
-            prompt_logprobs,
-            fit_max_tokens=self.max_tokens is None,
+            1 if self.echo_only else max_tokens, self.logprobs, prompt_logprobs, fit_max_tokens=self.max_tokens is None
         )
 
 
@@ -393,11 +388,12 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def engine_error(self, err: InvalidParameterError) -> InvalidParameterError:
-        if err.param == "max_tokens" and self.max_completion_tokens is not None:
-            param = "max_completion_tokens"
-            return InvalidParameterError(param, str(err).replace("max_tokens", param))
-        return err
+    def in_request_terms(self, err: InvalidParameterError) -> InvalidParameterError:
+        sent = {"logprobs": "top_logprobs"}  # the engine's number of alternatives is chat's top_logprobs
+        if self.max_completion_tokens is not None:
+            sent["max_tokens"] = "max_completion_tokens"
+        name = sent.get(err.param)
+        return err if name is None else InvalidParameterError(name, str(err).replace(err.param, name))
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if not self.messages:
@@ -410,20 +406,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.max_completion_tokens is not None:
-            max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
+            max_tokens = self.max_completion_tokens
         else:
             max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-            param = "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         defaulted = self.max_tokens is None and self.max_completion_tokens is None
-        try:
-            params = self.sampling_params(max_tokens, logprobs, param, fit_max_tokens=defaulted)
-        except InvalidParameterError as err:
-            if err.param == "logprobs":
-                raise InvalidParameterError(
-                    "top_logprobs", str(err).replace("logprobs", "top_logprobs")
-                ) from err
-            raise
+        params = self.sampling_params(max_tokens, logprobs, fit_max_tokens=defaulted)
         calls = self.forced_tool_calls()
         if calls is None:
             return params

@@ -173,7 +173,7 @@ class OpenAIServing:
             # 128 random bits, not uuid4: its os.urandom call releases the GIL, and with the engine in a thread
             # each request then waited for the engine to hand the GIL back.
             response_id = f"{generation.id_prefix}-{random.getrandbits(128):032x}"
-            submission = await self.submit(response_id, prompts, params, turn, req.engine_error)
+            submission = await self.submit(response_id, prompts, params, turn, req.in_request_terms)
         except BaseException:
             if turn is not None:
                 turn.release()
