@@ -63,7 +63,7 @@ class Sequence:
             tokenizer.eos_token_ids if not self.params.ignore_eos else frozenset()
         )
         # stop token ids whose text the output keeps (vLLM's include_stop_str_in_output)
-        self._kept_stop_ids = frozenset(self.params.stop_token_ids) if self.params.include_stop_str_in_output else ()
+        self._kept_stop_ids = frozenset(self.params.stop_token_ids if self.params.include_stop_str_in_output else ())
         self.max_tokens = self.params.max_tokens
         # Sampling is a plain argmax: no draw, bias, penalties, banned stop tokens or logprobs (the sampler's fast
         # path)

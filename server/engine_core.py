@@ -423,7 +423,8 @@ metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Reques
 
 
 COMPACT_ROW_LENGTH = 3  # (request id, text, token ids): see OutputEncoder
-NUM_TOKENS_FIELD = 9  # CompletionOutput.num_tokens in Sequence.take_output_fields' tuple
+# where CompletionOutput.num_tokens sits in Sequence.take_output_fields' tuple (the fields in order)
+NUM_TOKENS_FIELD = [f.name for f in dataclasses.fields(CompletionOutput)].index("num_tokens")
 
 
 class OutputEncoder:
