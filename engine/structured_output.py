@@ -90,32 +90,38 @@ class GrammarCompiler:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
-        error = LLMatcher.validate_grammar(grammar, tokenizer) or self._first_step_error(tokenizer, grammar)
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if not error:
+            first_tokens, error = self._first_step(tokenizer, grammar)
         if error:
             raise InvalidParameterError(params.param, f"invalid structured output constraint: {error.strip()}")
-        return CompiledGrammar(tokenizer, grammar)
+        return CompiledGrammar(tokenizer, grammar, first_tokens)
 
-    def _first_step_error(self, tokenizer: LLTokenizer, grammar: str) -> str | None:
-        """What stops the grammar at its first token, which :meth:`LLMatcher.validate_grammar` does not try: the
-        lexer's and parser's size limits (a regex ``a{1000000}``, a choice of 2001 strings) are met there, and
-        a request would otherwise fail after it was accepted."""
+    def _first_step(self, tokenizer: LLTokenizer, grammar: str) -> tuple[torch.Tensor, str | None]:
+        """The tokens the grammar allows first (bool ``[vocab]``), and what stops it at its first token, which
+        :meth:`LLMatcher.validate_grammar` does not try: the lexer's and parser's size limits (a regex
+        ``a{1000000}``, a choice of 2001 strings) are met there, and a request would otherwise fail after it was
+        accepted."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         mask = torch.zeros((self._vocab_size + 31) // 32, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        allowed = allowed_tokens(mask[None], self._vocab_size)[0].nonzero()
+        first_tokens = allowed_tokens(mask[None], self._vocab_size)[0]
+        allowed = first_tokens.nonzero()
         if not matcher.is_error() and len(allowed):
             matcher.consume_token(int(allowed[0]))
-        return matcher_error(matcher) if matcher.is_error() else None
+        return first_tokens, matcher_error(matcher) if matcher.is_error() else None
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A request's checked grammar; each of its samples starts a :class:`GrammarState` from it."""
+    """A request's checked grammar; each of its samples starts a :class:`GrammarState` from it.
+    ``first_tokens`` (bool ``[vocab]``) are the tokens it allows first."""
 
     tokenizer: LLTokenizer
     grammar: str
+    first_tokens: torch.Tensor
 
     def start(self) -> GrammarState:
         from llguidance import LLMatcher
@@ -124,11 +130,7 @@ class CompiledGrammar:
 
     def allows_first(self, token_ids: list[int]) -> bool:
         """Whether any of ``token_ids`` can be the grammar's first token."""
-        vocab = self.tokenizer.vocab_size
-        mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-        self.start().fill_mask(mask, 0)
-        allowed = allowed_tokens(mask, vocab)[0]
-        return any(allowed[t] for t in token_ids if t < vocab)
+        return any(bool(self.first_tokens[t]) for t in token_ids if t < len(self.first_tokens))
 
 
 class GrammarState:
