@@ -317,11 +317,33 @@ class HFStreamDecoder(StreamDecoder):
 
     def push(self, token_id: int) -> str:
         self._held.append(token_id)
-        delta = self._stream.step(self._tok, token_id)
+        try:
+            delta = self._stream.step(self._tok, token_id)
+        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception ("Invalid prefix encountered")
+            delta = self._restart()
         if delta is None:
             return ""
         self._context, self._held = self._held, []
         return delta
+
+    def _restart(self) -> str | None:
+        """A new stream from the held tokens alone, when a token changed text already given out: a byte-fallback
+        decoder turns a run of byte tokens that is not UTF-8 (``<0xC3><0xA9>`` then a stray ``<0xA9>``) into one
+        U+FFFD per byte, so the decode with context no longer starts with what was emitted. What was emitted
+        stays; the held tokens' text comes from a stream of their own (vLLM's detokenizer recovers so)."""
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(skip_special_tokens=True)
+        pieces = []
+        try:
+            for token_id in self._held:
+                piece = self._stream.step(self._tok, token_id)
+                if piece is not None:
+                    pieces.append(piece)
+        except Exception:  # noqa: BLE001 - the held tokens alone fail too: their plain decode, and a new stream
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._tok.decode(self._held, skip_special_tokens=True)
+        return "".join(pieces) if pieces else None
 
     def flush(self) -> str:
         if not self._held:

@@ -141,6 +141,25 @@ def test_a_character_cut_off_at_the_end_is_flushed(tokenizers_by_kind: dict[str,
     assert "".join(deltas) == tokenizer.decode(cut) and deltas[-1].endswith("\ufffd")
 
 
+@pytest.mark.parametrize("kind", ["byte_fallback", "llama"])
+@pytest.mark.parametrize("stray", [[0xA9], [0xAD, 0x80], [0xFF]])
+def test_a_stray_byte_after_a_whole_character_does_not_break_a_byte_fallback_stream(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, stray: list[int]
+) -> None:
+    """``é`` written as ``<0xC3><0xA9>``, then a stray byte token: decoded together, the ByteFallback decoder turns
+    the whole run into U+FFFD per byte, so ``DecodeStream`` raised "Invalid prefix encountered" (a request's
+    failure, or with lazy text the engine loop's). What was emitted stays, the stray byte comes out as U+FFFD
+    and the stream goes on; in a prompt's context and after a character, as the stream's first tokens too."""
+    tokenizer = tokenizers_by_kind[kind]
+    a = tokenizer.encode_plain("a")[-1]
+    ids = [0xC3, 0xA9, *stray, a, 0xE4, 0xB8, 0xAD, a]  # <0xNN> tokens have the byte's id
+    for context in ([], [a], [0xC3, 0xA9]):
+        deltas = stream(tokenizer, ids, context)
+        assert "".join(deltas).lstrip() == "é" + "\ufffd" * len(stray) + "a中a", (context, deltas)
+        detok = tokenizer.stream_decoder(context)
+        assert detok.push_many(ids) + detok.flush() == "".join(deltas)
+
+
 def test_byte_tokenizer_streams_characters_whole_and_invalid_bytes_at_once() -> None:
     tokenizer = ByteTokenizer()
     assert stream(tokenizer, list("é😀".encode())) == ["", "é", "", "", "", "😀", ""]
