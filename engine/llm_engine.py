@@ -453,7 +453,15 @@ class LLMEngine:
                         continue
                     copied.synchronize()
                 group.final_state_copied = None
-            outputs.append(build(group))
+            try:
+                output = build(group)
+            except Exception as err:  # noqa: BLE001 - e.g. a tokenizer raising on the text: that request's failure
+                logger.exception("building the output of request %s failed", group.request_id)
+                self.scheduler.fail(group, err)
+                for seq in group.seqs:
+                    seq.abandon_text()
+                output = build(group)
+            outputs.append(output)
             if group.finished:
                 group.release_samples()
         return outputs

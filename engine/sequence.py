@@ -84,6 +84,11 @@ class Sequence:
             self._decode_pending()
         return "".join(self._frozen) + self._text if self._frozen else self._text
 
+    def abandon_text(self) -> None:
+        """End the sample as failed because decoding its text raised: the text stays what was decoded."""
+        self._lazy_text = False
+        self.finish_reason = "error"
+
     def _decode_pending(self) -> None:
         """Lazy text: decode the tokens appended since the last read (not a stop token that ended the sample),
         then, once the sample ended with ``stop`` or ``length``, what the decoder still holds."""

@@ -3,11 +3,13 @@ the synchronous engine and with async scheduling, where a step's tokens are read
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rnnserve.engine import llm_engine
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence
 from tests.engine.conftest import make_engine, run_to_completion
 
@@ -66,6 +68,37 @@ def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPa
     final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)
     assert final["victim"].error == "ValueError: bad stop string"
     assert final["alpha"].outputs[0].token_ids == expected["alpha"]
+
+
+@SCHEDULING
+def test_an_error_decoding_a_final_output_fails_only_its_request(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str
+) -> None:
+    """A request that only wants its final output decodes its text when that output is built, outside the step's
+    per-request handling: an error there (a tokenizer raising) ended the engine loop, failing every request."""
+    prompts = ["alpha", "victim", "gamma"]
+    expected = reference(prompts)
+    real_decode = Sequence._decode_pending
+
+    def decode_pending(self: Sequence) -> None:
+        if self.group.request_id == "victim":
+            raise RuntimeError("Invalid prefix encountered while decoding stream")
+        real_decode(self)
+
+    monkeypatch.setattr(Sequence, "_decode_pending", decode_pending)
+    engine = make_engine(async_scheduling=scheduling)
+    params = dataclasses.replace(GREEDY, output_kind=OutputKind.FINAL_ONLY)
+    for p in prompts:
+        engine.add_request(p, params, request_id=p)
+    final = run_to_completion(engine)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    assert final["victim"].error == "RuntimeError: Invalid prefix encountered while decoding stream"
+    assert final["victim"].outputs[0].finish_reason == "error"
+    for p in ("alpha", "gamma"):
+        assert final[p].error is None and final[p].outputs[0].token_ids == expected[p]
+        assert final[p].outputs[0].text
+    engine.add_request("after", params, request_id="after")
+    assert run_to_completion(engine)["after"].outputs[0].finish_reason == "length"
 
 
 @SCHEDULING
