@@ -159,9 +159,12 @@ class HFTokenizer(Tokenizer):
         config_path = path.with_name("tokenizer_config.json")
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
-        self.add_bos = bool(config.get("add_bos_token", False))
         self.eos_token_id = self._special_id(config.get("eos_token"))
         self.bos_token_id = self._special_id(config.get("bos_token"))
+        if "add_bos_token" in config:
+            self.prefix_ids = [self.bos_token_id] if config["add_bos_token"] and self.bos_token_id is not None else []
+        else:
+            self.prefix_ids = self._post_processor_prefix()
         self._decoders = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
         self._special_ids = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
 
@@ -174,12 +177,27 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def _post_processor_prefix(self) -> list[int]:
+        """The special tokens ``tokenizer.json``'s post-processor puts before a text (Llama 3's
+        ``<|begin_of_text|>``), which ``transformers``' ``tokenizer(text)`` adds; any it puts after one (an EOS)
+        would end a prompt that is to be continued, and are left out."""
+        for text in ("a", "0", " "):
+            plain = self._tok.encode(text, add_special_tokens=False).ids
+            full = self._tok.encode(text, add_special_tokens=True).ids
+            starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+            if plain and starts:
+                return full[: starts[0]]
+        return []
+
     def encode(self, text: str) -> list[int]:
-        """The text's ids, after BOS where ``tokenizer_config.json`` asks for it (``add_bos_token``) and the text
-        does not begin with BOS's own text already, as a chat template's ``{{ bos_token }}`` writes it."""
+        """The text's ids after the tokens the tokenizer puts before every text (BOS where
+        ``tokenizer_config.json``'s ``add_bos_token`` asks for it, else what ``tokenizer.json``'s post-processor
+        adds before a text), unless the text begins with their own text already, as a chat template's
+        ``{{ bos_token }}`` writes it."""
         ids = self.encode_plain(text)
-        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
+        prefix = self.prefix_ids
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = [*prefix, *ids]
         return ids
 
     def encode_plain(self, text: str) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -122,3 +123,37 @@ def test_char_tokenizer_takes_the_longest_symbol_and_names_where_none_starts() -
     with pytest.raises(ValueError) as err:
         long.encode("<1><x>")
     assert len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize(
+    ("template", "config", "expected_prefix"),
+    [
+        ("<bos> $A", {}, ["<bos>"]),  # Llama 3: the post-processor adds BOS, tokenizer_config.json says nothing
+        ("<bos> $A <eos>", {}, ["<bos>"]),  # a trailing EOS would end the prompt: left out
+        ("$A", {}, []),
+        ("<bos> $A", {"add_bos_token": False}, []),  # tokenizer_config.json's word wins, as transformers' Llama
+        ("$A", {"add_bos_token": True}, ["<bos>"]),
+    ],
+)
+def test_hf_tokenizer_puts_the_tokens_before_a_text_that_transformers_does(
+    hf_tokenizer_dir: Path, tmp_path: Path, template: str, config: dict, expected_prefix: list[str]
+) -> None:
+    """A prompt gets what ``tokenizer(text)`` puts before it: without this, a Llama-3-style tokenizer's
+    completions prompts silently lacked their BOS. A text that already begins with BOS does not get a second."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<bos>"])
+    bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<bos>", bos), ("<eos>", eos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", **config}))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    prefix = [tok.token_to_id(t) for t in expected_prefix]
+    for text in ("the cat", "", "<bos>the cat"):
+        plain = tok.encode(text, add_special_tokens=False).ids
+        assert tokenizer.encode(text) == (plain if plain[: len(prefix)] == prefix else prefix + plain), text
+    if not config:
+        reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+        assert reference("the cat").input_ids[: len(prefix) + 1] == tokenizer.encode("the cat")[: len(prefix) + 1]
