@@ -171,8 +171,9 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
     tokenizer = read_hf_tokenizer(path / "tokenizer.json")
     eos_ids = hf_eos_token_ids(path, config)
-    tokenizer.eos_token_id = eos_ids[0] if eos_ids else None
-    tokenizer.extra_eos_token_ids = tuple(eos_ids[1:])
+    if tokenizer.eos_token_id is None:  # else the tokenizer's EOS stops a sample too, as in vLLM
+        tokenizer.eos_token_id = eos_ids[0] if eos_ids else None
+    tokenizer.extra_eos_token_ids = tuple(i for i in dict.fromkeys(eos_ids) if i != tokenizer.eos_token_id)
     if dtype is None:
         dtype = next(model.parameters()).dtype
     return _finish(model, device, dtype), tokenizer

@@ -57,6 +57,23 @@ def test_eos_from_generation_config(tmp_path: Path) -> None:
     hf_harness.check_eos_agrees(reference, hf_harness.save_hf(reference, tmp_path))
 
 
+def test_the_tokenizers_eos_ends_a_sample_beside_the_configured_ones(tmp_path: Path) -> None:
+    """A chat fine-tune whose ``tokenizer_config.json`` names ``<|im_end|>`` as EOS and whose config.json keeps
+    the base model's id: both end a sample (vLLM's stop set), and the tokenizer's is the EOS that chat templates
+    write, as ``transformers``' ``apply_chat_template`` renders ``{{ eos_token }}``."""
+    from rnnserve.engine.loader import load_model
+
+    reference = build("mamba", {})
+    reference.generation_config.eos_token_id = 3
+    path = hf_harness.save_hf(reference, tmp_path)
+    (path / "tokenizer_config.json").write_text('{"eos_token": "w9"}')
+    _, tokenizer = load_model(str(path), device="cpu", dtype="float32")
+    assert tokenizer.eos_token_id == 9 and tokenizer.eos_token_ids == {9, 3}
+    (path / "tokenizer_config.json").write_text('{"eos_token": "w3"}')
+    _, tokenizer = load_model(str(path), device="cpu", dtype="float32")
+    assert tokenizer.eos_token_id == 3 and tokenizer.eos_token_ids == {3}
+
+
 def test_state_is_conv_tail_and_ssm_state_in_fp32(tmp_path: Path) -> None:
     from rnnserve.engine.loader import load_model
 
