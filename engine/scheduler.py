@@ -57,6 +57,7 @@ class SchedulerOutput:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     decoded_prompts: list[PrefillChunk] = field(default_factory=list)
+    long_prefill: bool = False  # a prompt longer than a chunk advances while samples decode
 
     def groups(self) -> list[SequenceGroup]:
         """The requests this step touches, each once, decode first."""
@@ -107,6 +108,7 @@ class Scheduler:
         self.running: dict[str, SequenceGroup] = {}
         self._decode_seconds = 0.0  # estimated time of a decode-only step
         self._prefill_balance = 0.0  # <= 0: prefill seconds still owed to the decoding requests
+        self._long_balance = 0.0  # <= 0: long prompts' prefill seconds owed to every other kind of work
         # A decode-only schedule's samples, kept while no request is admitted and no sample ends or leaves, and
         # how many more schedules may return them as they are: the engine samples one token for each sample of
         # every schedule, so the one with the fewest tokens left before ``max_tokens`` drops out after that many.
@@ -188,7 +190,7 @@ class Scheduler:
             fed = {id(c.group) for c in out.decoded_prompts}
             prompts = [g for g in prompts if id(g) not in fed]
         if prompts:
-            out.prefill = self._prefill_chunks(prompts, decoding=bool(out.decode))
+            out.prefill, out.long_prefill = self._prefill_chunks(prompts, decoding=bool(out.decode))
         return out
 
     def _decodes_prompt(self, group: SequenceGroup) -> bool:
@@ -196,10 +198,12 @@ class Scheduler:
         left = len(group.prompt_token_ids) - group.num_prefilled
         return left <= self.decoded_prompt_tokens and group.prompt_logprobs is None
 
-    def _prefill_chunks(self, prompts: list[SequenceGroup], decoding: bool) -> list[PrefillChunk]:
+    def _prefill_chunks(self, prompts: list[SequenceGroup], decoding: bool) -> tuple[list[PrefillChunk], bool]:
+        """The step's prompt chunks, and whether one of them is a long prompt's while samples decode."""
         budget = self.max_num_batched_tokens
         cap = min(self.long_prefill_token_threshold, budget) if decoding else budget
-        long_allowed = not decoding or self._prefill_balance >= 0.0
+        long_allowed = not decoding or self._prefill_balance >= 0.0 or self._long_balance >= 0.0
+        long_taken = False
         oldest = prompts[0]
 
         def remaining(group: SequenceGroup) -> int:
@@ -213,9 +217,10 @@ class Scheduler:
                 break
             take = self._cut_at_snapshot(group, min(left, cap, budget))
             partial += take < left
+            long_taken |= decoding and left > cap
             chunks.append(PrefillChunk(group, group.num_prefilled, group.num_prefilled + take))
             budget -= take
-        return chunks
+        return chunks, long_taken
 
     def _cut_at_snapshot(self, group: SequenceGroup, take: int) -> int:
         """Shorten a chunk of a cacheable prompt that would cross a multiple of ``prefix_cache_interval`` so it
@@ -228,15 +233,26 @@ class Scheduler:
     def record_step(self, batch: SchedulerOutput, seconds: float) -> None:
         """Account a finished step's wall time to the prefill time share. A decode-only step earns prefill
         ``prefill_time_share / (1 - prefill_time_share)`` of its time (banked up to nothing: prefill never
-        runs in a burst); a step with prefill spends what it took beyond a decode-only step."""
+        runs in a burst); a step with prefill spends what it took beyond a decode-only step.
+
+        Long prompts keep a second account, against all other work: every step without a long chunk earns it
+        the same fraction of its time, so short prompts arriving all the time, whose prefill keeps the first
+        account in debt, cannot hold a long prompt back forever."""
         if not batch.decode or self.prefill_time_share >= 1.0:
-            self._prefill_balance = 0.0
-        elif not batch.prefill:
+            self._prefill_balance = self._long_balance = 0.0
+            return
+        earned = seconds * self.prefill_time_share / (1.0 - self.prefill_time_share)
+        if not batch.prefill:
             self._decode_seconds += (seconds - self._decode_seconds) * self.DECODE_TIME_SMOOTHING
-            earned = seconds * self.prefill_time_share / (1.0 - self.prefill_time_share)
             self._prefill_balance = min(0.0, self._prefill_balance + earned)
+            self._long_balance = min(0.0, self._long_balance + earned)
+            return
+        spent = max(0.0, seconds - self._decode_seconds)
+        self._prefill_balance -= spent
+        if batch.long_prefill:
+            self._long_balance -= spent
         else:
-            self._prefill_balance -= max(0.0, seconds - self._decode_seconds)
+            self._long_balance = min(0.0, self._long_balance + earned)
 
     def _admit(self, groups: list[SequenceGroup]) -> None:
         """Give requests their slots (reset together: a burst of arrivals costs one reset); each request's first

@@ -86,3 +86,31 @@ def test_without_decoding_samples_prefill_is_not_throttled() -> None:
     engine = make_engine(max_num_batched_tokens=512, long_prefill_token_threshold=32, prefill_time_share=0.1)
     engine.add_request("x" * 1000, GREEDY, request_id="long")
     assert [sum(_tokens(_step(engine, 1.0)).values()) for _ in range(2)] == [512, 488]
+
+
+def test_short_prompts_arriving_all_the_time_do_not_starve_a_long_prompt() -> None:
+    """Short prompts' prefill counts against the time share, and on a CPU one costs many decode steps: arriving
+    every step or two they kept the share in debt, and a long prompt got no token at all however long it
+    waited. Its own account earns from every step it is not in, so it still gets about its share of the time."""
+    share = 0.3
+    engine = make_engine(max_num_batched_tokens=512, long_prefill_token_threshold=32, prefill_time_share=share)
+    engine.add_request("s", STREAM, request_id="stream")
+    _step(engine, 0.001)
+    engine.add_request("x" * 2000, GREEDY, request_id="long")
+    long_seconds = total_seconds = 0.0
+    for i in range(300):
+        if i % 2 == 0:
+            engine.add_request("y" * 16, GREEDY, request_id=f"short{i}")
+        batch = engine.scheduler.schedule()
+        tokens = _tokens(batch)
+        seconds = 0.001 + 0.02 * bool(batch.prefill) + 0.02 * ("long" in tokens)
+        engine.scheduler.complete_prefill(batch.prefill)
+        engine.scheduler.record_step(batch, seconds)
+        for chunk in batch.prefill:
+            if chunk.group.prefill_done:
+                engine.scheduler.abort(chunk.group.request_id)
+        assert all(n <= 32 for n in tokens.values())
+        total_seconds += seconds
+        long_seconds += 0.02 * ("long" in tokens)
+    assert engine.scheduler.running["long"].num_prefilled >= 32 * 20
+    assert 0.3 * share <= long_seconds / total_seconds <= share
