@@ -130,9 +130,20 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         if group.params.n > self.pool.num_slots:
             raise InvalidParameterError("n", f"n={group.params.n} exceeds the {self.pool.num_slots} state slots")
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+        if self.max_waiting is not None and len(self.waiting) - self._admissible() >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(group)
+
+    def _admissible(self) -> int:
+        """How many requests at the head of the queue the free slots take at the next schedule: they do not
+        wait for a slot, so a burst into an idle engine is not refused while slots are free."""
+        free, count = self.pool.num_free, 0
+        for group in self.waiting:
+            free -= group.params.n
+            if free < 0:
+                break
+            count += 1
+        return count
 
     def schedule(self) -> SchedulerOutput:
         """Admit what fits, then pick this step's decode samples and prompt chunks.

@@ -122,8 +122,23 @@ def test_running_count_is_the_unfinished_samples_of_admitted_requests(async_sche
 
 def test_waiting_queue_limit() -> None:
     engine = make_engine(max_num_seqs=1, max_waiting=2)
-    for _ in range(2):
+    for _ in range(3):  # the first takes the free slot at the next step: it does not wait
         engine.add_request("q", SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        engine.add_request("q", SamplingParams(max_tokens=2))
+
+
+def test_a_burst_into_an_idle_engine_is_refused_only_beyond_free_slots_and_the_queue() -> None:
+    """Requests the free slots take at the next step do not count as waiting: a burst arriving between two steps
+    was refused at ``max_waiting`` with every slot free."""
+    engine = make_engine(max_num_seqs=4, max_waiting=2)
+    engine.add_request("q", SamplingParams(max_tokens=2, n=3))
+    for _ in range(3):  # one more fits the free slot; then two wait
+        engine.add_request("q", SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        engine.add_request("q", SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.scheduler.num_waiting == 2 and engine.pool.num_free == 0
     with pytest.raises(QueueFullError):
         engine.add_request("q", SamplingParams(max_tokens=2))
 
