@@ -302,8 +302,9 @@ class AsyncEngine:
             self._step_failures.update(dict.fromkeys(self._consumers, event.message))
             self._fail_all(RequestFailedError(event.message), False)
         else:
-            if not self._stopping:  # it died: /health says 503 from now on, and the log says why
+            if not self._stopping:  # it died: /health says 503 from now on, and the log and metrics say why
                 logger.error("the engine stopped: %s; /health answers 503 from now on", event.message)
+                self.metrics.observe_engine_died(len(self._consumers))
             self._fail_all(EngineDeadError(event.message), True)
 
     def _route(self, outputs: list[RequestOutput]) -> None:

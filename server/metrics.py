@@ -22,7 +22,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -351,6 +351,12 @@ class ServerMetrics:
     def set_load(self, load: EngineLoad) -> None:
         """The engine's load now (exported when the registry is collected, see :class:`LoadGauges`)."""
         self._load.load = load
+
+    def observe_engine_died(self, num_failed: int) -> None:
+        """The engine died: the ``num_failed`` requests in flight failed with it (their clients got an error), and
+        nothing runs, waits or holds a slot any more (the gauges kept the load before the death)."""
+        self.request_success("error").inc(num_failed)
+        self._load.load = replace(self._load.load, num_running=0, num_waiting=0, slots_used=0, prefix_cache=[])
 
     def observe_admitted(self, params: SamplingParams) -> None:
         """One engine request was queued with ``params``."""

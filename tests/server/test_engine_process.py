@@ -53,6 +53,7 @@ from rnnserve.server.engine_core import (
     portable_error,
 )
 from tests.server.conftest import tiny_config
+from tests.server.test_live import scrape
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -200,8 +201,12 @@ def test_in_flight_streams_fail_cleanly_when_the_engine_process_dies(caplog: pyt
 
     with serve_in_thread(app) as url:
         rest, health, ready, late = asyncio.run(scenario(url))
+        metrics = scrape(url)
     assert "the engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
     assert (health, ready, late) == (503, 503, 503)
+    # the failed stream is an error, and the load gauges do not freeze at the load before the death
+    assert metrics['rnnserve_request_success_total{finished_reason="error"}'] == 1
+    assert metrics["rnnserve_num_requests_running"] == metrics["rnnserve_state_slots_used"] == 0
     # the log says so (it said nothing: a server answering 503 to everything, with no reason given)
     assert any(r.levelname == "ERROR" and "the engine stopped" in r.getMessage() for r in caplog.records)
 
