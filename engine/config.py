@@ -65,7 +65,8 @@ class EngineConfig:
     )
     max_num_seqs: int | None = option(64, "state slots, i.e. sequences running at once")
     state_memory: int | None = option(
-        None, "state-pool budget, e.g. 2GiB; the pool gets the smaller of this and --max-num-seqs",
+        None, "state-pool budget, e.g. 2GiB (its scratch slot included); the pool gets the smaller of this and "
+        "--max-num-seqs",
         type=parse_bytes, metavar="BYTES",
     )
     max_num_batched_tokens: int = option(

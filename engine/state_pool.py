@@ -55,15 +55,19 @@ class StatePool:
         state_memory: int | None = None,
         device: torch.device | str = "cpu",
     ) -> StatePool:
-        """Size the pool from ``max_num_seqs``, a state-memory budget in bytes, or the smaller of both."""
+        """Size the pool from ``max_num_seqs``, a state-memory budget in bytes, or the smaller of both. The budget
+        holds the pool's scratch slot too: it is all the pool allocates."""
         per_slot = sum(s.nbytes for s in specs)
         candidates = []
         if max_num_seqs is not None:
             candidates.append(max_num_seqs)
         if state_memory is not None:
-            if per_slot > state_memory:
-                raise ValueError(f"state memory budget {state_memory} B is below one slot ({per_slot} B per sequence)")
-            candidates.append(state_memory // max(per_slot, 1))
+            if 2 * per_slot > state_memory:
+                raise ValueError(
+                    f"state memory budget {state_memory} B is below one slot and the pool's scratch slot "
+                    f"({per_slot} B per sequence)"
+                )
+            candidates.append(state_memory // max(per_slot, 1) - 1)
         if not candidates:
             raise ValueError("give max_num_seqs or state_memory")
         return cls(specs, min(candidates), device)

@@ -147,10 +147,12 @@ def test_state_memory_budget_sets_slot_count() -> None:
     probe = make_engine(max_num_seqs=1)
     per_slot = probe.pool.bytes_per_slot
     engine = make_engine(max_num_seqs=None, state_memory=per_slot * 5 + per_slot // 2)
-    assert engine.pool.num_slots == 5
-    assert engine.pool.total_bytes == 5 * per_slot
-    with pytest.raises(ValueError, match="below one slot"):
-        make_engine(max_num_seqs=None, state_memory=per_slot - 1)
+    assert engine.pool.num_slots == 4  # and the scratch slot: the budget is all the pool allocates
+    assert engine.pool.total_bytes == 4 * per_slot
+    assert sum(t.nbytes for t in engine.pool.tensors.values()) == 5 * per_slot
+    assert make_engine(max_num_seqs=None, state_memory=per_slot * 2).pool.num_slots == 1
+    with pytest.raises(ValueError, match="below one slot and the pool's scratch slot"):
+        make_engine(max_num_seqs=None, state_memory=per_slot * 2 - 1)
 
 
 def _rss_kib() -> int:

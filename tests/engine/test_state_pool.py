@@ -78,9 +78,9 @@ def test_copy_forks_one_slot_into_many() -> None:
 
 def test_from_budget_takes_the_smaller_limit() -> None:
     per_slot = StatePool(SPECS, 1).bytes_per_slot
-    assert StatePool.from_budget(SPECS, max_num_seqs=10, state_memory=per_slot * 4).num_slots == 4
+    assert StatePool.from_budget(SPECS, max_num_seqs=10, state_memory=per_slot * 4).num_slots == 3
     assert StatePool.from_budget(SPECS, max_num_seqs=3, state_memory=per_slot * 40).num_slots == 3
-    assert StatePool.from_budget(SPECS, state_memory=per_slot * 7 + 1).num_slots == 7
+    assert StatePool.from_budget(SPECS, state_memory=per_slot * 7 + 1).num_slots == 6
     with pytest.raises(ValueError):
         StatePool.from_budget(SPECS)
 

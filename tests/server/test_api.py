@@ -429,7 +429,7 @@ def test_model_name_may_be_given_or_omitted(client: TestClient) -> None:
 
 
 def test_state_memory_budget_sizes_the_pool() -> None:
-    config = tiny_config(max_num_seqs=None, state_memory=3 * 2560 + 100)  # mingru-tiny: 2560 bytes per slot
+    config = tiny_config(max_num_seqs=None, state_memory=4 * 2560 + 100)  # mingru-tiny: 2560 B a slot, one scratch
     with TestClient(create_app(config)) as client:
         text = client.get("/metrics").text
     label = f'{{model_name="{TINY}"}}'
