@@ -72,11 +72,13 @@ class RequestMetrics:
 class TokenLatencies:
     """The token latencies one engine step observed, one entry per request that got a token (for metrics, so
     they need no per-step output): ``queue`` and ``first_token`` (arrival to first scheduling, arrival to first
-    token) for requests whose first token came, ``inter_token`` (the gap since the previous token) for the rest."""
+    token) for requests whose first token came, ``inter_token`` (the gap since the previous token) for the rest;
+    ``started``: the ids of the requests whose first token came (a server stops counting their prompts as queued)."""
 
     queue: list[float] = field(default_factory=list)
     first_token: list[float] = field(default_factory=list)
     inter_token: list[float] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -347,6 +347,7 @@ class Scheduler:
                 if last is None:
                     metrics.first_token_time = now
                     latencies.first_token.append(now - metrics.arrival_time)
+                    latencies.started.append(group.request_id)
                     if metrics.first_scheduled_time is not None:
                         latencies.queue.append(metrics.first_scheduled_time - metrics.arrival_time)
                 else:

@@ -9,7 +9,7 @@ submission alone; if ``engine.step()`` itself raises, every in-flight request fa
 ends (or its process dies), every in-flight request fails and no more are taken.
 
 The bridge also bounds the memory that queued requests hold: the prompts of submissions that have not yet
-produced an output count against ``max_queued_bytes``. It logs a throughput line every 10 s while busy, and
+had a first token count against ``max_queued_bytes``. It logs a throughput line every 10 s while busy, and
 says whether the server is ready for requests (``/ready``).
 """
 
@@ -278,6 +278,10 @@ class AsyncEngine:
             for stats in event.steps:
                 self.metrics.observe_step(stats)
                 self.stat_logger.record(stats, event.load)
+                for request_id in stats.latencies.started:  # a request without output until it ends is no
+                    submission = self._consumers.get(request_id)  # longer queued once its first token came
+                    if submission is not None:
+                        self._dequeue(submission)
             self.metrics.observe_outputs(event.outputs)
             self.metrics.set_load(event.load)
             if event.outputs:

@@ -99,6 +99,28 @@ def test_queued_prompt_bytes_are_bounded(server: ServerProcess) -> None:
     assert again.status_code == 200  # the aborted requests gave their bytes back
 
 
+def test_a_non_streamed_request_stops_counting_as_queued_at_its_first_token(server: ServerProcess) -> None:
+    """A non-streamed request has no output until it ends; its prompt counted as queued through its whole decode,
+    so a decoding 600-byte request had the next 600-byte request refused with nothing waiting."""
+    body = json.dumps({"prompt": "a" * 600, "max_tokens": 8000, "ignore_eos": True})
+    head = HEAD + f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # holds the only slot, decoding
+        before = generated_tokens(server)
+        sock.sendall((head + body).encode())
+        deadline = time.monotonic() + 30
+        while generated_tokens(server) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        next_one = {"prompt": "b" * 600, "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=next_one, headers=AUTH, timeout=30) as queued:
+            assert queued.status_code == 200
+
+
+def generated_tokens(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("rnnserve_generation_tokens_total")]
+    return sum(float(line.split()[-1]) for line in lines)
+
+
 def test_guard_on_a_real_socket(server: ServerProcess) -> None:
     body = json.dumps({"prompt": "Hi", "max_tokens": 1})
     form = httpx.post(f"{server.url}/v1/completions", content=body, headers={**AUTH, "Content-Type": "text/plain"})
