@@ -111,6 +111,10 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
         tokenizer = TokenIdTokenizer(model.vocab_size)
     else:
         tokenizer = ByteTokenizer()
+    for spec in model.state_spec():  # a state derived from the weights (Lattice's S0, normalised column by column)
+        if isinstance(spec.initial, torch.Tensor) and not bool(torch.isfinite(spec.initial).all()):
+            index = tuple(torch.nonzero(~torch.isfinite(spec.initial))[0].tolist())
+            raise ModelLoadError(f"{path}: the initial state {spec.name} is not finite at {index} (a zero column?)")
     if dtype is None:
         dtype = next(model.parameters()).dtype
     return _finish(model, device, dtype), tokenizer
@@ -122,6 +126,8 @@ def read_hf_tokenizer(file: Path) -> HFTokenizer:
     config = file.with_name("tokenizer_config.json")
     if config.exists():
         read_json_object(config)
+    if not file.is_file():  # a FIFO would block the open for ever
+        raise ModelLoadError(f"{file}: not a regular file")
     try:
         return HFTokenizer(file)
     except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
@@ -195,6 +201,9 @@ def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     absent = [n for n in names if not (path / n).is_file()]
     if absent:
         raise ModelLoadError(f"{path}: shard {absent[0]} listed in {index.name} is missing")
+    stray = sorted(p.name for p in path.glob("*.safetensors") if p.name not in weight_map.values())
+    if stray:  # transformers would load a model.safetensors beside the shards instead: which weights are meant?
+        raise ModelLoadError(f"{path}: {stray[0]} is not one of the shards {index.name} lists; remove one or the other")
     return [path / n for n in names], weight_map
 
 

@@ -10,7 +10,7 @@ import torch
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.engine.loader import load_model, save_checkpoint
+from rnnserve.engine.loader import ModelLoadError, load_model, save_checkpoint
 from rnnserve.engine.models import MODEL_REGISTRY, PRESETS
 from rnnserve.engine.models.lattice import LatticeConfig
 from rnnserve.engine.sampling_params import SamplingParams
@@ -151,6 +151,16 @@ def test_checkpoint_round_trip_keeps_s0(tmp_path) -> None:
     prompts = _prompts()[2:5]
     expected = _prefill_whole(model, prompts, [0, 1, 2], _pool(model, 3))
     torch.testing.assert_close(_prefill_whole(loaded, prompts, [0, 1, 2], _pool(loaded, 3)), expected)
+
+
+@torch.inference_mode()
+def test_a_checkpoint_whose_s0_has_a_zero_column_is_a_load_error(tmp_path) -> None:
+    """S0's columns are normalised into the initial state: a zero column made every request's logits NaN."""
+    model = _model("lattice-sim-tiny")
+    model.layers[1].mixer.S0[0, :, 2] = 0.0
+    save_checkpoint(model, tmp_path)
+    with pytest.raises(ModelLoadError, match=r"initial state S is not finite at \(1, 0, 0, 2\)"):
+        load_model(str(tmp_path), device="cpu")
 
 
 def test_config_rejects_bad_choices() -> None:

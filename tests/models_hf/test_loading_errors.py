@@ -86,8 +86,19 @@ def test_a_weight_stored_twice_is_refused(checkpoint: Path, tmp_path: Path) -> N
     reference = transformers.MambaForCausalLM.from_pretrained(tmp_path / "ckpt")
     sharded = hf_harness.save_hf(reference, tmp_path / "sharded", max_shard_size="20KB")
     shards = sorted(sharded.glob("model-*.safetensors"))
-    save_file({**load_file(str(shards[-1])), **load_file(str(shards[0]))}, str(shards[-1]))  # the first's too
+    last = load_file(str(shards[-1]))
+    save_file({**last, **load_file(str(shards[0]))}, str(shards[-1]))  # the first's too
     assert "which the shard index puts in" in load_error(sharded)
+    save_file(last, str(shards[-1]))  # the shards as they were, and beside them ...
+    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, str(sharded / "model.safetensors"))
+    # ... a whole model.safetensors, which transformers loads instead of the shards: not silently ignored
+    assert "model.safetensors is not one of the shards model.safetensors.index.json lists" in load_error(sharded)
+
+
+def test_a_fifo_named_tokenizer_json_is_an_error_not_a_hang(checkpoint: Path) -> None:
+    (checkpoint / "tokenizer.json").unlink()
+    os.mkfifo(checkpoint / "tokenizer.json")
+    assert "tokenizer.json: not a regular file" in load_error(checkpoint)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn])
