@@ -158,7 +158,7 @@ class HFTokenizer(Tokenizer):
         self._tok = _Tokenizer.from_file(str(path))
         config_path = path.with_name("tokenizer_config.json")
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+        self.chat_template = _default_chat_template(config.get("chat_template"))
         self.eos_token_id = self._special_id(config.get("eos_token"))
         self.bos_token_id = self._special_id(config.get("bos_token"))
         if "add_bos_token" in config:
@@ -235,6 +235,15 @@ class HFTokenizer(Tokenizer):
     def first_undecodable(self, ids: Sequence[int]) -> int | None:
         """The first id with no token (a ``tokenizer.json`` may leave gaps between its ids), or ``None``."""
         return next((t for t in dict.fromkeys(ids) if not self.has_token(t)), None)
+
+
+def _default_chat_template(value: object) -> str | None:
+    """``tokenizer_config.json``'s ``chat_template``: a template, or a list of named ones (``{"name",
+    "template"}``) of which ``transformers`` renders ``default`` unless told otherwise."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
 
 
 def _byte_level_table() -> dict[str, int]:

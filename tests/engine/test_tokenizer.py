@@ -157,3 +157,13 @@ def test_hf_tokenizer_puts_the_tokens_before_a_text_that_transformers_does(
     if not config:
         reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
         assert reference("the cat").input_ids[: len(prefix) + 1] == tokenizer.encode("the cat")[: len(prefix) + 1]
+
+
+def test_a_list_of_named_chat_templates_gives_the_default_one(hf_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """``tokenizer_config.json`` may name several templates (``[{"name", "template"}]``); ``transformers`` renders
+    ``default``. The list was dropped, and chats silently got the generic template."""
+    (tmp_path / "tokenizer.json").write_bytes((hf_tokenizer_dir / "tokenizer.json").read_bytes())
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    for value, expected in [(named, "D"), (named[:1], None), ("S", "S"), (7, None)]:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": value}))
+        assert HFTokenizer(tmp_path / "tokenizer.json").chat_template == expected
