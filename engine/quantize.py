@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.kernels import int4_linear as int4
-from rnnserve.kernels.int8_linear import dequantize, int8_linear
+from rnnserve.kernels.int8_linear import ACTIVATION_DTYPES, dequantize, int8_linear
 
 INT8_MAX = 127
 INT4_MIN = -8
@@ -169,7 +169,8 @@ def quantize_model(model: nn.Module, method: str) -> int:
     returns how many.
 
     Raises ``ValueError`` for an unknown method, for a model with no linear layer to quantize (naming the
-    model) and for a layer with non-finite weights (naming the layer).
+    model), for weights in a dtype the kernels take no activations in (fp64), and for a layer with non-finite
+    weights (naming the layer).
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r} (choices: {', '.join(METHODS)})")
@@ -177,6 +178,10 @@ def quantize_model(model: nn.Module, method: str) -> int:
     model_name = getattr(model, "architecture", type(model).__name__)
     if not targets:
         raise ValueError(f"--quantize {method}: the {model_name} model has no linear layers to quantize")
+    dtype = targets[0][2].weight.dtype
+    if dtype not in ACTIVATION_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in ACTIVATION_DTYPES)
+        raise ValueError(f"--quantize {method}: quantized layers take {names} activations, not {dtype}; set --dtype")
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     quantized = Int8Linear if method == "int8" else Int4Linear
     replaced: dict[int, QuantizedLinear] = {}  # a module shared by several parents stays shared

@@ -211,6 +211,9 @@ def test_models_without_linear_layers_and_unknown_methods_are_refused() -> None:
     model, _ = load_model("random:mingru-tiny", device="cpu")
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         quantize_model(model, "int3")
+    model, _ = load_model("random:mingru-tiny", device="cpu", dtype="float64")  # started, then every request 500
+    with pytest.raises(ValueError, match="activations, not torch.float64; set --dtype"):
+        quantize_model(model, "int4")
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
