@@ -58,12 +58,18 @@ def retain_freed_memory() -> bool:
     a [2048, 3072] fp32 GELU took 4.3 ms in a prefill and 1.5 ms with the memory kept; bf16 prefills of 2 x 2048
     tokens ran 1-16% faster (minlstm-100m, mamba-130m, mamba2-130m). The process keeps its peak heap, as a caching
     allocator does. Nothing changes where the environment already tunes malloc (``MALLOC_*_``, ``GLIBC_TUNABLES``)
-    or the C library has no ``mallopt``; returns whether it applied. Called once per serving process."""
+    or the C library has no ``mallopt``; returns whether it applied. Called once per serving process, after
+    loading: what loading freed (a checkpoint's conversions, quantization's temporaries) goes back to the OS
+    first, or the process would keep it for good."""
     if any(name in os.environ for name in MALLOC_ENVIRONMENT):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    libc = ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:
         return False
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 

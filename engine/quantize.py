@@ -17,6 +17,8 @@ sparse fp64 matrices) is refused with a ``ValueError`` at start-up rather than s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,6 +114,18 @@ class Int4Linear(nn.Module):
 QuantizedLinear = Int8Linear | Int4Linear
 
 
+ROW_BLOCK = 2048  # rows quantized at a time: the fp32 temporaries of a block, not of a whole vocabulary's head
+
+
+def _by_row_blocks(
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` (a per-row scheme) over ``ROW_BLOCK`` rows at a time, joined: quantizing a 74 MB bf16
+    head at once took six to eight times its size in fp32 temporaries."""
+    blocks = [quantize_rows(weight[start : start + ROW_BLOCK]) for start in range(0, max(len(weight), 1), ROW_BLOCK)]
+    return torch.cat([q for q, _ in blocks]), torch.cat([scale for _, scale in blocks])
+
+
 @torch.no_grad()
 def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> ``(packed [N, G * 16] uint8, scale [N, G] fp16)``, ``G = ceil(K / 32)``.
@@ -120,7 +134,11 @@ def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     ``scale = m / -8`` rounded to fp16, so ``m`` maps to ``-8`` exactly and the group uses all 16 levels of
     ``[-8, 7]`` (llama.cpp's Q4_0 rule); ``q = clamp(round(w / scale), -8, 7)``. An all-zero group gets scale 0.
     """
-    w = weight.detach().float()
+    return _by_row_blocks(_int4_rows, weight.detach())
+
+
+def _int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float()
     if not bool(torch.isfinite(w).all()):
         raise ValueError("cannot quantize a weight with non-finite values")
     n, k = w.shape
@@ -143,7 +161,11 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     magnitude maps to +-127 exactly and every value is off by at most ``scale / 2``. An all-zero row gets
     scale 0 and zeros.
     """
-    w = weight.detach().float()
+    return _by_row_blocks(_int8_rows, weight.detach())
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float()
     absmax = w.abs().amax(dim=1)
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError("cannot quantize a weight with non-finite values")
