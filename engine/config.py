@@ -43,6 +43,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
 def option(default: Any, help: str, **cli: Any) -> Any:
     """A config field with its CLI help; ``cli`` holds extra argparse keywords (``type``, ``choices``,
     ``metavar``, ``cli_default`` when the command line's default differs, ``flag`` to rename the flag)."""
@@ -89,7 +96,7 @@ class EngineConfig:
         "token a step, instead of a prefill call: on a GPU a prefill call costs tens of ms of kernel launches "
         "for a 48-layer model whatever its size, a decode step one CUDA-graph replay for every running sample "
         "(default: 32 where decode replays CUDA graphs, else 0: CPUs prefill short prompts cheaply)",
-        metavar="TOKENS",
+        type=non_negative_int, metavar="TOKENS",
     )
     max_model_len: int | None = option(
         None, "most tokens per sequence, prompt + max_tokens; beyond it a request gets 400 (default: the "

@@ -54,10 +54,17 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and all(f in out for f in flags)
 
 
-def test_bad_flag_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_flag_values_are_rejected(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     assert run_main(["serve", "--max-num-seqs", "0"], capsys)[0] == 2
     assert run_main(["serve", "--state-memory", "lots"], capsys)[0] == 2
     assert run_main(["bench", "--concurrency", "2", "--request-rate", "1"], capsys)[0] == 2
+    # a server that answered 408 to every request with a body started from --request-read-timeout -1
+    for flag, value in [("--request-read-timeout", "-1"), ("--keep-alive-timeout", "0"), ("--drain-timeout", "nan")]:
+        assert run_main(["serve", flag, value], capsys)[0] == 1
+        assert f"{flag} must be a number of seconds" in caplog.text
+    parse = cli.build_parser().parse_args
+    assert ServerConfig.from_args(parse(["serve", "--decoded-prompt-tokens", "0"])).engine.decoded_prompt_tokens == 0
+    assert ServerConfig.from_args(parse(["serve", "--drain-timeout", "0"])).drain_timeout == 0
 
 
 def test_serve_flags_and_code_build_the_same_config(monkeypatch: pytest.MonkeyPatch) -> None:
