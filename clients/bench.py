@@ -223,6 +223,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
     result = RequestResult(ok=False)
     last: float | None = None
     chunks = 0
+    done = False
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -231,6 +232,7 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
                 return result
             async for data in sse_data(response):
                 if data == "[DONE]":  # read on to the body's end: a response left unread closes its connection
+                    done = True
                     continue
                 chunk = json.loads(data)
                 if not isinstance(chunk, dict):
@@ -258,9 +260,11 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
     result.latency = time.perf_counter() - start
     result.output_tokens = result.output_tokens or chunks
     result.chunks = chunks
-    result.ok = result.ttft is not None
-    if not result.ok:
+    result.ok = result.ttft is not None and done
+    if result.ttft is None:
         result.error = "the stream ended without any chunk"
+    elif not done:  # cut off (a proxy, a server dying mid-stream): its figures would describe a short request
+        result.error = "the stream ended early, without [DONE]"
     return result
 
 
@@ -326,7 +330,7 @@ async def drive_in_processes(
     """The load split over ``config.processes`` client processes (each with its share of the prompts, the
     concurrency and the request rate), so that parsing streams is not what limits a fast server; the results
     of all, from the first start to the last end (wall clock)."""
-    count = min(config.processes, len(prompts)) or 1
+    count = min(config.processes, len(prompts), config.concurrency or len(prompts)) or 1  # each process >= 1 stream
     shares = []
     for i in range(count):
         concurrency = None
@@ -501,7 +505,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("RNNSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $RNNSERVE_API_KEY or $OPENAI_API_KEY)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times (default: 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="seed for prompts and arrival times; a server's prefix cache answers prompts it has seen, so change "
+        "it between runs to measure cold prefill, or turn the cache off (default: 0)",
+    )
     parser.add_argument(
         "--no-ignore-eos",
         action="store_true",
@@ -600,13 +608,19 @@ def _figure(run: dict[str, Any], key: str) -> float | None:
     return value
 
 
+RUN_SEED_STEP = 1000  # --compare's runs use seeds this far apart (a process of a run adds its index to its seed)
+
+
 async def compare(config: BenchConfig, other_url: str, rounds: int) -> dict[str, Any]:
     """The same load against ``config.url`` and ``other_url``, alternating for ``rounds`` rounds (so slow
-    drift of the machine hits both); per figure the median of each side's runs and their ratio."""
+    drift of the machine hits both); per figure the median of each side's runs and their ratio. Each run sends
+    prompts of its own (the same lengths, other words or ids): repeated prompts would be answered from a
+    server's prefix cache, so later rounds would not measure what the first did."""
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "other": []}
-    for _ in range(rounds):
-        runs["base"].append(await benchmark(config))
-        runs["other"].append(await benchmark(replace(config, url=other_url, model=None)))
+    for round_ in range(rounds):  # prompts of their own in every run: a prefix cache answered repeated ones
+        seeds = [config.seed + RUN_SEED_STEP * (2 * round_ + side) for side in (0, 1)]
+        runs["base"].append(await benchmark(replace(config, seed=seeds[0])))
+        runs["other"].append(await benchmark(replace(config, url=other_url, model=None, seed=seeds[1])))
     summary = {}
     for key, _, _ in COMPARED:
         medians = []

@@ -13,6 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from rnnserve.clients import bench
 from rnnserve.clients.bench import BenchConfig, benchmark, summarize
 from rnnserve.server import cli
 from rnnserve.server.background import serve_in_thread
@@ -99,6 +100,72 @@ def test_bench_keeps_one_connection_per_concurrent_request() -> None:
         figures = asyncio.run(benchmark(config))
     assert figures["completed"] == 12 and figures["total_output_tokens"] == 24
     assert len(client_ports) == 12 and len(set(client_ports)) <= 3
+
+
+def fake_server(cut_off: bool) -> tuple[FastAPI, dict[str, int]]:
+    """A streaming server that counts the streams it has open at once; ``cut_off``: every stream ends after two
+    chunks, without a usage chunk or ``[DONE]`` (a proxy cutting streams looks so)."""
+    app = FastAPI()
+    seen = {"open": 0, "most_open": 0}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def events():  # type: ignore[no-untyped-def]
+            seen["open"] += 1
+            seen["most_open"] = max(seen["most_open"], seen["open"])
+            try:
+                for _ in range(2):
+                    await asyncio.sleep(0.05)
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a'}]})}\n\n"
+                if not cut_off:
+                    yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 2}})}\n\ndata: [DONE]\n\n"
+            finally:
+                seen["open"] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, seen
+
+
+def test_a_stream_cut_off_before_done_is_a_failure() -> None:
+    """A stream that ended cleanly but early (no [DONE]) counted as a successful request: throughput and latency
+    then described requests that never finished, and the run exited 0."""
+    app, _ = fake_server(cut_off=True)
+    with serve_in_thread(app) as url:
+        config = BenchConfig(url=url, num_prompts=3, concurrency=3, input_len=4, output_len=50, prompts="ids",
+                             progress=False)  # fmt: skip
+        figures = asyncio.run(benchmark(config))
+    assert figures["completed"] == 0 and figures["failed"] == 3
+    assert figures["failures"] == {"the stream ended early, without [DONE]": 3}
+
+
+def test_client_processes_keep_the_concurrency_in_total() -> None:
+    """With more processes than --concurrency, the processes beyond it got a concurrency of 0, read as no
+    limit: 6 streams at once for --concurrency 2."""
+    app, seen = fake_server(cut_off=False)
+    with serve_in_thread(app) as url:
+        config = BenchConfig(url=url, num_prompts=8, concurrency=2, input_len=4, output_len=2, prompts="ids",
+                             progress=False, processes=4)  # fmt: skip
+        figures = asyncio.run(benchmark(config))
+    assert figures["completed"] == 8 and seen["most_open"] <= 2
+
+
+def test_compared_runs_send_prompts_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round and side of --compare sent the same prompts, so a prefix cache answered all runs after the
+    first from its snapshots (a server compared with itself came out 1.8x faster)."""
+    seeds = []
+
+    async def fake_benchmark(config: BenchConfig) -> dict:
+        seeds.append(config.seed)
+        return bench.report(config, "fake", [], 1.0)
+
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    asyncio.run(bench.compare(BenchConfig(url="http://a", seed=5), "http://b", rounds=3))
+    assert len(set(seeds)) == 6 and seeds[0] == 5
 
 
 def test_the_load_generator_imports_without_torch() -> None:
