@@ -30,16 +30,17 @@ import logging
 import os
 import re
 import secrets
+import stat
 import struct
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import safetensors.torch
 import torch
@@ -301,6 +302,8 @@ class SessionCodec:
                     f"model's is {dtype_name(spec.dtype)}{list(spec.shape)}",
                     code="session_layout_mismatch",
                 )
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise corrupted(session_id, f"state {name!r} holds NaN or infinite values")
             state[name] = tensor
         token_ids, pending = (self.token_list(session_id, name, tensors[name]) for name in TOKEN_TENSORS)
         if metadata.get("num_tokens") != str(len(token_ids) + len(pending)):
@@ -487,15 +490,12 @@ class SessionStore:
         cached = self._cached(session_id)
         if cached is not None:
             return cached.info
-        try:
-            with open(self.path(session_id), "rb") as file:
-                size = os.fstat(file.fileno()).st_size
-                head = file.read(HEADER_LENGTH_BYTES)
-                if len(head) == HEADER_LENGTH_BYTES:
-                    (length,) = struct.unpack("<Q", head)
-                    head += file.read(min(length, MAX_HEADER_BYTES))
-        except FileNotFoundError:
-            raise self._missing(session_id) from None
+        with self._open(session_id) as file:
+            size = os.fstat(file.fileno()).st_size
+            head = self._reading(session_id, file.read, HEADER_LENGTH_BYTES)
+            if len(head) == HEADER_LENGTH_BYTES:
+                (length,) = struct.unpack("<Q", head)
+                head += self._reading(session_id, file.read, min(length, MAX_HEADER_BYTES))
         self._found(session_id, size)
         metadata, _ = self.codec.read_header(session_id, head, size)
         num_tokens = metadata_int(session_id, metadata, "num_tokens", "the metadata's token count")
@@ -544,6 +544,9 @@ class SessionStore:
                 self.path(session_id).unlink()
             except FileNotFoundError:
                 raise self._missing(session_id) from None
+            except OSError as err:  # e.g. a directory in its place
+                raise APIError(500, f"cannot delete session {session_id!r}: {err.strerror or err}",
+                               type="internal_error", code="session_write_failed") from None  # fmt: skip
             with self._lock:
                 self._sizes.pop(session_id, None)
                 self._forget(session_id)
@@ -554,17 +557,16 @@ class SessionStore:
         data = self.codec.encode(snapshot, created, updated)
         with self._writing():
             with self._lock:
+                at_limit = self._over_limits(session_id, new, len(data)) is not None
+            if at_limit:  # files removed behind the server's back still counted: count afresh
+                sizes = self._scan()
+                with self._lock:  # sessions in use keep their count (a write of theirs may not be on disk yet)
+                    self._sizes = {**sizes, **{i: n for i, n in self._sizes.items() if i in self._leases}}
+            with self._lock:
+                refused = self._over_limits(session_id, new, len(data))
+                if refused is not None:
+                    raise limit_reached(refused)
                 previous = self._sizes.get(session_id)
-                if new and previous is None and len(self._sizes) >= self.max_sessions:
-                    raise limit_reached(
-                        f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
-                    )
-                total = sum(self._sizes.values()) - (previous or 0) + len(data)
-                if total > self.max_bytes:
-                    raise limit_reached(
-                        f"storing this session ({len(data)} bytes) would pass the {self.max_bytes}-byte limit on "
-                        "stored sessions (--max-session-bytes); delete some first"
-                    )
                 self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
             try:
                 version = self._write(self.path(session_id), data)
@@ -585,6 +587,19 @@ class SessionStore:
         info = SessionInfo(session_id, created, updated, num_tokens, len(data))
         self._remember(StoredSession(info, snapshot), version)
         return info
+
+    def _over_limits(self, session_id: str, new: bool, size: int) -> str | None:
+        """Why storing ``size`` bytes as ``session_id`` would pass ``--max-sessions`` or ``--max-session-bytes``
+        (under ``_lock``), else ``None``."""
+        previous = self._sizes.get(session_id)
+        if new and previous is None and len(self._sizes) >= self.max_sessions:
+            return f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
+        if sum(self._sizes.values()) - (previous or 0) + size > self.max_bytes:
+            return (
+                f"storing this session ({size} bytes) would pass the {self.max_bytes}-byte limit on stored sessions "
+                "(--max-session-bytes); delete some first"
+            )
+        return None
 
     def _write(self, path: Path, data: bytes) -> FileVersion:
         """Atomically replace ``path`` with ``data``: durable once this returns. Returns the new file's version."""
@@ -610,14 +625,35 @@ class SessionStore:
     # --- bookkeeping ----------------------------------------------------------------------------------
 
     def _read(self, session_id: str) -> tuple[bytes, FileVersion]:
-        try:
-            with open(self.path(session_id), "rb") as file:
-                version = FileVersion.of(os.fstat(file.fileno()))
-                data = file.read()
-        except FileNotFoundError:
-            raise self._missing(session_id) from None
+        with self._open(session_id) as file:
+            version = FileVersion.of(os.fstat(file.fileno()))
+            data = self._reading(session_id, file.read)
         self._found(session_id, len(data))
         return data, version
+
+    @contextmanager
+    def _open(self, session_id: str) -> Iterator[BinaryIO]:
+        """The session's file, open for reading; 404 if there is none, 422 ``session_corrupted`` if it is no
+        regular file (a directory; a FIFO, opened without blocking, would hang the read) or cannot be opened."""
+        try:
+            fd = os.open(self.path(session_id), os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise self._missing(session_id) from None
+        except OSError as err:
+            raise corrupted(session_id, err.strerror or str(err)) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise corrupted(session_id, "its path is not a regular file")
+        with os.fdopen(fd, "rb") as file:
+            yield file
+
+    @staticmethod
+    def _reading(session_id: str, read: Callable[..., bytes], *args: int) -> bytes:
+        """``read(*args)``, an I/O error being the session's 422."""
+        try:
+            return read(*args)
+        except OSError as err:
+            raise corrupted(session_id, err.strerror or str(err)) from None
 
     def _cached(self, session_id: str) -> StoredSession | None:
         """The LRU's copy of the session if its file has not changed since (one ``stat``)."""

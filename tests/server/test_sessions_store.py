@@ -252,6 +252,54 @@ def test_count_and_byte_limits(tmp_path: Path) -> None:
     assert small.num_sessions == 1 and small.stored_bytes == one_file
 
 
+def test_files_removed_behind_the_servers_back_stop_counting_when_a_limit_is_reached(tmp_path: Path) -> None:
+    """Without a listing or expiry route an operator expires sessions by removing their files; a single server
+    counted them until restarted, and refused every new session on an empty folder."""
+    store = open_store(tmp_path, max_sessions=2)
+    infos = [store.create(), store.create()]
+    assert error_of(store.create).status == 429
+    for info in infos:
+        store.path(info.id).unlink()
+    store.create()
+    assert store.num_sessions == 1
+
+
+def test_a_path_that_is_no_regular_file_or_cannot_be_read_is_a_422(tmp_path: Path) -> None:
+    """A directory in a session's place was a 500 with a traceback on every route, and a FIFO hung the read."""
+    store = open_store(tmp_path)
+    intact = store.create()
+    for kind in ("directory", "fifo", "unreadable"):
+        session_id = new_session_id()
+        path = store.path(session_id)
+        if kind == "directory":
+            path.mkdir()
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            session_id = store.create().id
+            store.save(session_id, snapshot(1), int(time.time()))
+            path = store.path(session_id)
+            path.chmod(0)
+            if os.access(path, os.R_OK):  # root reads it anyway
+                continue
+        for call in (store.load, store.info, store.export, store.fork):
+            err = error_of(call, session_id)
+            assert (err.status, err.code) == (422, "session_corrupted"), (kind, call.__name__, err.message)
+    directory = new_session_id()
+    store.path(directory).mkdir()
+    assert error_of(store.delete, directory).code == "session_write_failed"
+    assert store.load(intact.id).snapshot is None
+
+
+def test_a_state_with_nan_or_infinite_values_is_refused(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    bad = snapshot(2)
+    bad.tensors["h"][0, 1] = float("nan")
+    data = store.codec.encode(bad, 1, 1)
+    err = error_of(store.import_state, new_session_id(), data)
+    assert (err.status, err.code) == (422, "session_corrupted") and "NaN or infinite" in err.message
+
+
 def test_one_request_at_a_time(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     info = store.create()
