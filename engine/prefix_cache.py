@@ -317,6 +317,24 @@ class PrefixCache:
             self._touch(best)
         return best
 
+    def shared_length(self, token_ids: list[int]) -> int:
+        """How many leading tokens ``token_ids`` shares with a sequence the tree holds (a snapshot or not on the
+        way): where a new prompt branches off a cached one, e.g. after a shared system prompt. Touches nothing."""
+        node, matched = self.root, 0
+        while matched < len(token_ids):
+            child = node.children.get(token_ids[matched])
+            if child is None:
+                break
+            common = 0
+            limit = min(len(child.key), len(token_ids) - matched)
+            while common < limit and child.key[common] == token_ids[matched + common]:
+                common += 1
+            matched += common
+            if common < len(child.key):
+                break
+            node = child
+        return matched
+
     def _exact(self, token_ids: list[int]) -> RadixNode | None:
         """The node that ends exactly after ``token_ids``, if the tree has one."""
         node, matched = self.root, 0

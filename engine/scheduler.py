@@ -9,8 +9,9 @@ prompt can neither hold back a short one's first token nor slow running streams 
 samples' slots, appends the sampled tokens and frees the slots of finished samples.
 
 With a :class:`~rnnserve.engine.prefix_cache.PrefixCache`, admission resumes a request from the deepest cached
-prefix of its prompt, and states are stored at prompt ends, at multiples of ``prefix_cache_interval`` (a prompt
-chunk that would cross one ends at it) and when a sample finishes with ``stop`` or ``length``.
+prefix of its prompt, and states are stored at prompt ends, at multiples of ``prefix_cache_interval`` and where
+a prompt branches off a cached sequence (a prompt chunk that would cross one ends at it) and when a sample
+finishes with ``stop`` or ``length``.
 """
 
 from __future__ import annotations
@@ -234,11 +235,14 @@ class Scheduler:
         return chunks, long_taken
 
     def _cut_at_snapshot(self, group: SequenceGroup, take: int) -> int:
-        """Shorten a chunk of a cacheable prompt that would cross a multiple of ``prefix_cache_interval`` so it
-        ends there (never to zero tokens: the chunk starts before that multiple)."""
+        """Shorten a chunk of a cacheable prompt that would cross a multiple of ``prefix_cache_interval``, or
+        the point where the prompt branches off a cached sequence, so it ends there (never to zero tokens: the
+        chunk starts before that point)."""
         if self.prefix_cache is None or not group.cacheable:
             return take
         boundary = (group.num_prefilled // self.prefix_cache_interval + 1) * self.prefix_cache_interval
+        if group.num_prefilled < group.branch_point < boundary:
+            boundary = group.branch_point
         return min(take, boundary - group.num_prefilled)
 
     def record_step(self, batch: SchedulerOutput, seconds: float) -> None:
@@ -281,6 +285,10 @@ class Scheduler:
                 group.num_prefilled = group.num_cached_tokens = self.prefix_cache.restore(
                     group.prompt_token_ids, self.pool.tensors, slots[0]
                 )
+                prompt = group.prompt_token_ids
+                shared = self.prefix_cache.shared_length(prompt)
+                if shared - group.num_prefilled >= self.prefix_cache.min_tokens and shared < len(prompt):
+                    group.branch_point = shared
             group.metrics.first_scheduled_time = now
             self.running[group.request_id] = group
 
@@ -297,7 +305,10 @@ class Scheduler:
             if (
                 self.prefix_cache is not None
                 and group.cacheable
-                and (chunk.completes_prompt or chunk.end % self.prefix_cache_interval == 0)
+                and (
+                    chunk.completes_prompt or chunk.end % self.prefix_cache_interval == 0
+                    or chunk.end == group.branch_point
+                )
             ):
                 snapshots.append((group.prompt_token_ids[: chunk.end], first_slot))
             if chunk.completes_prompt:

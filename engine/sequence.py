@@ -271,6 +271,7 @@ class SequenceGroup:
     from_context: bool = False
     initial_state: dict[str, torch.Tensor] | None = None
     num_cached_tokens: int = 0
+    branch_point: int = 0  # where the prompt leaves a sequence the prefix cache holds: a snapshot is taken there
     return_state: bool = False
     final_state: StateSnapshot | None = None
     final_state_copied: torch.cuda.Event | None = None  # on CUDA: once done, ``final_state`` holds the state

@@ -88,6 +88,34 @@ def test_long_prompts_resume_from_interval_snapshots_and_chunks_end_there() -> N
     assert_same_outputs(outputs, run(off, requests))
 
 
+@pytest.mark.parametrize("model", ["random:mamba-tiny", "random:griffin-tiny"])
+def test_a_shared_system_prompt_is_cached_where_conversations_branch_off_it(model: str) -> None:
+    """Chats that share a system prompt and differ after it: no snapshot ended where they part (prompt ends,
+    interval multiples and finished samples lie beyond it), so with the default interval none ever hit. The
+    second chat's prefill now ends a chunk at the branch point and stores it, and every later chat resumes there."""
+    on = make_engine(model, cache=True, prefix_cache_interval=2048)
+    off = make_engine(model, cache=False)
+    rng = random.Random(5)
+    tokens = token_pool(on)
+    system = rng.choices(tokens, k=40)
+    chunk_ends: list[int] = []
+    original = on.scheduler.complete_prefill
+
+    def record(chunks: list[PrefillChunk]) -> list[Sequence]:
+        chunk_ends.extend(c.end for c in chunks)
+        return original(chunks)
+
+    on.scheduler.complete_prefill = record  # type: ignore[method-assign]
+    chats = [system + rng.choices(tokens, k=12) for _ in range(4)]
+    outputs = [run(on, [(chat, GREEDY)])[0] for chat in chats]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 40, 40]
+    assert chunk_ends == [52, 40, 52, 52, 52]  # only the second chat stops at the branch point
+    assert_same_outputs(outputs, run(off, [(chat, GREEDY) for chat in chats]))
+    (short,) = run(on, [(system[:30] + rng.choices(tokens, k=3), GREEDY)])  # branches 30 tokens in
+    assert short.num_cached_tokens == 0 and on.prefix_cache.shared_length(system[:30] + [-1]) == 30
+    on.prefix_cache.check_invariants()
+
+
 def test_prompt_logprobs_bypass_the_cache() -> None:
     engine = make_engine("random:mingru-tiny", cache=True)
     prompt = list(range(40, 70))
