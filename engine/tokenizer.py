@@ -50,6 +50,11 @@ class Tokenizer:
         size = self.vocab_size
         return next((t for t in ids if not 0 <= t < size), None)
 
+    def char_offsets(self, text: str, ids: Sequence[int]) -> list[int] | None:
+        """Where each of ``ids`` (the tokens of ``text``) starts in ``text``, for tokenizers that align tokens with
+        the text they came from; ``None`` here: the tokens' own bytes place them."""
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (empty for special tokens and ids past the tokenizer's); this
         default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
@@ -205,6 +210,16 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def char_offsets(self, text: str, ids: Sequence[int]) -> list[int] | None:
+        """Where each of ``ids`` starts in ``text``, from the tokenizer's alignment of ``text`` (a Metaspace
+        ``▁`` added before the first word counts no character, a special token typed in the text counts its own);
+        tokens before the text's own (BOS) start at 0. ``None`` when ``ids`` does not end with the text's tokens."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        head = len(ids) - len(encoding.ids)
+        if head < 0 or list(ids[head:]) != encoding.ids:
+            return None
+        return [0] * head + [start for start, _ in encoding.offsets]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token stands for, also where it holds part of a character (whose text alone is U+FFFD):

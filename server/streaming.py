@@ -319,6 +319,17 @@ class CompletionStream(Generation):
     def reported_tokens(self, sample: CompletionOutput) -> int:
         return 0 if self.echo_only else sample.num_tokens
 
+    def echoed_offsets(self, out: RequestOutput) -> tuple[str, list[int]] | None:
+        """The echoed prompt's text and where each of its tokens starts in it, from the tokenizer's own alignment
+        of the text (a Metaspace tokenizer's ``▁`` before the first word, special tokens typed in the prompt:
+        counting the tokens' bytes put every offset after them too far); ``None`` where the tokenizer has no
+        alignment that gives the prompt's tokens."""
+        if not self.req.echo or self.params.logprobs is None:
+            return None
+        text = self.prompt_text(out)
+        starts = self.tokenizer.char_offsets(text, out.prompt_token_ids)
+        return None if starts is None else (text, starts)
+
     def echoed_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
         """The prompt's tokens and logprobs that ``echo`` with ``logprobs`` puts before the generated ones."""
         if not self.req.echo or self.params.logprobs is None:
@@ -328,8 +339,11 @@ class CompletionStream(Generation):
     def generated_entries(self, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
         return [] if self.echo_only else [(e.token_id, e) for e in entries]
 
-    def logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict | None:
-        """OpenAI's completion logprobs; prompt tokens echoed with them may have no entry (the first)."""
+    def logprobs(
+        self, index: int, entries: list[tuple[int, TokenLogprob | None]], echoed: tuple[str, list[int]] | None = None
+    ) -> dict | None:
+        """OpenAI's completion logprobs; prompt tokens echoed with them may have no entry (the first).
+        ``echoed``: the echoed prompt's text and its tokens' offsets in it, for the first entries."""
         if self.params.logprobs is None:
             return None
         top_n = self.params.logprobs
@@ -337,8 +351,10 @@ class CompletionStream(Generation):
         # A token's offset is the character of the text where its bytes start: the bytes of one character split
         # across tokens (a byte-level vocabulary) share its offset.
         offset, utf8 = self.offsets.get(index) or (0, codecs.getincrementaldecoder("utf-8")("replace"))
-        offsets = []
-        for token_id, _ in entries:
+        offsets: list[int] = []
+        if echoed is not None:
+            offsets, offset = list(echoed[1]), len(echoed[0])
+        for token_id, _ in entries[len(offsets) :]:
             offsets.append(offset)
             offset += len(utf8.decode(self.tokenizer.token_bytes(token_id)))
         self.offsets[index] = (offset, utf8)
@@ -383,25 +399,29 @@ class CompletionStream(Generation):
         text = "" if self.echo_only else sample.text_delta
         entries = self.generated_entries(sample.new_logprobs) if self.params.logprobs is not None else []
         first = index not in self.started
+        echoed = None
         if first:
             self.started.add(index)
             if self.req.echo:
                 text = self.prompt_text(out) + text
                 entries = self.echoed_entries(out) + entries
+                echoed = self.echoed_offsets(out)
         wants_logprobs = self.params.logprobs is not None and entries
         new_tokens = bool(sample.new_token_ids) and not self.echo_only
         opening_logprobs = first and self.req.prompt_logprobs is not None
         news = text or new_tokens or sample.finished or wants_logprobs or opening_logprobs
-        return self.choice(out, index, text, sample, self.logprobs(index, entries), first) if news else None
+        return self.choice(out, index, text, sample, self.logprobs(index, entries, echoed), first) if news else None
 
     def final_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict:
         index = self.choice_index(out, sample)
         text = "" if self.echo_only else sample.text
         entries = self.generated_entries(sample.logprobs or [])
+        echoed = None
         if self.req.echo:
             text = self.prompt_text(out) + text
             entries = self.echoed_entries(out) + entries
-        return self.choice(out, index, text, sample, self.logprobs(index, entries), first=True)
+            echoed = self.echoed_offsets(out)
+        return self.choice(out, index, text, sample, self.logprobs(index, entries, echoed), first=True)
 
 
 def tool_call_id() -> str:

@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+import json
 from itertools import accumulate
+from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 from rnnserve import LLM, SamplingParams
 from rnnserve.engine.chat_template import DEFAULT_CHAT_TEMPLATE
+from rnnserve.engine.loader import build_random, save_checkpoint
 from rnnserve.engine.outputs import RequestOutput
-from tests.server.conftest import TINY
+from rnnserve.server.app import create_app
+from tests.server.conftest import TINY, tiny_config
 from tests.server.test_api import complete, events
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,3 +129,42 @@ def test_tokenizer_info_and_tokenize_as_lm_eval_calls_them(client: TestClient) -
     tokens = client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
     assert tokens == list(b"test")
     assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "test"
+
+
+def llama_style_checkpoint(path: Path) -> Path:
+    """mingru-tiny weights under a Llama-2-style tokenizer: ``▁`` put before the first word and stripped again by
+    the decoder, byte fallback, and a special token a prompt may type."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    pieces = ["▁", *"abcdefghijklmnopqrstuvwxyz", "▁h", "▁he", "ll", "llo"]
+    vocab.update({piece: 256 + i for i, piece in enumerate(pieces)})
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("ll", "o")]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.add_special_tokens(["<|end|>"])
+    model, _ = build_random("mingru-tiny", torch.device("cpu"), None)
+    save_checkpoint(model, path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    return path
+
+
+@pytest.mark.parametrize("prompt", ["hello world", "hi<|end|>x y", "héllo"])
+def test_echoed_text_offsets_index_the_returned_text(tmp_path: Path, prompt: str) -> None:
+    """``text[text_offset[i]:]`` starts with token ``i``'s text. Counting the tokens' bytes placed every echoed
+    token one character too far after a Metaspace ``▁`` the returned text does not hold, and ignored a special
+    token typed in the prompt (it counted no character, though the echoed text holds it)."""
+    config = tiny_config(model=str(llama_style_checkpoint(tmp_path / "llama")))
+    with TestClient(create_app(config)) as client:
+        [choice] = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=2, **GREEDY)["choices"]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text.startswith(prompt)
+    echoed = len(lp["tokens"]) - 2
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    for token, offset in zip(lp["tokens"][:echoed], offsets[:echoed], strict=True):
+        if token.strip() and "\ufffd" not in token:
+            assert text[offset:].startswith(token.strip()), (token, offset, text)
+    assert offsets[echoed] == len(prompt)
