@@ -405,6 +405,8 @@ class ChatCompletionRequest(SamplingFields):
                 )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.prompt_logprobs is not None and self.stream:  # a chat chunk has no place for them (vLLM: 400 too)
+            raise InvalidParameterError("prompt_logprobs", "prompt_logprobs is not available with stream")
         if self.max_completion_tokens is not None:
             max_tokens = self.max_completion_tokens
         else:

@@ -103,6 +103,8 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client: TestClient, offlin
     assert len(body["prompt_logprobs"]) == len(prompt_ids) and body["prompt_logprobs"][0] is None
     for entry, token in zip(body["prompt_logprobs"][1:], prompt_ids[1:], strict=True):
         assert list(entry) == [str(token)] and entry[str(token)]["rank"] >= 1
+    streamed_chat = client.post("/v1/chat/completions", json={**chat, "stream": True})  # silently dropped them
+    assert streamed_chat.status_code == 400 and streamed_chat.json()["error"]["param"] == "prompt_logprobs"
     assert "prompt_logprobs" not in complete(client, prompt=PROMPT, max_tokens=1)["choices"][0]
 
 
