@@ -70,6 +70,10 @@ register_converter(
     "based", "Based authors' pytorch_model.bin directory (HazyResearch/based)",
     "rnnserve.engine.models.based_checkpoint",
 )
+register_converter(
+    "mamba_ssm", "the Mamba authors' mamba_ssm release directory (state-spaces/mamba-*, mamba2-*)",
+    "rnnserve.engine.models.mamba_ssm_checkpoint",
+)
 
 
 def load_pickled_tensors(path: Path) -> Any:

@@ -1,0 +1,114 @@
+"""``rnnserve convert --format mamba_ssm``: a release of the Mamba authors' own package (``state-spaces/mamba``,
+as on state-spaces/mamba-130m or mamba2-2.7b: a ``config.json`` with ``d_model``, ``n_layer`` and ``ssm_cfg``, and
+``pytorch_model.bin``) -> a native rnnserve ``mamba`` or ``mamba2`` directory.
+
+The config maps onto the fields ``transformers``' conversion writes (``ssm_cfg["layer"]`` picks Mamba-1 or
+Mamba-2; unset ``ssm_cfg`` entries take ``mamba_ssm``'s defaults), and the weights keep their names but for
+``backbone.embedding`` -> ``backbone.embeddings``. The vocabulary is the embedding's rows (``mamba_ssm`` pads
+``vocab_size`` to ``pad_vocab_size_multiple``). The releases carry no tokenizer (the authors use GPT-NeoX-20B's):
+pass ``--tokenizer``, else prompts are token ids. What the native models do not compute is refused: hybrid
+attention layers, MLP blocks (``d_intermediate``), LayerNorm instead of RMSNorm, Mamba-2 without its gated norm
+or with ``d_ssm`` below the inner width.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+from rnnserve.engine.models.mamba import MambaLM
+from rnnserve.engine.models.mamba2 import Mamba2LM
+
+WEIGHTS = "pytorch_model.bin"
+EMBEDDING = ("backbone.embedding.weight", "backbone.embeddings.weight")  # mamba_ssm's name, the native one
+HEAD = "lm_head.weight"
+
+
+def _config(src: Path) -> dict[str, Any] | None:
+    path = src / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def detect(src: Path) -> bool:
+    """A directory with ``pytorch_model.bin`` and a ``mamba_ssm`` config (``d_model``, ``n_layer``, no
+    ``model_type``)."""
+    config = _config(src) if src.is_dir() else None
+    return (
+        config is not None and (src / WEIGHTS).is_file() and "model_type" not in config
+        and {"d_model", "n_layer", "vocab_size"} <= config.keys()
+    )  # fmt: skip
+
+
+def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | type[Mamba2LM], dict[str, Any]]:
+    """The architecture and the ``transformers``-style config a ``mamba_ssm`` config describes."""
+    cfg = dict(ssm.get("ssm_cfg") or {})
+    layer = cfg.pop("layer", "Mamba1")
+    refused = [
+        (bool(ssm.get("attn_layer_idx")), "attention layers (attn_layer_idx)"),
+        (bool(ssm.get("d_intermediate", 0)), "MLP blocks (d_intermediate > 0)"),
+        (not ssm.get("rms_norm", True), "LayerNorm (rms_norm false)"),
+        (layer not in ("Mamba1", "Mamba2"), f"the mixer layer {layer!r}"),
+    ]
+    d_model = int(ssm["d_model"])
+    common = {
+        "vocab_size": vocab_size, "hidden_size": d_model, "num_hidden_layers": int(ssm["n_layer"]),
+        "expand": cfg.get("expand", 2), "conv_kernel": cfg.get("d_conv", 4), "use_bias": cfg.get("bias", False),
+        "use_conv_bias": cfg.get("conv_bias", True), "layer_norm_epsilon": ssm.get("norm_epsilon", 1e-5),
+        "residual_in_fp32": ssm.get("residual_in_fp32", True), "tie_word_embeddings": ssm.get("tie_embeddings", True),
+    }  # fmt: skip
+    if layer == "Mamba2":
+        d_inner = int(cfg.get("expand", 2) * d_model)
+        head_dim = cfg.get("headdim", 64)
+        refused += [
+            (not cfg.get("rmsnorm", True), "Mamba-2 without its gated RMSNorm (rmsnorm false)"),
+            (cfg.get("norm_before_gate", False), "norm_before_gate true"),
+            (cfg.get("d_ssm") not in (None, d_inner), "d_ssm other than the inner width"),
+        ]
+        low, high = cfg.get("dt_limit", (0.0, math.inf))
+        hf = {**common, "model_type": "mamba2", "num_heads": d_inner // head_dim, "head_dim": head_dim,
+              "state_size": cfg.get("d_state", 128), "n_groups": cfg.get("ngroups", 1),
+              "time_step_limit": (low, high)}  # fmt: skip
+    else:
+        hf = {**common, "model_type": "mamba", "state_size": cfg.get("d_state", 16),
+              "time_step_rank": cfg.get("dt_rank", "auto")}  # fmt: skip
+    reasons = [reason for refuse, reason in refused if refuse]
+    if reasons:
+        raise ConvertError(f"this mamba_ssm model has {', '.join(reasons)}, which rnnserve's Mamba models do not")
+    return (Mamba2LM if layer == "Mamba2" else MambaLM), hf
+
+
+def convert(src: Path) -> ConvertedCheckpoint:
+    """Read ``config.json`` and ``pytorch_model.bin`` (tensors only) and map them to the native layout."""
+    ssm = _config(src)
+    if ssm is None:
+        raise ConvertError(f"{src}: no readable config.json")
+    state = load_pickled_tensors(src / WEIGHTS)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConvertError(f"{src / WEIGHTS}: expected a flat dict of tensors")
+    if EMBEDDING[0] not in state:
+        raise ConvertError(f"{src / WEIGHTS}: no {EMBEDDING[0]}")
+    try:
+        cls, hf = hf_config(ssm, int(state[EMBEDDING[0]].shape[0]))
+        config = cls.from_hf_config(hf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+        raise ConvertError(f"{src / 'config.json'}: not a mamba_ssm config: {type(err).__name__}: {err}") from err
+    tensors = {EMBEDDING[1] if key == EMBEDDING[0] else key: value for key, value in state.items()}
+    notes = [f"vocabulary of {hf['vocab_size']} rows (config.json's vocab_size {ssm['vocab_size']}, padded)"]
+    if config.tie_embeddings and HEAD in tensors:
+        if not torch.equal(tensors[HEAD], tensors[EMBEDDING[1]]):
+            raise ConvertError(f"{src / WEIGHTS}: tie_embeddings is set but {HEAD} differs from {EMBEDDING[0]}")
+        del tensors[HEAD]
+        notes.append("tied embedding stored once")
+    native = {"architecture": cls.architecture, **config.to_dict(), "tokenizer": "token_ids"}  # unless --tokenizer
+    return ConvertedCheckpoint(config=native, tensors=tensors, notes=notes)

@@ -1,0 +1,94 @@
+"""``rnnserve convert`` for releases of the Mamba authors' own package (state-spaces/mamba-*, mamba2-*): their
+``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``, a padded vocabulary) and ``pytorch_model.bin`` in
+``mamba_ssm``'s names, written here from ``transformers`` models of the same sizes; the converted checkpoint
+gives ``transformers``' logits, with ``--tokenizer`` or serving token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
+from rnnserve.engine.loader import load_model
+from rnnserve.engine.tokenizer import TokenIdTokenizer
+from tests.models_hf.hf_harness import hf_greedy, prompts
+
+transformers = pytest.importorskip("transformers")
+
+CASES = {  # the release's config.json, and the transformers config of the same model
+    "mamba": (
+        {"d_model": 32, "n_layer": 2, "vocab_size": 61, "ssm_cfg": {"d_state": 8}, "rms_norm": True,
+         "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8, "tie_embeddings": True},
+        lambda: transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2),
+    ),
+    "mamba2": (
+        {"d_model": 32, "d_intermediate": 0, "n_layer": 2, "vocab_size": 60, "attn_layer_idx": [], "attn_cfg": {},
+         "ssm_cfg": {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": 2}, "rms_norm": True,
+         "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 16, "tie_embeddings": True},
+        lambda: transformers.Mamba2Config(vocab_size=64, hidden_size=32, state_size=16, num_hidden_layers=2,
+                                          num_heads=4, head_dim=16, n_groups=2, tie_word_embeddings=True),
+    ),
+}  # fmt: skip
+
+
+def authors_release(case: str, path: Path) -> torch.nn.Module:
+    """A ``transformers`` model with random weights, saved as the authors' package saves it."""
+    config, hf_config = CASES[case]
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config()).eval()
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in reference.state_dict().items()}
+    torch.save(state, path / "pytorch_model.bin")
+    return reference
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@torch.inference_mode()
+def test_a_converted_release_gives_the_transformers_logits(case: str, tmp_path: Path) -> None:
+    reference = authors_release(case, tmp_path / "release")
+    assert find_converter(tmp_path / "release").name == "mamba_ssm"
+    checkpoint = convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert checkpoint.config["architecture"] == case and any("padded" in n for n in checkpoint.notes)
+    model, tokenizer = load_model(str(tmp_path / "native"), device="cpu", dtype="float32")
+    assert isinstance(tokenizer, TokenIdTokenizer) and tokenizer.vocab_size == 64
+    from rnnserve import LLM, SamplingParams
+
+    llm = LLM(str(tmp_path / "native"), device="cpu", dtype="float32", max_num_seqs=2)
+    for prompt in prompts(64, [5, 17]):
+        expected = hf_greedy(reference, prompt, 6, stop_at_eos=False, use_cache=False)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+        [out] = llm.generate([prompt], params)
+        assert out.outputs[0].token_ids == expected
+        logits = reference(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+        first = out.outputs[0].logprobs[0]  # type: ignore[index]
+        assert first.logprob == pytest.approx(float(logits[first.token_id]), abs=1e-4)
+    vocab = {f"w{i}": i for i in range(64)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "tokenizer.json"))
+    convert_checkpoint(tmp_path / "release", tmp_path / "named", tokenizer_json=tmp_path / "tokenizer.json")
+    _, named = load_model(str(tmp_path / "named"), device="cpu")
+    assert named.encode("w3 w9") == [3, 9]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"attn_layer_idx": [1]}, "attention layers"),
+        ({"d_intermediate": 64}, "MLP blocks"),
+        ({"rms_norm": False}, "LayerNorm"),
+        ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "rmsnorm": False}}, "gated"),
+    ],
+)
+def test_what_the_native_models_do_not_compute_is_refused(change: dict, reason: str, tmp_path: Path) -> None:
+    authors_release("mamba2", tmp_path / "release")
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConvertError, match=reason):
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
