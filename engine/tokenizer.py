@@ -338,8 +338,9 @@ class HFStreamDecoder(StreamDecoder):
     so :meth:`flush` decodes what it still holds, after the tokens of the last delta as context.
 
     The stream starts after the last :data:`CONTEXT_TOKENS` tokens of ``context`` (the prompt; from a character's
-    start), as vLLM's detokenizer starts after the prompt: alone, a first token ``▁word`` of a Metaspace
-    (sentencepiece) tokenizer lost its space, which ``decode(prompt + output)`` keeps."""
+    start, to the end of its last whole character), as vLLM's detokenizer starts after the prompt: alone, a first
+    token ``▁word`` of a Metaspace (sentencepiece) tokenizer lost its space, which ``decode(prompt + output)``
+    keeps."""
 
     CONTEXT_TOKENS = 4
 
@@ -352,6 +353,8 @@ class HFStreamDecoder(StreamDecoder):
         tail = [t for t in context[len(context) - self.CONTEXT_TOKENS :] if tokenizer.has_token(t)]
         while tail and self._tok.decode(tail, skip_special_tokens=True).startswith("\ufffd"):
             tail = tail[1:]  # the window starts inside a character: from its next token
+        while tail and self._tok.decode(tail, skip_special_tokens=True).endswith("\ufffd"):
+            tail = tail[:-1]  # the prompt ends inside a character: its bytes are the prompt's, not the output's
         self._context = tail
         for token_id in self._context:
             self._stream.step(self._tok, token_id)

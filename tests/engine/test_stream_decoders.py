@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from rnnserve.engine.tokenizer import (
+    BYTE_LEVEL_BYTES,
     ByteTokenizer,
     CharTokenizer,
     HFStreamDecoder,
@@ -158,6 +159,23 @@ def test_a_stray_byte_after_a_whole_character_does_not_break_a_byte_fallback_str
         assert "".join(deltas).lstrip() == "é" + "\ufffd" * len(stray) + "a中a", (context, deltas)
         detok = tokenizer.stream_decoder(context)
         assert detok.push_many(ids) + detok.flush() == "".join(deltas)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_prompt_ending_inside_a_character_leaves_its_bytes_out_of_the_output(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, cut: int
+) -> None:
+    """A token-id prompt cut inside a character (a client resending prompt + output after a cut mid-emoji): its
+    dangling bytes stayed held in the stream and came out as a U+FFFD at the start of the output, which
+    ``decode(prompt + output)`` past ``decode(prompt)`` does not have."""
+    tokenizer = tokenizers_by_kind[kind]
+    char_of = {b: c for c, b in BYTE_LEVEL_BYTES.items()}
+    split = [b if kind == "byte_fallback" else tokenizer._tok.token_to_id(char_of[b]) for b in "中".encode()[:cut]]
+    prompt = [*tokenizer.encode_plain("a"), *split]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    output = tokenizer.encode_plain("bc")
+    assert "".join(stream(tokenizer, output, prompt)) == "bc"
 
 
 def test_byte_tokenizer_streams_characters_whole_and_invalid_bytes_at_once() -> None:
