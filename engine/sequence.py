@@ -141,9 +141,12 @@ class Sequence:
             if token_id in self.params.stop_token_ids:
                 self.stop_reason = token_id
             if not self._lazy_text:
+                old_len = len(self._text)
                 if token_id in self._kept_stop_ids:
                     self._text += self._detokenizer.push(token_id)
                 self._text += self._detokenizer.flush()
+                if self.params.stop and len(self._text) > old_len:  # a stop string the kept text completes cuts it
+                    self._truncate_at_stop_string(old_len, len(output) > self.params.min_tokens)
             return
         at_limit = len(output) >= self.max_tokens
         if self._lazy_text:

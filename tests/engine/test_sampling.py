@@ -406,6 +406,20 @@ def test_stop_strings_match_a_brute_force_reference(monkeypatch: pytest.MonkeyPa
         assert "".join(deltas) == delta.text == expected[1] and (delta.finish_reason == "stop") == expected[2]
 
 
+@pytest.mark.parametrize("include", [True, False])
+def test_a_kept_stop_tokens_text_is_checked_for_stop_strings(include: bool) -> None:
+    """A stop token id whose text the output keeps (``include_stop_str_in_output``) ended the sample before the
+    stop strings saw that text: ``ab<t>`` with the stop string ``b<t`` came out whole (vLLM: ``ab<t``)."""
+    params = SamplingParams(max_tokens=10, stop=["b<t"], stop_token_ids=[2], include_stop_str_in_output=include)
+    group = SequenceGroup("r", None, [0], params)
+    seq = Sequence(group, 0, WordTokenizer(["a", "b", "<t>", "c"]))
+    group.seqs = [seq]
+    for token in (0, 1, 2):
+        seq.append_token(token, None)
+    assert seq.finish_reason == "stop"
+    assert (seq.text, seq.stop_reason) == (("ab<t", "b<t") if include else ("ab", 2))
+
+
 def test_text_decoded_at_each_read_is_the_token_by_token_text() -> None:
     """A FINAL_ONLY sample without stop strings decodes its tokens only when its text is read. Read at random
     steps (as ``DELTA`` takes, to see each read), its deltas add up to the bytes' decode: a stop token (EOS, or
