@@ -30,7 +30,7 @@ package: ``pip install 'rnnserve[client]'``.
 from __future__ import annotations
 
 import os
-import urllib.parse
+import re
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 NO_KEY = "none"  # openai insists on an API key; a server without auth ignores it
 STATE_MEDIA_TYPE = "application/octet-stream"
+SESSION_ID_PATTERN = re.compile(r"sess-[A-Za-z0-9_-]{16,128}")  # the server's (server/sessions.py)
 
 
 def _openai() -> Any:
@@ -70,9 +71,12 @@ class _Routes:
         return {**extra_body, "session_id": session_id}
 
     def session_url(self, session_id: str, action: str = "") -> str:
-        """The route of ``session_id`` (percent-encoded: an id from elsewhere such as ``../../metrics`` must
-        reach the server's id check, not another route)."""
-        return self.url(f"/v1/sessions/{urllib.parse.quote(session_id, safe='')}{action}")
+        """The route of ``session_id``; ``ValueError`` for a string that is no session id: an id from elsewhere
+        such as ``../../metrics`` or ``<id>/state`` would reach another route (the server decodes ``%2F``
+        before routing, so percent-encoding does not keep it on this one)."""
+        if not SESSION_ID_PATTERN.fullmatch(session_id):
+            raise ValueError(f"{session_id[:80]!r} is not a session id (sess- and 16 to 128 of A-Z a-z 0-9 _ -)")
+        return self.url(f"/v1/sessions/{session_id}{action}")
 
 
 def default_api_key(api_key: str | None) -> str:

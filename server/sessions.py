@@ -23,6 +23,7 @@ together.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import hashlib
 import json
@@ -392,6 +393,7 @@ class SessionStore:
                 self._lease_fd = os.open(self.directory / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
             else:
                 remove_temporary_files(directory)
+                _check_creatable(directory)
             self._sizes = self._scan()
         except OSError as err:
             raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
@@ -705,6 +707,18 @@ class SessionStore:
 def lease_byte(session_id: str) -> int:
     """The byte of a shared folder's lease file whose lock is ``session_id``'s lease (byte 0 locks writes)."""
     return 1 + int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=6).digest(), "big")
+
+
+def _check_creatable(directory: Path) -> None:
+    """The folder, made by the first write, can be: it or its nearest existing parent is a writable directory.
+    Else the server started, said it was ready, and answered every session 500 (a misconfigured volume)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{existing} is not writable")
 
 
 def remove_temporary_files(directory: Path) -> None:

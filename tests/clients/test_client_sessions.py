@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from rnnserve.clients import AsyncClient, Client
+from rnnserve.clients.client import SESSION_ID_PATTERN
+from rnnserve.server import sessions
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from tests.server.conftest import API_KEY, tiny_config
@@ -53,7 +55,7 @@ def test_sync_client_sessions(url: str) -> None:
             client.get_session(fork["id"])
         with pytest.raises(openai.UnprocessableEntityError):
             client.import_session(fork["id"], b"not a session")
-        with pytest.raises(openai.BadRequestError):
+        with pytest.raises(ValueError, match="is not a session id"):
             client.fork_session("sess-too-short")
 
 
@@ -95,13 +97,17 @@ def test_import_of_a_missing_session_creates_it(url: str) -> None:
         assert created["id"] == "sess-" + "B" * 24 and client.get_session(created["id"])["num_tokens"] == 0
 
 
-def test_session_ids_are_percent_encoded_and_reach_the_id_check(url: str) -> None:
-    """An id from elsewhere (``../../metrics``, one with ``?`` or ``/``) is sent as one path segment, so it is an
-    error, never another route's answer (``get_session("../../version")`` returned the server's version)."""
+def test_strings_that_are_no_session_ids_are_refused_before_anything_is_sent(url: str) -> None:
+    """An id from elsewhere (``../../metrics``, one with ``?`` or ``/``) is an error, never another route's answer:
+    ``get_session("../../version")`` returned the server's version, and percent-encoding did not help, since
+    the server decodes ``%2F`` before routing (``get_session(id + "/state")`` returned the state's bytes)."""
     with Client(url, api_key=API_KEY) as client:
-        for hostile in ("../../version", "../../metrics", "sess-abc?x=1", "sess-abc/fork"):
-            with pytest.raises(openai.APIStatusError):
+        session = client.create_session()["id"]
+        for hostile in ("../../version", "../../metrics", "sess-abc?x=1", session + "/state", session + "%2Ffork"):
+            with pytest.raises(ValueError, match="is not a session id"):
                 client.get_session(hostile)
+        assert client.get_session(session)["id"] == session
+    assert SESSION_ID_PATTERN.pattern == sessions.SESSION_ID_PATTERN.pattern
 
 
 def test_the_api_key_comes_from_the_environment_when_not_given(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
