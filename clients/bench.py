@@ -379,7 +379,10 @@ async def drive(
         if config.ignore_eos:
             body["ignore_eos"] = True
         async with connections.borrow() as http:
-            result = await send_one(http, body)
+            try:  # the whole request: httpx's own timeout bounds each read, so a trickling stream never ends
+                result = await asyncio.wait_for(send_one(http, body), config.timeout)
+            except asyncio.TimeoutError:
+                result = RequestResult(ok=False, error=f"no complete answer within --timeout {config.timeout:g} s")
         progress.advance()
         return result
 
@@ -516,7 +519,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not send ignore_eos (for servers that reject unknown fields)",
     )
     parser.add_argument(
-        "--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds"
+        "--timeout", type=positive_float, default=600.0,
+        help="per-request timeout in seconds, from sending it to its stream's end"
     )
     parser.add_argument(
         "--prompts", choices=["auto", "text", "ids"], default="auto",

@@ -102,7 +102,7 @@ def test_bench_keeps_one_connection_per_concurrent_request() -> None:
     assert len(client_ports) == 12 and len(set(client_ports)) <= 3
 
 
-def fake_server(cut_off: bool) -> tuple[FastAPI, dict[str, int]]:
+def fake_server(cut_off: bool, chunks: int = 2) -> tuple[FastAPI, dict[str, int]]:
     """A streaming server that counts the streams it has open at once; ``cut_off``: every stream ends after two
     chunks, without a usage chunk or ``[DONE]`` (a proxy cutting streams looks so)."""
     app = FastAPI()
@@ -118,7 +118,7 @@ def fake_server(cut_off: bool) -> tuple[FastAPI, dict[str, int]]:
             seen["open"] += 1
             seen["most_open"] = max(seen["most_open"], seen["open"])
             try:
-                for _ in range(2):
+                for _ in range(chunks):
                     await asyncio.sleep(0.05)
                     yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a'}]})}\n\n"
                 if not cut_off:
@@ -141,6 +141,17 @@ def test_a_stream_cut_off_before_done_is_a_failure() -> None:
         figures = asyncio.run(benchmark(config))
     assert figures["completed"] == 0 and figures["failed"] == 3
     assert figures["failures"] == {"the stream ended early, without [DONE]": 3}
+
+
+def test_timeout_bounds_the_whole_request() -> None:
+    """--timeout is per request: as httpx's timeout it bounded each read, and a stream trickling a chunk every
+    50 ms for a second passed a 0.3 s timeout."""
+    app, _ = fake_server(cut_off=False, chunks=20)
+    with serve_in_thread(app) as url:
+        config = BenchConfig(url=url, num_prompts=2, concurrency=2, input_len=4, output_len=2, prompts="ids",
+                             progress=False, timeout=0.3)  # fmt: skip
+        figures = asyncio.run(benchmark(config))
+    assert figures["failed"] == 2 and figures["failures"] == {"no complete answer within --timeout 0.3 s": 2}
 
 
 def test_client_processes_keep_the_concurrency_in_total() -> None:
