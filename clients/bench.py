@@ -175,17 +175,21 @@ async def make_prompts(http: httpx.AsyncClient, model: str, config: BenchConfig)
     if config.prompts == "ids":
         return [[rng.randrange(config.max_token_id) for _ in range(config.input_len)]
                 for _ in range(config.num_prompts)]
-    sample = " ".join(WORDS[:100])
+    sample = " ".join(WORDS)  # every word once: prompts draw them uniformly (the first 100 were the shortest)
     if config.tokenizer:
-        ratio: float | None = max(local_token_counter(config.tokenizer)(sample) / 100, 1e-3)
+        ratio: float | None = max(local_token_counter(config.tokenizer)(sample) / len(WORDS), 1e-3)
     else:
         ratio = await server_tokens_per_word(http, model, sample)
     if ratio is None:
         if config.prompts == "text":
             raise BenchError("--prompts text needs --tokenizer or a server with /tokenize")
         return await make_prompts(http, model, replace(config, prompts="ids"))
-    words = max(1, round(config.input_len / ratio))
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(config.num_prompts)]
+    words = max(1.0, config.input_len / ratio)  # a fraction of a word: drawn, so prompts average input_len tokens
+
+    def count() -> int:
+        return int(words) + (rng.random() < words % 1)
+
+    return [" ".join(rng.choice(WORDS) for _ in range(count())) for _ in range(config.num_prompts)]
 
 
 class BenchError(RuntimeError):

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -17,7 +18,7 @@ from rnnserve.clients import bench
 from rnnserve.clients.bench import BenchConfig, benchmark, summarize
 from rnnserve.server import cli
 from rnnserve.server.background import serve_in_thread
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, TINY
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -152,6 +153,19 @@ def test_timeout_bounds_the_whole_request() -> None:
                              progress=False, timeout=0.3)  # fmt: skip
         figures = asyncio.run(benchmark(config))
     assert figures["failed"] == 2 and figures["failures"] == {"no complete answer within --timeout 0.3 s": 2}
+
+
+def test_text_prompts_are_input_len_tokens_on_average(live_url: str) -> None:
+    """The words per prompt came from the tokens per word of the 100 shortest words, while prompts draw from
+    all of them: prompts overshot --input-len by 8-12% on byte-level tokenizers."""
+    config = BenchConfig(url=live_url, num_prompts=300, input_len=60, api_key=API_KEY, prompts="text")
+
+    async def prompts() -> list:
+        async with httpx.AsyncClient(base_url=live_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            return await bench.make_prompts(http, TINY, config)
+
+    lengths = [len(prompt.encode()) for prompt in asyncio.run(prompts())]  # the tiny model's tokens are bytes
+    assert abs(sum(lengths) / len(lengths) - 60) < 60 * 0.03
 
 
 def test_client_processes_keep_the_concurrency_in_total() -> None:
