@@ -249,6 +249,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
+            if self.session_id is not None:  # no new token ids, as "" has no new text: the session continues
+                return [[]]
             raise InvalidParameterError("prompt", "prompt is empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]

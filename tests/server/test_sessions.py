@@ -137,11 +137,13 @@ def test_continuation_equals_sending_the_whole_history(
     assert client.get(f"/v1/sessions/{session}").json()["num_tokens"] == len(before)
 
 
-def test_an_empty_prompt_continues_the_previous_answer(client: TestClient) -> None:
+@pytest.mark.parametrize("empty", ["", []], ids=["text", "token ids"])
+def test_an_empty_prompt_continues_the_previous_answer(client: TestClient, empty: str | list[int]) -> None:
+    """As text or as token ids (``[]`` was a 400 "prompt is empty")."""
     session = create(client)
     complete(client, " 5 6", session_id=session, **GREEDY)
     before = history(client, session)
-    got = complete(client, "", session_id=session, **SEEDED)
+    got = complete(client, empty, session_id=session, **SEEDED)
     assert_same_output(got, complete(client, before, **SEEDED))
     assert got["prompt_tokens"] == len(before) and history(client, session)[: len(before)] == before
 
