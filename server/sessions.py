@@ -68,6 +68,7 @@ TOKEN_TENSORS = ("token_ids", "pending_token_ids")
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 1 << 20
 TOKEN_ID_BYTES = 8
+LISTED_TOKEN_ID_BYTES = 36  # a token id held in a Python list: its slot (8 B) and the int object (28 B)
 LEASE_FILE = ".leases"  # shared folders: byte 0 locks writes, byte 1 + hash(id) a session's lease
 
 
@@ -172,7 +173,8 @@ class StoredSession:
         if self.snapshot is None:
             return 0
         tensors = sum(t.numel() * t.element_size() for t in self.snapshot.tensors.values())
-        return tensors + TOKEN_ID_BYTES * (len(self.snapshot.token_ids) + len(self.snapshot.pending_token_ids))
+        tokens = len(self.snapshot.token_ids) + len(self.snapshot.pending_token_ids)
+        return tensors + LISTED_TOKEN_ID_BYTES * tokens
 
     @property
     def last_token_id(self) -> int | None:

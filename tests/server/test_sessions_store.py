@@ -10,6 +10,7 @@ import random
 import struct
 import threading
 import time
+import tracemalloc
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
@@ -22,10 +23,12 @@ from rnnserve.engine.outputs import RequestMetrics, RequestOutput
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
 from rnnserve.server.sessions import (
+    LISTED_TOKEN_ID_BYTES,
     SessionCodec,
     SessionInfo,
     SessionStore,
     SessionTurn,
+    StoredSession,
     check_session_id,
     default_session_dir,
     new_session_id,
@@ -318,8 +321,21 @@ def test_one_request_at_a_time(tmp_path: Path) -> None:
     assert error_of(store.load, info.id).status == 404 and error_of(store.delete, info.id).status == 404
 
 
+def test_the_lru_counts_what_a_decoded_history_holds() -> None:
+    """A history is a Python list of ints: counted at 8 bytes a token, it took about 5 times what the LRU counted
+    (a small state under a long history, with a large vocabulary)."""
+    tracemalloc.start()
+    history = [1000 + i for i in range(20_000)]  # ints past the interpreter's shared small ones
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    info = SessionInfo("sess-" + "a" * 16, 1, 1, len(history) + 1, 0)
+    short = StoredSession(info, StateSnapshot(snapshot(0).tensors, [], [99]))
+    long = StoredSession(info, StateSnapshot(snapshot(0).tensors, history, [99]))
+    assert 0.8 * held <= long.host_bytes - short.host_bytes <= 1.6 * held
+
+
 def test_lru_keeps_recent_states_and_notices_replaced_files(tmp_path: Path) -> None:
-    per_session = snapshot(0).tensors["h"].nbytes + snapshot(0).tensors["conv"].nbytes + 8 * 6
+    per_session = snapshot(0).tensors["h"].nbytes + snapshot(0).tensors["conv"].nbytes + LISTED_TOKEN_ID_BYTES * 6
     store = open_store(tmp_path, cache_bytes=2 * per_session)
     ids = [store.create().id for _ in range(3)]
     for seed, session_id in enumerate(ids):
