@@ -334,13 +334,14 @@ class SessionCodec:
         return metadata_int(session_id, metadata, key, f"the metadata's {key!r} time")
 
     def check_continuable(self, session_id: str, num_tokens: int) -> None:
-        """422 for an imported history that leaves no room for another token under the model's length limit (every
-        later turn would be refused)."""
-        if self.max_model_len is not None and num_tokens >= self.max_model_len:
+        """422 for an imported history longer than the model's length limit: no turn of this server could have
+        made it, nor follow it. One that reaches the limit exactly, as a turn may leave it, moves between
+        replicas like any other (its next turn is refused for its length)."""
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
             raise APIError(
                 422,
-                f"session {session_id!r} holds {num_tokens} tokens; this server's max_model_len is "
-                f"{self.max_model_len}, so no turn could follow",
+                f"session {session_id!r} holds {num_tokens} tokens, more than this server's max_model_len "
+                f"{self.max_model_len}",
                 code="session_too_long",
             )
 

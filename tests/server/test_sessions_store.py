@@ -210,19 +210,20 @@ def test_import_creates_or_replaces(tmp_path: Path) -> None:
     assert_same(snapshot(8), open_store(tmp_path / "b").load(info.id).snapshot)  # type: ignore[arg-type]
 
 
-def test_import_refuses_a_history_that_no_turn_could_follow(tmp_path: Path) -> None:
-    """A history at the server's max_model_len leaves no room for a prompt or a token: every later turn would be
-    a 400, so the import is a 422 and nothing is written."""
+def test_import_refuses_a_history_longer_than_the_servers_limit(tmp_path: Path) -> None:
+    """A history beyond the server's max_model_len is a 422 and nothing is written. One that reaches it exactly,
+    as a turn whose max_tokens was cut to the room left may leave it, is taken: a server refused to import its
+    own export of such a session (its next turn is refused for its length, on any replica)."""
     source = open_store(tmp_path / "a")
     info = source.create()
     source.save(info.id, snapshot(0, tokens=9), info.created)  # 10 tokens with the pending one
     limits = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20}
-    target = SessionStore(tmp_path / "b", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=10), **limits)
+    target = SessionStore(tmp_path / "b", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=9), **limits)
     err = error_of(target.import_state, info.id, source.export(info.id))
-    assert (err.status, err.code) == (422, "session_too_long") and "max_model_len is 10" in err.message
+    assert (err.status, err.code) == (422, "session_too_long") and "max_model_len 9" in err.message
     assert not target.path(info.id).exists()
-    roomy = SessionStore(tmp_path / "c", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=11), **limits)
-    assert roomy.import_state(info.id, source.export(info.id))[0].num_tokens == 10
+    full = SessionStore(tmp_path / "c", SessionCodec(FINGERPRINT, SPECS, VOCAB, max_model_len=10), **limits)
+    assert full.import_state(info.id, source.export(info.id))[0].num_tokens == 10
 
 
 def test_fork_copies_the_state_under_a_new_id(tmp_path: Path) -> None:
