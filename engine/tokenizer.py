@@ -55,6 +55,10 @@ class Tokenizer:
         the text they came from; ``None`` here: the tokens' own bytes place them."""
         return None
 
+    def special_text(self, token_id: int) -> str | None:
+        """A special token's own text (``<|im_end|>``), which decoding leaves out; ``None`` for other tokens."""
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (empty for special tokens and ids past the tokenizer's); this
         default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
@@ -210,6 +214,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def special_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id) if token_id in self._special_ids else None
 
     def char_offsets(self, text: str, ids: Sequence[int]) -> list[int] | None:
         """Where each of ``ids`` starts in ``text``, from the tokenizer's alignment of ``text`` (a Metaspace

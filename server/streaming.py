@@ -169,10 +169,14 @@ class Generation(ABC):
         self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's string in logprobs: its text, or a special token's own (``<|im_end|>``, as vLLM gives it:
+        left out of the text, it still tells the client which special token came, and keys its alternatives)."""
+        special = self.tokenizer.special_text(token_id)
+        return special if special is not None else self.tokenizer.decode([token_id])
 
     def token_bytes(self, token_id: int) -> list[int]:
-        return list(self.tokenizer.token_bytes(token_id))
+        special = self.tokenizer.special_text(token_id)
+        return list(special.encode() if special is not None else self.tokenizer.token_bytes(token_id))
 
     def choice_index(self, out: RequestOutput, sample: CompletionOutput) -> int:
         return self.prompt_index[out.request_id] * self.params.n + sample.index

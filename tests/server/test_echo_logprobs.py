@@ -19,6 +19,7 @@ from rnnserve.engine.outputs import RequestOutput
 from rnnserve.server.app import create_app
 from tests.server.conftest import TINY, tiny_config
 from tests.server.test_api import complete, events
+from tests.server.tiny_checkpoint import EOS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,3 +171,22 @@ def test_echoed_text_offsets_index_the_returned_text(tmp_path: Path, prompt: str
         if token.strip() and "\ufffd" not in token:
             assert text[offset:].startswith(token.strip()), (token, offset, text)
     assert offsets[echoed] == len(prompt)
+
+
+def test_special_tokens_in_logprobs_are_named_by_their_own_text(tmp_path: Path) -> None:
+    """A special token's logprob string was its decoded text, empty: every special token shared one
+    ``top_logprobs`` key and a client could not tell which came. As in vLLM it is the token's own text (the
+    response's text still leaves it out), and chat's ``bytes`` are that text's."""
+    path = write_tiny_checkpoint(tmp_path / "hf")
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    body = {"max_tokens": 2, "ignore_eos": True, "logit_bias": {str(eos): 100}, **GREEDY}
+    with TestClient(create_app(tiny_config(model=str(path)))) as client:
+        [choice] = complete(client, prompt="Hi", logprobs=2, **body)["choices"]
+        messages = [{"role": "user", "content": "Hi"}]
+        chat_body = {"messages": messages, "logprobs": True, "top_logprobs": 2, **body}
+        chat = client.post("/v1/chat/completions", json=chat_body).json()
+    assert choice["text"] == "" and choice["logprobs"]["tokens"] == [EOS, EOS]
+    assert all(EOS in top and len(top) >= 2 for top in choice["logprobs"]["top_logprobs"])
+    [content] = chat["choices"][0]["logprobs"]["content"][:1]
+    assert content["token"] == EOS and bytes(content["bytes"]) == EOS.encode()
+    assert chat["choices"][0]["message"]["content"] == ""
