@@ -119,6 +119,7 @@ class SamplingParams:
     value can overflow in the sampler; ``top_k`` at or above the vocabulary size keeps every token.
     ``output_kind`` says which outputs the caller reads (see :class:`OutputKind`).
     ``include_stop_str_in_output`` (vLLM) keeps a stop string that ends the text in it.
+    ``skip_special_tokens`` (vLLM) leaves special tokens' text (``<|im_end|>``) out of the output's text.
     ``fit_max_tokens`` makes ``max_tokens`` an upper bound: a prompt that leaves less room under the engine's
     ``max_model_len`` gets what room there is instead of a 400 (the server sets it for requests that give no
     ``max_tokens``, whose limit vLLM takes as the room the prompt leaves).
@@ -139,6 +140,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None

@@ -41,7 +41,7 @@ class Sequence:
         self._frozen: list[str] = []
         self._frozen_len = 0
         self._stop_reach = max(map(len, self.params.stop), default=0)
-        self._detokenizer = tokenizer.stream_decoder(group.prompt_token_ids)
+        self._detokenizer = tokenizer.stream_decoder(group.prompt_token_ids, self.params.skip_special_tokens)
         # A FINAL_ONLY sample without stop strings decodes its text when its output is read, once, instead of
         # token by token (``_text_tokens`` tokens are in ``_text``); a stream reads it every step anyway.
         self._lazy_text = (

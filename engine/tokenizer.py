@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ASCII = [chr(i) for i in range(128)]  # the text of each ASCII byte, built once
 
@@ -64,9 +65,10 @@ class Tokenizer:
         default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
         return self.decode([token_id]).encode()
 
-    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
-        """A decoder for one generated sequence whose tokens follow ``context`` (the prompt). This default decodes
-        each token alone, right for tokenizers whose tokens are whole strings; tokenizers whose tokens merge or
+    def stream_decoder(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> StreamDecoder:
+        """A decoder for one generated sequence whose tokens follow ``context`` (the prompt), leaving special
+        tokens' text out unless ``skip_special_tokens`` is false. This default decodes each token alone, right for
+        tokenizers whose tokens are whole strings and have no special text; tokenizers whose tokens merge or
         split characters override it."""
         return StreamDecoder(self)
 
@@ -94,7 +96,7 @@ class ByteTokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
-    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
+    def stream_decoder(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> StreamDecoder:
         return Utf8StreamDecoder(self)
 
 
@@ -247,8 +249,8 @@ class HFTokenizer(Tokenizer):
         """The tokenizer serialised as ``tokenizer.json``."""
         return self._tok.to_str()
 
-    def stream_decoder(self, context: Sequence[int] = ()) -> StreamDecoder:
-        return HFStreamDecoder(self, context)
+    def stream_decoder(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> StreamDecoder:
+        return HFStreamDecoder(self, context, skip_special_tokens)
 
     def has_token(self, token_id: int) -> bool:
         """Whether ``token_id`` is one of the tokenizer's (a model's embedding may be larger)."""
@@ -351,16 +353,15 @@ class HFStreamDecoder(StreamDecoder):
 
     CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
-        from tokenizers.decoders import DecodeStream
-
+    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         super().__init__(tokenizer)
         self._tok = tokenizer._tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = self._new_stream()
         tail = [t for t in context[len(context) - self.CONTEXT_TOKENS :] if tokenizer.has_token(t)]
-        while tail and self._tok.decode(tail, skip_special_tokens=True).startswith("\ufffd"):
+        while tail and self._decode(tail).startswith("\ufffd"):
             tail = tail[1:]  # the window starts inside a character: from its next token
-        while tail and self._tok.decode(tail, skip_special_tokens=True).endswith("\ufffd"):
+        while tail and self._decode(tail).endswith("\ufffd"):
             tail = tail[:-1]  # the prompt ends inside a character: its bytes are the prompt's, not the output's
         self._context = tail
         for token_id in self._context:
@@ -383,9 +384,7 @@ class HFStreamDecoder(StreamDecoder):
         decoder turns a run of byte tokens that is not UTF-8 (``<0xC3><0xA9>`` then a stray ``<0xA9>``) into one
         U+FFFD per byte, so the decode with context no longer starts with what was emitted. What was emitted
         stays; the held tokens' text comes from a stream of their own (vLLM's detokenizer recovers so)."""
-        from tokenizers.decoders import DecodeStream
-
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = self._new_stream()
         pieces = []
         try:
             for token_id in self._held:
@@ -393,14 +392,22 @@ class HFStreamDecoder(StreamDecoder):
                 if piece is not None:
                     pieces.append(piece)
         except Exception:  # noqa: BLE001 - the held tokens alone fail too: their plain decode, and a new stream
-            self._stream = DecodeStream(skip_special_tokens=True)
-            return self._tok.decode(self._held, skip_special_tokens=True)
+            self._stream = self._new_stream()
+            return self._decode(self._held)
         return "".join(pieces) if pieces else None
+
+    def _new_stream(self) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=self._skip)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def flush(self) -> str:
         if not self._held:
             return ""
-        context = self._tok.decode(self._context, skip_special_tokens=True)
-        text = self._tok.decode(self._context + self._held, skip_special_tokens=True)
+        context = self._decode(self._context)
+        text = self._decode(self._context + self._held)
         self._context, self._held = self._held, []
         return text[len(context) :]

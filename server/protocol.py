@@ -88,6 +88,7 @@ class SamplingFields(APIModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -140,6 +141,7 @@ class SamplingFields(APIModel):
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 logit_bias=self.token_biases(),

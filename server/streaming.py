@@ -358,9 +358,12 @@ class CompletionStream(Generation):
         offsets: list[int] = []
         if echoed is not None:
             offsets, offset = list(echoed[1]), len(echoed[0])
+        kept = not self.params.skip_special_tokens  # special tokens' text is in the generated text then
         for token_id, _ in entries[len(offsets) :]:
             offsets.append(offset)
-            offset += len(utf8.decode(self.tokenizer.token_bytes(token_id)))
+            special = self.tokenizer.special_text(token_id) if kept else None
+            piece = special.encode() if special is not None else self.tokenizer.token_bytes(token_id)
+            offset += len(utf8.decode(piece))
         self.offsets[index] = (offset, utf8)
         return {
             "tokens": tokens,

@@ -190,3 +190,24 @@ def test_special_tokens_in_logprobs_are_named_by_their_own_text(tmp_path: Path) 
     [content] = chat["choices"][0]["logprobs"]["content"][:1]
     assert content["token"] == EOS and bytes(content["bytes"]) == EOS.encode()
     assert chat["choices"][0]["message"]["content"] == ""
+
+
+def test_skip_special_tokens_false_keeps_their_text(tmp_path: Path) -> None:
+    """vLLM's ``skip_special_tokens: false`` was ignored (with a log line): special tokens' text stays in the
+    output, streamed as not, and ``text_offset`` counts it."""
+    path = write_tiny_checkpoint(tmp_path / "hf")
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "logit_bias": {str(eos): 100}, "logprobs": 0,
+            "skip_special_tokens": False, **GREEDY}  # fmt: skip
+    with TestClient(create_app(tiny_config(model=str(path)))) as client:
+        [choice] = complete(client, **body)["choices"]
+        streamed = events(client.post("/v1/completions", json={**body, "stream": True}).text)
+        [skipped] = complete(client, **{**body, "skip_special_tokens": True})["choices"]
+    assert choice["text"] == EOS * 3 and skipped["text"] == ""
+    chunks = [c for c in streamed if isinstance(c, dict) and c["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == EOS * 3
+    assert choice["logprobs"]["text_offset"] == [0, len(EOS), 2 * len(EOS)]
+    llm = LLM(str(path), device="cpu", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={eos: 100},
+                            skip_special_tokens=False)  # fmt: skip
+    assert llm.generate("Hi", params)[0].outputs[0].text == EOS * 2
