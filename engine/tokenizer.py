@@ -60,6 +60,11 @@ class Tokenizer:
         """A special token's own text (``<|im_end|>``), which decoding leaves out; ``None`` for other tokens."""
         return None
 
+    def decode_with_specials(self, ids: Sequence[int]) -> str:
+        """:meth:`decode` with special tokens' own text kept, as ``/detokenize`` and an echoed token-id prompt give
+        it (vLLM's, ``transformers``' default)."""
+        return self.decode(ids)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (empty for special tokens and ids past the tokenizer's); this
         default encodes its decoded text, right for tokenizers whose tokens are whole strings."""
@@ -219,6 +224,9 @@ class HFTokenizer(Tokenizer):
 
     def special_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id) if token_id in self._special_ids else None
+
+    def decode_with_specials(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def char_offsets(self, text: str, ids: Sequence[int]) -> list[int] | None:
         """Where each of ``ids`` starts in ``text``, from the tokenizer's alignment of ``text`` (a Metaspace

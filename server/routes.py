@@ -380,7 +380,7 @@ class OpenAIServing:
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": self.tokenizer.decode_with_specials(req.tokens)})
 
 
 def add_generation_route(router: APIRouter, path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> None:

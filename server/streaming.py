@@ -318,7 +318,9 @@ class CompletionStream(Generation):
         self.echo_only = self.req.echo_only
 
     def prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode_with_specials(out.prompt_token_ids)
 
     def reported_tokens(self, sample: CompletionOutput) -> int:
         return 0 if self.echo_only else sample.num_tokens

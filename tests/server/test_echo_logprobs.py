@@ -211,3 +211,15 @@ def test_skip_special_tokens_false_keeps_their_text(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={eos: 100},
                             skip_special_tokens=False)  # fmt: skip
     assert llm.generate("Hi", params)[0].outputs[0].text == EOS * 2
+
+
+def test_detokenize_and_an_echoed_token_id_prompt_keep_special_tokens(tmp_path: Path) -> None:
+    """As vLLM (and ``transformers``' default decode): ``/detokenize`` of ``/tokenize``'s ids gives the text back,
+    special tokens included, and a prompt sent as ids echoes as the same prompt sent as text."""
+    text = f"Hi{EOS}there"
+    with TestClient(create_app(tiny_config(model=str(write_tiny_checkpoint(tmp_path / "hf"))))) as client:
+        ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
+        echoes = [complete(client, prompt=p, echo=True, max_tokens=0, logprobs=0)["choices"][0] for p in (text, ids)]
+    assert echoes[0]["text"] == echoes[1]["text"] == text
+    assert echoes[0]["logprobs"]["text_offset"] == echoes[1]["logprobs"]["text_offset"]
