@@ -55,6 +55,14 @@ def on_pool_rows(
     return y, pool
 
 
+def slot_tensor(slots: torch.Tensor | slice, pool: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``slots`` (rows of ``pool``) as an int64 tensor: a slice's rows as ``pool[slots]`` takes them (its step
+    and open ends included)."""
+    if isinstance(slots, slice):
+        return torch.arange(*slots.indices(pool.shape[0]), device=device)
+    return slots
+
+
 T = TypeVar("T")
 _TABLES_ATTR = "_rnnserve_host_tables"
 _BOUNDS = object()  # the key of the host copy of cu_seqlens itself

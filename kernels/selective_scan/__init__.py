@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.kernels.backend import on_pool_rows, use_triton
+from rnnserve.kernels.backend import on_pool_rows, slot_tensor, use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.selective_scan.torch_chunked import selective_scan_chunked
 from rnnserve.kernels.selective_scan.torch_recurrent import selective_state_update_torch
@@ -110,7 +110,7 @@ def selective_state_update(
         from rnnserve.kernels.selective_scan.fused_recurrent import selective_state_update_triton
 
         if slot_ids is None:
-            slot_ids = torch.arange(slots.start, slots.stop, device=x.device) if isinstance(slots, slice) else slots
+            slot_ids = slot_tensor(slots, state, x.device)
         return selective_state_update_triton(state, slot_ids, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     d_state = A.shape[1]
     fused = (
@@ -122,7 +122,7 @@ def selective_state_update(
     if not fused:
         return selective_state_update_torch(state, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     if slot_ids is None:
-        slot_ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+        slot_ids = slot_tensor(slots, state)
     slot_ids = slot_ids.long().contiguous()
     x, dt, B, C, z = _activations(x, dt, B, C, z)
     return torch.ops.rnnserve.selective_state_update(

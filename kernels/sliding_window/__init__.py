@@ -29,6 +29,7 @@ def sliding_window_prefill(
 ) -> torch.Tensor:
     """Packed ``q [T, H, d]``, ``k, v [T, Hkv, d]``; ``starts [B]`` each chunk's first position; the rings
     ``k_cache, v_cache [B, W, Hkv, d]`` are continued and updated in place. Returns fp32 ``[T, H, d]``."""
+    check_head_groups(q.shape[1], k.shape[1])
     if use_triton(q):
         from rnnserve.kernels.sliding_window.chunk import sliding_window_prefill_triton
 
@@ -49,6 +50,7 @@ def sliding_window_decode(
     """One token per sequence (``q [B, H, d]``, ``k, v [B, Hkv, d]`` at ``positions [B]``) over the rings of rows
     ``slot_ids`` of ``k_pool, v_pool [N, W, Hkv, d]``, which take the token's key/value in place. Returns fp32
     ``[B, H, d]``."""
+    check_head_groups(q.shape[1], k.shape[1])
     if use_triton(q):
         from rnnserve.kernels.sliding_window.fused_recurrent import sliding_window_decode_triton
 
@@ -56,6 +58,12 @@ def sliding_window_decode(
     if use_cpu_kernel(q) and _rings_contiguous(k_pool, v_pool):
         return torch.ops.rnnserve.sliding_window_decode(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
     return sliding_window_decode_sdpa(q, k, v, positions, k_pool, v_pool, slot_ids, scale)
+
+
+def check_head_groups(heads: int, kv_heads: int) -> None:
+    """Query heads share key/value heads in equal groups; any other count would read past the rings."""
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
 
 
 def _rings_contiguous(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnserve.kernels.backend import on_pool_rows, use_triton
+from rnnserve.kernels.backend import on_pool_rows, slot_tensor, use_triton
 from rnnserve.kernels.cpu_extension import use_cpu_kernel
 from rnnserve.kernels.ssd.naive import discretize_dt
 from rnnserve.kernels.ssd.torch_chunked import ssd_scan_chunked
@@ -41,6 +41,7 @@ def ssd_scan_varlen(
 
     ``chunk_size`` applies to the PyTorch path; the Triton kernels use their own 256-token chunks and the CPU
     kernel none (any chunk size gives the same result up to rounding)."""
+    check_groups(x.shape[-2], B.shape[-2])
     if use_triton(x):
         from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
 
@@ -78,17 +79,25 @@ def ssd_state_update(
 ) -> torch.Tensor:
     """One decode step on pool rows ``state[slots]`` in place (see :func:`ssd_state_update_torch`);
     ``slot_ids`` are ``slots`` as an int64 tensor when the caller holds them."""
+    check_groups(x.shape[-2], B.shape[-2])
     if use_triton(x):
         from rnnserve.kernels.ssd.fused_recurrent import ssd_state_update_triton
 
         if slot_ids is None:
-            slot_ids = torch.arange(slots.start, slots.stop, device=x.device) if isinstance(slots, slice) else slots
+            slot_ids = slot_tensor(slots, state, x.device)
         return ssd_state_update_triton(state, slot_ids, x, dt, A, B, C, D)
     if _cpu_op_applies(state, x, dt, A, B, C) and use_cpu_kernel(x):
         if slot_ids is None:
-            slot_ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+            slot_ids = slot_tensor(slots, state)
         return torch.ops.rnnserve.ssd_state_update(state, slot_ids.long().contiguous(), x, dt, A.contiguous(), B, C, D)
     return ssd_state_update_torch(state, slots, x, dt, A, B, C, D)
+
+
+def check_groups(heads: int, groups: int) -> None:
+    """Heads share B and C in equal groups (Mamba-2's ``ngroups`` divides ``nheads``); any other count would read
+    past B and C."""
+    if groups < 1 or heads % groups:
+        raise ValueError(f"{heads} heads cannot share {groups} B/C groups in equal groups")
 
 
 def _cpu_scan_applies(
