@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class StructuredOutputParams:
                 raise InvalidParameterError(self.param, f"{kind} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise InvalidParameterError(self.param, "json must be a JSON schema (an object)")
+        if isinstance(self.json, dict):
+            try:  # a NaN, an Infinity or 1e400 in a schema came out as null in the generated JSON
+                json.dumps(self.json, allow_nan=False)
+            except (ValueError, TypeError) as err:
+                raise InvalidParameterError(self.param, f"the JSON schema is not JSON: {err}") from None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> StructuredOutputParams:

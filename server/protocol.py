@@ -479,10 +479,12 @@ class ChatCompletionRequest(SamplingFields):
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": t.parameters},
+                # each tool's schema a resource of its own: its "#/$defs/..." refs resolve in it, not in this root
+                "properties": {"name": {"const": t.function.name},
+                               "parameters": {"$id": f"urn:rnnserve:tool:{t.function.name}", **t.parameters}},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
-            }
+            }  # fmt: skip
             for t in tools
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}

@@ -433,6 +433,49 @@ class CompletionStream(Generation):
         return self.choice(out, index, text, sample, self.logprobs(index, entries, echoed), first=True)
 
 
+def required_calls(text: str) -> list[tuple[str, str]] | None:
+    """``(name, arguments)`` of each call in a ``required`` answer (``[{"name": ..., "parameters": {...}}, ...]``),
+    the arguments exactly as generated: parsed and written again, a number beyond a float's range became
+    ``Infinity`` (not JSON), long decimals were rounded and repeated keys dropped. ``None`` unless ``text`` is such
+    a list, complete."""
+    decoder = json.JSONDecoder()
+
+    def skip(i: int) -> int:
+        while i < len(text) and text[i] in " \t\n\r":
+            i += 1
+        return i
+
+    calls: list[tuple[str, str]] = []
+    try:
+        i = skip(0)
+        if text[i] != "[":
+            return None
+        i = skip(i + 1)
+        while text[i] != "]":
+            if text[i] != "{":
+                return None
+            fields: dict[str, Any] = {}
+            i = skip(i + 1)
+            while text[i] != "}":
+                key, i = decoder.raw_decode(text, i)
+                i = skip(i)
+                if text[i] != ":":
+                    return None
+                start = skip(i + 1)
+                value, i = decoder.raw_decode(text, start)
+                fields[key] = text[start:i] if key == "parameters" else value
+                i = skip(i)
+                i = skip(i + 1) if text[i] == "," else i
+            if not isinstance(fields.get("name"), str) or "parameters" not in fields:
+                return None
+            calls.append((fields["name"], fields["parameters"]))
+            i = skip(i + 1)
+            i = skip(i + 1) if text[i] == "," else i
+        return calls if skip(i + 1) == len(text) else None
+    except (IndexError, ValueError):
+        return None
+
+
 def tool_call_id() -> str:
     return f"call_{random.getrandbits(96):024x}"
 
@@ -461,11 +504,8 @@ class ChatStream(Generation):
         """The calls a finished sample's ``text`` makes, or ``None`` when it is not a complete list of calls."""
         if self.tool_mode == "named":
             return [self.call(tool_call_id(), self.tool_name, text)]  # type: ignore[arg-type]
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            return None
-        return [self.call(tool_call_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        calls = required_calls(text)
+        return None if calls is None else [self.call(tool_call_id(), name, arguments) for name, arguments in calls]
 
     @staticmethod
     def call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

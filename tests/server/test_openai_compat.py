@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
+from rnnserve.server.streaming import required_calls
 from tests.server.conftest import tiny_config
 from tests.server.test_api import CLOCK, WEATHER, events
 
@@ -257,3 +258,43 @@ def test_cors_is_off_unless_origins_are_allowed(client: TestClient) -> None:
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         unauthorised = cors.post("/v1/completions", json=body, headers={"Origin": "http://app.example"})
         assert unauthorised.status_code == 401
+
+
+def test_required_tool_calls_take_tools_whose_parameters_use_defs(client: TestClient) -> None:
+    """``tool_choice: "required"`` put every tool's schema under one root, where a pydantic tool's ``#/$defs/...``
+    references no longer resolved: a 400 for any tool with an enum or a nested model."""
+    unit = {"$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}}, "type": "object",
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+            "additionalProperties": False}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": unit}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool, WEATHER], "tool_choice": "required",
+            "max_tokens": 60, "temperature": 1.0}  # fmt: skip
+    for seed in range(3):
+        response = client.post("/v1/chat/completions", json={**body, "seed": seed})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] == "tool_calls":
+            for call in choice["message"]["tool_calls"]:
+                arguments = json.loads(call["function"]["arguments"])
+                assert arguments["unit"] in ("c", "f") if call["function"]["name"] == "set_unit" else arguments
+
+
+def test_required_call_arguments_are_the_generated_text() -> None:
+    """Parsed and written again, a number beyond a float's range became ``Infinity`` (not JSON), long decimals
+    were rounded and repeated keys dropped: the arguments are now the generated text itself."""
+    text = '[{"name": "f", "parameters": {"x": 156E1099322632124816, "y": 0.12345678901234567890, "y": 1}}, ' \
+           '{"name": "g", "parameters": {}}]'  # fmt: skip
+    assert required_calls(text) == [
+        ("f", '{"x": 156E1099322632124816, "y": 0.12345678901234567890, "y": 1}'), ("g", "{}")
+    ]
+    for broken in ('[{"name": "f", "parameters": {}}', '[{"name": "f"}]', "{}", '[{"name": 1, "parameters": {}}]'):
+        assert required_calls(broken) is None
+
+
+@pytest.mark.parametrize("schema", ['{"const": NaN}', '{"const": Infinity}', '{"enum": [1e400]}'])
+def test_a_schema_with_numbers_that_are_not_json_is_a_400(client: TestClient, schema: str) -> None:
+    """Python's JSON reader takes NaN, Infinity and 1e400; in the generated JSON they came out as ``null``."""
+    body = f'{{"prompt": "x", "max_tokens": 4, "response_format": {{"type": "json_schema", "json_schema": ' \
+           f'{{"name": "s", "schema": {schema}}}}}}}'  # fmt: skip
+    response = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
