@@ -55,6 +55,8 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lltokenizer: LLTokenizer | None = None
+        # the last constraint compiled: a request's prompts share one (compiled once, not once per prompt)
+        self._last: tuple[StructuredOutputParams, CompiledGrammar] | None = None
 
     def _llguidance_tokenizer(self, param: str) -> LLTokenizer:
         if self._lltokenizer is None:
@@ -73,7 +75,16 @@ class GrammarCompiler:
         return self._lltokenizer
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
-        """The constraint as a checked llguidance grammar; :class:`InvalidParameterError` if it is invalid."""
+        """The constraint as a checked llguidance grammar; :class:`InvalidParameterError` if it is invalid. The
+        prompts of one request share its compiled grammar (immutable): a 20-prompt request with a large enum
+        compiled it 20 times on the engine thread, every stream waiting."""
+        if self._last is not None and self._last[0] is params:
+            return self._last[1]
+        compiled = self._compile(params)
+        self._last = (params, compiled)
+        return compiled
+
+    def _compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         from llguidance import LLMatcher
 
         tokenizer = self._llguidance_tokenizer(params.param)
