@@ -17,6 +17,7 @@ the engine process dies. Their metrics are shared through prometheus-client's mu
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -59,6 +60,7 @@ def run_api_server(
     from rnnserve.server.app import create_app
     from rnnserve.server.http_server import build_server, listen_socket
 
+    stop_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = listen_socket(*address, reuse_port=True)
@@ -70,6 +72,22 @@ def run_api_server(
         logger.error("the other API servers were not ready within %.0f s; not serving", READY_TIMEOUT)
         sys.exit(1)
     build_server(app, config).run(sockets=[sock])
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def stop_with_parent() -> None:
+    """Have the kernel send this process SIGTERM (a drain) when the launcher dies, however it dies (on Linux):
+    killed, its API servers went on serving as orphans, holding the port a restart needs. The engine process
+    ends by itself once its servers are gone."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    launcher = multiprocessing.parent_process()
+    if prctl is None or launcher is None:
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher.pid:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class APIServers:

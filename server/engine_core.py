@@ -706,7 +706,10 @@ def run_engine_process(conns: list[Connection], config: EngineConfig, factory: E
     """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`) to
     each server, then run the engine loop on the commands that arrive (:class:`ServerLinks`), until every server
     has stopped or gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the servers stop us themselves
+    # Ctrl-C, or a SIGTERM to the whole group (systemd's KillMode=control-group), reaches this process too: the
+    # servers drain, and this process ends when they have stopped (a SIGTERM failed every in-flight request at once)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         engine = factory(config)

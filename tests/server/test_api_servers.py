@@ -216,3 +216,62 @@ def test_a_port_where_a_server_listens_is_refused_also_with_several_api_servers(
             capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
         assert second.returncode == 1 and "Address already in use" in second.stderr, second.stderr
+
+
+def test_servers_and_engine_end_when_the_launcher_is_killed() -> None:
+    """Killed, the launcher left its API servers serving as orphans (holding the port a restart needs) and the
+    engine process with them: now each API server drains on its parent's death, and the engine ends after them."""
+    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions")
+    with running_server(*flags) as server:
+        pids = wait_for_servers(server, 2)
+        found = re.search(r"engine=process \(pid (\d+)\)", server.output)
+        assert found is not None, server.output
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        alive = [*pids, int(found.group(1))]
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and "zombie" not in process_state(pid)]
+            time.sleep(0.2)
+        assert not alive, f"still running: {alive}"
+        with listen_socket("127.0.0.1", server.port):  # the port is free again
+            pass
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"
+
+
+def test_a_sigterm_to_the_whole_group_drains_an_engine_process_server() -> None:
+    """systemd's KillMode=control-group sends SIGTERM to every process of the service: the engine process died of
+    it at once and every in-flight stream failed; now the server drains them and the engine ends after it."""
+    with running_server("--model", TINY, "--engine-process", "on", "--no-sessions") as server:
+        wait_for_servers(server, 1)
+        pids = map(int, filter(str.isdigit, os.listdir("/proc")))
+        [engine] = [pid for pid in pids if parent_of(pid) == server.proc.pid and b"spawn_main" in cmdline(pid)]
+        body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+            for pid in (engine, server.proc.pid):
+                os.kill(pid, signal.SIGTERM)
+            rest = "\n".join(lines)
+        assert server.proc.wait(timeout=60) == 0, server.output
+    assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-500:]
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
