@@ -37,7 +37,7 @@ from rnnserve.engine.llm_engine import freeze_startup_heap
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver, sigint_ignored
 from rnnserve.server.metrics import MULTIPROCESS_DIR_ENV
-from rnnserve.server.sessions import remove_temporary_files, session_dir
+from rnnserve.server.sessions import prepare_session_folder, session_dir
 
 logger = logging.getLogger("rnnserve")
 STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers stopped
@@ -106,7 +106,13 @@ class APIServers:
             self._remove_metrics_dir()
             raise
         if config.sessions:  # none of the servers may: one may be writing while another starts
-            remove_temporary_files(session_dir(config, self.engine.info.model_fingerprint))
+            folder = session_dir(config, self.engine.info.model_fingerprint)
+            try:
+                prepare_session_folder(folder)
+            except OSError as err:
+                self.engine.close_links()
+                self._remove_metrics_dir()
+                raise ValueError(f"cannot use the session folder {folder}: {err.strerror or err}") from err
         context = multiprocessing.get_context("spawn")
         self.all_ready = context.Barrier(config.api_servers)  # kept: the servers unpickle it as they start
         self.servers: list[BaseProcess] = []

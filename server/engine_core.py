@@ -44,6 +44,7 @@ import torch
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap, retain_freed_memory
+from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
@@ -753,13 +754,20 @@ class EngineProcess:
             engine_end.close()
         try:
             answers = [receive_message(conn) for conn in self.connections]
-        except EOFError as err:
+        except EOFError as err:  # a load failure, told in one line as any other (it was a raw traceback)
             self.process.join()
-            raise RuntimeError(f"the engine process exited while loading (exit code {self.process.exitcode})") from err
+            code = self.process.exitcode
+            raise ModelLoadError(f"the engine process exited while loading (exit code {code})") from err
         if isinstance(answers[0], LoadFailed):
             self.process.join()
             raise answers[0].error
         self.info: EngineInfo = answers[0]
+
+    def close_links(self, timeout: float = 30.0) -> None:
+        """End the engine before any server took its link: closed, the links tell it to stop."""
+        for conn in self.connections:
+            conn.close()
+        self.join(timeout)
 
     def join(self, timeout: float) -> None:
         """Wait for the process to end (once its servers stopped), bounded; killed after that."""

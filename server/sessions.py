@@ -395,8 +395,7 @@ class SessionStore:
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self._lease_fd = os.open(self.directory / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
             else:
-                remove_temporary_files(directory)
-                _check_creatable(directory)
+                prepare_session_folder(directory)
             self._sizes = self._scan()
         except OSError as err:
             raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
@@ -710,6 +709,13 @@ class SessionStore:
 def lease_byte(session_id: str) -> int:
     """The byte of a shared folder's lease file whose lock is ``session_id``'s lease (byte 0 locks writes)."""
     return 1 + int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=6).digest(), "big")
+
+
+def prepare_session_folder(directory: Path) -> None:
+    """Before any server of the folder runs: remove what a killed server left behind, and check that the folder
+    exists or can be made (``OSError`` if not)."""
+    remove_temporary_files(directory)
+    _check_creatable(directory)
 
 
 def _check_creatable(directory: Path) -> None:

@@ -275,3 +275,15 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_an_unusable_session_folder_is_one_line_with_several_api_servers(tmp_path: Path) -> None:
+    """It was a raw NotADirectoryError traceback, and the shared metrics' folder was left behind."""
+    (tmp_path / "file").write_text("not a folder")
+    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--api-servers", "2",
+               "--port", "0", "--session-dir", str(tmp_path / "file" / "sessions")]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "cannot use the session folder" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not list(tmp_path.glob("rnnserve-metrics-*"))
