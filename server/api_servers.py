@@ -34,9 +34,8 @@ from multiprocessing.synchronize import Barrier
 from types import FrameType
 
 from rnnserve.engine.llm_engine import freeze_startup_heap
-from rnnserve.server.config import ServerConfig
+from rnnserve.server.config import MULTIPROCESS_DIR_ENV, ServerConfig
 from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver, sigint_ignored
-from rnnserve.server.metrics import MULTIPROCESS_DIR_ENV
 from rnnserve.server.sessions import prepare_session_folder, session_dir
 
 logger = logging.getLogger("rnnserve")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
 from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_device
-from rnnserve.server.config import API_KEY_ENV, ServerConfig, rnnserve_version
+from rnnserve.server.config import API_KEY_ENV, MULTIPROCESS_DIR_ENV, ServerConfig, rnnserve_version
 
 if TYPE_CHECKING:
     from rnnserve.engine.sampling_params import StructuredOutputParams
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # A folder inherited from the environment would make a single server's metrics multi-process ones, carried
+    # over from earlier runs; --api-servers sets its own. Before prometheus_client is imported, which reads it.
+    os.environ.pop(MULTIPROCESS_DIR_ENV, None)
     from rnnserve.engine.llm_engine import freeze_startup_heap, retain_freed_memory
     from rnnserve.kernels.cpu_extension import build_cpu_extension
     from rnnserve.server.app import create_app

@@ -17,6 +17,9 @@ from rnnserve.engine.loader import DEFAULT_MODEL_DIR, resolve_device
 
 DEFAULT_SERVED_NAME = "rnnserve-default"
 API_KEY_ENV = "RNNSERVE_API_KEY"
+# prometheus_client reads it as it is imported: the folder where the processes of a multi-process server keep
+# their metrics
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "testserver")  # testserver: Starlette's TestClient
 WILDCARD_BINDS = ("0.0.0.0", "::", "")

@@ -33,6 +33,7 @@ from prometheus_client.utils import floatToGoString
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.server.config import MULTIPROCESS_DIR_ENV
 
 logger = logging.getLogger("rnnserve.metrics")
 
@@ -48,7 +49,6 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 N_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STATS_LOG_INTERVAL = 10.0
-MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class ServerProcesses:

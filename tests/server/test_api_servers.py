@@ -287,3 +287,16 @@ def test_an_unusable_session_folder_is_one_line_with_several_api_servers(tmp_pat
     assert done.returncode == 1, done.stderr
     assert "cannot use the session folder" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not list(tmp_path.glob("rnnserve-metrics-*"))
+
+
+def test_a_single_server_keeps_its_metrics_out_of_an_inherited_multiprocess_folder(tmp_path: Path) -> None:
+    """With $PROMETHEUS_MULTIPROC_DIR in its environment a single server wrote its metrics there and counted the
+    requests of earlier runs with its own."""
+    folder = tmp_path / "inherited"
+    folder.mkdir()
+    with running_server("--model", TINY, "--no-sessions", env={"PROMETHEUS_MULTIPROC_DIR": str(folder)}) as server:
+        wait_for_servers(server, 1)
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert metric(httpx.get(f"{server.url}/metrics").text, "rnnserve_request_success_total") == 1
+    assert not list(folder.iterdir())
