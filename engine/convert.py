@@ -91,6 +91,19 @@ def load_pickled_tensors(path: Path) -> Any:
         raise ConvertError(f"{path}: not a plain tensor checkpoint (refused by weights_only=True): {reason}") from err
 
 
+def read_config(src: Path) -> dict[str, Any] | None:
+    """``src/config.json`` as a dict, or ``None`` where there is none that reads as a JSON object (a converter's
+    ``detect`` asks, and ``convert`` refuses)."""
+    path = src / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def find_converter(src: Path, name: str | None = None) -> Converter:
     """The converter named ``name``, or the one whose ``detect`` accepts ``src``."""
     if name is not None:

@@ -8,33 +8,21 @@ describes (names and shapes) before anything is written.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors, read_config
 from rnnserve.engine.models.based import BasedLM
 
 WEIGHTS = "pytorch_model.bin"
 TIED = ("transformer.embeddings.word_embeddings.weight", "lm_head.weight")
 
 
-def _config(src: Path) -> dict[str, Any] | None:
-    path = src / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
 def detect(src: Path) -> bool:
     """A directory with ``pytorch_model.bin`` and a GPT-2-style config naming Based mixers."""
-    config = _config(src) if src.is_dir() else None
+    config = read_config(src) if src.is_dir() else None
     if config is None or not (src / WEIGHTS).is_file() or config.get("model_type") != "gpt2":
         return False
     targets = [str((config.get(key) or {}).get("_target_", "")) for key in ("mixer", "alt_mixer", "alt_mixer_2")]
@@ -43,7 +31,7 @@ def detect(src: Path) -> bool:
 
 def convert(src: Path) -> ConvertedCheckpoint:
     """Read ``config.json`` and ``pytorch_model.bin`` (tensors only) and map them to the native layout."""
-    hf = _config(src)
+    hf = read_config(src)
     if hf is None:
         raise ConvertError(f"{src}: no readable config.json")
     try:

@@ -13,14 +13,13 @@ or with ``d_ssm`` below the inner width.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors, read_config
 from rnnserve.engine.models.mamba import MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2LM
 
@@ -29,21 +28,10 @@ EMBEDDING = ("backbone.embedding.weight", "backbone.embeddings.weight")  # mamba
 HEAD = "lm_head.weight"
 
 
-def _config(src: Path) -> dict[str, Any] | None:
-    path = src / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
 def detect(src: Path) -> bool:
     """A directory with ``pytorch_model.bin`` and a ``mamba_ssm`` config (``d_model``, ``n_layer``, no
     ``model_type``)."""
-    config = _config(src) if src.is_dir() else None
+    config = read_config(src) if src.is_dir() else None
     return (
         config is not None and (src / WEIGHTS).is_file() and "model_type" not in config
         and {"d_model", "n_layer", "vocab_size"} <= config.keys()
@@ -90,7 +78,7 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
 
 def convert(src: Path) -> ConvertedCheckpoint:
     """Read ``config.json`` and ``pytorch_model.bin`` (tensors only) and map them to the native layout."""
-    ssm = _config(src)
+    ssm = read_config(src)
     if ssm is None:
         raise ConvertError(f"{src}: no readable config.json")
     state = load_pickled_tensors(src / WEIGHTS)
