@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -325,10 +326,7 @@ class PrefixCache:
             child = node.children.get(token_ids[matched])
             if child is None:
                 break
-            common = 0
-            limit = min(len(child.key), len(token_ids) - matched)
-            while common < limit and child.key[common] == token_ids[matched + common]:
-                common += 1
+            common = _shared_run(child.key, token_ids, matched)
             matched += common
             if common < len(child.key):
                 break
@@ -355,11 +353,7 @@ class PrefixCache:
                 node.children[tokens[matched]] = leaf
                 return leaf
             if tokens[matched : child.depth] != child.key:  # the edge diverges or is longer: split it
-                common = 0
-                limit = min(len(child.key), len(tokens) - matched)
-                while common < limit and child.key[common] == tokens[matched + common]:
-                    common += 1
-                child = self._split(child, common)
+                child = self._split(child, _shared_run(child.key, tokens, matched))
             node, matched = child, child.depth
         return node
 
@@ -478,3 +472,11 @@ class PrefixCache:
             assert len(rows) == tier.num_used == self._live[index]
             assert rows == sorted(set(range(tier._next_unused)) - set(tier._released))
             assert tier.used_bytes <= tier.capacity_bytes
+
+
+def _shared_run(key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    """How many of an edge's ``key`` tokens ``tokens`` repeats from ``start`` on."""
+    common, limit = 0, min(len(key), len(tokens) - start)
+    while common < limit and key[common] == tokens[start + common]:
+        common += 1
+    return common
