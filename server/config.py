@@ -144,10 +144,11 @@ class ServerConfig:
             raise ValueError("--http httptools needs the httptools package (pip install httptools)")
         if self.api_servers < 1:
             raise ValueError("--api-servers must be at least 1")
-        for flag, seconds, least in [("--request-read-timeout", self.request_read_timeout, "above 0"),
-                                     ("--keep-alive-timeout", self.keep_alive_timeout, "above 0"),
-                                     ("--drain-timeout", self.drain_timeout, "0 or more")]:  # fmt: skip
-            if not (math.isfinite(seconds) and (seconds > 0 or (seconds == 0 and least == "0 or more"))):
+        for flag, seconds, zero_ok in [("--request-read-timeout", self.request_read_timeout, False),
+                                       ("--keep-alive-timeout", self.keep_alive_timeout, False),
+                                       ("--drain-timeout", self.drain_timeout, True)]:  # fmt: skip
+            if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
+                least = "0 or more" if zero_ok else "above 0"
                 raise ValueError(f"{flag} must be a number of seconds {least}, got {seconds}")
         if self.api_servers > 1 and self.engine_process == "off":
             raise ValueError("--api-servers above 1 needs the engine in its own process (not --engine-process off)")

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -496,10 +496,10 @@ class SessionStore:
             return cached.info
         with self._open(session_id) as file:
             size = os.fstat(file.fileno()).st_size
-            head = self._reading(session_id, file.read, HEADER_LENGTH_BYTES)
+            head = file.read(HEADER_LENGTH_BYTES)
             if len(head) == HEADER_LENGTH_BYTES:
                 (length,) = struct.unpack("<Q", head)
-                head += self._reading(session_id, file.read, min(length, MAX_HEADER_BYTES))
+                head += file.read(min(length, MAX_HEADER_BYTES))
         self._found(session_id, size)
         metadata, _ = self.codec.read_header(session_id, head, size)
         num_tokens = metadata_int(session_id, metadata, "num_tokens", "the metadata's token count")
@@ -631,14 +631,15 @@ class SessionStore:
     def _read(self, session_id: str) -> tuple[bytes, FileVersion]:
         with self._open(session_id) as file:
             version = FileVersion.of(os.fstat(file.fileno()))
-            data = self._reading(session_id, file.read)
+            data = file.read()
         self._found(session_id, len(data))
         return data, version
 
     @contextmanager
     def _open(self, session_id: str) -> Iterator[BinaryIO]:
         """The session's file, open for reading; 404 if there is none, 422 ``session_corrupted`` if it is no
-        regular file (a directory; a FIFO, opened without blocking, would hang the read) or cannot be opened."""
+        regular file (a directory; a FIFO, opened without blocking, would hang the read) or cannot be opened or
+        read."""
         try:
             fd = os.open(self.path(session_id), os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -649,15 +650,10 @@ class SessionStore:
             os.close(fd)
             raise corrupted(session_id, "its path is not a regular file")
         with os.fdopen(fd, "rb") as file:
-            yield file
-
-    @staticmethod
-    def _reading(session_id: str, read: Callable[..., bytes], *args: int) -> bytes:
-        """``read(*args)``, an I/O error being the session's 422."""
-        try:
-            return read(*args)
-        except OSError as err:
-            raise corrupted(session_id, err.strerror or str(err)) from None
+            try:
+                yield file
+            except OSError as err:
+                raise corrupted(session_id, err.strerror or str(err)) from None
 
     def _cached(self, session_id: str) -> StoredSession | None:
         """The LRU's copy of the session if its file has not changed since (one ``stat``)."""

@@ -175,8 +175,12 @@ class Generation(ABC):
         return special if special is not None else self.tokenizer.decode([token_id])
 
     def token_bytes(self, token_id: int) -> list[int]:
-        special = self.tokenizer.special_text(token_id)
-        return list(special.encode() if special is not None else self.tokenizer.token_bytes(token_id))
+        return list(self.piece_bytes(token_id))
+
+    def piece_bytes(self, token_id: int, special_text: bool = True) -> bytes:
+        """The token's bytes; a special token's own text's where ``special_text`` (else none)."""
+        special = self.tokenizer.special_text(token_id) if special_text else None
+        return special.encode() if special is not None else self.tokenizer.token_bytes(token_id)
 
     def choice_index(self, out: RequestOutput, sample: CompletionOutput) -> int:
         return self.prompt_index[out.request_id] * self.params.n + sample.index
@@ -363,9 +367,7 @@ class CompletionStream(Generation):
         kept = not self.params.skip_special_tokens  # special tokens' text is in the generated text then
         for token_id, _ in entries[len(offsets) :]:
             offsets.append(offset)
-            special = self.tokenizer.special_text(token_id) if kept else None
-            piece = special.encode() if special is not None else self.tokenizer.token_bytes(token_id)
-            offset += len(utf8.decode(piece))
+            offset += len(utf8.decode(self.piece_bytes(token_id, kept)))
         self.offsets[index] = (offset, utf8)
         return {
             "tokens": tokens,
