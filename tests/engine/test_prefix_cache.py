@@ -12,6 +12,7 @@ import torch
 
 from rnnserve import SamplingParams
 from rnnserve.engine import prefix_cache
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.prefix_cache import PrefixCache, RadixNode
 from rnnserve.engine.scheduler import PrefillChunk
@@ -67,19 +68,25 @@ def test_cache_hits_generate_exactly_what_misses_generate(model: str) -> None:
     on.prefix_cache.check_invariants()
 
 
-def test_long_prompts_resume_from_interval_snapshots_and_chunks_end_there() -> None:
-    on, off = make_engine("random:mamba-tiny", cache=True), make_engine("random:mamba-tiny", cache=False)
-    rng = random.Random(3)
-    tokens = token_pool(on)
-    shared = rng.choices(tokens, k=45)
+def record_chunk_ends(engine: LLMEngine) -> list[int]:
+    """A list that each prompt chunk the engine prefills from now on adds its end to."""
     chunk_ends: list[int] = []
-    original = on.scheduler.complete_prefill
+    original = engine.scheduler.complete_prefill
 
     def record(chunks: list[PrefillChunk]) -> list[Sequence]:
         chunk_ends.extend(c.end for c in chunks)
         return original(chunks)
 
-    on.scheduler.complete_prefill = record  # type: ignore[method-assign]
+    engine.scheduler.complete_prefill = record  # type: ignore[method-assign]
+    return chunk_ends
+
+
+def test_long_prompts_resume_from_interval_snapshots_and_chunks_end_there() -> None:
+    on, off = make_engine("random:mamba-tiny", cache=True), make_engine("random:mamba-tiny", cache=False)
+    rng = random.Random(3)
+    tokens = token_pool(on)
+    shared = rng.choices(tokens, k=45)
+    chunk_ends = record_chunk_ends(on)
     run(on, [(shared + [1, 2], GREEDY)])
     assert chunk_ends == [8, 16, 24, 32, 40, 47]
     requests = [(shared[:k] + rng.choices(tokens, k=5), GREEDY) for k in (9, 24, 31, 44)]
@@ -98,14 +105,7 @@ def test_a_shared_system_prompt_is_cached_where_conversations_branch_off_it(mode
     rng = random.Random(5)
     tokens = token_pool(on)
     system = rng.choices(tokens, k=40)
-    chunk_ends: list[int] = []
-    original = on.scheduler.complete_prefill
-
-    def record(chunks: list[PrefillChunk]) -> list[Sequence]:
-        chunk_ends.extend(c.end for c in chunks)
-        return original(chunks)
-
-    on.scheduler.complete_prefill = record  # type: ignore[method-assign]
+    chunk_ends = record_chunk_ends(on)
     chats = [system + rng.choices(tokens, k=12) for _ in range(4)]
     outputs = [run(on, [(chat, GREEDY)])[0] for chat in chats]
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 40, 40]

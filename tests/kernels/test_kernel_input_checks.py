@@ -59,20 +59,16 @@ def test_decode_updates_take_a_slice_of_pool_rows_as_indexing_does(path: str, sl
     ssd = {"x": torch.randn(rows, 4, 8, generator=g), "dt": torch.rand(rows, 4, generator=g),
            "A": -torch.rand(4, generator=g), "B": torch.randn(rows, 2, 16, generator=g),
            "C": torch.randn(rows, 2, 16, generator=g)}  # fmt: skip
-    pool = torch.randn(6, 4, 8, 16, generator=g)
-    expected = pool.clone()
-    want = ssd_state_update_torch(expected, slots, **ssd)
-    with on_path(path):
-        got = ssd_state_update(pool, slots, **ssd)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool, expected, atol=1e-5, rtol=1e-5)
     mamba = {"x": torch.randn(rows, 8, generator=g), "dt": torch.rand(rows, 8, generator=g),
              "A": -torch.rand(8, 4, generator=g), "B": torch.randn(rows, 4, generator=g),
              "C": torch.randn(rows, 4, generator=g)}  # fmt: skip
-    pool = torch.randn(6, 8, 4, generator=g)
-    expected = pool.clone()
-    want = selective_state_update_torch(expected, slots, **mamba)
-    with on_path(path):
-        got = selective_state_update(pool, slots, **mamba)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool, expected, atol=1e-5, rtol=1e-5)
+    cases = [(ssd_state_update, ssd_state_update_torch, (6, 4, 8, 16), ssd),
+             (selective_state_update, selective_state_update_torch, (6, 8, 4), mamba)]  # fmt: skip
+    for update, reference, pool_shape, inputs in cases:
+        pool = torch.randn(pool_shape, generator=g)
+        expected = pool.clone()
+        want = reference(expected, slots, **inputs)
+        with on_path(path):
+            got = update(pool, slots, **inputs)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pool, expected, atol=1e-5, rtol=1e-5)
