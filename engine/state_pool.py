@@ -143,9 +143,16 @@ class StatePool:
         return host, copied
 
     def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite one slot's state with ``tensors`` (one per state name, the spec's shape, any device)."""
+        """Overwrite one slot's state with ``tensors`` (one per state name, the spec's shape, any device).
+
+        On CUDA a host state is copied from pinned memory behind the work queued so far: the host does not wait
+        for the device (a pageable tensor is first copied into pinned memory, whose reuse waits for the copy)."""
         for name, tensor in self.tensors.items():
-            tensor[slot].copy_(tensors[name])
+            source = tensors[name]
+            if self.device.type == "cuda" and source.device.type == "cpu":
+                tensor[slot].copy_(source.to(tensor.dtype).pin_memory(), non_blocking=True)
+            else:
+                tensor[slot].copy_(source)
 
     def copy(self, src: int, dst: list[int]) -> None:
         """Fork: copy slot ``src``'s state into every slot of ``dst``."""
