@@ -48,6 +48,8 @@ def make_engine(model: str, cache: bool, device: str = "cpu", **options: int) ->
         return call
 
     model_module.prefill, model_module.decode = masked(prefill), masked(decode)
+    if engine.runner.graphs is not None:  # captured at start-up without the mask: again, with it
+        engine.runner.graphs.capture()
     return engine
 
 
