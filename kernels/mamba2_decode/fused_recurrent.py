@@ -44,10 +44,11 @@ from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 SSM_CHANNELS = 16  # channels of one head a program: [16, 128] state tiles at d_state 128
-SSM_WARPS = 4
-# Launch choices of this stack's GEMV kernels, as the Mamba-1 stack's (see there), measured by
-# benchmarks/decode_tune.py on an H200: mamba2-370m, bf16, batch 1: 0.69 ms a step with these against 0.77 ms with
-# the Mamba-1 stack's and 1.87 ms op by op.
+SSM_WARPS = 8
+# Launch choices of this stack, as the Mamba-1 stack's (see there), measured by benchmarks/decode_tune.py on an
+# H200 (mamba2-370m, bf16, CUDA graphs, batch 1, 2026-11-29, two rounds): 0.627 / 0.639 ms a step with these,
+# 0.652 / 0.651 with 4 SSM warps, 0.835 / 0.848 with PREFETCH_INPUTS as well (the previous defaults), 1.89 ms op by
+# op.
 TILE = 4096
 IN_PROJ_ROWS = 8
 OUT_PROJ_ROWS = 2
@@ -55,8 +56,10 @@ OUT_PROJ_TILE = 4096  # out_proj's own TILE (see the Mamba-1 stack's)
 NUM_WARPS = 4
 LAUNCH_PDL = True
 # Under dependent launch, also ask L2 for the norms' weights and the conv's tails and weights before the wait
-# (the Mamba-1 stack's PREFETCH_INPUTS; the SSM kernel loads its parameters then anyway).
-PREFETCH_INPUTS = True
+# (the Mamba-1 stack's PREFETCH_INPUTS; the SSM kernel loads its parameters then anyway). Off: it cost ~4 us a
+# layer on the H200, likely because every program asks for the whole norm weight vector, element by element
+# (out_proj: 512 programs at 2 rows each, 2048 elements each), where the Mamba-1 stack has a quarter as many.
+PREFETCH_INPUTS = False
 # Load the GEMVs' first weight tiles and in_proj's conv tails and weights at the kernels' start, before the wait
 # under dependent launch (the Mamba-1 stack's EARLY_LOADS; the SSM kernel does so always).
 EARLY_LOADS = True

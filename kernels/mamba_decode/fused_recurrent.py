@@ -32,18 +32,19 @@ from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_triton
 from rnnserve.kernels.selective_scan.fused_recurrent import softplus_f32
 
 # Launch choices of this stack (the Mamba-2 stack has its own), measured by benchmarks/decode_tune.py on an H200
-# (mamba-370m, bf16, CUDA graphs): 0.95 ms a step at batch 1 with these, 1.00 ms with 16 in_proj rows, 4 out_proj
-# rows and 8192-element tiles, 1.66 ms op by op; at batch 8 2.01 against 2.23 ms. 32 in_proj rows a program also
-# halve the x_proj partial sums each SSM program adds up. A GEMV program's loads in one loop step are all it has
-# in flight (Triton pipelines loads that feed tl.dot, not these), so steps are long and programs many.
+# (mamba-370m, bf16, CUDA graphs, batch 1, 2026-11-29, two rounds): 0.684 / 0.683 ms a step with these, 0.705 /
+# 0.709 with 8 out_proj rows (the previous default), 1.67 ms op by op; 4 warps gained another 0.5% in bf16 but
+# spill in fp32. 32 in_proj rows a program also halve the x_proj partial sums each SSM program adds up. A GEMV
+# program's loads in one loop step are all it has in flight (Triton pipelines loads that feed tl.dot, not these),
+# so steps are long and programs many.
 MAX_ROWS = 8  # the most rows the stacks take (the models use them up to their packages' STACK_MAX_BATCH)
 TILE = 16384  # elements of a program's multiply-and-sum product per loop step
 IN_PROJ_ROWS = 32  # in_proj rows a program (at most; a power of two dividing d_inner)
-OUT_PROJ_ROWS = 8
+OUT_PROJ_ROWS = 4
 # out_proj's own TILE. Under dependent launch the next layer's in_proj programs start (and prefetch their rows)
 # only on SMs with registers to spare beside an out_proj program: at batch 1 in bf16, in_proj takes 149 registers
 # a thread at 8 warps (38.9K of an SM's 64K), out_proj 148 at this tile and 86 at 8192 (22.5K), so only the
-# smaller tile lets them share an SM. Unmeasured on a GPU: decode_tune sweeps it.
+# smaller tile lets them share an SM. Measured on the H200: no gain (0.718 ms a step at 8192, 0.713 at 16384).
 OUT_PROJ_TILE = 16384
 SSM_CHANNELS = 64
 NUM_WARPS = 8  # the GEMV kernels'
@@ -55,21 +56,22 @@ LAUNCH_PDL = True
 # Under dependent launch, also ask L2 for the small inputs each kernel reads after its wait that no kernel of
 # the step writes: the norm's weights, the conv's tails and weights and x_proj's columns (in_proj), dt_proj,
 # A, D and dt's bias (the SSM kernel). Read after the GEMV or the partial sums, each was a trip to HBM on the
-# layer's critical path. Unmeasured on a GPU: decode_tune times it on and off.
+# layer's critical path. Measured on the H200: no difference (0.714 ms off, 0.713 on).
 PREFETCH_INPUTS = True
 # Load into registers, at a kernel's start, every input no kernel of the step writes and the kernel reads in its
 # first pass: each GEMV's first weight tile, in_proj's conv tails, conv weights and first x_proj columns, the SSM
 # kernel's dt_proj rows, A, D and dt's bias. Under dependent launch that is before the wait, while the kernel
 # before runs; either way those loads are in flight together with the first ones that depend on it (the
 # residual stream, the partial sums) instead of after them, so each kernel waits on memory about once after its
-# start, not two to five times in a row. (PREFETCH_INPUTS then only covers what is left.) Unmeasured on a GPU:
-# decode_tune times it on and off.
+# start, not two to five times in a row. (PREFETCH_INPUTS then only covers what is left.) On the H200: 0.713 ms
+# a step with them, 0.828 without.
 EARLY_LOADS = True
 # Under dependent launch, also ask L2 from each kernel for the weights of a later one: in_proj for its layer's
 # out_proj, the SSM kernel for the next layer's in_proj. Each kernel's own request comes only once its programs
 # are resident, which beside the kernel before it takes registers to spare; these come from a kernel that runs,
 # after its own work, so the weights stream from HBM in the background of the step. Off: the requests could
-# also queue ahead of the next kernels' own loads. Unmeasured on a GPU: decode_tune times it on.
+# also queue ahead of the next kernels' own loads, and on the H200 they did: 0.871 ms a step with them, 0.713
+# without.
 PREFETCH_AHEAD = False
 L2_LINE = tl.constexpr(128)  # bytes
 AHEAD_REQUESTS = tl.constexpr(1024)  # L2 requests a program issues at a time for PREFETCH_AHEAD

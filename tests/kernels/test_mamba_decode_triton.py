@@ -89,6 +89,7 @@ def test_stack_with_several_tiles_matches_reference(triton_on_cpu, monkeypatch, 
 
     monkeypatch.setattr(fused_recurrent, "TILE", 512)
     monkeypatch.setattr(fused_recurrent, "OUT_PROJ_TILE", 512)
+    monkeypatch.setattr(fused_recurrent, "OUT_PROJ_ROWS", 8)
     monkeypatch.setattr(fused_recurrent, "EARLY_LOADS", early)
     assert fused_recurrent.in_proj_blocks(8, D_MODEL, D_INNER, DT_RANK + 2 * D_STATE) == (32, 16, 16)
     assert fused_recurrent.gemv_blocks(8, D_INNER, fused_recurrent.OUT_PROJ_ROWS, 512) == (8, 16)
