@@ -95,7 +95,7 @@ def _mamba2_in_proj_kernel(
             prefetch_weight_rows(w_ptr, first, d_inner + conv_dim + heads, d_model, BO, LINES)
         if PREFETCH:
             if HAS_NORM:
-                prefetch_vector(norm_w_ptr, d_model, BK)
+                prefetch_vector(norm_w_ptr, d_model)
             if not EARLY:
                 if (first + BO > d_inner) & (first < d_inner + conv_dim):
                     prefetch_conv_inputs(tl.minimum(tl.maximum(chans, 0), conv_dim - 1), rows, row_ok, slot_ids_ptr,
@@ -205,7 +205,7 @@ def _mamba2_out_proj_kernel(
         if (not EARLY) or (BK < d_inner):
             prefetch_weight_rows(w_ptr, pid * BO, d_model, d_inner, BO, LINES)
         if PREFETCH:
-            prefetch_vector(norm_w_ptr, d_inner, BK)
+            prefetch_vector(norm_w_ptr, d_inner)
         wait_for_previous_kernel()
     if not EARLY:
         w_first = weight_tile(w_ptr, outs, out_ok, 0, d_inner, BK)
