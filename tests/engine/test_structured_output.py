@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -214,3 +215,48 @@ def test_the_prompts_of_a_request_share_one_compiled_grammar(monkeypatch: pytest
     assert len(compiled) == 2
     outputs = run_to_completion(engine)
     assert len(outputs) == 4 and all(o.outputs[0].text in ("yes", "no") for o in outputs.values())
+
+
+def wide_schema(num_properties: int) -> dict:
+    """An object of ``num_properties`` optional objects: its grammar grows by ~20 symbols a property."""
+    inner = {"type": "object", "properties": {"v": {"type": "integer"}}}
+    return {"type": "object", "properties": {f"k{i}": inner for i in range(num_properties)}}
+
+
+def test_a_request_compiles_its_grammar_once_and_its_samples_copy_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling checked the grammar, built a matcher to try its first token, then each sample built one more,
+    on the engine's thread: a schema that took 1 s to compile cost 2 + n s. One matcher is built; samples copy it."""
+    import llguidance
+
+    real = llguidance.LLMatcher
+    built: list[str] = []
+
+    class CountingMatcher:
+        def __new__(cls, tokenizer: object, grammar: str, **options: object) -> object:
+            built.append(grammar)
+            return real(tokenizer, grammar, **options)
+
+    for name in ("grammar_from_json_schema", "grammar_from_regex", "grammar_from_lark", "validate_grammar"):
+        setattr(CountingMatcher, name, staticmethod(getattr(real, name)))
+    monkeypatch.setattr(llguidance, "LLMatcher", CountingMatcher)
+    engine = make_engine()
+    constraint = Constraint(json=SCHEMA)
+    outputs = generate(engine, constraint, n=3, temperature=1.0, seed=5)
+    assert len(built) == 1
+    assert all(out.finish_reason == "stop" and follows(constraint, out.text) for out in outputs)
+
+
+def test_a_grammar_too_large_is_refused_quickly_and_clearly() -> None:
+    """A schema of 8000 objects (567 KB) compiled for 3 s and more, then llguidance panicked (a 400 whose message
+    was a backtrace). Past the size limit it is refused at once; one under it that still meets llguidance's
+    symbol limit is refused with a message, not the backtrace."""
+    compiler = GrammarCompiler(ByteTokenizer(), 300)
+    compiler.compile(Constraint(regex="warm"))  # the token table, built once per engine, is not what is timed
+    start = time.perf_counter()
+    with pytest.raises(InvalidParameterError, match="too big") as err:
+        compiler.compile(Constraint(json=wide_schema(8000), param="response_format"))
+    assert time.perf_counter() - start < 1.5
+    assert err.value.param == "response_format"
+    with pytest.raises(InvalidParameterError, match="too large for llguidance") as err:
+        compiler.compile(Constraint(json=wide_schema(4800)))
+    assert "backtrace" not in str(err.value) and "\n" not in str(err.value)
