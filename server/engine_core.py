@@ -521,7 +521,7 @@ class OutputEncoder:
                 self.compact.add(request_id)
         samples = [seq.take_output_fields(params.output_kind) for seq in group.seqs]
         return (request_id, prompt, samples, finished, metrics_fields(group.metrics), group.error,
-                group.num_cached_tokens, group.final_state)  # fmt: skip
+                group.num_cached_tokens, group.final_state, group.error_param)  # fmt: skip
 
     def forget(self, request_ids: list[str]) -> None:
         self.sent.difference_update(request_ids)
@@ -548,7 +548,7 @@ class OutputDecoder:
                 outputs.append(RequestOutput(request_id, prompt_text, prompt_ids, [sample], False, known[2], None,
                                              prompt_logprobs, known[3], None))  # fmt: skip
                 continue
-            request_id, prompt, samples, finished, times, error, num_cached, final_state = row
+            request_id, prompt, samples, finished, times, error, num_cached, final_state, error_param = row
             if prompt is None:
                 prompt = self.known[request_id][0]
             metrics = RequestMetrics(*times)
@@ -559,7 +559,7 @@ class OutputDecoder:
             completions = [CompletionOutput(*fields) for fields in samples]
             text, token_ids, logprobs = prompt
             outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,
-                                         num_cached, final_state))  # fmt: skip
+                                         num_cached, final_state, error_param))  # fmt: skip
         return outputs
 
     def forget(self, request_ids: list[str]) -> None:

@@ -260,3 +260,31 @@ def test_a_grammar_too_large_is_refused_quickly_and_clearly() -> None:
     with pytest.raises(InvalidParameterError, match="too large for llguidance") as err:
         compiler.compile(Constraint(json=wide_schema(4800)))
     assert "backtrace" not in str(err.value) and "\n" not in str(err.value)
+
+
+def right_recursive(rules: int) -> str:
+    """A Lark grammar whose ``rules`` right-recursive rules all match ``a+``: each ``a`` adds as many items to the
+    parser's row, so with 40 of them llguidance's limit of 2000 items a row is met after ~45 tokens, not at the
+    first token, which admission tries."""
+    return "start: " + " | ".join(f"s{i}" for i in range(rules)) + "\n" + "\n".join(
+        f's{i}: "a" s{i} | "a"' for i in range(rules))
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_grammar_that_meets_the_parser_limit_midway_fails_its_request_alone(async_scheduling: str) -> None:
+    """The grammar is accepted, then its parser meets llguidance's per-step limit while the request generates
+    (``min_tokens`` keeps it from ending first): the request failed with a ValueError, a 500. It now fails as the
+    request's own error, naming its parameter (a 400), with llguidance's reason; its slot is freed and the
+    request beside it, and the next one, run as if nothing happened."""
+    engine = make_engine(async_scheduling=async_scheduling)
+    beside = engine.add_request("Once upon", SamplingParams(max_tokens=80, ignore_eos=True, temperature=1.0, seed=3))
+    constraint = Constraint(grammar=right_recursive(40), param="response_format")
+    failing = engine.add_request("x", SamplingParams(max_tokens=200, min_tokens=100, structured_outputs=constraint))
+    outputs = run_to_completion(engine)
+    failed = outputs[failing]
+    assert failed.error_param == "response_format" and failed.outputs[0].finish_reason == "error"
+    assert re.match(r"the structured output failed after \d+ tokens: Parser Error: .*max is 2000", failed.error)
+    assert outputs[beside].error is None and len(outputs[beside].outputs[0].token_ids) == 80
+    assert engine.pool.num_used == 0
+    after = generate(engine, Constraint(regex=REGEX), temperature=1.0, seed=2)
+    assert after[0].finish_reason == "stop" and follows(Constraint(regex=REGEX), after[0].text)
