@@ -112,43 +112,46 @@ class GrammarCompiler:
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         error = matcher_error(matcher) if matcher.is_error() else None
         if error is None:
-            first_tokens, error = self._first_step(matcher)
+            first_words, error = self._first_step(matcher)
         if error is not None:
             raise InvalidParameterError(params.param, f"invalid structured output constraint: {error}")
-        return CompiledGrammar(grammar, matcher, first_tokens)
+        return CompiledGrammar(grammar, matcher, first_words)
 
-    def _first_step(self, matcher: LLMatcher) -> tuple[torch.Tensor, str | None]:
-        """The tokens the grammar allows first (bool ``[vocab]``), and what stops it at its first token, which
-        compiling it does not try: the lexer's and parser's size limits (a regex ``a{1000000}``, a choice of 2001
-        strings) are met there, and a request would otherwise fail after it was accepted. Tried on a copy:
-        ``matcher`` stays at the grammar's start."""
+    def _first_step(self, matcher: LLMatcher) -> tuple[tuple[int, ...], str | None]:
+        """The tokens the grammar allows first (as :attr:`CompiledGrammar.first_words`), and what stops it at its
+        first token, which compiling it does not try: the lexer's and parser's size limits (a regex
+        ``a{1000000}``, a choice of 2001 strings) are met there, and a request would otherwise fail after it was
+        accepted. Tried on a copy: ``matcher`` stays at the grammar's start. The bits are read in Python, not
+        with torch ops: this runs on the server's grammar thread, where a parallel op over the vocabulary would
+        start a second OpenMP team, which slows every CPU decode step (see ``EngineThread``)."""
         trial = matcher.deep_copy()
         mask = torch.zeros((self._vocab_size + 31) // 32, dtype=torch.int32)
         trial.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        first_tokens = allowed_tokens(mask[None], self._vocab_size)[0]
-        allowed = first_tokens.nonzero()
-        if not trial.is_error() and len(allowed):
-            trial.consume_token(int(allowed[0]))
-        return first_tokens, matcher_error(trial) if trial.is_error() else None
+        words = tuple(mask.tolist())
+        first = next((32 * i + (word & -word).bit_length() - 1 for i, word in enumerate(words) if word), None)
+        if not trial.is_error() and first is not None:
+            trial.consume_token(first)
+        return words, matcher_error(trial) if trial.is_error() else None
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A request's checked grammar (llguidance's serialized form) and its ``matcher`` at the start, which each of
     its samples copies into a :class:`GrammarState` (a copy takes microseconds; compiling the grammar again for
-    each sample, on the engine's thread, took as long as the first compile). ``first_tokens`` (bool ``[vocab]``)
-    are the tokens it allows first."""
+    each sample, on the engine's thread, took as long as the first compile). ``first_words`` are the tokens it
+    allows first, 32 a word (token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
 
     grammar: str
     matcher: LLMatcher
-    first_tokens: torch.Tensor
+    first_words: tuple[int, ...]
 
     def start(self) -> GrammarState:
         return GrammarState(self.matcher.deep_copy())
 
     def allows_first(self, token_ids: list[int]) -> bool:
         """Whether any of ``token_ids`` can be the grammar's first token."""
-        return any(bool(self.first_tokens[t]) for t in token_ids if t < len(self.first_tokens))
+        words = self.first_words
+        return any(words[t >> 5] >> (t & 31) & 1 for t in token_ids if t >> 5 < len(words))
 
 
 class GrammarState:

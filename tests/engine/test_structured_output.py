@@ -4,8 +4,10 @@ a Hugging Face BPE tokenizer, alone and beside unconstrained rows, with synchron
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -288,3 +290,21 @@ def test_a_grammar_that_meets_the_parser_limit_midway_fails_its_request_alone(as
     assert engine.pool.num_used == 0
     after = generate(engine, Constraint(regex=REGEX), temperature=1.0, seed=2)
     assert after[0].finish_reason == "stop" and follows(Constraint(regex=REGEX), after[0].text)
+
+
+def test_compiling_on_a_thread_of_its_own_starts_no_openmp_team() -> None:
+    """The server compiles grammars on a thread of its own. Reading the first step's mask with torch ops over the
+    vocabulary there started a second OpenMP team (one more OS thread per extra torch thread), which makes every
+    CPU decode step ~17% slower (see ``EngineThread``): the compile's only threads are now its own."""
+    compiler = GrammarCompiler(ByteTokenizer(), 1 << 16)  # a vocabulary past torch's grain for parallel ops
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as a server runs (the suite runs torch on one thread, where no team ever starts)
+    try:
+        torch.ones(1 << 16).mul(2).sum()  # this thread's team
+        threads_before = len(os.listdir("/proc/self/task"))
+        with ThreadPoolExecutor(1) as grammar_thread:
+            grammar = grammar_thread.submit(compiler.compile, Constraint(json=SCHEMA)).result()
+            assert len(os.listdir("/proc/self/task")) == threads_before + 1  # the grammar thread itself
+    finally:
+        torch.set_num_threads(suite_threads)
+    assert grammar.allows_first([ord("{")]) and not grammar.allows_first([ord("x"), 1 << 15, (1 << 16) + 5])
