@@ -91,7 +91,7 @@ class ScriptedDriver:
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
                 token_ids = list(prompt.encode()) if isinstance(prompt, str) else prompt  # chat: rendered text
                 self._requests[request_id] = (token_ids, command.params.max_tokens, RequestMetrics(now, now), 0)
-            self._loop.call_soon(self._handle, Added(command.add_id, None, self.info.load))
+            self._loop.call_soon(self._handle, Added(command.add_id, command.request_ids, None, self.info.load))
             if not self._stepping:
                 self._stepping = True
                 self._loop.call_soon(self._step)

@@ -30,7 +30,7 @@ from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.state_snapshot import StateSnapshot, check_snapshot_tensors, model_fingerprint
-from rnnserve.engine.structured_output import GrammarCompiler
+from rnnserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.kernels.cpu_extension import build_cpu_extension
 
@@ -286,6 +286,7 @@ class LLMEngine:
         *,
         context: StateSnapshot | None = None,
         return_state: bool = False,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidParameterError (a 400) or QueueFullError (a 429).
 
@@ -293,7 +294,9 @@ class LLMEngine:
         context.pending_token_ids`` + the prompt (which may be empty when tokens are pending), and only the
         pending tokens and the prompt are prefilled. With ``return_state`` (``n == 1`` only) the output
         carries the sample's state in ``final_state`` once it finishes with ``stop`` or ``length`` (on CUDA,
-        in pinned memory, and that output may come a few steps later: see :meth:`collect`).
+        in pinned memory, and that output may come a few steps later: see :meth:`collect`). ``grammar`` is
+        ``params.structured_outputs`` compiled already (:attr:`grammars`; the server compiles it off this thread),
+        else it is compiled here.
         """
         text, ids = self.encode_prompt(prompt, allow_empty=context is not None and bool(context.pending_token_ids))
         num_consumed = 0
@@ -312,7 +315,8 @@ class LLMEngine:
         params = self.fit_max_tokens(len(ids), params)
         self.check_limits(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
-        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         if grammar is not None and params.allowed_token_ids is not None and not grammar.allows_first(
             params.allowed_token_ids
         ):

@@ -84,8 +84,10 @@ class TokenLatencies:
 @dataclass(slots=True)
 class RequestOutput:
     """A request's progress: one :class:`CompletionOutput` per sample. ``error`` is set (and ``finished``
-    true) when the engine failed this request alone. ``prompt_logprobs`` (when asked for) has one entry per
-    prompt token, ``None`` for the first (nothing predicts it).
+    true) when the engine failed this request alone; ``error_param`` too when what failed it is the request's own
+    parameter (a 400 naming it), e.g. a structured output whose grammar met llguidance's limits midway.
+    ``prompt_logprobs`` (when asked for) has one entry per prompt token, ``None`` for the first (nothing
+    predicts it).
 
     ``prompt_token_ids`` is the whole sequence before the output: a ``context``'s history, then the prompt.
     ``num_cached_tokens`` of them were not prefilled (a prefix-cache hit or the ``context``'s state).
@@ -102,6 +104,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     final_state: StateSnapshot | None = None
+    error_param: str | None = None
 
 
 def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
@@ -116,4 +119,4 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     ]
     return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids, samples, second.finished,
                          second.metrics, second.error, second.prompt_logprobs, second.num_cached_tokens,
-                         second.final_state)  # fmt: skip
+                         second.final_state, second.error_param)  # fmt: skip

@@ -408,8 +408,12 @@ class Scheduler:
             group.metrics.finished_time = time.monotonic()
 
     def fail(self, group: SequenceGroup, err: BaseException) -> None:
-        """End a request because processing it raised: free its slots and record the error."""
-        group.error = f"{type(err).__name__}: {err}"
+        """End a request because processing it raised: free its slots and record the error (an
+        :class:`InvalidParameterError` as the request's own, naming its parameter)."""
+        if isinstance(err, InvalidParameterError):
+            group.error, group.error_param = str(err), err.param
+        else:
+            group.error = f"{type(err).__name__}: {err}"
         self._remove(group, "error")
 
     def abort(self, request_id: str) -> SequenceGroup | None:

@@ -11,7 +11,7 @@ import torch
 
 from rnnserve.engine.models.base import long_tensor
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.structured_output import CompiledGrammar, GrammarState
 from rnnserve.engine.tokenizer import Tokenizer
@@ -161,7 +161,10 @@ class Sequence:
             self.finish_reason = "stop"
         elif self.grammar is not None and self.grammar.end == len(output):
             if self.grammar.error is not None:
-                raise ValueError(f"structured output: {self.grammar.error}")
+                raise InvalidParameterError(
+                    self.params.structured_outputs.param,  # type: ignore[union-attr]
+                    f"the structured output failed after {len(output) - 1} tokens: {self.grammar.error}",
+                )
             if not at_limit:
                 self._text += self._detokenizer.flush()
             self.finish_reason = "stop"
@@ -270,6 +273,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_prefilled: int = 0
     error: str | None = None
+    error_param: str | None = None  # the parameter that made the request fail, when it is the request's own
     prompt_logprobs: list[TokenLogprob | None] | None = None
     from_context: bool = False
     initial_state: dict[str, torch.Tensor] | None = None
@@ -357,7 +361,7 @@ class SequenceGroup:
         outputs = [s.take_output(kind) for s in self.seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
                              self.metrics.copy(), self.error, self.prompt_logprobs, self.num_cached_tokens,
-                             self.final_state)  # fmt: skip
+                             self.final_state, self.error_param)  # fmt: skip
 
 
 def _failure_function(pattern: str) -> array:

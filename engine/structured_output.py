@@ -2,11 +2,12 @@
 of a request must follow, enforced by masking the logits with llguidance (one of vLLM's backends for the same
 feature).
 
-The engine compiles a request's grammar once when it is added (an invalid one is a 400 naming the field); each
-sample then walks it with its own :class:`GrammarState`: the sampler masks the tokens the grammar forbids before
-the penalties and filters, and advances the state by the sampled token right away (so the mask of the next step
-never waits for the host to append the token). A sample whose grammar is complete ends with ``stop`` at that
-token, whether or not the model would sample its end-of-text token next.
+A request's grammar is compiled once, into a matcher at its start (an invalid one is a 400 naming the field); the
+server compiles it off the engine's thread (see ``EngineCore``). Each sample then walks a copy of that matcher, its
+:class:`GrammarState`: the sampler masks the tokens the grammar forbids before the penalties and filters, and
+advances the state by the sampled token right away (so the mask of the next step never waits for the host to
+append the token). A sample whose grammar is complete ends with ``stop`` at that token, whether or not the model
+would sample its end-of-text token next.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 
 BITS = torch.arange(32, dtype=torch.int32)
 COMPACT_JSON = {"item_separator": ", ", "key_separator": ": "}
+# The most symbols a grammar may have (llguidance's default is 500,000). Larger grammars took seconds to compile
+# and most then failed anyway (past ~65,000 symbols llguidance panics): a schema of 8000 objects was refused after
+# 3 s; with this limit, after 0.2 s. A grammar just under it compiles in ~2.5 s (2-core Zen 5).
+MAX_GRAMMAR_SIZE = 100_000
 
 
 def _lark_string(text: str) -> str:
@@ -77,15 +82,17 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         """The constraint as a checked llguidance grammar; :class:`InvalidParameterError` if it is invalid. The
         prompts of one request share its compiled grammar (immutable): a 20-prompt request with a large enum
-        compiled it 20 times on the engine thread, every stream waiting."""
-        if self._last is not None and self._last[0] is params:
-            return self._last[1]
+        compiled it 20 times on the engine thread, every stream waiting. llguidance releases the GIL while it
+        compiles, so other threads run meanwhile."""
+        last = self._last
+        if last is not None and last[0] is params:
+            return last[1]
         compiled = self._compile(params)
         self._last = (params, compiled)
         return compiled
 
     def _compile(self, params: StructuredOutputParams) -> CompiledGrammar:
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
         tokenizer = self._llguidance_tokenizer(params.param)
         if params.json is not None or params.json_object:
@@ -101,47 +108,50 @@ class GrammarCompiler:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
-        error = LLMatcher.validate_grammar(grammar, tokenizer)
-        if not error:
-            first_tokens, error = self._first_step(tokenizer, grammar)
-        if error:
-            raise InvalidParameterError(params.param, f"invalid structured output constraint: {error.strip()}")
-        return CompiledGrammar(tokenizer, grammar, first_tokens)
+        limits = LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        error = matcher_error(matcher) if matcher.is_error() else None
+        if error is None:
+            first_words, error = self._first_step(matcher)
+        if error is not None:
+            raise InvalidParameterError(params.param, f"invalid structured output constraint: {error}")
+        return CompiledGrammar(grammar, matcher, first_words)
 
-    def _first_step(self, tokenizer: LLTokenizer, grammar: str) -> tuple[torch.Tensor, str | None]:
-        """The tokens the grammar allows first (bool ``[vocab]``), and what stops it at its first token, which
-        :meth:`LLMatcher.validate_grammar` does not try: the lexer's and parser's size limits (a regex
+    def _first_step(self, matcher: LLMatcher) -> tuple[tuple[int, ...], str | None]:
+        """The tokens the grammar allows first (as :attr:`CompiledGrammar.first_words`), and what stops it at its
+        first token, which compiling it does not try: the lexer's and parser's size limits (a regex
         ``a{1000000}``, a choice of 2001 strings) are met there, and a request would otherwise fail after it was
-        accepted."""
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        accepted. Tried on a copy: ``matcher`` stays at the grammar's start. The bits are read in Python, not
+        with torch ops: this runs on the server's grammar thread, where a parallel op over the vocabulary would
+        start a second OpenMP team, which slows every CPU decode step (see ``EngineThread``)."""
+        trial = matcher.deep_copy()
         mask = torch.zeros((self._vocab_size + 31) // 32, dtype=torch.int32)
-        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        first_tokens = allowed_tokens(mask[None], self._vocab_size)[0]
-        allowed = first_tokens.nonzero()
-        if not matcher.is_error() and len(allowed):
-            matcher.consume_token(int(allowed[0]))
-        return first_tokens, matcher_error(matcher) if matcher.is_error() else None
+        trial.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        words = tuple(mask.tolist())
+        first = next((32 * i + (word & -word).bit_length() - 1 for i, word in enumerate(words) if word), None)
+        if not trial.is_error() and first is not None:
+            trial.consume_token(first)
+        return words, matcher_error(trial) if trial.is_error() else None
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A request's checked grammar; each of its samples starts a :class:`GrammarState` from it.
-    ``first_tokens`` (bool ``[vocab]``) are the tokens it allows first."""
+    """A request's checked grammar (llguidance's serialized form) and its ``matcher`` at the start, which each of
+    its samples copies into a :class:`GrammarState` (a copy takes microseconds; compiling the grammar again for
+    each sample, on the engine's thread, took as long as the first compile). ``first_words`` are the tokens it
+    allows first, 32 a word (token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
 
-    tokenizer: LLTokenizer
     grammar: str
-    first_tokens: torch.Tensor
+    matcher: LLMatcher
+    first_words: tuple[int, ...]
 
     def start(self) -> GrammarState:
-        from llguidance import LLMatcher
-
-        return GrammarState(LLMatcher(self.tokenizer, self.grammar, log_level=0))
+        return GrammarState(self.matcher.deep_copy())
 
     def allows_first(self, token_ids: list[int]) -> bool:
         """Whether any of ``token_ids`` can be the grammar's first token."""
-        return any(bool(self.first_tokens[t]) for t in token_ids if t < len(self.first_tokens))
+        words = self.first_words
+        return any(words[t >> 5] >> (t & 31) & 1 for t in token_ids if t >> 5 < len(words))
 
 
 class GrammarState:
@@ -168,8 +178,11 @@ class GrammarState:
 
 
 def matcher_error(matcher: LLMatcher) -> str:
-    """The matcher's error without the parser state and grammar llguidance appends (kilobytes of them)."""
-    return matcher.get_error().split("\n<state>", 1)[0].strip()
+    """The matcher's error without what llguidance may append (parser state, grammar, a backtrace: kilobytes)."""
+    error = matcher.get_error().split("\n<", 1)[0].strip()
+    if error.startswith("panic: "):  # an internal limit met in llguidance's code, e.g. its 65,000 symbols
+        return f"the constraint is too large for llguidance ({error.removeprefix('panic: ')})"
+    return error
 
 
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput, merge_deltas
-from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.engine_core import (
@@ -118,7 +118,9 @@ class Submission:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
-        failed one of them, or the error that failed the whole engine (or what ``on_finished`` raised)."""
+        failed one of them (:class:`InvalidParameterError` when the request's own parameter did, e.g. a grammar
+        that met llguidance's limits), or the error that failed the whole engine (or what ``on_finished``
+        raised)."""
         remaining = len(self.request_ids)
         while remaining:
             item = self._items.popleft() if self._items else await self._next()
@@ -126,6 +128,8 @@ class Submission:
                 item = self._merge_queued(item)
             if isinstance(item, BaseException):
                 raise item
+            if item.error_param is not None:
+                raise InvalidParameterError(item.error_param, item.error or "")
             if item.error is not None:
                 raise RequestFailedError(item.error)
             remaining -= item.finished

@@ -34,7 +34,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -50,6 +50,7 @@ from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.sequence import SequenceGroup
 from rnnserve.engine.state_snapshot import StateSnapshot
+from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("rnnserve.engine")
@@ -62,6 +63,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 # Stepped events the server may hold unhandled: one it handles and the next, ready when it is done (one alone
 # would make it wait for the end of the engine's step after each).
 MAX_UNHANDLED = 2
+# How long an engine loop with nothing to step waits for a compiling grammar before it looks for commands again.
+GRAMMAR_WAIT_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,11 @@ Command = AddCommand | AbortCommand | HandledCommand | StopCommand
 
 @dataclass
 class Added:
-    """The outcome of an :class:`AddCommand`: ``error`` is what ``add_request`` raised (nothing was added)."""
+    """The outcome of an :class:`AddCommand` (its ``request_ids``): ``error`` is what ``add_request`` or the
+    compiling of its structured output raised (nothing was added)."""
 
     add_id: int
+    request_ids: list[str]
     error: Exception | None
     load: EngineLoad
 
@@ -203,10 +208,23 @@ def portable_error(error: Exception) -> Exception:
     return error
 
 
+@dataclass
+class CompilingAdd:
+    """An :class:`AddCommand` whose structured output compiles on the grammar thread (``grammar``)."""
+
+    command: AddCommand
+    grammar: Future[CompiledGrammar]
+
+
 class EngineCore:
     """Drives an :class:`LLMEngine`: runs the commands ``next_command(block)`` returns (``None``: none
     queued), steps while requests are unfinished, blocks for a command when idle, and reports each outcome
     through ``post``. One instance per engine; :meth:`run` ends with a :class:`Stopped` event.
+
+    An add with a structured output is answered once its grammar compiled, on a thread of its own (llguidance
+    releases the GIL meanwhile): the loop keeps stepping the other requests. Compiled on the loop, a schema of
+    8000 objects stalled every stream for 3-4 s. An invalid grammar is the add's error (a 400), as before, and
+    an abort of a request whose grammar still compiles drops its add.
 
     Outputs flow with at most :data:`MAX_UNHANDLED` messages in flight: once that many :class:`Stepped` are
     posted, the loop builds the next one only after the server says (:class:`HandledCommand`) that it handled
@@ -228,14 +246,20 @@ class EngineCore:
         self.collect = collect or engine.collect_outputs  # what a Stepped carries
         self.unhandled = 0  # Stepped events posted and not handled by the server yet
         self.steps: list[StepStats] = []  # the stats of the steps not posted yet
+        self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="rnnserve-grammar")
+        self.compiling: list[CompilingAdd] = []
 
     def run(self) -> None:
         message = SHUTDOWN_MESSAGE
         try:
             wait_for_command = True
-            while self._run_commands(wait_for_command):
+            while self._run_commands(wait_for_command and not self.compiling):
                 # Wait for the next command when idle, after a failed step (the server answers with aborts), and
-                # while the last steps' outputs wait for the server to handle the previous ones.
+                # while the last steps' outputs wait for the server to handle the previous ones; while a grammar
+                # compiles, wait for it instead, looking for commands every few milliseconds.
+                if wait_for_command and self.compiling:
+                    wait([c.grammar for c in self.compiling], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
+                self._add_compiled()
                 if self.engine.has_unfinished_requests():
                     wait_for_command = not self._step()
                 else:
@@ -245,6 +269,7 @@ class EngineCore:
             logger.exception("engine loop crashed")
             message = "the engine stopped after an internal error"
         finally:
+            self.grammar_thread.shutdown(wait=False, cancel_futures=True)
             self.post(Stopped(message))
 
     def _run_commands(self, block: bool) -> bool:
@@ -256,13 +281,46 @@ class EngineCore:
             if isinstance(command, HandledCommand):
                 self.unhandled -= 1
             elif isinstance(command, AddCommand):
-                self._add(command)
+                if command.params.structured_outputs is None:
+                    self._add(command)
+                else:
+                    self._compile(command)
             else:
+                self._drop_compiling(command.request_ids)
                 finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
                 self.post(Aborted(finals, self.engine.load()))
         return True
 
-    def _add(self, command: AddCommand) -> None:
+    def _compile(self, command: AddCommand) -> None:
+        """Compile the add's structured output on the grammar thread (one at a time); it is added once that is
+        done (:meth:`_add_compiled`)."""
+        grammar = self.grammar_thread.submit(self.engine.grammars.compile, command.params.structured_outputs)
+        self.compiling.append(CompilingAdd(command, grammar))
+
+    def _add_compiled(self) -> None:
+        """Answer the adds whose grammars are compiled: add their requests, or report why the grammar failed."""
+        for ready in [c for c in self.compiling if c.grammar.done()]:
+            self.compiling.remove(ready)
+            command = ready.command
+            try:
+                grammar = ready.grammar.result()
+            except Exception as err:  # noqa: BLE001 - the add's error, e.g. an invalid schema (a 400)
+                self.post(Added(command.add_id, command.request_ids, err, self.engine.load()))
+            else:
+                self._add(command, grammar)
+
+    def _drop_compiling(self, request_ids: list[str]) -> None:
+        """Drop the adds still compiling that the aborted requests belong to (their server has given up on them;
+        it is told, so that it stops waiting for their answers)."""
+        aborted = set(request_ids)
+        for dropped in [c for c in self.compiling if aborted.intersection(c.command.request_ids)]:
+            self.compiling.remove(dropped)
+            dropped.grammar.cancel()
+            error = RuntimeError("aborted while its structured output compiled")
+            self.post(Added(dropped.command.add_id, dropped.command.request_ids, error, self.engine.load()))
+
+    def _add(self, command: AddCommand, grammar: CompiledGrammar | None = None) -> None:
+        """Add the command's requests, all or none (``grammar``: their structured output, compiled)."""
         error: Exception | None = None
         added: list[str] = []
         try:
@@ -274,13 +332,14 @@ class EngineCore:
                     command.arrival_time,
                     context=command.context,
                     return_state=command.return_state,
+                    grammar=grammar,
                 )
                 added.append(request_id)
         except Exception as err:  # all or none: roll back the prompts already added, report the error
             error = err
             for request_id in added:
                 self.engine.abort_request(request_id)
-        self.post(Added(command.add_id, error, self.engine.load()))
+        self.post(Added(command.add_id, command.request_ids, error, self.engine.load()))
 
     def _step(self) -> bool:
         """One engine step, its outputs posted now or (while the server holds :data:`MAX_UNHANDLED` unhandled)
@@ -462,7 +521,7 @@ class OutputEncoder:
                 self.compact.add(request_id)
         samples = [seq.take_output_fields(params.output_kind) for seq in group.seqs]
         return (request_id, prompt, samples, finished, metrics_fields(group.metrics), group.error,
-                group.num_cached_tokens, group.final_state)  # fmt: skip
+                group.num_cached_tokens, group.final_state, group.error_param)  # fmt: skip
 
     def forget(self, request_ids: list[str]) -> None:
         self.sent.difference_update(request_ids)
@@ -489,7 +548,7 @@ class OutputDecoder:
                 outputs.append(RequestOutput(request_id, prompt_text, prompt_ids, [sample], False, known[2], None,
                                              prompt_logprobs, known[3], None))  # fmt: skip
                 continue
-            request_id, prompt, samples, finished, times, error, num_cached, final_state = row
+            request_id, prompt, samples, finished, times, error, num_cached, final_state, error_param = row
             if prompt is None:
                 prompt = self.known[request_id][0]
             metrics = RequestMetrics(*times)
@@ -500,7 +559,7 @@ class OutputDecoder:
             completions = [CompletionOutput(*fields) for fields in samples]
             text, token_ids, logprobs = prompt
             outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,
-                                         num_cached, final_state))  # fmt: skip
+                                         num_cached, final_state, error_param))  # fmt: skip
         return outputs
 
     def forget(self, request_ids: list[str]) -> None:
@@ -522,8 +581,9 @@ class ServerLinks:
     from all of them, each event out to the server it concerns.
 
     The engine loop stays unaware of how many servers there are. A request's outputs go to the server that
-    added it; :class:`Added` and :class:`Aborted` to the server whose command the loop is running, and the load
-    they carry to the others as :class:`LoadChanged`; a step's stats to one server only (the first still
+    added it, and so does its :class:`Added` (answered once its grammar compiled, maybe while the loop runs another
+    server's command); :class:`Aborted` to the server whose command the loop is running; the load both carry to
+    the others as :class:`LoadChanged`; a step's stats to one server only (the first still
     connected), so that they are counted once; the load and step failures to all. Every :class:`Stepped` goes
     to every server (the rows each one added) and counts as handled once all have said so: the slowest server
     sets the pace of the loop's messages, as one server does alone. A server that stops (or whose pipe closes)
@@ -611,14 +671,14 @@ class ServerLinks:
             for index in list(self.live):
                 self._send(index, event)
             return
-        index, command = self.current if self.current is not None else (-1, None)
-        if isinstance(event, Added):
+        if isinstance(event, Added):  # to the server that added them: the loop may be running another's command
+            index = self.owners.get(event.request_ids[0], -1)  # (an add whose grammar compiled meanwhile)
             if event.error is not None:
-                assert isinstance(command, AddCommand)
-                for request_id in command.request_ids:
+                for request_id in event.request_ids:
                     self.owners.pop(request_id, None)
-                event = Added(event.add_id, portable_error(event.error), event.load)
+                event = dataclasses.replace(event, error=portable_error(event.error))
         else:
+            index = self.current[0] if self.current is not None else -1
             finished = [out.request_id for out in event.finals]
             self.encoder.forget(finished)
             for request_id in finished:

@@ -24,10 +24,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.tokenizer import Tokenizer
 from rnnserve.server.async_engine import EngineDeadError, RequestFailedError, Submission
-from rnnserve.server.errors import APIError
+from rnnserve.server.errors import APIError, bad_request
 from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 logger = logging.getLogger("rnnserve.server")
@@ -35,9 +35,11 @@ logger = logging.getLogger("rnnserve.server")
 
 def generation_error(err: Exception) -> APIError:
     """The API error for a generation that failed after it was accepted (an APIError as it is, e.g. a
-    session's state that could not be stored)."""
+    session's state that could not be stored; a 400 naming the parameter whose fault it was)."""
     if isinstance(err, APIError):
         return err
+    if isinstance(err, InvalidParameterError):
+        return bad_request(str(err), param=err.param)
     if isinstance(err, EngineDeadError):
         return APIError(503, str(err), type="service_unavailable")
     if not isinstance(err, RequestFailedError):

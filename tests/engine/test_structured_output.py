@@ -4,7 +4,10 @@ a Hugging Face BPE tokenizer, alone and beside unconstrained rows, with synchron
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -214,3 +217,94 @@ def test_the_prompts_of_a_request_share_one_compiled_grammar(monkeypatch: pytest
     assert len(compiled) == 2
     outputs = run_to_completion(engine)
     assert len(outputs) == 4 and all(o.outputs[0].text in ("yes", "no") for o in outputs.values())
+
+
+def wide_schema(num_properties: int) -> dict:
+    """An object of ``num_properties`` optional objects: its grammar grows by ~20 symbols a property."""
+    inner = {"type": "object", "properties": {"v": {"type": "integer"}}}
+    return {"type": "object", "properties": {f"k{i}": inner for i in range(num_properties)}}
+
+
+def test_a_request_compiles_its_grammar_once_and_its_samples_copy_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling checked the grammar, built a matcher to try its first token, then each sample built one more,
+    on the engine's thread: a schema that took 1 s to compile cost 2 + n s. One matcher is built; samples copy it."""
+    import llguidance
+
+    real = llguidance.LLMatcher
+    built: list[str] = []
+
+    class CountingMatcher:
+        def __new__(cls, tokenizer: object, grammar: str, **options: object) -> object:
+            built.append(grammar)
+            return real(tokenizer, grammar, **options)
+
+    for name in ("grammar_from_json_schema", "grammar_from_regex", "grammar_from_lark", "validate_grammar"):
+        setattr(CountingMatcher, name, staticmethod(getattr(real, name)))
+    monkeypatch.setattr(llguidance, "LLMatcher", CountingMatcher)
+    engine = make_engine()
+    constraint = Constraint(json=SCHEMA)
+    outputs = generate(engine, constraint, n=3, temperature=1.0, seed=5)
+    assert len(built) == 1
+    assert all(out.finish_reason == "stop" and follows(constraint, out.text) for out in outputs)
+
+
+def test_a_grammar_too_large_is_refused_quickly_and_clearly() -> None:
+    """A schema of 8000 objects (567 KB) compiled for 3 s and more, then llguidance panicked (a 400 whose message
+    was a backtrace). Past the size limit it is refused at once; one under it that still meets llguidance's
+    symbol limit is refused with a message, not the backtrace."""
+    compiler = GrammarCompiler(ByteTokenizer(), 300)
+    compiler.compile(Constraint(regex="warm"))  # the token table, built once per engine, is not what is timed
+    start = time.perf_counter()
+    with pytest.raises(InvalidParameterError, match="too big") as err:
+        compiler.compile(Constraint(json=wide_schema(8000), param="response_format"))
+    assert time.perf_counter() - start < 1.5
+    assert err.value.param == "response_format"
+    with pytest.raises(InvalidParameterError, match="too large for llguidance") as err:
+        compiler.compile(Constraint(json=wide_schema(4800)))
+    assert "backtrace" not in str(err.value) and "\n" not in str(err.value)
+
+
+def right_recursive(rules: int) -> str:
+    """A Lark grammar whose ``rules`` right-recursive rules all match ``a+``: each ``a`` adds as many items to the
+    parser's row, so with 40 of them llguidance's limit of 2000 items a row is met after ~45 tokens, not at the
+    first token, which admission tries."""
+    return "start: " + " | ".join(f"s{i}" for i in range(rules)) + "\n" + "\n".join(
+        f's{i}: "a" s{i} | "a"' for i in range(rules))
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_grammar_that_meets_the_parser_limit_midway_fails_its_request_alone(async_scheduling: str) -> None:
+    """The grammar is accepted, then its parser meets llguidance's per-step limit while the request generates
+    (``min_tokens`` keeps it from ending first): the request failed with a ValueError, a 500. It now fails as the
+    request's own error, naming its parameter (a 400), with llguidance's reason; its slot is freed and the
+    request beside it, and the next one, run as if nothing happened."""
+    engine = make_engine(async_scheduling=async_scheduling)
+    beside = engine.add_request("Once upon", SamplingParams(max_tokens=80, ignore_eos=True, temperature=1.0, seed=3))
+    constraint = Constraint(grammar=right_recursive(40), param="response_format")
+    failing = engine.add_request("x", SamplingParams(max_tokens=200, min_tokens=100, structured_outputs=constraint))
+    outputs = run_to_completion(engine)
+    failed = outputs[failing]
+    assert failed.error_param == "response_format" and failed.outputs[0].finish_reason == "error"
+    assert re.match(r"the structured output failed after \d+ tokens: Parser Error: .*max is 2000", failed.error)
+    assert outputs[beside].error is None and len(outputs[beside].outputs[0].token_ids) == 80
+    assert engine.pool.num_used == 0
+    after = generate(engine, Constraint(regex=REGEX), temperature=1.0, seed=2)
+    assert after[0].finish_reason == "stop" and follows(Constraint(regex=REGEX), after[0].text)
+
+
+def test_compiling_on_a_thread_of_its_own_starts_no_openmp_team() -> None:
+    """The server compiles grammars on a thread of its own. Reading the first step's mask with torch ops over the
+    vocabulary there started a second OpenMP team (one more OS thread per extra torch thread), which makes every
+    CPU decode step ~17% slower (see ``EngineThread``): the compile's only threads are now its own."""
+    compiler = GrammarCompiler(ByteTokenizer(), 1 << 16)  # a vocabulary past torch's grain for parallel ops
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as a server runs (the suite runs torch on one thread, where no team ever starts)
+    try:
+        torch.ones(1 << 16).mul(2).sum()  # this thread's team
+        threads_before = len(os.listdir("/proc/self/task"))
+        with ThreadPoolExecutor(1) as grammar_thread:
+            grammar = grammar_thread.submit(compiler.compile, Constraint(json=SCHEMA)).result()
+            assert len(os.listdir("/proc/self/task")) == threads_before + 1  # the grammar thread itself
+    finally:
+        torch.set_num_threads(suite_threads)
+    assert grammar.allows_first([ord("{")]) and not grammar.allows_first([ord("x"), 1 << 15, (1 << 16) + 5])

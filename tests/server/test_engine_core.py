@@ -1,11 +1,18 @@
 """The engine loop's flow of outputs: at most two :class:`Stepped` in flight, the steps run meanwhile collected
-into the next one, nothing lost or repeated, whatever pace the server keeps."""
+into the next one, nothing lost or repeated, whatever pace the server keeps; grammars compiled off the loop."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Callable
 
-from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+import pytest
+
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams, StructuredOutputParams
+from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.engine_core import (
     MAX_UNHANDLED,
     AbortCommand,
@@ -114,3 +121,88 @@ def test_the_num_tokens_index_follows_completion_output() -> None:
     from rnnserve.server.engine_core import NUM_TOKENS_FIELD
 
     assert list(CompletionOutput.__dataclass_fields__)[NUM_TOKENS_FIELD] == "num_tokens"
+
+
+class CoreThread:
+    """An engine loop on a thread of its own, fed through a queue as the server feeds it; it records its events
+    and acknowledges each :class:`Stepped` at once (a server that keeps up)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.events: list[Event] = []
+        self.core = EngineCore(engine, self.next_command, self.post)
+        self.thread = threading.Thread(target=self.core.run, daemon=True)
+        self.thread.start()
+
+    def next_command(self, block: bool) -> Command | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def post(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, Stepped):
+            self.commands.put(HandledCommand())
+
+    def tokens(self, request_id: str) -> int:
+        return sum(len(out.outputs[0].new_token_ids) for e in list(self.events) if isinstance(e, Stepped)
+                   for out in e.outputs if out.request_id == request_id)  # fmt: skip
+
+    def added(self, add_id: int) -> Added | None:
+        return next((e for e in list(self.events) if isinstance(e, Added) and e.add_id == add_id), None)
+
+    def wait_for(self, condition: Callable[[], object], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self.commands.put(StopCommand())
+        self.thread.join(30)
+        assert isinstance(self.events[-1], Stopped)
+
+
+def test_grammars_compile_off_the_engine_loop_while_other_requests_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schema of 8000 objects compiled on the loop for 3-4 s, and every stream waited. The loop keeps stepping
+    while a grammar compiles and adds its request once it is ready; a request aborted while its grammar waits to
+    compile is dropped (never compiled), its add answered; an invalid grammar is the add's error, as before."""
+    engine = make_engine()
+    may_finish = threading.Semaphore(0)  # one release per compile that may finish
+    real_compile = engine.grammars.compile
+
+    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
+        assert may_finish.acquire(timeout=30)
+        return real_compile(constraint)
+
+    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    core = CoreThread(engine)
+    stream = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=OutputKind.DELTA)
+    choice = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputParams(choice=["yes", "no"]))
+    core.commands.put(AddCommand(0, ["stream"], ["Once upon"], stream, 0.0))
+    core.wait_for(lambda: core.tokens("stream") > 0)
+    core.commands.put(AddCommand(1, ["held"], ["x"], choice, 0.0))
+    core.commands.put(AddCommand(2, ["dropped"], ["y"], choice, 0.0))
+    before = core.tokens("stream")
+    core.wait_for(lambda: core.tokens("stream") >= before + 20)  # the loop steps while the grammar compiles
+    assert core.added(1) is None and not known(engine, "held")
+    core.commands.put(AbortCommand(["dropped"]))
+    core.wait_for(lambda: core.added(2) is not None)
+    assert core.added(2).error is not None  # type: ignore[union-attr]
+    may_finish.release()
+    core.wait_for(lambda: core.added(1) is not None)
+    assert core.added(1).error is None  # type: ignore[union-attr]
+    core.commands.put(AddCommand(3, ["bad"], ["z"], SamplingParams(structured_outputs={"regex": "(a"}), 0.0))
+    may_finish.release()  # for "bad": the dropped add's grammar is not compiled
+    core.wait_for(lambda: core.added(3) is not None)
+    assert isinstance(core.added(3).error, InvalidParameterError)  # type: ignore[union-attr]
+    core.wait_for(lambda: not engine.has_unfinished_requests())
+    core.stop()
+    assert core.tokens("held") > 0 and core.tokens("dropped") == 0 and engine.pool.num_used == 0
+
+
+def known(engine: LLMEngine, request_id: str) -> bool:
+    """Whether the engine holds the request (waiting or running)."""
+    scheduler = engine.scheduler
+    return request_id in scheduler.running or any(g.request_id == request_id for g in scheduler.waiting)

@@ -350,7 +350,7 @@ def test_events_cross_as_messages_with_outputs_as_the_rows_they_hold() -> None:
     class Local(Exception):  # cannot be unpickled by the server
         pass
 
-    links.post(Added(3, Local("odd"), None))  # type: ignore[arg-type]
+    links.post(Added(3, ["a"], Local("odd"), None))  # type: ignore[arg-type]
     added = pickle.loads(server_end.recv_bytes())
     assert isinstance(added.error, RuntimeError) and str(added.error) == "Local: odd"
     assert links.owners == {}  # nothing was added
@@ -382,9 +382,9 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     for step in range(2):
         command = links.next_command(True)
         assert isinstance(command, AddCommand)
-        links.post(Added(1, None, f"load {step}"))  # type: ignore[arg-type]
+        links.post(Added(1, command.request_ids, None, f"load {step}"))  # type: ignore[arg-type]
         owner = int(command.request_ids[0][1])
-        assert pickle.loads(servers[owner].recv_bytes()) == Added(1, None, f"load {step}")  # type: ignore[arg-type]
+        assert pickle.loads(servers[owner].recv_bytes()) == Added(1, command.request_ids, None, f"load {step}")  # type: ignore[arg-type]
         # the other server's gauges follow the engine's load too (they kept a cancelled stream's slot before)
         assert pickle.loads(servers[1 - owner].recv_bytes()) == LoadChanged(f"load {step}")  # type: ignore[arg-type]
     assert not any(server.poll() for server in servers)
@@ -488,3 +488,23 @@ def test_a_hugging_face_tokenizer_crosses_to_the_server_process(tmp_path: Path) 
     assert crossed.decode([2, 1]) == "world hello" and crossed.vocab_size == 4
     assert (crossed.eos_token_id, crossed.chat_template) == (3, config["chat_template"])
 
+
+
+def test_an_add_answered_later_goes_to_the_server_that_sent_it() -> None:
+    """An add with a grammar is answered once the grammar compiled, while the loop may run another server's
+    command: its Added went to that other server, whose add ids are its own, and the sender waited forever."""
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    servers = [server_end for server_end, _ in pipes]
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    servers[0].send_bytes(pickle.dumps([add_command(7, "s0a")]))
+    assert links.next_command(True) == add_command(7, "s0a")  # its grammar compiles: no answer yet
+    servers[1].send_bytes(pickle.dumps([add_command(7, "s1a")]))
+    assert links.next_command(True) == add_command(7, "s1a")
+    links.post(Added(7, ["s0a"], InvalidParameterError("regex", "invalid"), "load"))  # type: ignore[arg-type]
+    answer = pickle.loads(servers[0].recv_bytes())
+    assert isinstance(answer, Added) and answer.request_ids == ["s0a"] and answer.error.param == "regex"
+    assert pickle.loads(servers[1].recv_bytes()) == LoadChanged("load")  # type: ignore[arg-type]
+    assert links.owners == {"s1a": 1}
+    links.post(Added(7, ["s1a"], None, "load"))  # type: ignore[arg-type]
+    assert pickle.loads(servers[1].recv_bytes()) == Added(7, ["s1a"], None, "load")  # type: ignore[arg-type]
+    assert pickle.loads(servers[0].recv_bytes()) == LoadChanged("load")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.errors import InternalErrors
 from rnnserve.server.routes import OpenAIServing
+from tests.engine.test_structured_output import right_recursive
 from tests.server.conftest import TINY, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -362,3 +363,28 @@ def test_internal_errors_answers_500_only_before_the_response_started(started: b
     else:
         asyncio.run(call)
         assert sent[0]["status"] == 500 and json.loads(sent[1]["body"])["error"]["type"] == "internal_error"
+
+
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_a_grammar_that_meets_llguidance_s_limits_midway_is_a_400_and_frees_its_slot(engine_process: str) -> None:
+    """A grammar accepted at admission whose parser meets llguidance's item limit while it generates: a 500
+    ("generation failed: ValueError"), streamed as an internal error. Now the plain request is a 400 naming the
+    field and the stream ends with that error event and ``[DONE]``; the slot is free and the server goes on (the
+    engine in a thread or in a process of its own, whose outputs cross as rows)."""
+    app = create_app(tiny_config(engine_process=engine_process))
+    body = {"prompt": "x", "max_tokens": 200, "min_tokens": 100,
+            "structured_outputs": {"grammar": right_recursive(40)}}  # fmt: skip
+    with TestClient(app) as client:
+        error = assert_error(client.post("/v1/completions", json=body), 400, "structured_outputs")
+        assert error["type"] == "invalid_request_error" and "max is 2000" in error["message"]
+        response = client.post("/v1/completions", json={**body, "stream": True})
+        assert response.status_code == 200
+        lines = [line for line in response.text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]"
+        streamed = json.loads(lines[-2][len("data: ") :])["error"]
+        assert (streamed["param"], streamed["type"]) == ("structured_outputs", "invalid_request_error")
+        text = "".join(json.loads(line[len("data: ") :])["choices"][0]["text"] for line in lines[:-2])
+        assert text and set(text) == {"a"}  # what came before the limit
+        ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert 'rnnserve_state_slots_used{model_name="random:mingru-tiny"} 0.0' in client.get("/metrics").text
