@@ -440,9 +440,13 @@ class LLMEngine:
         """The outputs of the requests that progressed or failed since the last collection (see :meth:`step`)."""
         return self.collect(SequenceGroup.output)
 
-    def collect(self, build: Callable[[SequenceGroup], T]) -> list[T]:
+    def collect(
+        self, build: Callable[[SequenceGroup], T], wanted: Callable[[SequenceGroup], bool] | None = None
+    ) -> list[T]:
         """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
-        the engine process builds the plain rows it sends).
+        the engine process builds the plain rows it sends), of the requests ``wanted`` accepts (all by default):
+        the others keep their progress for a later collection (an engine process's API server that has not
+        handled its earlier outputs yet gets its requests' outputs later, merged).
 
         A finished request whose ``final_state`` is still on its way to the host (CUDA) waits for a later
         collection while other requests keep the engine stepping, so that no step waits for the copy; once
@@ -452,6 +456,9 @@ class LLMEngine:
         busy: bool | None = None
         for group in groups:
             if not group.seqs:  # finished, its final output built in an earlier collection
+                continue
+            if wanted is not None and not wanted(group):
+                self._uncollected[group] = None
                 continue
             copied = group.final_state_copied
             if copied is not None:

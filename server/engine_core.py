@@ -17,7 +17,8 @@ several times cheaper to pickle than dataclasses, which matters at a few hundred
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
 once per generated token, and a stream's outputs between its first and its last as compact rows. The loop
 posts a step's outputs only while the server has handled all but one of those it posted before
-(:class:`EngineCore`), so a busy server gets fewer, larger messages.
+(:class:`EngineCore`), so a busy server gets fewer, larger messages; with several servers each has that window
+of its own (:class:`ServerLinks`), so one that stalls holds back its own requests' outputs only.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -123,7 +124,7 @@ class AbortCommand:
 
 @dataclass
 class HandledCommand:
-    """The server handled a :class:`Stepped`: the engine loop may post another."""
+    """The server handled a :class:`Stepped`: the engine loop may post it another."""
 
 
 @dataclass
@@ -216,6 +217,46 @@ class CompilingAdd:
     grammar: Future[CompiledGrammar]
 
 
+class OutputFlow(Protocol):
+    """Flow control of the outputs :class:`EngineCore` posts: which server may take a :class:`Stepped` now."""
+
+    def has_room(self) -> bool:
+        """Whether a server may take a :class:`Stepped` now."""
+        ...
+
+    def wanted(self) -> Callable[[SequenceGroup], bool] | None:
+        """Which requests' outputs it may carry (those whose server has room; ``None``: all); the others wait,
+        uncollected."""
+        ...
+
+    def handled(self, command: HandledCommand) -> None:
+        """A server handled a :class:`Stepped` (the loop runs ``command``)."""
+        ...
+
+
+class OutputWindow:
+    """The :class:`OutputFlow` of one server: ``post`` that counts the :class:`Stepped` events it posts, at most
+    :data:`MAX_UNHANDLED` of them not handled yet."""
+
+    def __init__(self, post: Callable[[Event], None]) -> None:
+        self._post = post
+        self.unhandled = 0  # Stepped events posted and not handled by the server yet
+
+    def post(self, event: Event) -> None:
+        if isinstance(event, Stepped):
+            self.unhandled += 1
+        self._post(event)
+
+    def has_room(self) -> bool:
+        return self.unhandled < MAX_UNHANDLED
+
+    def wanted(self) -> None:
+        return None
+
+    def handled(self, command: HandledCommand) -> None:
+        self.unhandled -= 1
+
+
 class EngineCore:
     """Drives an :class:`LLMEngine`: runs the commands ``next_command(block)`` returns (``None``: none
     queued), steps while requests are unfinished, blocks for a command when idle, and reports each outcome
@@ -226,25 +267,32 @@ class EngineCore:
     8000 objects stalled every stream for 3-4 s. An invalid grammar is the add's error (a 400), as before, and
     an abort of a request whose grammar still compiles drops its add.
 
-    Outputs flow with at most :data:`MAX_UNHANDLED` messages in flight: once that many :class:`Stepped` are
-    posted, the loop builds the next one only after the server says (:class:`HandledCommand`) that it handled
-    one. Steps run meanwhile collect nothing; the next collection builds each request's output once for all of
-    them (``LLMEngine.step``). So a server that falls behind the device costs the engine one output per request
-    per message, not per step, and its streams send several tokens a chunk, instead of the engine slowing down
-    to build and send outputs that queue up."""
+    Outputs flow with at most :data:`MAX_UNHANDLED` messages in flight per server (``flow``; by default one
+    server, :class:`OutputWindow`): once that many :class:`Stepped` are posted, the loop builds the next one only
+    after the server says (:class:`HandledCommand`) that it handled one. Steps run meanwhile collect nothing; the
+    next collection builds each request's output once for all of them (``LLMEngine.step``). So a server that falls
+    behind the device costs the engine one output per request per message, not per step, and its streams send
+    several tokens a chunk, instead of the engine slowing down to build and send outputs that queue up. With
+    several servers (:class:`ServerLinks`) a message collects the requests of the servers with room only: one
+    that falls behind, or stalls, leaves the others' outputs flowing. ``build`` makes each output a
+    :class:`Stepped` carries from its request."""
 
     def __init__(
         self,
         engine: LLMEngine,
         next_command: Callable[[bool], Command | None],
         post: Callable[[Event], None],
-        collect: Callable[[], list[RequestOutput]] | Callable[[], list[OutputRow]] | None = None,
+        build: Callable[[SequenceGroup], RequestOutput] | Callable[[SequenceGroup], OutputRow] = SequenceGroup.output,
+        flow: OutputFlow | None = None,
     ) -> None:
         self.engine = engine
         self.next_command = next_command
+        if flow is None:
+            flow = window = OutputWindow(post)
+            post = window.post
         self.post = post
-        self.collect = collect or engine.collect_outputs  # what a Stepped carries
-        self.unhandled = 0  # Stepped events posted and not handled by the server yet
+        self.build = build
+        self.flow = flow
         self.steps: list[StepStats] = []  # the stats of the steps not posted yet
         self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="rnnserve-grammar")
         self.compiling: list[CompilingAdd] = []
@@ -279,7 +327,7 @@ class EngineCore:
             if isinstance(command, StopCommand):
                 return False
             if isinstance(command, HandledCommand):
-                self.unhandled -= 1
+                self.flow.handled(command)
             elif isinstance(command, AddCommand):
                 if command.params.structured_outputs is None:
                     self._add(command)
@@ -342,7 +390,7 @@ class EngineCore:
         self.post(Added(command.add_id, command.request_ids, error, self.engine.load()))
 
     def _step(self) -> bool:
-        """One engine step, its outputs posted now or (while the server holds :data:`MAX_UNHANDLED` unhandled)
+        """One engine step, its outputs posted now or (while their server holds :data:`MAX_UNHANDLED` unhandled)
         with a later step's; False if the step itself raised. With async scheduling (a GPU) the step returns once the
         next one is queued on the device, so its outputs are built and sent meanwhile."""
         try:
@@ -350,7 +398,7 @@ class EngineCore:
         except Exception as err:
             logger.exception("engine step failed; failing every in-flight request")
             if self._has_unposted():  # what earlier steps finished still reaches its clients
-                self._post_outputs()
+                self._post_outputs(self.engine.collect(self.build))
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
         self.steps.append(self.engine.last_step)
@@ -361,13 +409,16 @@ class EngineCore:
         return bool(self.steps) or self.engine.has_uncollected_outputs
 
     def _post_outputs_if_room(self) -> None:
-        if self.unhandled < MAX_UNHANDLED and self._has_unposted():
-            self._post_outputs()
+        """Post the outputs of the requests whose servers have room, with the steps' stats; nothing when there
+        are neither (what waits is another server's)."""
+        if self.flow.has_room() and self._has_unposted():
+            outputs = self.engine.collect(self.build, self.flow.wanted())
+            if outputs or self.steps:
+                self._post_outputs(outputs)
 
-    def _post_outputs(self) -> None:
+    def _post_outputs(self, outputs: list[RequestOutput] | list[OutputRow]) -> None:
         steps, self.steps = self.steps, []
-        self.unhandled += 1
-        self.post(Stepped(self.collect(), steps, self.engine.load()))
+        self.post(Stepped(outputs, steps, self.engine.load()))
 
 
 class EngineThread:
@@ -583,11 +634,17 @@ class ServerLinks:
     The engine loop stays unaware of how many servers there are. A request's outputs go to the server that
     added it, and so does its :class:`Added` (answered once its grammar compiled, maybe while the loop runs another
     server's command); :class:`Aborted` to the server whose command the loop is running; the load both carry to
-    the others as :class:`LoadChanged`; a step's stats to one server only (the first still
-    connected), so that they are counted once; the load and step failures to all. Every :class:`Stepped` goes
-    to every server (the rows each one added) and counts as handled once all have said so: the slowest server
-    sets the pace of the loop's messages, as one server does alone. A server that stops (or whose pipe closes)
-    is answered :class:`Stopped` and its requests are aborted; the loop stops once no server is left.
+    the others as :class:`LoadChanged`; a step's stats to one server only (the first the :class:`Stepped` goes
+    to), so that they are counted once; the load and step failures to all.
+
+    Each server has its own flow control (this is the loop's :class:`OutputFlow`): a :class:`Stepped` goes to
+    every server with fewer than :data:`MAX_UNHANDLED` unhandled (with the rows it added, maybe none) and
+    carries the outputs of their requests only; a server's :class:`HandledCommand` frees its own window. A server
+    that falls behind or stalls (a stopped process, a blocked event loop) so holds back its own requests'
+    outputs, which the engine keeps collecting into one per request until it handles what it holds, and never
+    those of the others. Nor does it fill its pipe: the load it is due while its window is full waits, as one
+    :class:`LoadChanged`, for its next :class:`HandledCommand`. A server that stops (or whose pipe closes) is
+    answered :class:`Stopped` and its requests are aborted; the loop stops once no server is left.
 
     Each event crosses as one message, sent before ``post`` returns (a :class:`Stepped` as an
     :class:`EncodedStep`, an error as one the server can unpickle). A pipe that fails on send is a server gone;
@@ -600,7 +657,9 @@ class ServerLinks:
         self.encoder = OutputEncoder()
         self.owners: dict[str, int] = {}  # request id -> the server that added it
         self.received: deque[tuple[int, Command]] = deque()  # commands cross in lists (CommandSender)
-        self.unacknowledged: deque[set[int]] = deque()  # per Stepped posted, the servers yet to handle it
+        self.unhandled: dict[int, int] = dict.fromkeys(self.live, 0)  # per server still connected: Stepped unhandled
+        self.load_owed: set[int] = set()  # servers whose LoadChanged waits for room in their window
+        self.load: EngineLoad | None = None  # the latest the loop posted
         self.current: tuple[int, Command] | None = None  # the command the loop runs, and whose it is
         self.poller = select.poll()  # kept, not rebuilt per look as multiprocessing.connection.wait does (~7 us)
         self.server_of_fd: dict[int, int] = {}
@@ -628,9 +687,6 @@ class ServerLinks:
             if isinstance(command, StopCommand):
                 self._send(index, Stopped(SHUTDOWN_MESSAGE))
                 self._detach(index)
-            elif isinstance(command, HandledCommand):
-                next((waiting for waiting in self.unacknowledged if index in waiting), set()).discard(index)
-                self._release_handled()
             else:
                 if isinstance(command, AddCommand):
                     self.owners.update(dict.fromkeys(command.request_ids, index))
@@ -649,21 +705,35 @@ class ServerLinks:
         if index not in self.live:
             return
         self.live.remove(index)
+        del self.unhandled[index]
+        self.load_owed.discard(index)
         self.poller.unregister(self.conns[index].fileno())
-        for waiting in self.unacknowledged:
-            waiting.discard(index)
-        self._release_handled()
         orphans = [request_id for request_id, owner in self.owners.items() if owner == index]
         if orphans:
             self.received.append((-1, AbortCommand(orphans)))
 
-    def _release_handled(self) -> None:
-        """Tell the loop of each :class:`Stepped` that every server still connected has handled."""
-        while self.unacknowledged and not self.unacknowledged[0]:
-            self.unacknowledged.popleft()
-            self.received.append((-1, HandledCommand()))
+    def has_room(self) -> bool:
+        return any(count < MAX_UNHANDLED for count in self.unhandled.values())
+
+    def wanted(self) -> Callable[[SequenceGroup], bool] | None:
+        behind = {index for index, count in self.unhandled.items() if count >= MAX_UNHANDLED}
+        if not behind:
+            return None
+        owners = self.owners  # a request without one: its server is gone, and its output goes nowhere
+        return lambda group: owners.get(group.request_id) not in behind
+
+    def handled(self, command: HandledCommand) -> None:
+        """The server whose command the loop runs handled a :class:`Stepped`; the load it is due follows."""
+        assert self.current is not None and self.current[1] is command
+        index = self.current[0]
+        self.unhandled[index] -= 1
+        if index in self.load_owed:
+            self.load_owed.discard(index)
+            self._send(index, LoadChanged(self.load))  # type: ignore[arg-type]  # owed: a load was posted
 
     def post(self, event: Event) -> None:
+        if isinstance(event, Added | Aborted | Stepped):
+            self.load = event.load
         if isinstance(event, Stepped):  # its outputs are rows already (run_engine_process)
             self._post_step(event)
             return
@@ -686,8 +756,12 @@ class ServerLinks:
         if index in self.live:
             self._send(index, event)
         for other in self.live:  # without it, a server kept the load of its last step: a cancelled stream on
-            if other != index:  # another server left it showing a running request on an idle engine
+            if other == index:  # another server left it showing a running request on an idle engine
+                continue
+            if self.unhandled[other] < MAX_UNHANDLED:
                 self._send(other, LoadChanged(event.load))
+            else:  # one per add would fill the pipe of a server that stalls, and the engine would wait on it
+                self.load_owed.add(other)
 
     def _post_step(self, event: Stepped) -> None:
         rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}
@@ -699,9 +773,11 @@ class ServerLinks:
                 owner = owners.get(row[0])
             if owner in rows:
                 rows[owner].append(row)  # type: ignore[index]
-        self.unacknowledged.append(set(self.live))
-        self._release_handled()  # no server left to handle it
-        for position, index in enumerate(list(self.live)):
+        # The servers with room; with rows beyond it only after a failed step (the loop then posts everything),
+        # when the stats, if no server has room, go to the first.
+        receivers = [index for index in self.live if self.unhandled[index] < MAX_UNHANDLED or rows[index]]
+        for position, index in enumerate(receivers or self.live[:1]):
+            self.unhandled[index] += 1
             self._send(index, EncodedStep(rows[index], event.steps if position == 0 else [], event.load))
 
     def _send(self, index: int, message: object) -> None:
@@ -784,7 +860,7 @@ def run_engine_process(conns: list[Connection], config: EngineConfig, factory: E
     freeze_startup_heap()
     retain_freed_memory()
     links = ServerLinks(conns)
-    EngineCore(engine, links.next_command, links.post, collect=lambda: engine.collect(links.encoder.row)).run()
+    EngineCore(engine, links.next_command, links.post, links.encoder.row, links).run()
 
 
 class EngineProcess:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from rnnserve.engine.llm import LLM
 from rnnserve.engine.outputs import CompletionOutput, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.sequence import SequenceGroup
 from tests.engine.conftest import make_engine
 
 PROMPTS = ["Once upon", "The cat sat", "x"]
@@ -169,3 +170,23 @@ def test_steps_that_do_not_collect_leave_each_requests_progress_to_one_output() 
             assert len(every_fourth["gone"]) == 2  # after the fourth step, then the abort's (steps 5 and 6)
         elif kind is OutputKind.FINAL_ONLY:
             assert len(every_fourth["r0"]) == 1 and len(every_fourth["gone"]) == 1
+
+
+def test_a_collection_leaves_the_requests_it_does_not_want_to_a_later_one() -> None:
+    """``collect(build, wanted)`` builds the outputs of the wanted requests only; the others keep their progress,
+    finished or not, for the next collection, which builds it as one output (an engine process's API server that
+    stalls gets its requests' outputs so, merged, once it handles what it holds)."""
+    engine = make_engine()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=OutputKind.DELTA)
+    for request_id, prompt in zip(("wanted", "held"), PROMPTS, strict=False):
+        engine.add_request(prompt, params, request_id=request_id)
+    streamed = []
+    while engine.has_unfinished_requests():
+        engine.step(collect=False)
+        outputs = engine.collect(SequenceGroup.output, lambda group: group.request_id == "wanted")
+        assert [out.request_id for out in outputs] == ["wanted"]
+        streamed.append(outputs[0])
+    assert len(streamed) == 6 and engine.pool.num_used == 0 and engine.has_uncollected_outputs
+    (held,) = engine.collect_outputs()
+    assert held.request_id == "held" and held.finished and len(held.outputs[0].new_token_ids) == 6
+    assert not engine.has_uncollected_outputs

@@ -207,6 +207,59 @@ def test_a_dead_process_stops_the_others(victim: str) -> None:
     assert re.search(rf"{expected} \(exit code -9\); stopping", server.output), server.output
 
 
+def test_a_stopped_api_server_leaves_the_others_streams_flowing() -> None:
+    """With one API server process stopped (SIGSTOP; a server that stalls), the engine stopped sending outputs to
+    every server: each server now has its own flow control, so the other's streams go on, and the stopped one's
+    catch up when it continues."""
+    flags = ("--model", TINY, "--api-servers", "2", "--max-num-seqs", "8", "--no-sessions")
+    with running_server(*flags) as server:
+        stopped = wait_for_servers(server, 2)[0]
+        try:
+            progress = asyncio.run(tokens_while_stopped(server.url, 8, stopped))
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+    while_stopped, after = zip(*progress, strict=True)
+    assert max(while_stopped) >= 10, progress  # the other server's streams (it was 0 for all of them)
+    assert min(after) >= 1, progress  # every stream, the stopped server's too
+
+
+async def tokens_while_stopped(url: str, count: int, pid: int) -> list[tuple[int, int]]:
+    """``count`` long streams, each on a connection of its own (the kernel spreads them over the servers); once
+    each has a token, process ``pid`` stops for 1.5 s: per stream, the tokens it got meanwhile (from 0.5 s on),
+    then in the second after the process continued."""
+    body = {"prompt": "hello", "max_tokens": 100_000, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    tokens = [0] * count
+
+    async def stream(index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        tokens[index] = json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
+
+    streams = [asyncio.create_task(stream(index)) for index in range(count)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(tokens):
+            assert time.monotonic() < deadline and not any(task.done() for task in streams), tokens
+            await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(0.5)  # what was on its way
+        before = list(tokens)
+        await asyncio.sleep(1.5)
+        during = list(tokens)
+        os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(1.0)
+        assert not any(task.done() for task in streams), [task.exception() for task in streams if task.done()]
+        return [(middle - start, end - middle) for start, middle, end in zip(before, during, tokens, strict=True)]
+    finally:
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+
+
 def test_a_port_where_a_server_listens_is_refused_also_with_several_api_servers() -> None:
     with running_server("--model", TINY, "--api-servers", "2", "--no-sessions") as first:
         wait_for_servers(first, 2)

@@ -108,7 +108,7 @@ def test_a_failed_step_first_posts_what_earlier_steps_left() -> None:
     engine.add_request("Once upon", PARAMS, "a")
     events: list[Event] = []
     core = EngineCore(engine, lambda block: StopCommand() if block else None, events.append)
-    core.unhandled = MAX_UNHANDLED  # the server holds as many outputs as it may
+    core.flow.unhandled = MAX_UNHANDLED  # type: ignore[attr-defined]  # the server holds as many as it may
     assert core._step() and core._step() and events == []
     engine.scheduler.schedule = None  # type: ignore[assignment, method-assign]  # the next step raises
     assert not core._step()

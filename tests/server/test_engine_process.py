@@ -13,7 +13,9 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
@@ -32,6 +34,7 @@ from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
     COMPACT_ROW_LENGTH,
+    MAX_UNHANDLED,
     SHUTDOWN_MESSAGE,
     AbortCommand,
     Aborted,
@@ -39,6 +42,7 @@ from rnnserve.server.engine_core import (
     Added,
     CommandSender,
     EncodedStep,
+    EngineCore,
     EngineInfo,
     HandledCommand,
     LoadChanged,
@@ -52,6 +56,7 @@ from rnnserve.server.engine_core import (
     ThreadDriver,
     portable_error,
 )
+from tests.engine.conftest import make_engine
 from tests.server.conftest import tiny_config
 from tests.server.test_live import scrape
 
@@ -369,8 +374,7 @@ def test_an_event_that_cannot_be_sent_raises_and_a_closed_pipe_does_not() -> Non
         links.post(StepFailed(lambda: None))  # type: ignore[arg-type]
     server_end.close()
     links.post(Stepped([("a", None, [], False)], [], None))  # type: ignore[arg-type, list-item]
-    assert links.next_command(True) == HandledCommand()  # the server is gone: nobody holds the message
-    assert links.next_command(True) == StopCommand()
+    assert links.next_command(True) == StopCommand()  # the server is gone
 
 
 def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_once() -> None:
@@ -398,20 +402,28 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     assert (second.rows, second.steps, second.load) == ([rows[1]], [], "load")
     assert "s1b" not in links.owners  # finished
 
+    assert links.unhandled == {0: 1, 1: 1}
     servers[0].send_bytes(pickle.dumps([HandledCommand()]))
-    assert links.next_command(False) is None  # the other server still holds its message
+    handled = links.next_command(False)  # each server's frees its own window, whatever the other holds
+    assert handled == HandledCommand() and links.next_command(False) is None
+    links.handled(handled)  # type: ignore[arg-type]
+    assert links.unhandled == {0: 0, 1: 1}
     servers[1].send_bytes(pickle.dumps([HandledCommand()]))
-    assert links.next_command(False) == HandledCommand()
+    links.handled(links.next_command(False))  # type: ignore[arg-type]
+    assert links.unhandled == {0: 0, 1: 0}
 
     links.post(Stepped([], [], "load"))  # type: ignore[arg-type]
     servers[1].send_bytes(pickle.dumps([StopCommand()]))
     servers[0].send_bytes(pickle.dumps([HandledCommand()]))
     commands = []
-    for _ in range(2):  # the stopped server's request, and the message nobody else holds now
+    for _ in range(2):  # the stopped server's request, and the other's handled message
         commands.append(links.next_command(True))
         if isinstance(commands[-1], AbortCommand):
             links.post(Aborted([], "load"))  # type: ignore[arg-type]  # for a server that is gone: not sent
+        else:
+            links.handled(commands[-1])  # type: ignore[arg-type]
     assert sorted(commands, key=repr) == [AbortCommand(["s1a"]), HandledCommand()]
+    assert links.unhandled == {0: 0}
     assert isinstance(pickle.loads(servers[1].recv_bytes()), EncodedStep)
     assert pickle.loads(servers[1].recv_bytes()).message == SHUTDOWN_MESSAGE  # Stopped, and nothing after it
     assert not servers[1].poll()
@@ -423,6 +435,96 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     servers[0].close()  # gone without a stop: its requests are aborted, then the loop stops
     assert links.next_command(True) == AbortCommand(["s0a", "s0b"])
     assert links.next_command(True) == StopCommand()
+
+
+class LinkedServer:
+    """A server's end of a pipe to an engine loop run by :class:`ServerLinks`: what it reads, decoded."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.decoder = OutputDecoder()
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.unhandled = 0  # EncodedStep messages read and not acknowledged
+
+    def send(self, *commands: object) -> None:
+        self.conn.send_bytes(pickle.dumps(list(commands)))
+
+    def read(self, timeout: float = 10.0) -> object:
+        """The next message (decoding a step's outputs), which must come within ``timeout`` seconds."""
+        assert self.conn.poll(timeout), "the engine sent this server nothing"
+        message = pickle.loads(self.conn.recv_bytes())
+        if isinstance(message, EncodedStep):
+            self.unhandled += 1
+            for out in self.decoder.decode(message.rows):
+                self.tokens.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+                if out.finished:
+                    self.finished.add(out.request_id)
+        return message
+
+    def serve_until(self, request_ids: set[str]) -> list[object]:
+        """Read and handle every message until ``request_ids`` finished; the messages read."""
+        messages = []
+        while not request_ids <= self.finished:
+            messages.append(self.read())
+            self.handle_all()
+        return messages
+
+    def handle_all(self) -> None:
+        self.send(*[HandledCommand()] * self.unhandled)
+        self.unhandled = 0
+
+    def pending(self) -> list[object]:
+        """The messages waiting in the pipe, read without handling them (a busy or blocked event loop)."""
+        messages = []
+        while self.conn.poll(0.5):
+            messages.append(self.read())
+        return messages
+
+
+def test_a_server_that_stops_handling_its_outputs_holds_back_its_own_requests_only() -> None:
+    """With several API servers each has its own window of unhandled outputs: one that stops handling them
+    (a stopped process, a blocked event loop) leaves the other's streams flowing to their end and its pipe
+    takes no more than that window (the load it is due waits for it, however many requests the other adds);
+    its own requests keep running (one that finishes frees its slot), and their outputs come whole, merged,
+    once it handles what it holds."""
+    engine = make_engine()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    healthy, stalled = (LinkedServer(server_end) for server_end, _ in pipes)
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        serve_a_healthy_and_a_stalled_server(engine, healthy, stalled)
+    finally:
+        for server in (healthy, stalled):  # closed, the pipes stop the loop
+            server.conn.close()
+        loop.join(10)
+    assert not loop.is_alive()
+
+
+def serve_a_healthy_and_a_stalled_server(engine: LLMEngine, healthy: LinkedServer, stalled: LinkedServer) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=OutputKind.DELTA)
+    stalled.send(AddCommand(0, ["s"], ["The cat"], params, 0.0))
+    assert isinstance(stalled.read(), Added)
+    healthy.send(AddCommand(0, ["h"], ["The cat"], params, 0.0))
+    # The stalled server reads (its event loop would not handle) whatever comes; the healthy one streams to the end.
+    healthy.serve_until({"h"})
+    assert len(healthy.tokens["h"]) == 40
+    one_token = SamplingParams(temperature=0, max_tokens=1, output_kind=OutputKind.DELTA)
+    healthy.send(*[AddCommand(add_id, [f"h{add_id}"], ["x"], one_token, 0.0) for add_id in range(1, 201)])
+    healthy.serve_until({f"h{add_id}" for add_id in range(1, 201)})
+    held = stalled.pending()
+    assert stalled.unhandled == MAX_UNHANDLED  # its window's messages, and no LoadChanged per add of the other's
+    assert len(held) <= MAX_UNHANDLED + 2, [type(message).__name__ for message in held]
+    assert "s" not in stalled.finished and engine.pool.num_used == 0  # "s" finished: its output waits, not its slot
+
+    stalled.handle_all()  # it resumes
+    assert isinstance(stalled.read(), LoadChanged)  # the load it was due
+    resumed = stalled.serve_until({"s"})
+    assert stalled.tokens["s"] == healthy.tokens["h"]  # nothing lost: the same prompt, greedy
+    assert len([message for message in resumed if isinstance(message, EncodedStep)]) == 1  # all it missed, merged
 
 
 def test_commands_queued_together_cross_as_one_message_and_a_stop_ends_the_sender() -> None:
