@@ -7,6 +7,16 @@
 
 namespace rnnserve {
 
+// Whether x is NaN, read from its bits: the extension is built with -ffast-math, whose -ffinite-math-only lets the
+// compiler fold std::isnan(x) and x != x to false and reorder compares as if no operand were NaN. Dropping that
+// flag costs more than these tests: without __FAST_MATH__ glibc declares no vector math, and the exact GELU's
+// erf loop stopped vectorising (mingru-100m prefill 27% slower, docs/kernels.md).
+__attribute__((always_inline)) inline bool is_nan(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
 // exp(x) for fp32, inlined so that loops calling it vectorise without spilling around a libm call.
 // Cody-Waite reduction x = n ln2 + r (|r| <= ln2/2, two-part ln2 via fma, which -ffast-math leaves alone)
 // and a degree-7 Taylor polynomial: max relative error 8e-8 on [-87, 88] (glibc's expf under -ffast-math:
@@ -61,14 +71,15 @@ __attribute__((always_inline)) inline float softplus(float x) {
 // tanh(t) = sign(t) (1 - e) / (1 + e) with e = exp(-2|t|) in (0, 1]: no overflow, a few fp32 units of the last
 // place where |t| >= 1/8; below, where 1 - e would cancel, its odd Taylor polynomial to t^7 (next term < 2e-10 t).
 // From |t| = 9.1, where tanh rounds to 1 in fp32, it is 1 outright: -ffast-math may divide by a reciprocal
-// estimate, which gave 1 - 6e-8 for t = inf in an AVX2 build.
+// estimate, which gave 1 - 6e-8 for t = inf in an AVX2 build. NaN stays NaN, as in std::tanh (the clamp in
+// fast_exp made it +-1).
 __attribute__((always_inline)) inline float tanh_approx(float t) {
   const float a = std::fabs(t);
   const float e = fast_exp(-2.0f * a);
   const float t2 = t * t;
   const float series = t * std::fma(t2, std::fma(t2, std::fma(t2, -17.0f / 315, 2.0f / 15), -1.0f / 3), 1.0f);
   const float magnitude = a >= 9.1f ? 1.0f : (1.0f - e) / (1.0f + e);
-  return a < 0.125f ? series : std::copysign(magnitude, t);
+  return is_nan(t) ? t : a < 0.125f ? series : std::copysign(magnitude, t);
 }
 
 // 1 / sqrt(v) with torch's fp32 rounding (a rounded sqrt, then a rounded division), immune to -ffast-math's

@@ -1,6 +1,10 @@
 """The ``rnnserve`` command: ``serve`` (HTTP API), ``generate`` (offline, streams to the terminal),
 ``bench`` (load generator for any OpenAI-compatible server), ``convert`` (released checkpoints to
-safetensors) and ``lsrl`` (LSRL program tools)."""
+safetensors) and ``lsrl`` (LSRL program tools).
+
+Nothing here imports torch (or the engine, which does) at module level: the seconds torch takes to load then
+pass inside :func:`main`, where Ctrl-C ends the program quietly with 130, not with a traceback.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +18,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from rnnserve.engine.config import EngineConfig, add_config_arguments, config_from_args, positive_int
-from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_device
-from rnnserve.server.config import API_KEY_ENV, MULTIPROCESS_DIR_ENV, ServerConfig, rnnserve_version
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from rnnserve.engine.sampling_params import StructuredOutputParams
+    from rnnserve.server.config import ServerConfig
     from rnnserve.server.engine_core import EngineInfo
 
 logger = logging.getLogger("rnnserve")
@@ -60,6 +62,9 @@ def reexec_with_serving_environment() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rnnserve.engine.config import EngineConfig, add_config_arguments, positive_int
+    from rnnserve.server.config import ServerConfig, rnnserve_version
+
     parser = argparse.ArgumentParser(
         prog="rnnserve", description="Inference server for recurrent language models."
     )
@@ -135,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from rnnserve.engine.loader import DEFAULT_MODEL_DIR, ModelLoadError, resolve_device
+    from rnnserve.server.config import API_KEY_ENV, MULTIPROCESS_DIR_ENV, ServerConfig, rnnserve_version
+
     # A folder inherited from the environment would make a single server's metrics multi-process ones, carried
     # over from earlier runs; --api-servers sets its own. Before prometheus_client is imported, which reads it.
     os.environ.pop(MULTIPROCESS_DIR_ENV, None)
@@ -167,10 +175,10 @@ def serve(args: argparse.Namespace) -> int:
         "rnnserve %s: loading model %s (on CPU a machine's first start also compiles the fused kernels, about a "
         "minute); the port opens when it is ready", rnnserve_version(), config.model_path,
     )
-    # A signal while loading exits through Python (so a kernel build releases torch's build lock); uvicorn drains
-    # on SIGTERM/SIGINT, then re-raises the signal: both make a clean exit.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(0))
+    # A signal while loading exits through Python (so a kernel build releases torch's build lock): SIGTERM with 0,
+    # SIGINT as Ctrl-C does anywhere before the server runs, by KeyboardInterrupt (main's quiet 130).
+    signal.signal(signal.SIGTERM, exit_after_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
     if config.api_servers > 1:
         return serve_api_servers(config, sock, start)
@@ -187,12 +195,21 @@ def serve(args: argparse.Namespace) -> int:
     retain_freed_memory()
     log_serving(config, app.state.engine.info, "process" if config.uses_engine_process else "thread", sock)
     server = build_server(app, config)
+    # uvicorn drains on SIGTERM/SIGINT, puts these handlers back and re-raises the signal: the stop asked for is
+    # done, a clean exit either way.
+    signal.signal(signal.SIGINT, exit_after_signal)
     server.run(sockets=[sock])
     return 0
 
 
+def exit_after_signal(signum: int, frame: FrameType | None) -> NoReturn:
+    """A signal handler that ends the program with 0, through Python (``finally`` blocks and ``with`` exits run)."""
+    sys.exit(0)
+
+
 def serve_api_servers(config: ServerConfig, sock: socket.socket, start: float) -> int:
     """``serve`` with ``config.api_servers`` server processes in front of the engine process."""
+    from rnnserve.engine.loader import ModelLoadError
     from rnnserve.server.api_servers import APIServers
 
     try:
@@ -264,7 +281,9 @@ def output_constraint(args: argparse.Namespace) -> StructuredOutputParams | None
 
 
 def generate(args: argparse.Namespace) -> int:
+    from rnnserve.engine.config import EngineConfig, config_from_args
     from rnnserve.engine.llm_engine import LLMEngine
+    from rnnserve.engine.loader import ModelLoadError
     from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 
     if isinstance(sys.stdout, io.TextIOWrapper):  # a console that cannot encode a character shows a replacement

@@ -44,7 +44,7 @@ GAUGES = {
     "running": "rnnserve_num_requests_running",
     "waiting": "rnnserve_num_requests_waiting",
     "slots_used": "rnnserve_state_slots_used",
-    "slots_total": "rnnserve_state_slots_total",
+    "slots_total": "rnnserve_state_slots",
     "state_memory_used_bytes": "rnnserve_state_memory_used_bytes",
     "state_memory_total_bytes": "rnnserve_state_memory_total_bytes",
 }

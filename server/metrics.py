@@ -192,6 +192,10 @@ class SharedStepHistogram:
         self.histogram.observe(value)
 
 
+# The pool's slot gauge under its first name, whose counter's suffix breaks Prometheus' naming rules (promtool
+# check metrics flags it): exported beside rnnserve_state_slots for one release, then removed (docs/metrics.md).
+DEPRECATED_STATE_SLOTS = "rnnserve_state_slots_total"
+
 LOAD_GAUGES = (
     ("rnnserve_num_requests_running", "Sequences holding a state slot (prefilling or decoding)."),
     ("rnnserve_num_requests_waiting", "Requests queued for a free slot."),
@@ -252,7 +256,10 @@ class ServerMetrics:
         self.registry.register(ServerProcesses(model_name, os.getppid() if self.multiprocess else os.getpid()))
         tokens = token_buckets(max_model_len)
         self._load = LoadGauges(model_name, self.registry)
-        self.state_slots_total = self._gauge("rnnserve_state_slots_total", "State slots in the pool.")
+        self.state_slots = self._gauge("rnnserve_state_slots", "State slots in the pool.")
+        self.state_slots_deprecated = self._gauge(
+            DEPRECATED_STATE_SLOTS, "Deprecated alias of rnnserve_state_slots (a gauge's name must not end in _total)."
+        )
         self.state_bytes_per_slot = self._gauge("rnnserve_state_bytes_per_slot", "Bytes of recurrent state per slot.")
         self.state_memory_total_bytes = self._gauge(
             "rnnserve_state_memory_total_bytes", "Bytes of the preallocated state pool."
@@ -344,7 +351,8 @@ class ServerMetrics:
         return self._request_success.labels(model_name=self.model_name, finished_reason=finished_reason)
 
     def set_pool(self, num_slots: int, bytes_per_slot: int) -> None:
-        self.state_slots_total.set(num_slots)
+        self.state_slots.set(num_slots)
+        self.state_slots_deprecated.set(num_slots)
         self.state_bytes_per_slot.set(bytes_per_slot)
         self.state_memory_total_bytes.set(num_slots * bytes_per_slot)
 

@@ -1,8 +1,8 @@
 """Greedy token choice: the first index of each row's maximum (``torch.argmax(logits, dim=-1)`` semantics).
 
 ``naive.py`` is the reference (``torch.argmax``); ``row_argmax_cpu.cpp`` a fused C++ kernel for fp32 CPU
-logits with rows or columns contiguous (see :mod:`rnnserve.kernels.cpu_extension`). On a row containing NaN
-the kernel still returns a valid index, not necessarily the NaN's.
+logits with rows or columns contiguous (see :mod:`rnnserve.kernels.cpu_extension`). Both take a NaN as the
+maximum (a row's first NaN is its answer) and a row of ``-inf`` gives 0.
 """
 
 from __future__ import annotations

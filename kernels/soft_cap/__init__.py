@@ -6,7 +6,7 @@
 of a 256K vocabulary on a 2-core Zen 5 (ATen's fp32 ``tanh`` alone 13.5 ms, five times its ``exp``), a sixth of a
 bf16 ``hawk-100m`` decode step. Its tanh is ``(1 - e) / (1 + e)`` with ``e = exp(-2|t|)`` (the shared
 ``fast_exp``), and a Taylor polynomial below ``|t| = 1/8``: within a few fp32 units of the last place, relative,
-like ATen's.
+like ATen's. As in the reference, infinities become ``±cap`` and NaN stays NaN.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from rnnserve.engine.sampler import filter_logits, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.tokenizer import ByteTokenizer, Tokenizer
+from rnnserve.kernels.row_argmax.naive import row_argmax_ref
 from tests.engine.conftest import make_engine, run_to_completion
 
 VOCAB = 8
@@ -498,3 +499,29 @@ def test_stop_string_cost_per_token_does_not_grow_with_the_output_or_the_stop_le
     early, late = max(long_work[40:100]), max(long_work[-100:])
     assert late <= early
     assert max(long_work[40:]) <= max(short_work[40:])
+
+
+
+def _generate_with_a_nan_logit(token: int) -> tuple[list[int], list[int]]:
+    """Greedy and seeded-draw tokens of the tiny minGRU whose tied embedding row ``token`` is NaN: that token's logit
+    is NaN, and once it is fed back every logit is. Checks that no request failed and every slot was freed."""
+    engine = make_engine()
+    with torch.no_grad():
+        engine.model.embed.weight[token] = math.nan
+    greedy = engine.add_request("nan", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    drawn = engine.add_request(
+        "nan", SamplingParams(temperature=1.0, seed=1, max_tokens=4, ignore_eos=True, logprobs=2)
+    )  # fmt: skip
+    final = run_to_completion(engine)
+    assert final[greedy].error is None and final[drawn].error is None
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    return final[greedy].outputs[0].token_ids, final[drawn].outputs[0].token_ids
+
+
+def test_nan_logits_sample_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy sampling takes a NaN logit as the maximum, as torch.argmax does (the fused CPU kernel skipped it:
+    token 123 lost to a number), and the whole generation equals the one with torch's argmax."""
+    fused = _generate_with_a_nan_logit(123)
+    monkeypatch.setattr(sampler_module, "row_argmax", row_argmax_ref)
+    assert fused == _generate_with_a_nan_logit(123)
+    assert fused[0][0] == 123

@@ -45,9 +45,46 @@ def test_kernel_matches_reference_on_any_vocabulary(vocab: int, transposed: bool
     assert torch.equal(row_argmax(logits), row_argmax_ref(logits))
 
 
+def non_finite_rows(vocab: int) -> torch.Tensor:
+    """Rows of random logits with NaN and infinities placed where each lane, thread range and merge meets them:
+    NaN first, last, in the tail, beside a +inf or a larger number, several NaN, only NaN, only -inf, -inf with
+    one NaN, +inf ties; 20 rows, so that the transposed pass has a full block of rows and a partial one."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(20, vocab, generator=g)
+    nan, inf = float("nan"), float("inf")
+    last = vocab - 1
+    logits[0, 0] = nan
+    logits[1, last] = nan
+    logits[2, [3, last - 2]] = torch.tensor([inf, nan])
+    logits[3, [last - 2, 3]] = torch.tensor([inf, nan])
+    logits[4, [vocab // 3, vocab // 2, 5]] = nan
+    logits[5] = nan
+    logits[6] = -inf
+    logits[7] = -inf
+    logits[7, vocab // 2] = nan
+    logits[8, [vocab // 2, 7]] = inf
+    logits[9, [7, vocab // 2]] = torch.tensor([-inf, inf])
+    logits[10, 7] = 1e30
+    logits[10, last - 1] = nan
+    logits[11, :] = -inf
+    logits[11, last] = -3.0
+    logits[12, 17 % vocab] = nan
+    logits[12, 1] = inf
+    logits[13, torch.arange(vocab) % 16 == 5] = nan  # one lane full of NaN
+    logits[14, 1:] = nan  # every position but the first
+    logits[16, [2, 1]] = nan
+    logits[17] = -inf
+    logits[17, last] = inf
+    logits[18, vocab // 2 + 3] = nan
+    return logits
+
+
 @needs_cpu_kernels
-def test_all_equal_and_nan_rows_give_valid_indices() -> None:
-    logits = torch.zeros(2, 2048)
-    logits[1] = float("nan")
-    out = row_argmax(logits)
-    assert out[0] == 0 and 0 <= out[1] < 2048
+@pytest.mark.parametrize("vocab", [33, 1000, 5003])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_nan_and_infinities_order_as_in_torch(vocab: int, transposed: bool) -> None:
+    """torch.argmax's order: a NaN above every number (the first NaN wins), -inf below (a row of it gives 0)."""
+    logits = layout(non_finite_rows(vocab), transposed)
+    expected = row_argmax_ref(logits)
+    assert expected[0] == 0 and expected[5] == 0 and expected[6] == 0 and expected[7] == vocab // 2
+    assert torch.equal(torch.ops.rnnserve.row_argmax(logits), expected)

@@ -45,6 +45,23 @@ def test_infinities_and_zero() -> None:
     assert soft_cap_(logits, 50.0).tolist() == [[50.0, -50.0, 0.0, -0.0, 50.0]]
 
 
+@needs_cpu_ops
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_non_finite_logits_as_the_reference(layout: str) -> None:
+    """NaN (either sign bit) stays NaN, as ``tanh(NaN)`` is, and infinities become ``±cap``, among finite logits
+    of every size, in the vectorised body and the tail of each thread's range."""
+    logits = logits_of(40.0, layout)
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    positions = torch.arange(0, logits.numel(), 997)
+    flat = logits.t() if layout == "columns" else logits  # memory order
+    flat.reshape(-1)[positions] = special.repeat(len(positions) // 4 + 1)[: len(positions)]
+    expected = soft_cap_ref(logits.double(), 30.0)
+    out = soft_cap_(logits, 30.0)
+    assert torch.equal(out.isnan(), expected.isnan()) and out.isnan().sum() > 0
+    finite = ~expected.isnan()
+    assert_close_relative(out[finite], expected[finite])
+
+
 def test_other_dtypes_and_layouts_run_the_reference() -> None:
     for logits in (torch.randn(3, 40).bfloat16(), torch.randn(3, 40, 2)[:, :, 0]):
         expected = soft_cap_ref(logits.clone(), 30.0)

@@ -433,5 +433,5 @@ def test_state_memory_budget_sizes_the_pool() -> None:
     with TestClient(create_app(config)) as client:
         text = client.get("/metrics").text
     label = f'{{model_name="{TINY}"}}'
-    assert f"rnnserve_state_slots_total{label} 3.0" in text
+    assert f"rnnserve_state_slots{label} 3.0" in text
     assert f"rnnserve_state_memory_total_bytes{label} 7680.0" in text

@@ -177,7 +177,7 @@ def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path:
             assert metric(text, "rnnserve_request_success_total") == 24, text
             assert metric(text, "rnnserve_time_to_first_token_seconds_count") == 24
             assert metric(text, "rnnserve_generation_tokens_total") == 24 * 8
-            assert metric(text, "rnnserve_state_slots_total") == 8
+            assert metric(text, "rnnserve_state_slots") == 8
             # the serve process, its engine process and both API servers, from whichever answers
             assert metric(text, "rnnserve_server_processes") >= 4
         # A conversation whose turns land on either process (a connection each) continues one state.

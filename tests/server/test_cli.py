@@ -1,26 +1,32 @@
-"""The ``rnnserve`` command: --help, generate, serve (startup line, SIGTERM drain), lsrl forwarding."""
+"""The ``rnnserve`` command: --help, generate, serve (startup line, SIGTERM drain, Ctrl-C while it starts),
+lsrl forwarding."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
+import subprocess
 import sys
+import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from rnnserve.engine import loader
 from rnnserve.engine.config import parse_bytes
 from rnnserve.engine.llm import LLM
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server import cli
 from rnnserve.server.config import ServerConfig
 from tests.server.conftest import TINY
-from tests.server.server_process import running_server
+from tests.server.server_process import REPO, free_port, running_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,7 +148,7 @@ def test_generate_exits_non_zero_when_generation_fails(
 def test_serve_without_the_default_model_explains_itself(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "missing")
+    monkeypatch.setattr(loader, "DEFAULT_MODEL_DIR", tmp_path / "missing")  # serve reads it when it runs
     assert cli.main(["serve"]) == 1
     assert "--model" in caplog.text
 
@@ -230,6 +236,57 @@ def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatc
         while any(alive(child) for child in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(child) for child in children)
+
+
+def torch_is_loading(pid: int, _: str) -> bool:
+    """Whether the process has begun importing torch (its library is mapped; the import then takes a second)."""
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def model_is_loading(_: int, log: str) -> bool:
+    return "loading model" in log
+
+
+@pytest.mark.parametrize("moment", [torch_is_loading, model_is_loading], ids=["importing-torch", "loading-model"])
+def test_ctrl_c_while_serve_starts_exits_quietly_with_130(moment: Callable[[int, str], bool]) -> None:
+    """Ctrl-C while torch loaded (before ``main`` ran, a KeyboardInterrupt traceback) or while the model loads
+    (the exit was 0) ends ``rnnserve serve`` with 130 and no traceback."""
+    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not moment(proc.pid, "".join(log)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.005)
+        assert "Uvicorn running" not in "".join(log)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        reader.join(timeout=5)
+    output = "".join(log)
+    assert code == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, (code, output)
+
+
+def test_importing_the_cli_loads_no_torch() -> None:
+    """The module's imports run before ``main``'s ``try``: torch, seconds to load, must load inside it."""
+    code = "import sys, rnnserve.server.cli; print([m for m in ('torch', 'rnnserve.engine') if m in sys.modules])"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_sigint_once_serving_drains_and_exits_0() -> None:
+    with running_server("--model", TINY) as server:
+        pass
+    assert server.proc.returncode == 0 and "Traceback" not in server.output, server.output
 
 
 def test_api_key_file(tmp_path: Path) -> None:

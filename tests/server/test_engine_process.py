@@ -130,7 +130,7 @@ def test_metrics_and_load_are_kept_by_the_server_process(process_client: TestCli
     after = process_client.get("/metrics").text
     for name, added in [("rnnserve_generation_tokens_total", 5), ("rnnserve_request_success_total", 1)]:
         assert metric(after, name) == metric(before, name) + added
-    assert metric(after, "rnnserve_state_slots_total") == 2
+    assert metric(after, "rnnserve_state_slots") == 2
     assert metric(after, "rnnserve_state_slots_used") == 0
     assert process_client.get("/ready").status_code == 200
 

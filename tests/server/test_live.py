@@ -23,7 +23,7 @@ LONG = {"prompt": "Hello", "max_tokens": 100_000, "ignore_eos": True, "stream": 
 
 METRIC_NAMES = [
     "rnnserve_num_requests_running", "rnnserve_num_requests_waiting", "rnnserve_state_slots_used",
-    "rnnserve_state_slots_total", "rnnserve_state_bytes_per_slot", "rnnserve_state_memory_used_bytes",
+    "rnnserve_state_slots", "rnnserve_state_bytes_per_slot", "rnnserve_state_memory_used_bytes",
     "rnnserve_state_memory_total_bytes", "rnnserve_prompt_tokens_total", "rnnserve_generation_tokens_total",
     'rnnserve_request_success_total{finished_reason="stop"}',
     'rnnserve_request_success_total{finished_reason="length"}',
@@ -141,7 +141,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_result_frees_the_slot(live
 def test_metrics_are_present_and_move(live_url: str) -> None:
     before = scrape(live_url)
     assert [name for name in METRIC_NAMES if name not in before] == []
-    assert before["rnnserve_state_slots_total"] == 2 and before["rnnserve_state_bytes_per_slot"] > 0
+    assert before["rnnserve_state_slots"] == 2 and before["rnnserve_state_bytes_per_slot"] > 0
     assert before["rnnserve_state_memory_total_bytes"] == 2 * before["rnnserve_state_bytes_per_slot"]
     body = {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
     assert httpx.post(f"{live_url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200

@@ -59,7 +59,7 @@ def test_every_series_is_labelled_and_requests_are_measured() -> None:
     )
     assert 0 < parts <= inference
     assert value(samples, "rnnserve_state_usage_perc") == 0.0  # the request finished
-    assert value(samples, "rnnserve_state_slots_total") == 4
+    assert value(samples, "rnnserve_state_slots") == 4
     assert value(samples, "rnnserve_request_rejected_total") == 0
     assert samples["process_resident_memory_bytes"] > 0 and "process_cpu_seconds_total" in samples
 
