@@ -38,6 +38,7 @@ GOMP_SPINCOUNT_DEFAULT = "10000"
 # (read once, as torch starts): the weights stream with fewer TLB misses. Zen 5, two threads, alternating runs:
 # mamba-370m bf16 decode at batch 1 3-5% faster, at batch 4 1-3%.
 THP_MEM_ALLOC_DEFAULT = "1"
+STARTUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # held across serve's restart and torch's import
 
 
 def serving_environment(environ: dict[str, str]) -> dict[str, str]:
@@ -53,12 +54,29 @@ def serving_environment(environ: dict[str, str]) -> dict[str, str]:
 
 
 def reexec_with_serving_environment() -> None:
-    """Restart this process (same pid) with :func:`serving_environment` when it adds anything: libgomp and
-    PyTorch's allocator read those variables once, when torch loads, which importing this module has already
-    done. Returns only when nothing needs changing."""
+    """Restart this process (same pid) with :func:`serving_environment` when it adds anything (libgomp and
+    PyTorch's allocator read those variables once, when torch loads). Returns only when nothing needs changing.
+
+    A Ctrl-C or SIGTERM during the restart is not lost: both are blocked across the exec (one that comes stays
+    pending; one that came before is raised by the blocking call) and unblocked when this returns, in the
+    restarted program, inside ``main``'s handling. Before, a Ctrl-C that came just before the exec vanished and
+    the server started anyway."""
     environ = serving_environment(dict(os.environ))
     if environ != dict(os.environ):
+        signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)
+
+
+def import_torch() -> None:
+    """Import torch (a second or more) with Ctrl-C and SIGTERM held until it is done: interrupted midway, its
+    import aborted the process, failed with an unrelated error or left it hanging, where ``main`` is to end it
+    quietly with 130. A signal that came meanwhile is delivered when the import ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,6 +398,7 @@ def run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lsrl"]:
         return lsrl(argv[1:])
+    import_torch()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, getattr(args, "log_level", "info").upper()),

@@ -175,8 +175,15 @@ def test_serving_environment_adds_a_short_spin_and_huge_pages_unless_chosen() ->
 
 
 def test_serve_reexecs_only_when_the_environment_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: Ctrl-C and SIGTERM are blocked across the exec, and unblocked when it returns."""
     calls: list[tuple[str, list[str], dict[str, str]]] = []
-    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: calls.append((path, args, env)))
+    blocked_at_exec: list[set[signal.Signals]] = []
+
+    def execve(path: str, args: list[str], env: dict[str, str]) -> None:
+        calls.append((path, args, env))
+        blocked_at_exec.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+    monkeypatch.setattr(cli.os, "execve", execve)
     monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"])
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
@@ -189,6 +196,27 @@ def test_serve_reexecs_only_when_the_environment_changes(monkeypatch: pytest.Mon
     [(path, args, env)] = calls
     assert path == sys.executable and args == [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", "1"]
     assert env["GOMP_SPINCOUNT"] == "10000" and env["THP_MEM_ALLOC_ENABLE"] == "1" and "OMP_WAIT_POLICY" not in env
+    assert {signal.SIGINT, signal.SIGTERM} <= blocked_at_exec[0]
+    assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_ctrl_c_pending_across_the_restart_ends_serve_with_130() -> None:
+    """A Ctrl-C that came while ``serve`` restarted itself with its environment (here: pending, blocked, from
+    before it started) ends it with 130 once it runs, instead of vanishing or staying blocked while it serves."""
+
+    def pending_ctrl_c() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        os.kill(os.getpid(), signal.SIGINT)
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
+    proc = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=pending_ctrl_c)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Uvicorn running" not in output and "Traceback" not in output, output
 
 
 def alive(pid: int) -> bool:
@@ -273,6 +301,31 @@ def test_ctrl_c_while_serve_starts_exits_quietly_with_130(moment: Callable[[int,
         reader.join(timeout=5)
     output = "".join(log)
     assert code == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, (code, output)
+
+
+def test_torch_is_imported_with_ctrl_c_held() -> None:
+    """A Ctrl-C in the middle of torch's import aborted the process, failed with an unrelated error (a
+    ``RuntimeError`` from a class torch was defining) or hung it: the program holds SIGINT and SIGTERM while torch
+    loads, and they are delivered after."""
+    code = """if True:
+        import json, signal, sys
+        masks = []
+        def hook(event, args):
+            if event == "import" and args[0] == "torch" and not masks:
+                masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        sys.addaudithook(hook)
+        from rnnserve.server import cli
+        try:
+            cli.main(["--version"])
+        except SystemExit:
+            pass
+        print(json.dumps([sorted(map(int, masks[0])), sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, [])))]))
+        """
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    during, after = json.loads(done.stdout.splitlines()[-1])
+    held = {signal.SIGINT, signal.SIGTERM}
+    assert held <= set(during) and not held & set(after), done.stdout + done.stderr
 
 
 def test_importing_the_cli_loads_no_torch() -> None:
