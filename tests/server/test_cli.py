@@ -205,6 +205,7 @@ def test_a_ctrl_c_pending_across_the_restart_ends_serve_with_130() -> None:
     before it started) ends it with 130 once it runs, instead of vanishing or staying blocked while it serves."""
 
     def pending_ctrl_c() -> None:
+        ctrl_c_by_default()
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -266,6 +267,12 @@ def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatc
         assert not any(alive(child) for child in children)
 
 
+def ctrl_c_by_default() -> None:
+    """In a child before it runs: SIGINT's default action, as in a terminal's foreground, whatever this process
+    inherited (a shell starts a background job, such as a CI run, with SIGINT ignored, and Python keeps that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def torch_is_loading(pid: int, _: str) -> bool:
     """Whether the process has begun importing torch (its library is mapped; the import then takes a second)."""
     try:
@@ -284,7 +291,8 @@ def test_ctrl_c_while_serve_starts_exits_quietly_with_130(moment: Callable[[int,
     (the exit was 0) ends ``rnnserve serve`` with 130 and no traceback."""
     command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ctrl_c_by_default)  # fmt: skip
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
