@@ -28,6 +28,7 @@ import triton.language as tl
 
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
+    AHEAD_REQUESTS,
     conv_inputs,
     conv_update,
     dependent_launch,
@@ -123,7 +124,7 @@ def _mamba2_in_proj_kernel(
     tl.store(dt_ptr + rows[:, None] * heads + dt_heads[None, :], projected.to(wdtype),
              mask=row_ok[:, None] & ((dt_heads >= 0) & (dt_heads < heads))[None, :])
     if AHEAD:  # this layer's out_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0))
+        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0), AHEAD_REQUESTS)
 
 
 @triton.jit
@@ -169,7 +170,7 @@ def _mamba2_ssm_kernel(
     tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))
     if AHEAD:  # the next layer's in_proj, after this program's own work
         prefetch_share(ahead_ptr, n_ahead, (b * tl.num_programs(1) + head) * tl.num_programs(2) + i_p,
-                       tl.num_programs(0) * parts)
+                       tl.num_programs(0) * parts, AHEAD_REQUESTS)
 
 
 @triton.jit

@@ -115,32 +115,28 @@ def prefetch_row_spans(ptr, rows, row_stride, span):
 
 
 @triton.jit
-def prefetch_share(ptr, n_elements, part, parts):
-    """Ask L2 for share ``part`` of ``parts`` of the lines of ``ptr[:n_elements]`` (``n_elements > 0``): a later
-    kernel's weights, asked for by the programs of one that runs before it. One request per line's worth of
+def prefetch_share(ptr, n_elements, part, parts, REQUESTS: tl.constexpr):
+    """Ask L2 for share ``part`` of ``parts`` of the lines of ``ptr[:n_elements]`` (``n_elements > 0``), e.g. a
+    later kernel's weights, asked for by the programs of one that runs before it. One request per line's worth of
     elements and one for the last element (whose line is one more where ``ptr`` does not start a line),
-    :data:`AHEAD_REQUESTS` at a time."""
+    ``REQUESTS`` at a time."""
     line = L2_LINE // (ptr.dtype.element_ty.primitive_bitwidth // 8)
     n_requests = tl.cdiv(n_elements, line) + 1
     per_part = tl.cdiv(n_requests, parts)
     first = part * per_part
     last = tl.minimum(first + per_part, n_requests) - 1
-    for r0 in range(first, last + 1, AHEAD_REQUESTS):
-        requests = tl.minimum(r0 + tl.arange(0, AHEAD_REQUESTS), last)
+    for r0 in range(first, last + 1, REQUESTS):
+        requests = tl.minimum(r0 + tl.arange(0, REQUESTS), last)
         prefetch_l2(ptr + tl.minimum(requests.to(tl.int64) * line, n_elements - 1))
 
 
 @triton.jit
 def prefetch_vector(ptr, n):
-    """Ask L2 for the lines of ``ptr[:n]`` (``n > 0``): one request per line's worth of elements and one for the
-    last element, :data:`VECTOR_REQUESTS` at a time. Every program of a GEMV asks for the same vector (a norm's
-    weights), so a request per element (the first version) made each line's requests as many as its elements:
-    on an H200 that cost the Mamba-2 stack ~4 us a layer."""
-    line = L2_LINE // (ptr.dtype.element_ty.primitive_bitwidth // 8)
-    n_requests = tl.cdiv(n, line) + 1
-    for r0 in range(0, n_requests, VECTOR_REQUESTS):
-        requests = tl.minimum(r0 + tl.arange(0, VECTOR_REQUESTS), n_requests - 1)
-        prefetch_l2(ptr + tl.minimum(requests.to(tl.int64) * line, n - 1))
+    """Ask L2 for the lines of ``ptr[:n]`` (``n > 0``), a line a request (:func:`prefetch_share`, all of it).
+    Every program of a GEMV asks for the same vector (a norm's weights), so a request per element (the first
+    version) made each line's requests as many as its elements: on an H200 that cost the Mamba-2 stack ~4 us a
+    layer."""
+    prefetch_share(ptr, n, 0, 1, VECTOR_REQUESTS)
 
 
 @triton.jit
@@ -356,7 +352,7 @@ def _mamba_in_proj_kernel(
         tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], projected.to(wdtype),
                  mask=row_ok[:, None])
     if AHEAD:  # this layer's out_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0))
+        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0), AHEAD_REQUESTS)
 
 
 @triton.jit
@@ -433,7 +429,7 @@ def _mamba_ssm_kernel(
     tl.store(y_ptr + b * d_inner + chans, (y * z * tl.sigmoid(z)).to(wdtype), mask=chan_ok)
     if AHEAD:  # the next layer's in_proj, after this program's own work
         prefetch_share(ahead_ptr, n_ahead, b * tl.num_programs(1) + tl.program_id(1),
-                       tl.num_programs(0) * tl.num_programs(1))
+                       tl.num_programs(0) * tl.num_programs(1), AHEAD_REQUESTS)
 
 
 @triton.jit
