@@ -213,7 +213,8 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p (each row with its own values; rows without them untouched).
     A batch where no row restricts the support (OpenAI's defaults) skips the sort of the whole vocabulary."""
     device, dtype = logits.device, logits.dtype
-    temperature = _column(seqs, "temperature", device, dtype).clamp_min(1e-5)[:, None]
+    # greedy rows (below GREEDY_TEMPERATURE) are sampled by argmax: the clamp only keeps their division finite
+    temperature = _column(seqs, "temperature", device, dtype).clamp_min(SamplingParams.GREEDY_TEMPERATURE)[:, None]
     logits = logits / temperature
     if not any(filters_logits(s.params, logits.shape[1]) for s in seqs):
         return logits

@@ -112,9 +112,9 @@ class StructuredOutputParams:
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters. Penalties
-    follow OpenAI (presence/frequency, over generated tokens) and vLLM (repetition, over prompt and
-    generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
+    ``temperature`` below :attr:`GREEDY_TEMPERATURE` (0 included) is greedy, as in vLLM. ``top_k <= 0`` and
+    ``top_p == 1`` disable those filters. Penalties follow OpenAI (presence/frequency, over generated tokens) and
+    vLLM (repetition, over prompt and generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
     ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
     ``logit_bias`` (OpenAI) adds a value in [-100, 100] to the logits of the tokens it names; ``allowed_token_ids``
@@ -156,6 +156,7 @@ class SamplingParams:
     fit_max_tokens: bool = False
 
     MAX_N = 128
+    GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it, dividing the logits by the temperature is noise
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
     MIN_REPETITION_PENALTY = 0.01  # logits are divided by it in fp32: a tiny penalty would overflow them
@@ -244,7 +245,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def biases_logits(self) -> bool:

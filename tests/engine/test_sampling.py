@@ -54,6 +54,16 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert hot.token_ids.count(3) > 60  # p(3) rises from 0.1 to ~0.2
 
 
+def test_a_temperature_below_vllms_epsilon_is_greedy() -> None:
+    """As in vLLM, a temperature below 1e-5 is greedy: clients that may not send 0 send 1e-6 for greedy output,
+    and dividing by it would pick at random between tokens whose logits differ by less than about 1e-5."""
+    near_tie = torch.tensor([0.0, 1e-7, -5.0, -5.0, -5.0, -5.0, -5.0, -5.0])
+    for temperature in (1e-6, 1e-30):
+        assert _draws(SamplingParams(temperature=temperature), near_tie) == {1}
+        assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_top_k_top_p_min_p_restrict_the_support() -> None:
     assert _draws(SamplingParams(top_k=2)) == {0, 1}
     assert _draws(SamplingParams(top_p=0.5)) == {0, 1}
