@@ -114,8 +114,8 @@ class SamplingParams:
 
     ``temperature`` below :attr:`GREEDY_TEMPERATURE` (0 included) is greedy, as in vLLM. ``top_k <= 0`` and
     ``top_p == 1`` disable those filters. Penalties follow OpenAI (presence/frequency, over generated tokens) and
-    vLLM (repetition, over prompt and generated tokens). ``seed`` makes the request's samples independent of the rest of the batch.
-    ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
+    vLLM (repetition, over prompt and generated tokens). ``seed`` makes the request's samples independent of the
+    rest of the batch. ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
     ``logit_bias`` (OpenAI) adds a value in [-100, 100] to the logits of the tokens it names; ``allowed_token_ids``
     (vLLM) restricts sampling to the tokens it lists. Both act before the penalties, and logprobs see them.
@@ -128,7 +128,8 @@ class SamplingParams:
     ``skip_special_tokens`` (vLLM) leaves special tokens' text (``<|im_end|>``) out of the output's text.
     ``fit_max_tokens`` makes ``max_tokens`` an upper bound: a prompt that leaves less room under the engine's
     ``max_model_len`` gets what room there is instead of a 400 (the server sets it for requests that give no
-    ``max_tokens``, whose limit vLLM takes as the room the prompt leaves).
+    ``max_tokens``, whose limit vLLM takes as the room the prompt leaves). ``max_tokens=None`` (vLLM's spelling of
+    no limit) is that room: ``max_tokens`` becomes the largest value and ``fit_max_tokens`` true.
     """
 
     n: int = 1
@@ -167,6 +168,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in self.stop or () if s]  # None: none, as vLLM takes it
         self.stop_token_ids = list(self.stop_token_ids or ())
+        if self.max_tokens is None:
+            self.max_tokens, self.fit_max_tokens = INT64_MAX, True
         self.validate()
 
     def validate(self) -> None:

@@ -56,6 +56,18 @@ def test_fit_max_tokens_shortens_a_default_to_the_room_the_prompt_leaves() -> No
     _rejects(engine, "max_tokens", "x" * 60, max_tokens=256)
 
 
+def test_max_tokens_none_generates_up_to_the_room_the_prompt_leaves() -> None:
+    """vLLM's ``SamplingParams(max_tokens=None)``: no limit but max_model_len (``fit_max_tokens`` with no bound of
+    its own), also where a ``min_tokens`` is given."""
+    engine = make_engine(max_model_len=64)
+    params = SamplingParams(max_tokens=None, min_tokens=8, ignore_eos=True, temperature=0)
+    assert params.fit_max_tokens
+    request = engine.add_request("x" * 40, params)
+    out = run_to_completion(engine)[request].outputs[0]
+    assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    _rejects(engine, "prompt", "x" * 64, max_tokens=None)
+
+
 def test_huge_max_tokens_is_rejected_not_holding_slots() -> None:
     engine = make_engine(max_num_seqs=4)
     _rejects(engine, "max_tokens", "hello", n=4, max_tokens=10**12)
