@@ -117,8 +117,9 @@ class SamplingParams:
     vLLM (repetition, over prompt and generated tokens). ``seed`` makes the request's samples independent of the
     rest of the batch. ``logprobs = N`` returns the sampled token's log-probability and the top ``N`` alternatives;
     ``prompt_logprobs = N`` (vLLM) does the same for every prompt token after the first, computed in prefill.
-    ``logit_bias`` (OpenAI) adds a value in [-100, 100] to the logits of the tokens it names; ``allowed_token_ids``
-    (vLLM) restricts sampling to the tokens it lists. Both act before the penalties, and logprobs see them.
+    ``logit_bias`` (OpenAI) adds a value, clamped into [-100, 100], to the logits of the tokens it names;
+    ``allowed_token_ids`` (vLLM) restricts sampling to the tokens it lists. Both act before the penalties, and
+    logprobs see them.
     ``structured_outputs`` makes every sample follow a JSON schema, regex, choice or grammar (see
     :mod:`rnnserve.engine.structured_output`).
     Every numeric field has a fixed range (integers within int64 at most), checked on construction, so no
@@ -183,7 +184,7 @@ class SamplingParams:
         self.stop_token_ids = [as_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
         if self.logit_bias is not None:
             self.logit_bias = {
-                as_number("logit_bias", token, integer=True): as_number("logit_bias", bias, integer=False)
+                as_number("logit_bias", token, integer=True): self.clamped_bias(bias)
                 for token, bias in self.logit_bias.items()
             }
         if self.allowed_token_ids is not None:
@@ -212,9 +213,7 @@ class SamplingParams:
             "prompt_logprobs": self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
             "seed": self.seed is None or seed_min <= self.seed <= seed_max,
             "stop_token_ids": all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
-            "logit_bias": not self.logit_bias or all(
-                0 <= t <= INT64_MAX and abs(b) <= self.MAX_LOGIT_BIAS for t, b in self.logit_bias.items()
-            ),
+            "logit_bias": not self.logit_bias or all(0 <= t <= INT64_MAX for t in self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids is None or (
                 bool(self.allowed_token_ids) and all(0 <= t <= INT64_MAX for t in self.allowed_token_ids)
             ),
@@ -222,6 +221,13 @@ class SamplingParams:
         for param, ok in in_range.items():
             if not ok:
                 raise InvalidParameterError(param, self.range_message(param))
+
+    @classmethod
+    def clamped_bias(cls, bias: object) -> float:
+        """A ``logit_bias`` value as a float within ±:attr:`MAX_LOGIT_BIAS` (OpenAI's range, into which vLLM's
+        server clamps it: -1e9 bans a token as -100 does); :class:`InvalidParameterError` for no finite number."""
+        limit = cls.MAX_LOGIT_BIAS
+        return min(limit, max(-limit, as_number("logit_bias", bias, integer=False)))
 
     @classmethod
     def range_message(cls, param: str) -> str:
@@ -242,7 +248,7 @@ class SamplingParams:
             "prompt_logprobs": f"prompt_logprobs must be between 0 and {cls.MAX_LOGPROBS}",
             "seed": f"seed must be between {seed_min} and {seed_max}",
             "stop_token_ids": f"stop_token_ids must be between 0 and {INT64_MAX}",
-            "logit_bias": f"logit_bias maps token ids (0 to {INT64_MAX}) to values within ±{cls.MAX_LOGIT_BIAS:g}",
+            "logit_bias": f"logit_bias maps token ids (0 to {INT64_MAX}) to numbers",
             "allowed_token_ids": f"allowed_token_ids must be a non-empty list of token ids between 0 and {INT64_MAX}",
         }[param]
 

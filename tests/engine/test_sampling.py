@@ -174,6 +174,16 @@ def test_logit_bias_moves_the_greedy_token_and_the_draws() -> None:
     assert _draws(SamplingParams(temperature=1.0, logit_bias={5: 100})) == {5}  # from probability 0
 
 
+def test_logit_bias_beyond_100_is_clamped_as_vllm_does() -> None:
+    """vLLM's server clamps each bias into [-100, 100] (OpenAI's range): a client that bans a token with -1e9 or
+    forces one with 1000 gets what -100 and 100 do, not a 400; a bias that is no finite number stays an error."""
+    params = SamplingParams(temperature=0, logit_bias={5: 1000, 0: -1e9, 1: 2.5})
+    assert params.logit_bias == {5: 100.0, 0: -100.0, 1: 2.5}
+    assert _draws(params) == {5}
+    with pytest.raises(InvalidParameterError):
+        SamplingParams(logit_bias={1: math.inf})
+
+
 def test_allowed_token_ids_restrict_sampling_and_logprobs() -> None:
     assert _draws(SamplingParams(temperature=0, allowed_token_ids=[2, 3])) == {2}
     assert _draws(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3, 6])) == {1, 3}
@@ -242,7 +252,7 @@ def test_invalid_values_name_the_parameter(field: str, value: float) -> None:
      ("max_tokens", True), ("n", True), ("n", 2.0), ("min_tokens", 1.5), ("logprobs", True), ("seed", 2**64),
      ("seed", INT64_MAX), ("seed", -(2**63) - 1), ("seed", 1.5), ("stop_token_ids", [2**64]),
      ("stop_token_ids", [True]), ("temperature", "1"), ("temperature", True), ("top_p", None),
-     ("repetition_penalty", 1e-320), ("stop", ["ok", 3]), ("logit_bias", {1: 100.5}), ("logit_bias", {-1: 1.0}),
+     ("repetition_penalty", 1e-320), ("stop", ["ok", 3]), ("logit_bias", {-1: 1.0}),
      ("logit_bias", {"1": 1.0}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: True}), ("allowed_token_ids", []),
      ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0])],
     ids=lambda value: str(value)[:24],

@@ -136,6 +136,8 @@ def test_logit_bias_and_allowed_token_ids(client: TestClient) -> None:
     forced = ord("q")
     body = complete(client, prompt="Hello", **GREEDY, logit_bias={str(forced): 100})
     assert body["choices"][0]["text"] == "q" * 6
+    body = complete(client, prompt="Hello", **GREEDY, logit_bias={str(forced): 1e9, "120": -1e9})  # clamped (vLLM)
+    assert body["choices"][0]["text"] == "q" * 6
     chat = {"messages": [{"role": "user", "content": "Hi"}], **GREEDY, "stream": True}
     response = client.post("/v1/chat/completions", json={**chat, "logit_bias": {str(forced): 100, "120": -100}})
     assert response.status_code == 200, response.text

@@ -67,7 +67,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "y" * 65}, "prompt"),  # the fixture's max_prompt_tokens is 64
     ({}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"one": 2}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
