@@ -167,6 +167,7 @@ class Generation(ABC):
         self.prompt_tokens: dict[str, int] = {}
         self.cached_tokens: dict[str, int] = {}
         self.completion_tokens: dict[tuple[str, int], int] = {}
+        self.ended: set[int] = set()  # the choices whose finish_reason was streamed
         # Every chunk's body without its end: '{"id": ..., "model": ..., "choices": []}' less the final '[]}'.
         self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
 
@@ -261,7 +262,7 @@ class Generation(ABC):
             async for out in self.submission.outputs():
                 if out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
-                choices = [c for sample in out.outputs if (c := self.stream_choice(out, sample)) is not None]
+                choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]
                 if choices:
                     pending.append(self.chunk(choices))
                 if closing := self.closing_choices():
@@ -286,6 +287,16 @@ class Generation(ABC):
         choices = [self.final_choice(out, sample) for out in final.values() for sample in out.outputs]
         body = self.body(self.object_name, sorted(choices, key=lambda c: c["index"]))
         return {**body, **self.response_fields(list(final.values())), "usage": self.usage()}
+
+    def next_choice(self, out: RequestOutput, sample: CompletionOutput) -> dict | None:
+        """``stream_choice`` of a sample that has not ended; ``None`` for one whose end was streamed already (a
+        request's outputs carry all its samples, also those that ended steps before its others)."""
+        if sample.finished:
+            index = self.choice_index(out, sample)
+            if index in self.ended:
+                return None
+            self.ended.add(index)
+        return self.stream_choice(out, sample)
 
     def opening_choices(self) -> list[dict]:
         """Choices streamed before any output, one chunk each."""

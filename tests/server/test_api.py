@@ -109,6 +109,27 @@ def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -
     assert texts[0] == complete(client, prompt="Hello", **GREEDY)["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_streamed_choice_ends_once_while_its_siblings_go_on(client: TestClient, path: str, logprobs: bool) -> None:
+    """With ``n > 1`` samples that end at different steps, each choice's ``finish_reason`` comes in one chunk and
+    nothing more of that choice follows it (as in OpenAI's and vLLM's streams)."""
+    completions = path == "/v1/completions"
+    body = {"prompt": "Hello"} if completions else {"messages": [{"role": "user", "content": "Hi"}]}
+    if logprobs:
+        body["logprobs"] = 1 if completions else True
+    body |= {"n": 4, "temperature": 1.0, "seed": 5, "max_tokens": 48, "stop": list("aeiou stnrl"), "stream": True}
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    ends: dict[int, int] = {}  # choice index -> the chunk that ended it
+    for number, chunk in enumerate(c for c in events(response.text) if c != "[DONE]"):
+        for choice in chunk["choices"]:  # type: ignore[index]
+            assert choice["index"] not in ends, f"choice {choice['index']} went on after it ended: {choice}"
+            if choice["finish_reason"] is not None:
+                ends[choice["index"]] = number
+    assert sorted(ends) == [0, 1, 2, 3] and len(set(ends.values())) > 1  # the samples ended at different steps
+
+
 def test_streamed_usage_of_several_prompts_and_samples_equals_the_response_usage(client: TestClient) -> None:
     body = {"prompt": ["Hello", "Hi"], "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 5, "stop": ["e"]}
     expected = complete(client, **body)["usage"]
