@@ -709,8 +709,17 @@ class Outbox:
             self.chunks.extend((struct.pack("!iQ", -1, size), payload))
         elif size > SMALL_FRAME:
             self.chunks.extend((struct.pack("!i", size), payload))
-        else:
+        elif self.chunks:
             self.chunks.append(struct.pack("!i", size) + payload)
+        else:  # the usual case: one write, nothing left
+            frame = struct.pack("!i", size) + payload
+            try:
+                sent = self.socket.send(frame, SEND_FLAGS)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                self.chunks.append(memoryview(frame)[sent:])
+            return sent
         return self.flush()
 
     def flush(self) -> int:
