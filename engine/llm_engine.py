@@ -123,7 +123,8 @@ class LaunchedStep:
 @dataclass
 class EngineLoad:
     """How full the engine is (for load gauges and health); ``prefix_cache`` has one entry per snapshot tier
-    (none when the cache is off)."""
+    (none when the cache is off). ``num_compiling``: the requests whose structured output the server's engine
+    loop compiles before adding them, counted in ``num_waiting`` too (the engine itself has none)."""
 
     num_running: int
     num_waiting: int
@@ -131,6 +132,7 @@ class EngineLoad:
     slots_used: int
     bytes_per_slot: int
     prefix_cache: list[TierUsage] = field(default_factory=list)
+    num_compiling: int = 0
 
 
 class LLMEngine:

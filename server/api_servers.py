@@ -35,7 +35,15 @@ from types import FrameType
 
 from rnnserve.engine.llm_engine import freeze_startup_heap
 from rnnserve.server.config import MULTIPROCESS_DIR_ENV, ServerConfig
-from rnnserve.server.engine_core import EngineFactory, EngineInfo, EngineProcess, ProcessDriver, sigint_ignored
+from rnnserve.server.engine_core import (
+    EngineFactory,
+    EngineInfo,
+    EngineProcess,
+    LoopLimits,
+    ProcessDriver,
+    receive_message,
+    sigint_ignored,
+)
 from rnnserve.server.sessions import prepare_session_folder, session_dir
 
 logger = logging.getLogger("rnnserve")
@@ -100,7 +108,9 @@ class APIServers:
         os.environ[MULTIPROCESS_DIR_ENV] = self.metrics_dir  # read by each server process as it imports
         self.stopping = False
         try:
-            self.engine = EngineProcess(config.engine, factory, log_level, config.api_servers)
+            self.engine = EngineProcess(
+                config.engine, factory, log_level, config.api_servers, LoopLimits.of(config), report_stalls=True
+            )
         except BaseException:
             self._remove_metrics_dir()
             raise
@@ -145,13 +155,24 @@ class APIServers:
 
     def wait(self) -> int:
         """Supervise until every server ended; 0 if they ended because :meth:`stop` asked, else 1 (a server or the
-        engine process died, and the others were stopped). Then wait for the engine process."""
+        engine process died, or the engine found a server stalled, which is killed; the others were stopped).
+        Then wait for the engine process."""
         failed = False
         try:
             running = {server.sentinel: server for server in self.servers}
             engine: int | None = self.engine.process.sentinel
+            stalls = self.engine.stalls
             while running:
-                for sentinel in multiprocessing.connection.wait([*running, *([engine] if engine else [])]):
+                waited = [*running, *([engine] if engine else []), *([stalls] if stalls else [])]
+                for sentinel in multiprocessing.connection.wait(waited):
+                    if sentinel is stalls:
+                        try:
+                            self._kill_stalled(receive_message(stalls))
+                        except (EOFError, OSError):  # the engine process ended
+                            stalls = None
+                        else:
+                            failed = True
+                        continue
                     if sentinel == engine:
                         engine = None
                         self.engine.process.join()
@@ -170,6 +191,15 @@ class APIServers:
         self.engine.join(STOP_TIMEOUT)
         self._remove_metrics_dir()
         return 1 if failed else 0
+
+    def _kill_stalled(self, index: int) -> None:
+        """The engine detached server ``index`` as stalled (its requests are aborted): kill it, since it can
+        neither serve nor drain; its end stops the others, as a crash does."""
+        server = self.servers[index]
+        if server.is_alive() and server.pid is not None:
+            logger.error("%s stalled (the engine got no acknowledgement from it for --api-server-stall-timeout); "
+                         "killing it", server.name)  # fmt: skip
+            os.kill(server.pid, signal.SIGKILL)
 
     def _on_signal(self, signum: int, _: FrameType | None) -> None:
         logger.info("%s: stopping %d API servers", signal.Signals(signum).name, len(self.servers))

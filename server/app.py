@@ -39,7 +39,14 @@ from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig, rnnserve_version
 from rnnserve.server.dashboard import dashboard_router
-from rnnserve.server.engine_core import EngineDriver, EngineFactory, EngineThread, ProcessDriver, ThreadDriver
+from rnnserve.server.engine_core import (
+    EngineDriver,
+    EngineFactory,
+    EngineThread,
+    LoopLimits,
+    ProcessDriver,
+    ThreadDriver,
+)
 from rnnserve.server.errors import APIError, InternalErrors, bad_request
 from rnnserve.server.guard import RequestGuard
 from rnnserve.server.metrics import ServerMetrics
@@ -53,12 +60,15 @@ def engine_driver(
     config: ServerConfig, engine: LLMEngine | None, thread: EngineThread | None, engine_factory: EngineFactory
 ) -> EngineDriver:
     """The driver of ``engine``, or of ``engine_factory(config.engine)`` in a process of its own or on ``thread``."""
+    limits = LoopLimits.of(config)
     if engine is None and thread is None and config.uses_engine_process:
-        return ProcessDriver.spawn(config.engine, engine_factory, logging.getLevelName(config.log_level.upper()))
+        log_level = logging.getLevelName(config.log_level.upper())
+        return ProcessDriver.spawn(config.engine, engine_factory, log_level, limits)
     own_thread = thread is None
     thread = thread or EngineThread()
     try:
-        return ThreadDriver(engine if engine is not None else thread.call(engine_factory, config.engine), thread)
+        built = engine if engine is not None else thread.call(engine_factory, config.engine)
+        return ThreadDriver(built, thread, limits)
     except BaseException:
         if own_thread:
             thread.close()

@@ -129,6 +129,16 @@ class ServerConfig:
         "the port, /metrics answers for all of them, and they share the session folder; more than one needs the "
         "engine in its own process", type=int, metavar="N",
     )
+    api_server_stall_timeout: float = option(
+        30.0, "an HTTP server process that leaves the engine process's outputs unacknowledged, or unread, this "
+        "long (its event loop blocked, the process stopped) is taken for stalled: the engine aborts its requests "
+        "and drops it, and with --api-servers it is killed, which stops the server as when one crashes "
+        "(0: never)", metavar="SECONDS",
+    )
+    max_compiling: int = option(
+        256, "requests whose structured output (JSON schema, regex, grammar) waits to compile, or compiles; "
+        "beyond it such a request gets 429", metavar="N",
+    )
     http: str = option(
         "auto", "HTTP/1.1 implementation: httptools (C parser; about a third less server CPU per streamed token) "
         "or h11 (pure Python); auto: httptools when installed", choices=["auto", "httptools", "h11"],
@@ -144,9 +154,13 @@ class ServerConfig:
             raise ValueError("--http httptools needs the httptools package (pip install httptools)")
         if self.api_servers < 1:
             raise ValueError("--api-servers must be at least 1")
-        for flag, seconds, zero_ok in [("--request-read-timeout", self.request_read_timeout, False),
-                                       ("--keep-alive-timeout", self.keep_alive_timeout, False),
-                                       ("--drain-timeout", self.drain_timeout, True)]:  # fmt: skip
+        if self.max_compiling < 1:
+            raise ValueError(f"--max-compiling must be at least 1, got {self.max_compiling}")
+        timeouts = [("--request-read-timeout", self.request_read_timeout, False),
+                    ("--keep-alive-timeout", self.keep_alive_timeout, False),
+                    ("--drain-timeout", self.drain_timeout, True),
+                    ("--api-server-stall-timeout", self.api_server_stall_timeout, True)]  # fmt: skip
+        for flag, seconds, zero_ok in timeouts:
             if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
                 least = "0 or more" if zero_ok else "above 0"
                 raise ValueError(f"{flag} must be a number of seconds {least}, got {seconds}")

@@ -26,20 +26,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import multiprocessing
 import operator
+import os
 import pickle
 import queue
 import select
 import signal
+import socket
+import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -49,10 +54,14 @@ from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.sequence import SequenceGroup
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from rnnserve.server.config import ServerConfig
 
 logger = logging.getLogger("rnnserve.engine")
 
@@ -66,6 +75,24 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 MAX_UNHANDLED = 2
 # How long an engine loop with nothing to step waits for a compiling grammar before it looks for commands again.
 GRAMMAR_WAIT_SECONDS = 0.005
+DEFAULT_MAX_COMPILING = 256  # adds whose structured output waits to compile, or compiles (--max-compiling)
+DEFAULT_STALL_TIMEOUT = 30.0  # seconds (--api-server-stall-timeout)
+STOPPED_DELIVERY_SECONDS = 5.0  # how long an engine process that ends waits for its servers to read their last bytes
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """The engine loop's own limits, set by ``rnnserve serve``'s flags: ``max_compiling`` adds whose structured
+    output waits to compile (or compiles), beyond which an add is refused (a 429); ``stall_timeout`` the seconds an
+    API server of an engine process may leave the outputs it was sent unacknowledged, or unread, before it is
+    taken for stalled (``None``: never; see :class:`ServerLinks`)."""
+
+    max_compiling: int = DEFAULT_MAX_COMPILING
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> LoopLimits:
+        return cls(config.max_compiling, config.api_server_stall_timeout or None)
 
 
 @dataclass(frozen=True)
@@ -265,7 +292,9 @@ class EngineCore:
     An add with a structured output is answered once its grammar compiled, on a thread of its own (llguidance
     releases the GIL meanwhile): the loop keeps stepping the other requests. Compiled on the loop, a schema of
     8000 objects stalled every stream for 3-4 s. An invalid grammar is the add's error (a 400), as before, and
-    an abort of a request whose grammar still compiles drops its add.
+    an abort of a request whose grammar still compiles drops its add. At most ``max_compiling`` adds wait for
+    their grammars: one more is refused (``QueueFullError``, a 429). The requests that wait for their grammars
+    count as waiting in the load the loop posts (and as ``num_compiling``).
 
     Outputs flow with at most :data:`MAX_UNHANDLED` messages in flight per server (``flow``; by default one
     server, :class:`OutputWindow`): once that many :class:`Stepped` are posted, the loop builds the next one only
@@ -284,6 +313,7 @@ class EngineCore:
         post: Callable[[Event], None],
         build: Callable[[SequenceGroup], RequestOutput] | Callable[[SequenceGroup], OutputRow] = SequenceGroup.output,
         flow: OutputFlow | None = None,
+        max_compiling: int = DEFAULT_MAX_COMPILING,
     ) -> None:
         self.engine = engine
         self.next_command = next_command
@@ -296,6 +326,7 @@ class EngineCore:
         self.steps: list[StepStats] = []  # the stats of the steps not posted yet
         self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="rnnserve-grammar")
         self.compiling: list[CompilingAdd] = []
+        self.max_compiling = max_compiling
 
     def run(self) -> None:
         message = SHUTDOWN_MESSAGE
@@ -322,6 +353,7 @@ class EngineCore:
 
     def _run_commands(self, block: bool) -> bool:
         """Execute the queued commands, first waiting for one if ``block``; False once told to stop."""
+        queued_compiles = False
         while (command := self.next_command(block)) is not None:
             block = False
             if isinstance(command, StopCommand):
@@ -332,18 +364,35 @@ class EngineCore:
                 if command.params.structured_outputs is None:
                     self._add(command)
                 else:
-                    self._compile(command)
+                    queued_compiles |= self._compile(command)
             else:
                 self._drop_compiling(command.request_ids)
                 finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
-                self.post(Aborted(finals, self.engine.load()))
+                self.post(Aborted(finals, self._load()))
+        if queued_compiles:  # the gauges count them as waiting now, not once their grammars compiled
+            self.post(LoadChanged(self._load()))
         return True
 
-    def _compile(self, command: AddCommand) -> None:
+    def _compile(self, command: AddCommand) -> bool:
         """Compile the add's structured output on the grammar thread (one at a time); it is added once that is
-        done (:meth:`_add_compiled`)."""
+        done (:meth:`_add_compiled`). Refused (``QueueFullError``) while ``max_compiling`` adds wait for theirs;
+        whether it was queued."""
+        if len(self.compiling) >= self.max_compiling:
+            waiting = len(self.compiling)
+            error = QueueFullError(f"{waiting} structured outputs wait to compile (--max-compiling {waiting})")
+            self.post(Added(command.add_id, command.request_ids, error, self._load()))
+            return False
         grammar = self.grammar_thread.submit(self.engine.grammars.compile, command.params.structured_outputs)
         self.compiling.append(CompilingAdd(command, grammar))
+        return True
+
+    def _load(self) -> EngineLoad:
+        """The engine's load, with the requests whose grammars compile counted as waiting."""
+        load = self.engine.load()
+        if not self.compiling:
+            return load
+        compiling = sum(len(c.command.request_ids) for c in self.compiling)
+        return dataclasses.replace(load, num_waiting=load.num_waiting + compiling, num_compiling=compiling)
 
     def _add_compiled(self) -> None:
         """Answer the adds whose grammars are compiled: add their requests, or report why the grammar failed."""
@@ -353,7 +402,7 @@ class EngineCore:
             try:
                 grammar = ready.grammar.result()
             except Exception as err:  # noqa: BLE001 - the add's error, e.g. an invalid schema (a 400)
-                self.post(Added(command.add_id, command.request_ids, err, self.engine.load()))
+                self.post(Added(command.add_id, command.request_ids, err, self._load()))
             else:
                 self._add(command, grammar)
 
@@ -365,7 +414,7 @@ class EngineCore:
             self.compiling.remove(dropped)
             dropped.grammar.cancel()
             error = RuntimeError("aborted while its structured output compiled")
-            self.post(Added(dropped.command.add_id, dropped.command.request_ids, error, self.engine.load()))
+            self.post(Added(dropped.command.add_id, dropped.command.request_ids, error, self._load()))
 
     def _add(self, command: AddCommand, grammar: CompiledGrammar | None = None) -> None:
         """Add the command's requests, all or none (``grammar``: their structured output, compiled)."""
@@ -387,7 +436,7 @@ class EngineCore:
             error = err
             for request_id in added:
                 self.engine.abort_request(request_id)
-        self.post(Added(command.add_id, command.request_ids, error, self.engine.load()))
+        self.post(Added(command.add_id, command.request_ids, error, self._load()))
 
     def _step(self) -> bool:
         """One engine step, its outputs posted now or (while their server holds :data:`MAX_UNHANDLED` unhandled)
@@ -418,7 +467,7 @@ class EngineCore:
 
     def _post_outputs(self, outputs: list[RequestOutput] | list[OutputRow]) -> None:
         steps, self.steps = self.steps, []
-        self.post(Stepped(outputs, steps, self.engine.load()))
+        self.post(Stepped(outputs, steps, self._load()))
 
 
 class EngineThread:
@@ -498,10 +547,11 @@ def acknowledging(handle: EventHandler, send: Callable[[Command], None]) -> Even
 class ThreadDriver:
     """Runs the engine loop on an :class:`EngineThread` of this process; ``engine`` is the live engine."""
 
-    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None) -> None:
+    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None, limits: LoopLimits | None = None) -> None:
         self.engine = engine
         self.info = EngineInfo.of(engine)
         self.thread = thread or EngineThread()
+        self.limits = limits or LoopLimits()
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._done: Future[None] | None = None
 
@@ -510,7 +560,8 @@ class ThreadDriver:
         return self._done is not None and not self._done.done()
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
-        core = EngineCore(self.engine, self._next_command, post_to(loop, acknowledging(handle, self.send)))
+        post = post_to(loop, acknowledging(handle, self.send))
+        core = EngineCore(self.engine, self._next_command, post, max_compiling=self.limits.max_compiling)
         self._done = self.thread.submit(core.run)
 
     def _next_command(self, block: bool) -> Command | None:
@@ -627,6 +678,72 @@ class EncodedStep:
     load: EngineLoad
 
 
+# Connection.send_bytes' framing, which the server's recv_bytes reads: a 4-byte length (or -1, then 8 bytes)
+SMALL_FRAME = 16384  # up to this size a message's header and bytes go out as one write, as send_bytes does
+SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+class Outbox:
+    """What the engine process sends one API server, written without ever blocking the engine loop: the bytes its
+    pipe cannot take now wait here, in order, and go out as the server reads (:meth:`flush`). A server stopped
+    halfway through reading a large message, or not reading at all, so holds back its own messages, never the
+    loop (a blocking ``send_bytes`` stopped every server's streams). Messages are framed as
+    ``Connection.send_bytes`` frames them; the server reads them with ``recv_bytes``."""
+
+    def __init__(self, conn: Connection) -> None:
+        # A second handle on the pipe's socket: the loop writes through it with MSG_DONTWAIT, a flag of each
+        # write, while the connection itself stays blocking for the loop's reads.
+        self.socket = socket.socket(fileno=os.dup(conn.fileno()))
+        self.socket.settimeout(None)
+        self.chunks: deque[bytes | memoryview] = deque()
+
+    @property
+    def pending(self) -> bool:
+        """Whether bytes wait for the server to read what was written before them."""
+        return bool(self.chunks)
+
+    def put(self, payload: bytes) -> int:
+        """Queue one message and write what the pipe takes now (see :meth:`flush`)."""
+        size = len(payload)
+        if size > 0x7FFFFFFF:
+            self.chunks.extend((struct.pack("!iQ", -1, size), payload))
+        elif size > SMALL_FRAME:
+            self.chunks.extend((struct.pack("!i", size), payload))
+        elif self.chunks:
+            self.chunks.append(struct.pack("!i", size) + payload)
+        else:  # the usual case: one write, nothing left
+            frame = struct.pack("!i", size) + payload
+            try:
+                sent = self.socket.send(frame, SEND_FLAGS)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                self.chunks.append(memoryview(frame)[sent:])
+            return sent
+        return self.flush()
+
+    def flush(self) -> int:
+        """Write what the pipe takes now, without waiting; the bytes written. Raises OSError once the server's end
+        is closed."""
+        written = 0
+        chunks = self.chunks
+        while chunks:
+            try:
+                sent = self.socket.send(chunks[0], SEND_FLAGS)
+            except BlockingIOError:
+                break
+            written += sent
+            if sent < len(chunks[0]):
+                chunks[0] = memoryview(chunks[0])[sent:]
+                break
+            chunks.popleft()
+        return written
+
+    def close(self) -> None:
+        self.chunks.clear()
+        self.socket.close()
+
+
 class ServerLinks:
     """The engine process's ends of the pipes of its API servers (one, or ``--api-servers`` of them): commands in
     from all of them, each event out to the server it concerns.
@@ -646,12 +763,24 @@ class ServerLinks:
     :class:`LoadChanged`, for its next :class:`HandledCommand`. A server that stops (or whose pipe closes) is
     answered :class:`Stopped` and its requests are aborted; the loop stops once no server is left.
 
-    Each event crosses as one message, sent before ``post`` returns (a :class:`Stepped` as an
-    :class:`EncodedStep`, an error as one the server can unpickle). A pipe that fails on send is a server gone;
-    an event that cannot be encoded raises, so the loop stops and says so instead of leaving the servers
-    waiting."""
+    No write waits for a server (:class:`Outbox`): what its pipe cannot take waits, and goes out as it reads.
+    A server that owes the engine something (a :class:`HandledCommand`, or the reading of what waits for it)
+    and makes no progress for ``stall_timeout`` seconds is taken for stalled: it is told why (as far as its pipe
+    takes it), its requests are aborted, freeing their slots, its pipe is closed and ``on_stalled(index)`` runs
+    (an engine process tells its supervisor, which kills that server: :mod:`rnnserve.server.api_servers`). An
+    idle server owes nothing, and is not watched.
 
-    def __init__(self, conns: list[Connection]) -> None:
+    Each event is encoded before ``post`` returns (a :class:`Stepped` as an :class:`EncodedStep`, an error as one
+    the server can unpickle): an event that cannot be encoded raises, so the loop stops and says so instead of
+    leaving the servers waiting. A pipe that fails on write is a server gone."""
+
+    def __init__(
+        self,
+        conns: list[Connection],
+        stall_timeout: float | None = None,
+        on_stalled: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.conns = conns
         self.live: list[int] = list(range(len(conns)))
         self.encoder = OutputEncoder()
@@ -661,11 +790,17 @@ class ServerLinks:
         self.load_owed: set[int] = set()  # servers whose LoadChanged waits for room in their window
         self.load: EngineLoad | None = None  # the latest the loop posted
         self.current: tuple[int, Command] | None = None  # the command the loop runs, and whose it is
+        self.outboxes = {index: Outbox(conn) for index, conn in enumerate(conns)}
+        self.stall_timeout = stall_timeout
+        self.on_stalled = on_stalled
+        self.clock = clock
+        self.silent_since: dict[int, float] = {}  # servers that owe something: since when they made no progress
         self.poller = select.poll()  # kept, not rebuilt per look as multiprocessing.connection.wait does (~7 us)
+        self.watched: dict[int, int] = {}  # server -> the poll events watched on its pipe
         self.server_of_fd: dict[int, int] = {}
         for index, conn in enumerate(conns):
-            self.poller.register(conn.fileno(), select.POLLIN)
             self.server_of_fd[conn.fileno()] = index
+            self._watch(index, select.POLLIN)
 
     def next_command(self, block: bool) -> Command | None:
         """The next command for the loop from any server (``None``: none queued and not ``block``)."""
@@ -673,11 +808,11 @@ class ServerLinks:
             if not self.received:
                 if not self.live:
                     return StopCommand()
-                ready = self.poller.poll(None if block else 0)
-                if not ready:
+                for fd, events in self.poller.poll(self._poll_timeout(block)):
+                    self._on_ready(self.server_of_fd[fd], events)
+                self._detach_stalled()
+                if not self.received and not block:
                     return None
-                for fd, _ in ready:
-                    self._receive(self.server_of_fd[fd])
                 continue
             index, command = self.current = self.received.popleft()
             if index < 0:  # ours: a handled Stepped, or the aborts of a server gone
@@ -692,6 +827,24 @@ class ServerLinks:
                     self.owners.update(dict.fromkeys(command.request_ids, index))
                 return command
 
+    def _poll_timeout(self, block: bool) -> int | None:
+        """Milliseconds to wait for a pipe: none unless ``block``, and then until the next server may be stalled."""
+        if not block:
+            return 0
+        if self.stall_timeout is None or not self.silent_since:
+            return None
+        wait = min(self.silent_since.values()) + self.stall_timeout - self.clock()
+        return max(0, math.ceil(wait * 1000))
+
+    def _on_ready(self, index: int, events: int) -> None:
+        if events & select.POLLOUT:
+            self._flush(index)
+        if index in self.live:
+            if events & ~select.POLLOUT:  # a command, or its end of file
+                self._receive(index)
+        elif events & (select.POLLHUP | select.POLLERR):  # a server that left, gone before it read its last bytes
+            self._close(index)
+
     def _receive(self, index: int) -> None:
         try:
             batch = receive_message(self.conns[index])
@@ -699,18 +852,116 @@ class ServerLinks:
             self._detach(index)
             return
         self.received.extend((index, command) for command in batch)
+        if index in self.silent_since and any(type(command) is HandledCommand for command in batch):
+            self.silent_since[index] = self.clock()  # progress, counted as it arrives (the loop may run it later)
+
+    def _send(self, index: int, message: object) -> None:
+        outbox = self.outboxes.get(index)
+        if outbox is None:  # closed
+            return
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # raises for what cannot cross
+        was_pending = outbox.pending
+        try:
+            outbox.put(payload)
+        except OSError:  # the server is gone; its pipe's end of file detaches it
+            outbox.chunks.clear()
+            return
+        if outbox.pending and not was_pending:
+            self._watch(index, self.watched[index] | select.POLLOUT)
+            if index in self.live and index not in self.silent_since:
+                self.silent_since[index] = self.clock()
+
+    def _flush(self, index: int) -> None:
+        """Write what waits for server ``index`` as far as its pipe takes it."""
+        outbox = self.outboxes[index]
+        try:
+            written = outbox.flush()
+        except OSError:  # gone: a live server's end of file detaches it
+            outbox.chunks.clear()
+            written = 0
+        if outbox.pending:
+            if written and index in self.silent_since:
+                self.silent_since[index] = self.clock()
+        elif index in self.live:
+            self._watch(index, select.POLLIN)
+            if not self.unhandled[index]:
+                self.silent_since.pop(index, None)
+            elif written:
+                self.silent_since[index] = self.clock()
+        else:  # a server that left has its last bytes
+            self._watch(index, 0)
+
+    def _watch(self, index: int, events: int) -> None:
+        """Poll server ``index``'s pipe for ``events`` (0: not at all)."""
+        fd = self.conns[index].fileno()
+        if not events:
+            if self.watched.pop(index, None) is not None:
+                self.poller.unregister(fd)
+        elif index in self.watched:
+            self.poller.modify(fd, events)
+            self.watched[index] = events
+        else:
+            self.poller.register(fd, events)
+            self.watched[index] = events
 
     def _detach(self, index: int) -> None:
-        """Server ``index`` is gone: abort its requests and stop waiting for it."""
+        """Server ``index`` is gone: abort its requests and stop waiting for it (what is still on its way to it,
+        such as the :class:`Stopped` that answers its stop, goes on as it reads)."""
         if index not in self.live:
             return
         self.live.remove(index)
         del self.unhandled[index]
         self.load_owed.discard(index)
-        self.poller.unregister(self.conns[index].fileno())
+        self.silent_since.pop(index, None)
+        self._watch(index, select.POLLOUT if self.outboxes[index].pending else 0)
         orphans = [request_id for request_id, owner in self.owners.items() if owner == index]
         if orphans:
             self.received.append((-1, AbortCommand(orphans)))
+
+    def _detach_stalled(self) -> None:
+        """Detach the servers that owe something and made no progress for ``stall_timeout`` seconds; each is
+        first read from and written to once more (a step longer than that kept the loop from looking)."""
+        if self.stall_timeout is None or not self.silent_since:
+            return
+        now = self.clock()
+        for index, since in list(self.silent_since.items()):
+            if now - since < self.stall_timeout or index not in self.live:
+                continue
+            self._flush(index)
+            while index in self.live and self.conns[index].poll(0):
+                self._receive(index)
+            since = self.silent_since.get(index, now)
+            if index in self.live and now - since >= self.stall_timeout:
+                self._detach_stalled_server(index, now - since)
+
+    def _detach_stalled_server(self, index: int, seconds: float) -> None:
+        requests = sum(1 for owner in self.owners.values() if owner == index)
+        logger.error(
+            "API server %d took none of its outputs for %.1f s (--api-server-stall-timeout %g): detached as stalled, "
+            "its %d requests aborted", index, seconds, self.stall_timeout, requests,
+        )  # fmt: skip
+        why = f"the engine detached this API server: it took none of its outputs for {seconds:.1f} s (stalled)"
+        self._send(index, Stopped(why))  # as far as its pipe takes it now
+        self._detach(index)
+        self._close(index)
+        if self.on_stalled is not None:
+            self.on_stalled(index)
+
+    def _close(self, index: int) -> None:
+        """Close the engine's end of server ``index``'s pipe, dropping what it did not read."""
+        self._watch(index, 0)
+        outbox = self.outboxes.pop(index, None)
+        if outbox is not None:
+            outbox.close()
+        self.conns[index].close()
+
+    def flush_all(self, timeout: float) -> None:
+        """Once the loop ended: wait (at most ``timeout`` seconds) for the servers that left to read their last
+        bytes (each its :class:`Stopped`)."""
+        deadline = self.clock() + timeout
+        while self.watched and (remaining := deadline - self.clock()) > 0:
+            for fd, events in self.poller.poll(math.ceil(remaining * 1000)):
+                self._on_ready(self.server_of_fd[fd], events)
 
     def has_room(self) -> bool:
         return any(count < MAX_UNHANDLED for count in self.unhandled.values())
@@ -727,12 +978,14 @@ class ServerLinks:
         assert self.current is not None and self.current[1] is command
         index = self.current[0]
         self.unhandled[index] -= 1
+        if not self.unhandled[index] and not self.outboxes[index].pending:
+            self.silent_since.pop(index, None)
         if index in self.load_owed:
             self.load_owed.discard(index)
             self._send(index, LoadChanged(self.load))  # type: ignore[arg-type]  # owed: a load was posted
 
     def post(self, event: Event) -> None:
-        if isinstance(event, Added | Aborted | Stepped):
+        if isinstance(event, Added | Aborted | Stepped | LoadChanged):
             self.load = event.load
         if isinstance(event, Stepped):  # its outputs are rows already (run_engine_process)
             self._post_step(event)
@@ -740,6 +993,10 @@ class ServerLinks:
         if isinstance(event, StepFailed | Stopped):
             for index in list(self.live):
                 self._send(index, event)
+            return
+        if isinstance(event, LoadChanged):  # grammars queued to compile: every server's gauges count them
+            for index in self.live:
+                self._send_load(index, event)
             return
         if isinstance(event, Added):  # to the server that added them: the loop may be running another's command
             index = self.owners.get(event.request_ids[0], -1)  # (an add whose grammar compiled meanwhile)
@@ -756,12 +1013,16 @@ class ServerLinks:
         if index in self.live:
             self._send(index, event)
         for other in self.live:  # without it, a server kept the load of its last step: a cancelled stream on
-            if other == index:  # another server left it showing a running request on an idle engine
-                continue
-            if self.unhandled[other] < MAX_UNHANDLED:
-                self._send(other, LoadChanged(event.load))
-            else:  # one per add would fill the pipe of a server that stalls, and the engine would wait on it
-                self.load_owed.add(other)
+            if other != index:  # another server left it showing a running request on an idle engine
+                self._send_load(other, LoadChanged(event.load))
+
+    def _send_load(self, index: int, event: LoadChanged) -> None:
+        """Send server ``index`` the load, or owe it until it handles a :class:`Stepped` when its window is full or
+        its pipe backed up: one per add would fill the pipe of a server that stalls."""
+        if self.unhandled[index] < MAX_UNHANDLED and not self.outboxes[index].pending:
+            self._send(index, event)
+        else:
+            self.load_owed.add(index)
 
     def _post_step(self, event: Stepped) -> None:
         rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}
@@ -778,13 +1039,9 @@ class ServerLinks:
         receivers = [index for index in self.live if self.unhandled[index] < MAX_UNHANDLED or rows[index]]
         for position, index in enumerate(receivers or self.live[:1]):
             self.unhandled[index] += 1
+            if index not in self.silent_since:
+                self.silent_since[index] = self.clock()
             self._send(index, EncodedStep(rows[index], event.steps if position == 0 else [], event.load))
-
-    def _send(self, index: int, message: object) -> None:
-        try:
-            send_message(self.conns[index], message)
-        except OSError:  # the server is gone; its pipe's end of file detaches it
-            pass
 
 
 class CommandSender:
@@ -839,10 +1096,17 @@ def sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_engine_process(conns: list[Connection], config: EngineConfig, factory: EngineFactory, log_level: int) -> None:
+def run_engine_process(
+    conns: list[Connection],
+    config: EngineConfig,
+    factory: EngineFactory,
+    log_level: int,
+    limits: LoopLimits,
+    stalls: Connection | None = None,
+) -> None:
     """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`) to
     each server, then run the engine loop on the commands that arrive (:class:`ServerLinks`), until every server
-    has stopped or gone."""
+    has stopped or gone. The index of each server detached as stalled is sent on ``stalls``, when given."""
     # Ctrl-C, or a SIGTERM to the whole group (systemd's KillMode=control-group), reaches this process too: the
     # servers drain, and this process ends when they have stopped (a SIGTERM failed every in-flight request at once)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -859,14 +1123,24 @@ def run_engine_process(conns: list[Connection], config: EngineConfig, factory: E
         send_message(conn, info)
     freeze_startup_heap()
     retain_freed_memory()
-    links = ServerLinks(conns)
-    EngineCore(engine, links.next_command, links.post, links.encoder.row, links).run()
+
+    def report_stall(index: int) -> None:
+        if stalls is not None:
+            try:
+                send_message(stalls, index)
+            except OSError:  # the supervisor is gone
+                pass
+
+    links = ServerLinks(conns, limits.stall_timeout, report_stall)
+    EngineCore(engine, links.next_command, links.post, links.encoder.row, links, limits.max_compiling).run()
+    links.flush_all(STOPPED_DELIVERY_SECONDS)
 
 
 class EngineProcess:
     """The engine in a process of its own (spawned, so it may use CUDA), built by ``factory(config)``, with one
-    pipe per API server (``connections``). Construction blocks until the engine is loaded and raises what
-    loading raised (e.g. ``ModelLoadError``)."""
+    pipe per API server (``connections``) and the loop's ``limits``. With ``report_stalls``, :attr:`stalls` is a
+    pipe on which the engine sends the index of each server it detached as stalled. Construction blocks until the
+    engine is loaded and raises what loading raised (e.g. ``ModelLoadError``)."""
 
     def __init__(
         self,
@@ -874,13 +1148,20 @@ class EngineProcess:
         factory: EngineFactory | None = None,
         log_level: int = logging.INFO,
         num_servers: int = 1,
+        limits: LoopLimits | None = None,
+        report_stalls: bool = False,
     ) -> None:
         context = multiprocessing.get_context("spawn")
         pipes = [context.Pipe() for _ in range(num_servers)]
         self.connections = [server_end for server_end, _ in pipes]
+        self.stalls: Connection | None = None
+        stalls_end: Connection | None = None
+        if report_stalls:
+            self.stalls, stalls_end = context.Pipe(duplex=False)
         self.process = context.Process(
             target=run_engine_process,
-            args=([engine_end for _, engine_end in pipes], config, factory or LLMEngine.from_config, log_level),
+            args=([engine_end for _, engine_end in pipes], config, factory or LLMEngine.from_config, log_level,
+                  limits or LoopLimits(), stalls_end),  # fmt: skip
             name="rnnserve-engine",
             daemon=True,
         )
@@ -888,6 +1169,8 @@ class EngineProcess:
             self.process.start()
         for _, engine_end in pipes:
             engine_end.close()
+        if stalls_end is not None:
+            stalls_end.close()
         try:
             answers = [receive_message(conn) for conn in self.connections]
         except EOFError as err:  # a load failure, told in one line as any other (it was a raw traceback)
@@ -933,10 +1216,14 @@ class ProcessDriver:
 
     @classmethod
     def spawn(
-        cls, config: EngineConfig, factory: EngineFactory | None = None, log_level: int = logging.INFO
+        cls,
+        config: EngineConfig,
+        factory: EngineFactory | None = None,
+        log_level: int = logging.INFO,
+        limits: LoopLimits | None = None,
     ) -> ProcessDriver:
         """A driver owning a new engine process that serves it alone."""
-        process = EngineProcess(config, factory, log_level)
+        process = EngineProcess(config, factory, log_level, limits=limits)
         return cls(process.connections[0], process.info, process)
 
     @property

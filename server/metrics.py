@@ -198,7 +198,8 @@ DEPRECATED_STATE_SLOTS = "rnnserve_state_slots_total"
 
 LOAD_GAUGES = (
     ("rnnserve_num_requests_running", "Sequences holding a state slot (prefilling or decoding)."),
-    ("rnnserve_num_requests_waiting", "Requests queued for a free slot."),
+    ("rnnserve_num_requests_waiting", "Requests queued for a free slot, or for their structured output to compile."),
+    ("rnnserve_num_requests_compiling", "Waiting requests whose structured output compiles first."),
     ("rnnserve_state_slots_used", "State slots in use."),
     ("rnnserve_state_usage_perc", "Fraction of the state pool in use, 0 to 1 (vLLM's kv_cache_usage_perc)."),
     ("rnnserve_state_memory_used_bytes", "Bytes of state held by running sequences."),
@@ -228,7 +229,8 @@ class LoadGauges:
     def collect(self) -> Iterator[Metric]:
         load = self.load
         usage = load.slots_used / load.num_slots if load.num_slots else 0.0
-        values = (load.num_running, load.num_waiting, load.slots_used, usage, load.slots_used * load.bytes_per_slot)
+        values = (load.num_running, load.num_waiting, load.num_compiling, load.slots_used, usage,
+                  load.slots_used * load.bytes_per_slot)  # fmt: skip
         for (name, doc), value in zip(LOAD_GAUGES, values, strict=True):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -364,7 +366,9 @@ class ServerMetrics:
         """The engine died: the ``num_failed`` requests in flight failed with it (their clients got an error), and
         nothing runs, waits or holds a slot any more (the gauges kept the load before the death)."""
         self.request_success("error").inc(num_failed)
-        self._load.load = replace(self._load.load, num_running=0, num_waiting=0, slots_used=0, prefix_cache=[])
+        self._load.load = replace(
+            self._load.load, num_running=0, num_waiting=0, num_compiling=0, slots_used=0, prefix_cache=[]
+        )
 
     def observe_admitted(self, params: SamplingParams) -> None:
         """One engine request was queued with ``params``."""

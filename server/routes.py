@@ -47,6 +47,7 @@ from rnnserve.server.streaming import (
     CompletionStream,
     EventStreamResponse,
     Generation,
+    unless_disconnected,
     until_disconnect,
 )
 
@@ -173,7 +174,11 @@ class OpenAIServing:
             # 128 random bits, not uuid4: its os.urandom call releases the GIL, and with the engine in a thread
             # each request then waited for the engine to hand the GIL back.
             response_id = f"{generation.id_prefix}-{random.getrandbits(128):032x}"
-            submission = await self.submit(response_id, prompts, params, turn, req.in_request_terms)
+            submitting = self.submit(response_id, prompts, params, turn, req.in_request_terms)
+            if params.structured_outputs is None:  # answered at once; a grammar may wait to compile
+                submission = await submitting
+            else:
+                submission = await unless_disconnected(request.receive, submitting)
         except BaseException:
             if turn is not None:
                 turn.release()

@@ -16,8 +16,8 @@ import logging
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response
@@ -123,15 +123,45 @@ class EventStreamResponse(Response):
             await self.events.aclose()
 
 
-async def fail_on_disconnect(receive: Receive, submission: Submission) -> None:
-    """Wait for the client's disconnect, then fail ``submission`` with a 499 (its outputs end with it at once).
-    A ``receive`` that raises means the connection is gone all the same."""
+T = TypeVar("T")
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client disconnected (a ``receive`` that raises means the connection is gone all the same)."""
     try:
         while (await receive())["type"] != "http.disconnect":
             pass
     except Exception:  # noqa: BLE001 - whatever broke the connection, the client cannot read the answer
         logger.debug("receive failed while waiting for a disconnect", exc_info=True)
-    submission.fail(APIError(499, "client disconnected", code="client_disconnected"))
+
+
+def client_disconnected() -> APIError:
+    return APIError(499, "client disconnected", code="client_disconnected")
+
+
+async def fail_on_disconnect(receive: Receive, submission: Submission) -> None:
+    """Wait for the client's disconnect, then fail ``submission`` with a 499 (its outputs end with it at once)."""
+    await wait_for_disconnect(receive)
+    submission.fail(client_disconnected())
+
+
+async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """What ``work`` returns, or a 499 once the client disconnects first, ``work`` then cancelled: a request whose
+    structured output waits to compile (seconds, behind others) gives its place up at once, instead of being
+    compiled and run for nobody."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once it is done; else this coroutine was cancelled, and the work goes with it
+    if task.cancelled():
+        raise client_disconnected()
+    return task.result()
 
 
 async def until_disconnect(request: Request, work: Awaitable[dict], submission: Submission) -> dict:

@@ -353,3 +353,49 @@ def test_a_single_server_keeps_its_metrics_out_of_an_inherited_multiprocess_fold
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         assert metric(httpx.get(f"{server.url}/metrics").text, "rnnserve_request_success_total") == 1
     assert not list(folder.iterdir())
+
+
+def test_an_api_server_stalled_for_the_stall_timeout_is_killed_and_the_server_stops() -> None:
+    """An API server stopped for good (SIGSTOP) kept its requests running to max_tokens and its connections
+    hanging, and nothing said so: the engine detaches it after --api-server-stall-timeout, aborting its requests,
+    and the supervisor kills it, which stops the others (drained) and the server with 1, as a crash does."""
+    flags = ("--model", TINY, "--api-servers", "2", "--max-num-seqs", "16", "--no-sessions",
+             "--api-server-stall-timeout", "1", "--drain-timeout", "1")  # fmt: skip
+    with running_server(*flags) as server:
+        stalled = wait_for_servers(server, 2)[0]
+        try:
+            asyncio.run(stall_while_streaming(server.url, 16, stalled))
+            assert server.proc.wait(timeout=60) == 1, server.output
+        finally:
+            if Path(f"/proc/{stalled}").exists():
+                os.kill(stalled, signal.SIGKILL)
+    assert re.search(r"API server \d took none of its outputs for [\d.]+ s .*detached as stalled", server.output)
+    assert re.search(r"rnnserve-api-\d stalled .*; killing it", server.output), server.output
+    assert re.search(r"rnnserve-api-\d exited \(exit code -9\); stopping", server.output), server.output
+
+
+async def stall_while_streaming(url: str, count: int, pid: int) -> None:
+    """``count`` long streams, each on a connection of its own (spread over the servers by the kernel: with 16,
+    each server has some); once each has a token, process ``pid`` stops, and the streams run until the server
+    ends them."""
+    body = {"prompt": "hello", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    started = [False] * count
+
+    async def stream(index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    started[index] |= line.startswith("data: {")
+
+    streams = [asyncio.create_task(stream(index)) for index in range(count)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(started):
+            assert time.monotonic() < deadline and not any(task.done() for task in streams), started
+            await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.wait(streams, timeout=60)  # the other server's end with its drain
+    finally:
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)

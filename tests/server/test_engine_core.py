@@ -12,8 +12,10 @@ import pytest
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams, StructuredOutputParams
+from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.engine_core import (
+    DEFAULT_MAX_COMPILING,
     MAX_UNHANDLED,
     AbortCommand,
     AddCommand,
@@ -22,6 +24,7 @@ from rnnserve.server.engine_core import (
     EngineCore,
     Event,
     HandledCommand,
+    LoadChanged,
     StepFailed,
     Stepped,
     StopCommand,
@@ -127,10 +130,10 @@ class CoreThread:
     """An engine loop on a thread of its own, fed through a queue as the server feeds it; it records its events
     and acknowledges each :class:`Stepped` at once (a server that keeps up)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_compiling: int = DEFAULT_MAX_COMPILING) -> None:
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.events: list[Event] = []
-        self.core = EngineCore(engine, self.next_command, self.post)
+        self.core = EngineCore(engine, self.next_command, self.post, max_compiling=max_compiling)
         self.thread = threading.Thread(target=self.core.run, daemon=True)
         self.thread.start()
 
@@ -206,3 +209,50 @@ def known(engine: LLMEngine, request_id: str) -> bool:
     """Whether the engine holds the request (waiting or running)."""
     scheduler = engine.scheduler
     return request_id in scheduler.running or any(g.request_id == request_id for g in scheduler.waiting)
+
+
+def test_the_grammar_queue_is_bounded_counted_as_waiting_and_freed_by_an_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adds queued for the grammar thread without bound, and their requests were neither waiting nor running in
+    the load the gauges show. Beyond ``max_compiling`` an add is refused (a 429, as a full waiting queue); those
+    queued count as waiting, and as compiling; an abort of one gives its place, and its count, back at once."""
+    engine = make_engine()
+    may_finish = threading.Semaphore(0)
+    real_compile = engine.grammars.compile
+
+    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
+        assert may_finish.acquire(timeout=30)
+        return real_compile(constraint)
+
+    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    core = CoreThread(engine, max_compiling=2)
+    choice = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputParams(choice=["yes", "no"]))
+    core.commands.put(AddCommand(1, ["a-0", "a-1"], ["x", "y"], choice, 0.0))  # one compile for both prompts
+    core.commands.put(AddCommand(2, ["b"], ["x"], choice, 0.0))
+    core.commands.put(AddCommand(3, ["refused"], ["x"], choice, 0.0))
+    core.wait_for(lambda: core.added(3) is not None)
+    assert isinstance(core.added(3).error, QueueFullError)  # type: ignore[union-attr]
+    assert "--max-compiling" in str(core.added(3).error)  # type: ignore[union-attr]
+    core.wait_for(lambda: latest_load(core).num_compiling == 3)
+    assert latest_load(core).num_waiting == 3 and not known(engine, "a-0")
+
+    core.commands.put(AbortCommand(["b"]))  # waiting to compile: dropped, its place and count given back
+    core.wait_for(lambda: core.added(2) is not None)
+    assert core.added(2).error is not None and core.added(2).load.num_compiling == 2  # type: ignore[union-attr]
+    core.commands.put(AddCommand(4, ["c"], ["x"], choice, 0.0))  # takes the place "b" gave back
+    core.wait_for(lambda: latest_load(core).num_compiling == 3)
+    core.commands.put(AbortCommand(["a-0", "a-1"]))  # compiling now: its result will be dropped
+    core.wait_for(lambda: core.added(1) is not None)
+    assert core.added(1).error is not None and core.added(1).load.num_compiling == 1  # type: ignore[union-attr]
+    may_finish.release()  # a's compile, already running, ends for nothing
+    may_finish.release()  # c's
+    core.wait_for(lambda: core.added(4) is not None)
+    assert core.added(4).error is None and core.added(4).load.num_compiling == 0  # type: ignore[union-attr]
+    core.wait_for(lambda: not engine.has_unfinished_requests())
+    core.stop()
+    assert core.core.compiling == [] and engine.pool.num_used == 0
+    assert core.tokens("c") > 0 and core.tokens("a-0") == core.tokens("b") == 0
+
+
+def latest_load(core: CoreThread):  # type: ignore[no-untyped-def]
+    """The load of the latest event that carries one."""
+    return next(e.load for e in reversed(list(core.events)) if isinstance(e, Added | LoadChanged | Stepped))

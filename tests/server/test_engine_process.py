@@ -13,8 +13,9 @@ import multiprocessing
 import os
 import pickle
 import signal
+import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from rnnserve.engine.loader import ModelLoadError, build_random
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
+from rnnserve.engine.sequence import SequenceGroup
 from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
@@ -53,6 +55,7 @@ from rnnserve.server.engine_core import (
     StepFailed,
     Stepped,
     StopCommand,
+    Stopped,
     ThreadDriver,
     portable_error,
 )
@@ -610,3 +613,128 @@ def test_an_add_answered_later_goes_to_the_server_that_sent_it() -> None:
     links.post(Added(7, ["s1a"], None, "load"))  # type: ignore[arg-type]
     assert pickle.loads(servers[1].recv_bytes()) == Added(7, ["s1a"], None, "load")  # type: ignore[arg-type]
     assert pickle.loads(servers[0].recv_bytes()) == LoadChanged("load")  # type: ignore[arg-type]
+
+
+BIG_PROMPT_TEXT = "x" * (4 << 20)  # far more than a pipe holds (a few hundred KB)
+
+
+def with_a_big_first_row(row_of: Callable[[SequenceGroup], tuple]) -> Callable[[SequenceGroup], tuple]:
+    """``row_of`` whose first row of request ``big`` carries a prompt text of 4 MiB (a message no pipe holds)."""
+
+    def build(group: SequenceGroup) -> tuple:
+        row = row_of(group)
+        if group.request_id == "big" and len(row) > COMPACT_ROW_LENGTH and row[1] is not None:
+            row = (row[0], (BIG_PROMPT_TEXT, *row[1][1:]), *row[2:])
+        return row
+
+    return build
+
+
+def frames(data: bytearray) -> Iterator[object]:
+    """The messages ``send_bytes`` framed in ``data`` that are complete, each removed from it."""
+    while len(data) >= 4:
+        (size,) = struct.unpack("!i", data[:4])
+        if len(data) < 4 + size:
+            return
+        message = pickle.loads(data[4 : 4 + size])
+        del data[: 4 + size]
+        yield message
+
+
+def test_a_server_stopped_halfway_through_a_large_message_holds_back_no_other() -> None:
+    """The engine wrote each message with a blocking send: a server that stopped reading halfway through one
+    larger than its pipe (a stopped process, a blocked reader) stopped the engine loop, and every server's streams
+    with it. Its bytes now wait for it, the loop steps for the others, and they reach it intact once it reads."""
+    engine = make_engine()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    (slow_conn, _), (healthy_conn, _) = pipes
+    healthy = LinkedServer(healthy_conn)
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    core = EngineCore(engine, links.next_command, links.post, with_a_big_first_row(links.encoder.row), links)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=OutputKind.DELTA)
+        slow_conn.send_bytes(pickle.dumps([AddCommand(0, ["big"], ["The cat"], params, 0.0)]))
+        received = bytearray()
+        while len(received) < 1 << 20:  # it reads a quarter of the big message, then stops
+            assert slow_conn.poll(30), "the engine sent the slow server nothing"
+            received += os.read(slow_conn.fileno(), (1 << 20) - len(received))
+        healthy.send(AddCommand(0, ["h"], ["Hello"], dataclasses.replace(params, max_tokens=20), 0.0))
+        healthy.serve_until({"h"})
+        assert len(healthy.tokens["h"]) == 20
+
+        decoder, big_outputs = OutputDecoder(), []  # it resumes: every message whole, in order
+        while True:
+            for message in frames(received):
+                if isinstance(message, EncodedStep):
+                    big_outputs += decoder.decode(message.rows)
+                    slow_conn.send_bytes(pickle.dumps([HandledCommand()]))
+            if big_outputs and big_outputs[-1].finished:
+                break
+            assert slow_conn.poll(30), "the engine sent the slow server nothing more"
+            received += os.read(slow_conn.fileno(), 1 << 20)
+        assert big_outputs[0].prompt == BIG_PROMPT_TEXT
+        assert sum(len(out.outputs[0].new_token_ids) for out in big_outputs) == 3
+    finally:
+        for server_end, _ in pipes:
+            server_end.close()
+        loop.join(30)
+    assert not loop.is_alive() and engine.pool.num_used == 0
+
+
+def test_a_server_that_makes_no_progress_for_the_stall_timeout_is_detached() -> None:
+    """A server that leaves its outputs unacknowledged (a stopped process, a blocked event loop) held its
+    requests, and their slots, until their max_tokens: after ``stall_timeout`` seconds without progress it is
+    told why, its requests are aborted, its pipe closed and its supervisor told (``on_stalled``); a server that
+    acknowledges within the timeout stays."""
+    now = [0.0]
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    stalled, healthy = (server_end for server_end, _ in pipes)
+    reports: list[int] = []
+    links = ServerLinks([end for _, end in pipes], stall_timeout=30.0, on_stalled=reports.append, clock=lambda: now[0])
+    for index, server in enumerate((stalled, healthy)):
+        server.send_bytes(pickle.dumps([add_command(1, f"s{index}")]))
+        command = links.next_command(True)
+        links.post(Added(1, command.request_ids, None, "load"))  # type: ignore[arg-type, union-attr]
+    links.post(Stepped([("s0", None, [], False), ("s1", None, [], False)], [], "load"))  # type: ignore[arg-type]
+    assert links.silent_since == {0: 0.0, 1: 0.0}  # both owe an acknowledgement
+    now[0] = 20.0
+    healthy.send_bytes(pickle.dumps([HandledCommand()]))
+    links.handled(links.next_command(True))  # type: ignore[arg-type]
+    assert links.silent_since == {0: 0.0}  # the healthy one owes nothing more
+    now[0] = 29.0
+    assert links.next_command(False) is None and reports == []
+    links.post(Stepped([("s1", None, [], False)], [], "load"))  # type: ignore[arg-type]
+    now[0] = 31.0
+    assert links.next_command(False) == AbortCommand(["s0"])  # its requests, aborted by the loop
+    assert reports == [0] and links.live == [1] and links.silent_since == {1: 29.0}
+    messages = []
+    with pytest.raises(EOFError):  # what it was sent, the reason, then its pipe's end
+        while True:
+            messages.append(pickle.loads(stalled.recv_bytes()))
+    assert isinstance(messages[-1], Stopped) and "took none of its outputs for 31.0 s" in messages[-1].message
+    now[0] = 58.0  # the healthy server owes an acknowledgement since 29 s ago: within the timeout, it stays
+    assert links.next_command(False) is None and links.live == [1]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 100_000], ids=["idle", "stepping"])
+def test_an_engine_loop_detaches_a_stalled_server_whether_it_steps_or_idles(max_tokens: int) -> None:
+    """The loop looks for stalled servers while it steps, and while it waits for commands (its wait then ends at
+    the timeout): a server that never acknowledges is detached, its requests' slots freed, and a loop left with
+    no server ends."""
+    engine = make_engine()
+    server_end, engine_end = multiprocessing.Pipe()
+    links = ServerLinks([engine_end], stall_timeout=0.5)
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=OutputKind.DELTA)
+        server_end.send_bytes(pickle.dumps([AddCommand(0, ["a", "b"], ["The cat", "Hello"], params, 0.0)]))
+        loop.join(60)
+        assert not loop.is_alive(), "the stalled server was never detached"
+    finally:
+        server_end.close()
+        loop.join(30)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
