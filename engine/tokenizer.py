@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 ASCII = [chr(i) for i in range(128)]  # the text of each ASCII byte, built once
+MISSING = object()
 
 
 class Tokenizer:
@@ -181,8 +182,12 @@ class HFTokenizer(Tokenizer):
             self.prefix_ids = [self.bos_token_id] if config["add_bos_token"] and self.bos_token_id is not None else []
         else:
             self.prefix_ids = self._post_processor_prefix()
-        self._decoders = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
+        decoder = json.loads(self._tok.to_str()).get("decoder")
+        self._decoders = _decoder_types(decoder)
         self._special_ids = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+        self._anchor = self.encode_plain("a") if _appends_token_by_token(decoder) else []
+        self._anchor_text = self._tok.decode(self._anchor)
+        self._plain_texts: dict[int, str | None] = {}
 
     def _special_id(self, token: str | dict | None) -> int | None:
         if isinstance(token, dict):
@@ -253,6 +258,23 @@ class HFTokenizer(Tokenizer):
             return token.replace("▁", " ").encode()
         return self.decode([token_id]).encode()
 
+    def plain_text(self, token_id: int) -> str | None:
+        """The text ``token_id`` adds to any text that ends with a whole character and does not start the decode,
+        where the tokenizer's decoder appends each token's text to the text before it (byte-level BPE, Metaspace,
+        byte fallback) and that text is whole characters: what a stream decoder gives for it without decoding.
+        ``None`` for other tokens (part of a character, special or empty) and other decoders. Computed once per
+        token, as the decode of an anchor token and it past the anchor's own decode."""
+        text = self._plain_texts.get(token_id, MISSING)
+        if text is MISSING:
+            text = None
+            if self._anchor_text and token_id not in self._special_ids and self.has_token(token_id):
+                full = self._tok.decode([*self._anchor, token_id], skip_special_tokens=False)
+                added = full[len(self._anchor_text) :]
+                if full.startswith(self._anchor_text) and added and "\ufffd" not in added:
+                    text = added
+            self._plain_texts[token_id] = text
+        return text
+
     def to_json(self) -> str:
         """The tokenizer serialised as ``tokenizer.json``."""
         return self._tok.to_str()
@@ -289,6 +311,27 @@ def _byte_level_table() -> dict[str, int]:
 
 
 BYTE_LEVEL_BYTES = _byte_level_table()
+
+
+# Decoders that turn each token into its own text (or bytes) and join them: a token adds the same text after any
+# text that ends with a whole character, except as the decode's first token (Metaspace drops its space there, a
+# Strip after Fuse the whole text's). Replace qualifies with a one-character string pattern (Llama's "▁" -> " "),
+# which cannot match across tokens; Strip when it strips nothing from the end.
+APPENDING_DECODERS = {"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Replace", "Strip", "Sequence"}
+
+
+def _appends_token_by_token(decoder: dict | None) -> bool:
+    """Whether a ``tokenizer.json`` decoder appends each token's text to the text before it (see
+    :data:`APPENDING_DECODERS`): a stream decoder then gives a token's :meth:`HFTokenizer.plain_text` as is."""
+    if not isinstance(decoder, dict) or decoder.get("type") not in APPENDING_DECODERS:
+        return False
+    if decoder["type"] == "Replace":
+        pattern = decoder.get("pattern")
+        if not (isinstance(pattern, dict) and isinstance(pattern.get("String"), str) and len(pattern["String"]) == 1):
+            return False
+    if decoder["type"] == "Strip" and decoder.get("stop", 0) != 0:
+        return False
+    return all(_appends_token_by_token(inner) for inner in decoder.get("decoders") or [])
 
 
 def _decoder_types(decoder: dict | None) -> set[str]:
@@ -375,8 +418,24 @@ class HFStreamDecoder(StreamDecoder):
         for token_id in self._context:
             self._stream.step(self._tok, token_id)
         self._held: list[int] = []
+        # Whether a token's plain text (HFTokenizer.plain_text) is what the stream gives for it: once nothing is
+        # held and the stream has text before it (else a Metaspace token decoded first drops its space).
+        # ``_stale``: plain tokens went past the stream, which continues from ``_context`` when one does not.
+        self._anchored = bool(tail) and bool(self._decode(tail))
+        self._stale = False
 
     def push(self, token_id: int) -> str:
+        if self._anchored and not self._held:
+            text = self.tokenizer.plain_text(token_id)  # type: ignore[attr-defined]
+            if text is not None:
+                self._context = [token_id]
+                self._stale = True
+                return text
+        if self._stale:
+            self._stream = self._new_stream()
+            for context_id in self._context:
+                self._stream.step(self._tok, context_id)
+            self._stale = False
         self._held.append(token_id)
         try:
             delta = self._stream.step(self._tok, token_id)
@@ -385,6 +444,7 @@ class HFStreamDecoder(StreamDecoder):
         if delta is None:
             return ""
         self._context, self._held = self._held, []
+        self._anchored = True
         return delta
 
     def _restart(self) -> str | None:

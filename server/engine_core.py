@@ -607,7 +607,8 @@ class OutputEncoder:
         """``group.output()`` as a row (:class:`OutputDecoder` turns it back into that output)."""
         request_id = group.request_id
         if request_id in self.compact and group.error is None and group.seqs[0].finish_reason is None:
-            return (request_id, *group.seqs[0].take_delta())
+            text, token_ids = group.seqs[0].take_delta()
+            return request_id, text, token_ids
         finished = group.finished
         if request_id in self.sent:
             prompt = None

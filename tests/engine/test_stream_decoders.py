@@ -4,6 +4,7 @@ Whatever the split, the deltas add up to the full decode and never end inside a 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,89 @@ def test_whole_token_tokenizers_stream_token_by_token() -> None:
     ids = TokenIdTokenizer(vocab_size=100)
     assert stream(ids, [12, 7]) == [" 12", " 7", ""]
     assert ids.stream_decoder().push_many([12, 7]) == " 12 7" and lsrl.stream_decoder().push_many([1, 2]) == "AB"
+
+
+class CountingStream:
+    """A ``DecodeStream`` that counts its steps."""
+
+    steps = 0
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+
+    def step(self, tok: object, token_id: int) -> str | None:
+        CountingStream.steps += 1
+        return self.stream.step(tok, token_id)  # type: ignore[attr-defined]
+
+
+def decode_stream_deltas(tokenizer: HFTokenizer, ids: list[int], context: list[int], skip: bool = True) -> list[str]:
+    """The deltas of a stream decoder that gives every token to ``DecodeStream`` (no plain texts)."""
+    plain_texts = tokenizer._plain_texts
+    tokenizer._plain_texts = dict.fromkeys(range(tokenizer.vocab_size))  # every token: no plain text
+    try:
+        detok = tokenizer.stream_decoder(context, skip)
+        return [detok.push(i) for i in ids] + [detok.flush()]
+    finally:
+        tokenizer._plain_texts = plain_texts
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback", "llama"])
+def test_plain_token_texts_give_the_decode_streams_deltas(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, tmp_path: Path
+) -> None:
+    """A token whose text is whole characters skips ``DecodeStream``: its text after the last delta is the same
+    whatever came before (its decode alone may differ: a Metaspace ``▁word`` first in a decode loses its space).
+    Token by token the deltas are the stream's own: after a prompt (none, a BOS alone, a character cut in two),
+    around characters split over byte tokens, stray continuation bytes and special tokens, of random ids too."""
+    tokenizer = tokenizers_by_kind[kind]
+    special = Tokenizer.from_str(tokenizer.to_json())
+    special.add_special_tokens(["<s>"])
+    rng = random.Random(0)
+    texts = ["the cat sat on the mat", " a héllo 😀 wörld", "中文 and 日本語 x", "emoji 👨‍👩‍👧 family", "é"]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for cut in range(len(ids)):
+            context, output = ids[:cut], ids[cut:]
+            assert stream(tokenizer, output, context) == decode_stream_deltas(tokenizer, output, context), (text, cut)
+    tokenizer = save(special, tmp_path / "special")  # random ids now include a special token
+    vocab = tokenizer.vocab_size
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        context = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+        for skip in (True, False):
+            detok = tokenizer.stream_decoder(context, skip)
+            deltas = [detok.push(i) for i in ids] + [detok.flush()]
+            assert deltas == decode_stream_deltas(tokenizer, ids, context, skip), (ids, context, skip)
+
+
+def test_plain_tokens_take_no_decode_stream_step(
+    tokenizers_by_kind: dict[str, HFTokenizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a prompt, a byte-level stream of whole-character tokens steps ``DecodeStream`` for none of them; a
+    token that is part of a character is stepped (after the last delta's tokens, to continue from there)."""
+    tokenizer = tokenizers_by_kind["byte_level"]
+    new_stream = HFStreamDecoder._new_stream
+    monkeypatch.setattr(HFStreamDecoder, "_new_stream", lambda self: CountingStream(new_stream(self)))
+    prompt = tokenizer.encode("the cat")
+    output = tokenizer.encode(" sat on the mat")
+    detok = tokenizer.stream_decoder(prompt)
+    CountingStream.steps = 0
+    assert "".join(detok.push(i) for i in output) == " sat on the mat"
+    assert CountingStream.steps == 0
+    emoji = tokenizer.encode("😀")
+    assert len(emoji) > 1
+    assert "".join(detok.push(i) for i in emoji) == "😀"
+    assert CountingStream.steps >= len(emoji)
+
+
+def test_decoders_that_do_not_append_token_by_token_have_no_plain_texts(tmp_path: Path) -> None:
+    """WordPiece merges ``##`` pieces into the word before and cleans up spaces: a token's text depends on its
+    neighbours, so every token goes through ``DecodeStream``."""
+    vocab = {"[UNK]": 0, "the": 1, "cat": 2, "##s": 3, ".": 4}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece()
+    tokenizer = save(wordpiece, tmp_path / "wordpiece")
+    assert all(tokenizer.plain_text(i) is None for i in vocab.values())
+    ids = tokenizer.encode("the cats.")
+    assert "".join(stream(tokenizer, ids, [1])) == tokenizer.decode([1, *ids])[len("the") :]
