@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -19,8 +20,12 @@
 namespace {
 constexpr int64_t kChannels = 64;  // channels of one task: four 16-lane vectors of state
 
-// exp(x) with exp(-inf) = 0 (fast_exp clamps its input to [-87, 88]; below -87 the result is 0 here).
-inline float gate_exp(float x) { return x < -87.0f ? 0.0f : rnnserve::fast_exp(x); }
+// exp(x) as torch's exp gives it to the scan: 0 from exp(-inf) (fast_exp's results below 2.4e-38 are 0), inf above
+// 88.72 (fast_exp stops at exp(88)), NaN for NaN (the compare is one -ffast-math may take as true for NaN).
+inline float gate_exp(float x) {
+  const float e = rnnserve::fast_exp(x);
+  return x > 88.7228394f && !rnnserve::is_nan(x) ? std::numeric_limits<float>::infinity() : e;
+}
 
 template <typename T, bool kLog>
 void scan_block(const T* a, const T* b, int64_t stride, int64_t begin, int64_t end, int64_t c0, int64_t width,
