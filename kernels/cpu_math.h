@@ -39,18 +39,11 @@ __attribute__((always_inline)) inline float quiet_nan() {
   return x;
 }
 
-// exp(x) for fp32, inlined so that loops calling it vectorise without spilling around a libm call.
-// Cody-Waite reduction x = n ln2 + r (|r| <= ln2/2, two-part ln2 via fma, which -ffast-math leaves alone)
-// and a degree-7 Taylor polynomial: max relative error 8e-8 on [-86.9, 88] (glibc's expf under -ffast-math:
-// 2e-7). Inputs are clamped to [-87.5, 88]: results below 2.4e-38 are 0 (2p 2^(n-1) with n = -126 has exponent
-// bits 0; std::exp gives subnormals down to 1.4e-45, which -ffast-math flushes anyway), and exp(88) = 1.65e38 stands
-// in for larger ones. NaN stays NaN, as in std::exp: under -ffast-math the clamp's vector max/min took NaN as -87,
-// so sigmoid(NaN) was 1 and a NaN in the activations became finite numbers; the bit test costs nothing measurable
-// (docs/kernels.md).
-__attribute__((always_inline)) inline float fast_exp(float x) {
-  const float clamped = std::fmin(std::fmax(x, -87.5f), 88.0f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  float r = std::fma(-n, 0.693145751953125f, clamped);
+// e^r / 2^n's polynomial for exp(x) with x = n ln2 + r: Cody-Waite reduction (|r| <= ln2/2, two-part ln2 via fma,
+// which -ffast-math leaves alone) and a degree-7 Taylor polynomial, for a finite x the callers clamp.
+__attribute__((always_inline)) inline float exp_mantissa(float x, float& n) {
+  n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = std::fma(-n, 0.693145751953125f, x);
   r = std::fma(-n, 1.428606765330187045e-06f, r);
   float p = 1.0f / 5040;
   p = std::fma(p, r, 1.0f / 720);
@@ -59,18 +52,50 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   p = std::fma(p, r, 1.0f / 6);
   p = std::fma(p, r, 0.5f);
   p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 126) << 23;  // 2^(n - 1), n in [-126, 127]
+  return std::fma(p, r, 1.0f);
+}
+
+// 2^e for an integer e in [-127, 128] (a float holding it), from the exponent bits: 0 at e = -127 and inf at 128.
+__attribute__((always_inline)) inline float power_of_two(float e) {
+  const int32_t bits = (static_cast<int32_t>(e) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return is_nan(x) ? x : (p + p) * scale;
+  return scale;
+}
+
+// exp(x) for fp32, inlined so that loops calling it vectorise without spilling around a libm call: max relative
+// error 8e-8 on [-87, 88] (glibc's expf under -ffast-math: 2e-7). Inputs are clamped to that range; exp(-87) =
+// 1.6e-38 stands in for smaller results and exp(88) = 1.65e38 for larger ones. NaN stays NaN, as in std::exp: under
+// -ffast-math the clamp's vector max/min took NaN as -87, so sigmoid(NaN) was 1 and a NaN in the activations became
+// finite numbers. The bit test and its select cost 4% in a loop of exp alone (docs/kernels.md).
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.0f), 88.0f), n);
+  return is_nan(x) ? x : p * power_of_two(n);
+}
+
+// fast_exp without the NaN test, for callers whose result is NaN for a NaN x anyway (silu: x / (1 + e)).
+__attribute__((always_inline)) inline float fast_exp_of_finite(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.0f), 88.0f), n);
+  return p * power_of_two(n);
+}
+
+// exp(x) that ends where fp32's does: 0 below about -87 (exp(-inf) = 0; torch's exp gives subnormals down to
+// -103.9, which -ffast-math flushes), inf above 88.72 (exp(inf) = inf), NaN for NaN; else fast_exp's value. Computed
+// as 2p 2^(n-1), whose exponent bits are 0 at the clamp's bottom (n = -126) and all ones at its top (n = 129):
+// selects on x instead (exp(-inf) took two compares and a bit test) made the log-space scan 2.6x slower.
+__attribute__((always_inline)) inline float exp_to_limits(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.5f), 89.5f), n);
+  return is_nan(x) ? x : (p + p) * power_of_two(n - 1.0f);
 }
 
 __attribute__((always_inline)) inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
 // x sigmoid(x); silu(-inf) is NaN, as F.silu's -inf * sigmoid(-inf) = -inf * 0 (here -inf / (1 + e^88) was -inf).
 __attribute__((always_inline)) inline float silu(float x) {
-  const float y = x / (1.0f + fast_exp(-x));
+  const float y = x / (1.0f + fast_exp_of_finite(-x));
   return is_negative_infinity(x) ? quiet_nan() : y;
 }
 

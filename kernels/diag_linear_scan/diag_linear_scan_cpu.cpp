@@ -11,21 +11,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 #include <optional>
 #include <tuple>
 
 #include "cpu_math.h"
 
 namespace {
+using rnnserve::exp_to_limits;  // exp(-inf) = 0, exp(inf) = inf, NaN kept, as torch's exp
 constexpr int64_t kChannels = 64;  // channels of one task: four 16-lane vectors of state
-
-// exp(x) as torch's exp gives it to the scan: 0 from exp(-inf) (fast_exp's results below 2.4e-38 are 0), inf above
-// 88.72 (fast_exp stops at exp(88)), NaN for NaN (the compare is one -ffast-math may take as true for NaN).
-inline float gate_exp(float x) {
-  const float e = rnnserve::fast_exp(x);
-  return x > 88.7228394f && !rnnserve::is_nan(x) ? std::numeric_limits<float>::infinity() : e;
-}
 
 template <typename T, bool kLog>
 void scan_block(const T* a, const T* b, int64_t stride, int64_t begin, int64_t end, int64_t c0, int64_t width,
@@ -39,7 +32,7 @@ void scan_block(const T* a, const T* b, int64_t stride, int64_t begin, int64_t e
 #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
       const float gate = static_cast<float>(at_row[c]), input = static_cast<float>(bt_row[c]);
-      carry[c] = kLog ? gate_exp(gate) * carry[c] + gate_exp(input) : gate * carry[c] + input;
+      carry[c] = kLog ? exp_to_limits(gate) * carry[c] + exp_to_limits(input) : gate * carry[c] + input;
       out[c] = carry[c];
     }
   }

@@ -6,10 +6,10 @@ tests stop at a few hundred tokens; here states carry over thousands of steps (s
 compounded thousands of times), at positions far beyond the sliding windows. 4K tokens keep it to a few seconds
 a model; the same checks at 16K tokens (run while writing this test) gave the errors below.
 
-Measured (2026-11-30, largest error relative to the reference's largest |logit|): fp32 against fp64 at 16K tokens
-at most 8e-7 (Based, Mamba-2), chunks and decode against the whole prefill at most 9e-7; bf16 weights against
-fp64 at most 1.5e-2 (Based), bf16 chunks against the bf16 whole prefill 0, bf16 decode at most 3.4e-3 (Griffin:
-its attention keys are bf16)."""
+Measured at 16K tokens (2026-11-30, largest error relative to the reference's largest |logit|; lattice and the
+looped model only at 4K): fp32 against fp64 at most 8e-7 (Based, Mamba-2), chunks and decode against the whole
+prefill at most 9e-7; bf16 weights (Mamba, Mamba-2, minGRU, Based, Griffin) against fp64 at most 1.5e-2 (Based),
+bf16 chunks against the bf16 whole prefill 0, bf16 decode at most 3.4e-3 (Griffin: its attention keys are bf16)."""
 
 from __future__ import annotations
 
