@@ -17,13 +17,32 @@ __attribute__((always_inline)) inline bool is_nan(float x) {
   return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
-// exp(x) for fp32, inlined so that loops calling it vectorise without spilling around a libm call.
-// Cody-Waite reduction x = n ln2 + r (|r| <= ln2/2, two-part ln2 via fma, which -ffast-math leaves alone)
-// and a degree-7 Taylor polynomial: max relative error 8e-8 on [-87, 88] (glibc's expf under -ffast-math:
-// 2e-7). Inputs are clamped to that range; exp(-87) = 1.6e-38 stands in for smaller results.
-__attribute__((always_inline)) inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+// Whether x is +-inf or NaN, and whether it is -inf, read from its bits (as is_nan, for -ffast-math).
+__attribute__((always_inline)) inline bool is_non_finite(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7fffffffu) >= 0x7f800000u;
+}
+
+__attribute__((always_inline)) inline bool is_negative_infinity(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits == 0xff800000u;
+}
+
+// A quiet NaN built from its bits: under -ffinite-math-only a NaN constant or an expression such as x * 0 may be
+// folded to something finite.
+__attribute__((always_inline)) inline float quiet_nan() {
+  const uint32_t bits = 0x7fc00000u;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// e^r / 2^n's polynomial for exp(x) with x = n ln2 + r: Cody-Waite reduction (|r| <= ln2/2, two-part ln2 via fma,
+// which -ffast-math leaves alone) and a degree-7 Taylor polynomial, for a finite x the callers clamp.
+__attribute__((always_inline)) inline float exp_mantissa(float x, float& n) {
+  n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = std::fma(-n, 0.693145751953125f, x);
   r = std::fma(-n, 1.428606765330187045e-06f, r);
   float p = 1.0f / 5040;
@@ -33,16 +52,52 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   p = std::fma(p, r, 1.0f / 6);
   p = std::fma(p, r, 0.5f);
   p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return std::fma(p, r, 1.0f);
+}
+
+// 2^e for an integer e in [-127, 128] (a float holding it), from the exponent bits: 0 at e = -127 and inf at 128.
+__attribute__((always_inline)) inline float power_of_two(float e) {
+  const int32_t bits = (static_cast<int32_t>(e) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return scale;
+}
+
+// exp(x) for fp32, inlined so that loops calling it vectorise without spilling around a libm call: max relative
+// error 8e-8 on [-87, 88] (glibc's expf under -ffast-math: 2e-7). Inputs are clamped to that range; exp(-87) =
+// 1.6e-38 stands in for smaller results and exp(88) = 1.65e38 for larger ones. NaN stays NaN, as in std::exp: under
+// -ffast-math the clamp's vector max/min took NaN as -87, so sigmoid(NaN) was 1 and a NaN in the activations became
+// finite numbers. The bit test and its select cost 4% in a loop of exp alone (docs/kernels.md).
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.0f), 88.0f), n);
+  return is_nan(x) ? x : p * power_of_two(n);
+}
+
+// fast_exp without the NaN test, for callers whose result is NaN for a NaN x anyway (silu: x / (1 + e)).
+__attribute__((always_inline)) inline float fast_exp_of_finite(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.0f), 88.0f), n);
+  return p * power_of_two(n);
+}
+
+// exp(x) that ends where fp32's does: 0 below about -87 (exp(-inf) = 0; torch's exp gives subnormals down to
+// -103.9, which -ffast-math flushes), inf above 88.72 (exp(inf) = inf), NaN for NaN; else fast_exp's value. Computed
+// as 2p 2^(n-1), whose exponent bits are 0 at the clamp's bottom (n = -126) and all ones at its top (n = 129):
+// selects on x instead (exp(-inf) took two compares and a bit test) made the log-space scan 2.6x slower.
+__attribute__((always_inline)) inline float exp_to_limits(float x) {
+  float n;
+  const float p = exp_mantissa(std::fmin(std::fmax(x, -87.5f), 89.5f), n);
+  return is_nan(x) ? x : (p + p) * power_of_two(n - 1.0f);
 }
 
 __attribute__((always_inline)) inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
-__attribute__((always_inline)) inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+// x sigmoid(x); silu(-inf) is NaN, as F.silu's -inf * sigmoid(-inf) = -inf * 0 (here -inf / (1 + e^88) was -inf).
+__attribute__((always_inline)) inline float silu(float x) {
+  const float y = x / (1.0f + fast_exp_of_finite(-x));
+  return is_negative_infinity(x) ? quiet_nan() : y;
+}
 
 // log(1 + t) for t in [0, 1], inlined so that loops calling it vectorise (a libm log1pf call does not, or only
 // through glibc's vector library): 2 atanh(s) with s = t / (2 + t) in [0, 1/3], which keeps small t's digits,
@@ -83,10 +138,13 @@ __attribute__((always_inline)) inline float tanh_approx(float t) {
 }
 
 // 1 / sqrt(v) with torch's fp32 rounding (a rounded sqrt, then a rounded division), immune to -ffast-math's
-// approximate reciprocal square root: both steps in double are exact before the final rounding to fp32.
+// approximate reciprocal square root: both steps in double are exact before the final rounding to fp32. rsqrt(inf)
+// is 0, as torch's (-ffast-math's sqrt, x rsqrt(x), made it NaN: an infinity in a group of an RMSNorm turned the
+// group's finite values into NaN where torch gives 0).
 inline float torch_rsqrt(float v) {
   const float root = static_cast<float>(std::sqrt(static_cast<double>(v)));
-  return static_cast<float>(1.0 / static_cast<double>(root));
+  const float inverse = static_cast<float>(1.0 / static_cast<double>(root));
+  return is_non_finite(v) && !is_nan(v) ? 0.0f : inverse;
 }
 
 // Asks for `bytes` from `p` on to be brought into cache. Long scans call it a few tokens ahead: rows of a

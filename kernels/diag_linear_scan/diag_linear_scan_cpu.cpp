@@ -17,10 +17,8 @@
 #include "cpu_math.h"
 
 namespace {
+using rnnserve::exp_to_limits;  // exp(-inf) = 0, exp(inf) = inf, NaN kept, as torch's exp
 constexpr int64_t kChannels = 64;  // channels of one task: four 16-lane vectors of state
-
-// exp(x) with exp(-inf) = 0 (fast_exp clamps its input to [-87, 88]; below -87 the result is 0 here).
-inline float gate_exp(float x) { return x < -87.0f ? 0.0f : rnnserve::fast_exp(x); }
 
 template <typename T, bool kLog>
 void scan_block(const T* a, const T* b, int64_t stride, int64_t begin, int64_t end, int64_t c0, int64_t width,
@@ -34,7 +32,7 @@ void scan_block(const T* a, const T* b, int64_t stride, int64_t begin, int64_t e
 #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
       const float gate = static_cast<float>(at_row[c]), input = static_cast<float>(bt_row[c]);
-      carry[c] = kLog ? gate_exp(gate) * carry[c] + gate_exp(input) : gate * carry[c] + input;
+      carry[c] = kLog ? exp_to_limits(gate) * carry[c] + exp_to_limits(input) : gate * carry[c] + input;
       out[c] = carry[c];
     }
   }

@@ -23,8 +23,12 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + rnnserve::tanh_approx(kBeta * (x + 0.044715f * x * x * x)));
 }
 
-// ATen's exact GELU: 0.5 x (1 + erf(x / sqrt(2))).
-inline float gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f)); }
+// ATen's exact GELU: 0.5 x (1 + erf(x / sqrt(2))); NaN for NaN and for both infinities, as ATen's vectorised GELU
+// gives on CPU (the reference), where the vector erf lost a NaN.
+inline float gelu(float x) {
+  const float y = 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f));
+  return rnnserve::is_non_finite(x) ? rnnserve::quiet_nan() : y;
+}
 
 template <int64_t K>
 inline float activation(float x) {

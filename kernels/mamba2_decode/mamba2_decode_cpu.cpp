@@ -62,7 +62,8 @@ at::Tensor step_typed(const at::Tensor& xbc, const at::Tensor& dt_raw, const at:
     }
     for (int64_t h = 0; h < heads; ++h) {
       const float v = rnnserve::softplus(static_cast<float>(dt_in[b * dt_raw.stride(0) + h]) + read(dt_bias, h));
-      dts[b * heads + h] = std::min(std::max(v, static_cast<float>(dt_min)), static_cast<float>(dt_max));
+      const float clamped = std::min(std::max(v, static_cast<float>(dt_min)), static_cast<float>(dt_max));
+      dts[b * heads + h] = rnnserve::is_nan(v) ? v : clamped;  // torch.clamp keeps NaN; min/max took a limit
     }
   }
   const at::Tensor y = state_update.call(pool, slot_ids, x, dt, A, B, C, D).contiguous();  // held: ys points into it
