@@ -48,7 +48,7 @@ from rnnserve.server.engine_core import (
     ThreadDriver,
 )
 from rnnserve.server.errors import APIError, InternalErrors, bad_request
-from rnnserve.server.guard import RequestGuard
+from rnnserve.server.guard import BodyReads, RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
@@ -110,6 +110,7 @@ def create_app(
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.sessions = sessions
+    app.state.body_reads = BodyReads()  # the drain's end answers bodies still arriving with a 503
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,
@@ -117,6 +118,7 @@ def create_app(
         read_timeout=config.request_read_timeout,
         trusted_hosts=config.trusted_hosts,
         max_state_bytes=max_state_upload_bytes(driver.info.bytes_per_slot, driver.info.max_model_len),
+        body_reads=app.state.body_reads,
     )
     if config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(

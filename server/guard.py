@@ -1,5 +1,5 @@
 """ASGI middleware that guards every HTTP request before any parsing: the Host header, the API key, the
-content type, the body size and how long the body may take to arrive."""
+content type, the body size and how long the body may take to arrive (at most until a shutdown's drain ends)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import hmac
 import ipaddress
 import re
+from collections.abc import Coroutine
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,6 +20,48 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # "/tokenize" covers 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 JSON_MEDIA_TYPE = b"application/json"
 STATE_UPLOAD_PATH = re.compile(r"/v1/sessions/[^/]+/state")  # PUT: a session's state, MBs, its own body limit
+
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+class BodyReads:
+    """The request bodies still arriving. When a shutdown's drain ends, :meth:`refuse` answers each of them, and
+    any body read after, with a 503: a request that had not arrived whole by then would never be served, and its
+    client (a slow upload, a slowloris) would otherwise hold the shutdown until uvicorn cancels it with a 500."""
+
+    def __init__(self) -> None:
+        self.refused = False
+        self._reads: set[asyncio.Task] = set()
+
+    async def read(self, body: Coroutine[Any, Any, bytes | None], timeout: float) -> bytes | None:
+        """``await body`` within ``timeout`` seconds (``asyncio.TimeoutError`` past it); a 503 APIError once
+        refused."""
+        if self.refused:
+            body.close()
+            raise self._refusal()
+        task = asyncio.ensure_future(body)
+        self._reads.add(task)
+        try:
+            return await asyncio.wait_for(task, timeout)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            cancelling = getattr(current, "cancelling", None)  # Python 3.11+: whether this request was cancelled
+            if self.refused and task.cancelled() and not (cancelling is not None and cancelling()):
+                raise self._refusal() from None
+            raise
+        finally:
+            self._reads.discard(task)
+
+    def refuse(self) -> None:
+        """Answer the bodies still arriving, and every later one, with a 503."""
+        self.refused = True
+        for task in self._reads:
+            task.cancel()
+
+    @staticmethod
+    def _refusal() -> APIError:
+        return APIError(503, SHUTDOWN_MESSAGE, type="service_unavailable", headers={"Connection": "close"})
 
 
 def host_name(host: bytes) -> str:
@@ -39,7 +83,8 @@ def is_ip_address(name: str) -> bool:
 class RequestGuard:
     """Host check (against DNS rebinding), API-key check (constant-time) on the protected routes, JSON-only
     POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout.
-    A session state upload (``PUT /v1/sessions/{id}/state``) has its own limit, ``max_state_bytes``."""
+    A session state upload (``PUT /v1/sessions/{id}/state``) has its own limit, ``max_state_bytes``. Bodies are
+    read through ``body_reads``, which a shutdown's drain ends with a 503."""
 
     def __init__(
         self,
@@ -49,6 +94,7 @@ class RequestGuard:
         read_timeout: float,
         trusted_hosts: tuple[frozenset[str], bool],
         max_state_bytes: int | None = None,
+        body_reads: BodyReads | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
@@ -56,6 +102,7 @@ class RequestGuard:
         self.max_state_bytes = max(max_body_bytes, max_state_bytes or 0)
         self.read_timeout = read_timeout
         self.allowed_hosts, self.allow_ip_hosts = trusted_hosts
+        self.body_reads = body_reads or BodyReads()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,7 +116,7 @@ class RequestGuard:
         body = None
         if error is None:
             try:
-                body = await asyncio.wait_for(self._read_body(receive, self._body_limit(scope)), self.read_timeout)
+                body = await self.body_reads.read(self._read_body(receive, self._body_limit(scope)), self.read_timeout)
             except asyncio.TimeoutError:
                 error = APIError(
                     408,

@@ -17,6 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.errors import APIError
+from rnnserve.server.guard import SHUTDOWN_MESSAGE, BodyReads
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers; h11's default limit, applied to httptools as well
 DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
@@ -146,12 +147,16 @@ def http_stack(implementation: str) -> str:
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones; when
     ``drain_timeout`` ends, this fails the generations still running, so streams end with an error event and
-    ``[DONE]`` and other requests get a JSON 503, rather than uvicorn cancelling their tasks mid-response."""
+    ``[DONE]`` and other requests get a JSON 503, and answers requests whose bodies are still arriving with a
+    503 (``body_reads``), rather than uvicorn cancelling their tasks mid-response or with a 500."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float, body_reads: BodyReads | None = None
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
+        self.body_reads = body_reads or BodyReads()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -160,13 +165,16 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.engine.draining = True  # /ready answers 503 from now on
-        deadline = asyncio.get_running_loop().call_later(
-            self.drain_timeout, self.engine.fail_in_flight, "the server is shutting down"
-        )
+        deadline = asyncio.get_running_loop().call_later(self.drain_timeout, self.end_drain)
         try:
             await super().shutdown(sockets)
         finally:
             deadline.cancel()
+
+    def end_drain(self) -> None:
+        """The drain timeout passed: generations still running fail, and bodies still arriving get a 503."""
+        self.engine.fail_in_flight(SHUTDOWN_MESSAGE)
+        self.body_reads.refuse()
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -202,4 +210,4 @@ def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
         timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE_SECONDS,  # type: ignore[arg-type]
         access_log=config.access_log,
     )
-    return DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout)
+    return DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout, app.state.body_reads)

@@ -20,7 +20,8 @@ def add_norm(
     eps: float,
     rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r = residual + x`` (or ``x``); returns ``(norm(r) * weight + bias, r)`` in ``x``'s dtype.
+    """``r = residual + x`` (or ``x``); returns ``(norm(r) * weight + bias, r)``: the first in ``x``'s dtype,
+    ``r`` in the promoted dtype of ``x`` and ``residual`` (an fp32 residual stream stays fp32).
 
     LayerNorm over the last dimension, or RMSNorm when ``rms``. The second output is the new residual
     stream, so consecutive blocks chain ``normed, stream = add_norm(delta, stream, ...)``.

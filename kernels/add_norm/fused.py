@@ -1,7 +1,8 @@
 """Triton LayerNorm / RMSNorm fused with the residual add.
 
 One program per row: one read of ``x`` and ``residual``, one write of the sum and of the normalised row.
-Statistics in fp32.
+Statistics in fp32. The sum is stored in the promoted dtype of ``x`` and ``residual`` (an fp32 residual stream
+with bf16 activations stays fp32), the normalised row in ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _add_norm_kernel(
     r = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r += tl.load(residual_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        # Normalise the sum as stored (rounded to the activation dtype), like the unfused reference.
+        # Normalise the sum as stored (rounded to the promoted dtype), like the unfused reference.
         r = r.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n + cols, r, mask=mask)
         r = r.to(tl.float32)
@@ -46,7 +47,7 @@ def add_norm_triton(
     eps: float,
     rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``x [..., N]`` (+ ``residual``) -> ``(normed, summed)``, both in ``x``'s dtype."""
+    """Rows of ``x [..., N]`` (+ ``residual``) -> ``(normed in x's dtype, summed in the promoted dtype)``."""
     n = x.shape[-1]
     x2d = x.reshape(-1, n).contiguous()
     out = torch.empty_like(x2d)
@@ -54,8 +55,8 @@ def add_norm_triton(
         summed = x
         residual2d = x2d
     else:
-        residual2d = residual.reshape(-1, n).to(x.dtype).contiguous()
-        summed = torch.empty_like(x2d)
+        residual2d = residual.reshape(-1, n).contiguous()
+        summed = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     rows = x2d.shape[0]
     if rows:
         block_n = triton.next_power_of_2(n)

@@ -16,7 +16,9 @@ def add_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = residual + x`` (``x`` alone when ``residual`` is None); returns ``(norm(r) [..., N], r)``.
 
-    LayerNorm (``rms=False``) or RMSNorm over the last dimension, in ``x``'s dtype.
+    ``r`` takes PyTorch's promoted dtype of the two (an fp32 residual stream stays fp32 with bf16 activations,
+    as in the unfused ``stream + delta``). LayerNorm (``rms=False``) or RMSNorm over the last dimension of
+    ``r`` as stored, statistics in fp32, the result rounded once to ``x``'s dtype.
     """
     summed = x if residual is None else residual + x
     if rms:
@@ -25,4 +27,8 @@ def add_norm_ref(
         if bias is not None:
             normed = normed + bias.float()
         return normed.to(x.dtype), summed
-    return F.layer_norm(summed, (summed.shape[-1],), weight, bias, eps), summed
+    shape = (summed.shape[-1],)
+    if summed.dtype == x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype):
+        return F.layer_norm(summed, shape, weight, bias, eps), summed  # fp32 statistics, one rounding
+    bias32 = None if bias is None else bias.float()
+    return F.layer_norm(summed.float(), shape, weight.float(), bias32, eps).to(x.dtype), summed

@@ -55,7 +55,11 @@ def cached_attention_decode(
     scale: float | None = None,
 ) -> torch.Tensor:
     """One token per sequence: ``q, k, v [B, H, D]`` at ``positions [B]`` of slots ``slot_ids [B]``. Stores
-    ``k, v`` in the caches, then attends; no host synchronisation off CPU. Returns fp32 ``[B, H, D]``."""
+    ``k, v`` in the caches, then attends; no host synchronisation off CPU. Returns fp32 ``[B, H, D]``.
+
+    Positions must lie in ``0 .. L-1``: the CPU kernel rejects others, while off CPU, where checking would
+    synchronise, a position of -1 would store at row ``L-1`` and attend to no key (NaN). A batch padded to a
+    CUDA graph's size pads with the state pool's scratch slot at positions of 0 or more instead."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_cpu_kernel(q):  # stores k and v itself
         return torch.ops.rnnserve.cached_attention_decode(q, k, v, k_cache, v_cache, slot_ids, positions, scale)

@@ -90,8 +90,12 @@ def test_cpu_decode_ignores_rows_past_each_position() -> None:
     _assert_poisoned_rows_change_nothing(torch.bfloat16)
     k_pool, v_pool = _pools(16, torch.bfloat16)
     q = _qkv(2, 16, torch.bfloat16)[0]
-    outside = [(torch.tensor([2, 4]), torch.tensor([110, 170])), (torch.tensor([2, 8]), torch.tensor([1, 2]))]
-    for slots, positions in outside:  # a position past the capacity, a slot past the pool
+    outside = [
+        (torch.tensor([2, 4]), torch.tensor([110, 170])),
+        (torch.tensor([2, 4]), torch.tensor([3, -1])),
+        (torch.tensor([2, 8]), torch.tensor([1, 2])),
+    ]
+    for slots, positions in outside:  # a position past the capacity or before 0, a slot past the pool
         with pytest.raises(RuntimeError, match="outside the cache"):
             torch.ops.rnnserve.cached_attention_decode(q, q, q, k_pool[:, 0], v_pool[:, 0], slots, positions, 0.25)
 

@@ -13,6 +13,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rnnserve.server import http_server
 from rnnserve.server.config import ServerConfig
+from rnnserve.server.errors import APIError
+from rnnserve.server.guard import BodyReads
 from rnnserve.server.http_server import http_protocol, http_stack, listen_socket
 
 
@@ -56,3 +58,30 @@ def test_http_protocol_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http_server, "httptools_protocol", lambda: None)
     assert http_stack("auto") == "h11+uvloop"  # auto falls back to h11
     assert ServerConfig.build(model="random:mingru-tiny", http="auto").http == "auto"
+
+
+def test_body_reads_end_with_a_503_when_refused_and_a_cancelled_request_stays_cancelled() -> None:
+    """The drain's end (``BodyReads.refuse``) answers the bodies still arriving, and any read after, with a 503;
+    a request cancelled before (a client gone, uvicorn's own cancel) still ends cancelled."""
+
+    async def scenario() -> None:
+        reads = BodyReads()
+        never = asyncio.Event()
+
+        async def body() -> bytes:
+            await never.wait()
+            return b""
+
+        pending = asyncio.ensure_future(reads.read(body(), 60))
+        cancelled = asyncio.ensure_future(reads.read(body(), 60))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        reads.refuse()
+        for read in (pending, reads.read(body(), 60)):
+            with pytest.raises(APIError) as refusal:
+                await read
+            assert refusal.value.status == 503 and refusal.value.type == "service_unavailable"
+        assert cancelled.cancelled()
+
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -59,3 +60,38 @@ def test_requests_past_the_drain_timeout_end_with_503() -> None:
     assert answers["r"].status_code == 503 and answers["r"].json()["error"]["type"] == "service_unavailable"
     assert "Traceback" not in server.output and "KeyError" not in server.output, server.output
     assert "--api-key is visible" in server.output  # the key was given on the command line
+
+
+def test_a_body_still_arriving_when_the_drain_ends_gets_a_503() -> None:
+    """A client sending its body slowly (here: part of it, then nothing) while a longer --request-read-timeout
+    runs is answered with a JSON 503 when the drain ends, not held until uvicorn cancels its request with a 500
+    (and a traceback) at the end of the grace; the server exits 0."""
+    flags = ["--model", TINY, "--drain-timeout", "1", "--request-read-timeout", "120"]
+    with running_server(*flags) as server:
+        body = json.dumps({"prompt": "Hello", "max_tokens": 4}).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(head + body[:5])
+            wait_until_body_pending(server.url)
+            server.proc.send_signal(signal.SIGTERM)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert server.proc.wait(timeout=30) == 0
+        time.sleep(0.2)  # the log reader catches up
+    status, _, payload = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 503"), answer
+    assert b"connection: close" in status.lower(), answer
+    error = json.loads(payload)["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert "Traceback" not in server.output and "Cancel" not in server.output, server.output
+
+
+def wait_until_body_pending(url: str) -> None:
+    """Give the server a moment to read the partial request: a GET on another connection is answered only after
+    the event loop went past the first one's bytes."""
+    for _ in range(3):
+        httpx.get(f"{url}/health", timeout=10)
