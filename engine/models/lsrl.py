@@ -324,9 +324,16 @@ class LSRLModel(RecurrentLM):
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """``-HEAD_SHARPNESS (y - v)^2`` for every token value ``v`` (``-inf`` for tokens without a value): the
         nearest value wins, and a program's answer is a sample's at any temperature (at unit scale, sampling at
-        OpenAI's default temperature 1 picked the nearest token of a dictionary answer with p = 0.56)."""
+        OpenAI's default temperature 1 picked the nearest token of a dictionary answer with p = 0.56).
+
+        ``y`` is first clamped to one unit beyond the smallest and largest value, which keeps the nearest value:
+        for an output as large as 1e20 (a state growing without bound) every squared distance rounded to the same
+        number, and an infinite output made them all NaN."""
         v = self.token_values
-        scores = -HEAD_SHARPNESS * (y.reshape(-1, 1) - v) ** 2
+        valueless = torch.isnan(v)
+        lowest, highest = v.masked_fill(valueless, float("inf")).min(), v.masked_fill(valueless, -float("inf")).max()
+        y = y.reshape(-1, 1).clamp(lowest - 1, highest + 1)  # no boolean indexing: no host sync on a GPU
+        scores = -HEAD_SHARPNESS * (y - v) ** 2
         return scores.masked_fill(torch.isnan(v), float("-inf"))
 
     def _run(
