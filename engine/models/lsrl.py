@@ -2,7 +2,7 @@
 
 The model is the compiled path: an ordered list of layers (sparse ``linear``, ``relu``, ``multi`` and
 ``linstate``), see :mod:`rnnserve.engine.lsrl.compiler`. Tokens enter through an embedding table (``E[v] = v`` for
-scalar programs) and the scalar program output ``y`` is scored by ``logits_v = 2 v y - v^2`` (see
+scalar programs) and the scalar program output ``y`` is scored by ``logits_v = -100 (y - v)^2`` (see
 :mod:`rnnserve.engine.lsrl.tokens`).
 
 State: for every ``linstate`` layer, only the state dimensions its ``A`` reads at the next token (non-zero
