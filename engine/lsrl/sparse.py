@@ -33,12 +33,20 @@ def prune(matrix: torch.Tensor) -> torch.Tensor:
     return from_coo(matrix.indices(), matrix.values(), tuple(matrix.shape))
 
 
+def _numbers(value: Any) -> torch.Tensor:
+    """``value`` as a dense fp64 tensor; a TypeError naming it when it holds something other than numbers."""
+    try:
+        return torch.as_tensor(value, dtype=DTYPE)
+    except (TypeError, RuntimeError) as err:  # torch: "new(): invalid data type 'str'", "Could not infer dtype"
+        raise TypeError(f"LSRL constants and matrices hold numbers, got {value!r:.80}") from err
+
+
 def as_matrix(value: Any, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """A 2-D matrix (nested lists, numpy array, dense or sparse tensor) as a pruned sparse fp64 tensor."""
     if isinstance(value, torch.Tensor) and value.is_sparse:
         matrix = prune(value.to(DTYPE))
     else:
-        dense = torch.as_tensor(value, dtype=DTYPE)
+        dense = _numbers(value)
         if dense.dim() != 2:
             raise ValueError(f"expected a 2-D matrix, got shape {tuple(dense.shape)}")
         matrix = prune(dense.to_sparse())
@@ -51,7 +59,7 @@ def as_vector(value: Any, size: int) -> torch.Tensor:
     """A vector (``None`` = zeros, a scalar is broadcast, ``[n]`` or ``[n, 1]``) as a dense fp64 tensor."""
     if value is None:
         return torch.zeros(size, dtype=DTYPE)
-    vector = torch.as_tensor(value, dtype=DTYPE)
+    vector = _numbers(value)
     if vector.dim() == 0:
         return vector.expand(size).clone()
     vector = vector.reshape(-1)

@@ -32,7 +32,7 @@ counter in the state): a token at position ``p`` writes row ``p`` of each loop's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,13 @@ from rnnserve.engine.models.layers import RMSNorm, linear, matmul_t, rms_normali
 from rnnserve.kernels.cached_attention import cached_attention_decode, cached_attention_prefill
 from rnnserve.kernels.gated_act import gated_act
 
-__all__ = ["LoopedConfig", "LoopedTransformer", "TimestepModulatedLoopedTransformer", "timestep_frequencies"]
+__all__ = [
+    "LoopedConfig",
+    "LoopedTransformer",
+    "TimestepModulatedLoopedTransformer",
+    "shape_problem",
+    "timestep_frequencies",
+]
 
 NORM_EPS = torch.finfo(torch.float32).eps
 """``nn.RMSNorm(eps=None)`` uses the input dtype's epsilon; the norms here compute in fp32."""
@@ -78,6 +84,21 @@ class LoopedConfig(ModelConfig):
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+SHAPE_MINIMUMS = {"vocab_size": 1, "n_embd": 1, "n_head": 1, "n_loop": 0, "block_size": 1}
+
+
+def shape_problem(values: Mapping[str, Any]) -> str | None:
+    """Why the model shape in ``values`` (``LoopedConfig`` fields, or the authors' ``model_args``) cannot be built,
+    naming the field; ``None`` if it can (a value that is not an int is left to the config's type check)."""
+    sizes = {field: values[field] for field in SHAPE_MINIMUMS if isinstance(values[field], int)}
+    for field, size in sizes.items():
+        if size < SHAPE_MINIMUMS[field]:
+            return f"{field} must be at least {SHAPE_MINIMUMS[field]}, got {size}"
+    if {"n_embd", "n_head"} <= sizes.keys() and sizes["n_embd"] % sizes["n_head"]:
+        return f"n_embd {values['n_embd']} is not a multiple of n_head {values['n_head']}"
+    return None
 
 
 def timestep_frequencies(t: torch.Tensor, dim: int = TIMESTEP_FREQUENCIES) -> torch.Tensor:
@@ -120,8 +141,9 @@ class LoopedTransformer(RecurrentLM):
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__(config)
-        if config.n_embd % config.n_head:
-            raise ValueError(f"n_embd {config.n_embd} is not a multiple of n_head {config.n_head}")
+        problem = shape_problem(vars(config))
+        if problem is not None:
+            raise ValueError(problem)
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_embed = nn.Embedding(config.block_size, config.n_embd)
         self.block = LoopedBlock(config)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+from rnnserve.engine.models.looped import shape_problem
 
 COMPILE_PREFIX = "_orig_mod."
 MODEL_TYPES = ("lt", "tmlt")
@@ -119,8 +120,9 @@ def convert(src: Path) -> ConvertedCheckpoint:
     absent = [k for k in CONFIG_KEYS if k not in args]
     if absent:
         raise ConvertError(f"{path}: model_args lacks {absent}")
-    if args["n_embd"] % args["n_head"]:
-        raise ConvertError(f"{path}: n_embd {args['n_embd']} is not a multiple of n_head {args['n_head']}")
+    problem = shape_problem(args)
+    if problem is not None:
+        raise ConvertError(f"{path}: model_args: {problem}")
     state = {k.removeprefix(COMPILE_PREFIX): v for k, v in checkpoint["model"].items()}
     head = state.pop(TIED_HEAD, None)
     if head is not None and not torch.equal(head, state.get("transformer.wte.weight", head)):

@@ -2,7 +2,7 @@
 
 The model is the compiled path: an ordered list of layers (sparse ``linear``, ``relu``, ``multi`` and
 ``linstate``), see :mod:`rnnserve.engine.lsrl.compiler`. Tokens enter through an embedding table (``E[v] = v`` for
-scalar programs) and the scalar program output ``y`` is scored by ``logits_v = 2 v y - v^2`` (see
+scalar programs) and the scalar program output ``y`` is scored by ``logits_v = -100 (y - v)^2`` (see
 :mod:`rnnserve.engine.lsrl.tokens`).
 
 State: for every ``linstate`` layer, only the state dimensions its ``A`` reads at the next token (non-zero
@@ -30,6 +30,7 @@ from torch import nn
 
 from rnnserve.engine.lsrl.compiler import LinOp, LinStateOp, MultiOp, Path, ReLUOp
 from rnnserve.engine.lsrl.tokens import TokenInterface
+from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.base import (
     DecodeBatch,
     ModelConfig,
@@ -69,6 +70,20 @@ class SparseMatrix(nn.Module):
         matrix = matrix.coalesce()
         self.indices.copy_(matrix.indices())
         self.values.copy_(matrix.values())
+
+    def index_problem(self) -> str | None:
+        """Why ``indices`` cannot be this matrix's (out of range, or not in the strictly increasing row-major
+        order that :meth:`matrix` declares as coalesced); ``None`` if they can."""
+        rows, cols = self.shape
+        if self.indices.numel() == 0:
+            return None
+        low, high = self.indices.amin(dim=1).tolist(), self.indices.amax(dim=1).tolist()
+        if low[0] < 0 or low[1] < 0 or high[0] >= rows or high[1] >= cols:
+            return f"holds an index outside its [{rows}, {cols}] matrix"
+        flat = self.indices[0] * cols + self.indices[1]
+        if not bool((flat[1:] > flat[:-1]).all()):
+            return "is not in row-major order without repeats"
+        return None
 
     def matrix(self, columns: torch.Tensor | None = None) -> torch.Tensor:
         """The sparse tensor; with ``columns`` (sorted, covering every non-zero column) only those columns."""
@@ -117,6 +132,10 @@ class LinStateLayer(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
         self.init_state = nn.Parameter(torch.zeros(dim, dtype=FLOAT), requires_grad=False)
         self.persistent = list(spec["persistent"])
+        if any(not isinstance(i, int) for i in self.persistent) or self.persistent != sorted(set(self.persistent)):
+            raise ValueError(f"persistent must be increasing state indices, got {self.persistent}")
+        if self.persistent and not 0 <= self.persistent[0] <= self.persistent[-1] < dim:
+            raise ValueError(f"persistent {self.persistent} holds an index outside the state's {dim} dimensions")
         self._keep: dict[torch.device, torch.Tensor] = {}
 
     def _recurrence(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +201,16 @@ class LSRLModel(RecurrentLM):
             width = spec["out_dim"]
         if width != 1:
             raise ValueError(f"a served LSRL program must output one number per token, this one outputs {width}")
+        alphabet = config.alphabet
+        if (
+            not isinstance(alphabet, list)
+            or len(alphabet) != config.vocab_size
+            or any(not isinstance(s, str) or not s for s in alphabet)
+            or len(set(alphabet)) != len(alphabet)
+        ):
+            raise ValueError(f"alphabet must list {config.vocab_size} distinct non-empty token strings")
         self.layers = nn.ModuleList(layers)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.check_weights())
 
     @classmethod
     def from_path(cls, path: Path, tokens: TokenInterface) -> LSRLModel:
@@ -228,6 +256,33 @@ class LSRLModel(RecurrentLM):
                     layer.init_state.copy_(op.init_state)
         return model.eval()
 
+    def check_weights(self) -> None:
+        """Raise :class:`ModelLoadError` for loaded weights that would serve wrongly: a sparse index outside its
+        matrix or out of order, a ``linstate`` whose ``A`` reads a dimension outside ``persistent``, non-finite
+        weights, an infinite token value or no token with a value."""
+        tensors = dict(self.state_dict())
+        if any(t.is_meta for t in tensors.values()):
+            return
+        modules = dict(self.named_modules())
+        for name, module in modules.items():
+            if isinstance(module, SparseMatrix) and (problem := module.index_problem()) is not None:
+                raise ModelLoadError(f"LSRL checkpoint: {name}.indices {problem}")
+        for name, module in modules.items():
+            if isinstance(module, LinStateLayer):
+                read = set(torch.unique(module.A.indices[1]).tolist())
+                if not read <= set(module.persistent):
+                    raise ModelLoadError(
+                        f"LSRL checkpoint: {name}.A reads state dimensions {sorted(read - set(module.persistent))} "
+                        "that its persistent list does not keep"
+                    )
+        for name, tensor in tensors.items():
+            if name != "token_values" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ModelLoadError(f"LSRL checkpoint: {name} holds NaN or infinite numbers")
+        values = self.token_values
+        if bool(torch.isinf(values).any()) or bool(torch.isnan(values).all()):
+            raise ModelLoadError("LSRL checkpoint: token_values must be finite, or NaN for input-only tokens, "
+                                 "with at least one token having a value")  # fmt: skip
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embedding.dtype
@@ -269,9 +324,16 @@ class LSRLModel(RecurrentLM):
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """``-HEAD_SHARPNESS (y - v)^2`` for every token value ``v`` (``-inf`` for tokens without a value): the
         nearest value wins, and a program's answer is a sample's at any temperature (at unit scale, sampling at
-        OpenAI's default temperature 1 picked the nearest token of a dictionary answer with p = 0.56)."""
+        OpenAI's default temperature 1 picked the nearest token of a dictionary answer with p = 0.56).
+
+        ``y`` is first clamped to one unit beyond the smallest and largest value, which keeps the nearest value:
+        for an output as large as 1e20 (a state growing without bound) every squared distance rounded to the same
+        number, and an infinite output made them all NaN."""
         v = self.token_values
-        scores = -HEAD_SHARPNESS * (y.reshape(-1, 1) - v) ** 2
+        valueless = torch.isnan(v)
+        lowest, highest = v.masked_fill(valueless, float("inf")).min(), v.masked_fill(valueless, -float("inf")).max()
+        y = y.reshape(-1, 1).clamp(lowest - 1, highest + 1)  # no boolean indexing: no host sync on a GPU
+        scores = -HEAD_SHARPNESS * (y - v) ** 2
         return scores.masked_fill(torch.isnan(v), float("-inf"))
 
     def _run(

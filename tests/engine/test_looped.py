@@ -231,6 +231,21 @@ def test_converter_refuses_other_checkpoints(tmp_path: Path) -> None:
         convert_checkpoint(tmp_path / "mislabelled.pt", tmp_path / "out")
 
 
+@pytest.mark.parametrize(("field", "value"), [("n_loop", -2), ("n_head", 0), ("n_embd", 0), ("block_size", 0)])
+def test_converter_names_a_shape_that_cannot_be(tmp_path: Path, field: str, value: int) -> None:
+    """n_loop -2 failed with torch's "upper bound and larger bound inconsistent with step sign" and n_head 0 with
+    "integer modulo by zero", neither naming the field."""
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    data["model_args"][field] = value
+    torch.save(data, tmp_path / "ckpt.pt")
+    minimum = 0 if field == "n_loop" else 1
+    with pytest.raises(ConvertError, match=f"{field} must be at least {minimum}, got {value}"):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out")
+    with pytest.raises(ValueError, match=f"{field} must be at least {minimum}, got {value}"):
+        MODEL_REGISTRY["tmlt"](LoopedConfig(**{**PRESETS["tmlt-tiny"][1], field: value}))
+
+
 class _Payload:
     def __reduce__(self):
         return (print, ("unpickled",))

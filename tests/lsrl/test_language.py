@@ -62,6 +62,15 @@ def test_invalid_programs_are_rejected() -> None:
         run_program(x + Input(3), torch.zeros(1, 3))
 
 
+@pytest.mark.parametrize(
+    "build", [lambda x: x + "a", lambda x: x * [1.0, "b", 2.0], lambda x: Lin(x, "abc"), lambda x: Lin(x, None)]
+)
+def test_non_numbers_are_named_in_the_error(build) -> None:
+    """`x + "a"` raised torch's "new(): invalid data type 'str'", which names neither the value nor LSRL."""
+    with pytest.raises(TypeError, match="LSRL constants and matrices hold numbers, got"):
+        build(Input(3))
+
+
 def test_step_and_logic_helpers() -> None:
     x = Input(2)
     out = Concat(

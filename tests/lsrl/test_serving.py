@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -54,6 +55,18 @@ def test_head_is_nearest_integer_and_skips_valueless_tokens(builtin) -> None:
     logits = model.logits(torch.tensor([2.4, 2.6, -5.0, 42.0], dtype=torch.float64))
     assert logits.argmax(dim=-1).tolist() == [2, 3, 0, 9]
     assert torch.isinf(logits[:, tokenizer.encode("(0.5,0.5)")]).all()
+
+
+def test_head_picks_the_nearest_value_for_outputs_far_outside_the_values(builtin) -> None:
+    """A program whose state grows without bound (``A = [[2]]``) outputs 1e20 and then inf: the squared distances
+    to every value rounded to one number (1e20) or to NaN (inf), and greedy decoding returned token 0, the farthest,
+    instead of the largest value."""
+    model, _ = builtin["approximator"]
+    for dtype in (torch.float64, torch.float32):
+        y = torch.tensor([1e20, float("inf"), 3e38, -1e20, -float("inf"), 9.6, -0.4], dtype=dtype)
+        logits = copy.deepcopy(model).to(dtype).logits(y)
+        assert logits.argmax(dim=-1).tolist() == [9, 9, 9, 0, 0, 9, 0]
+        assert not torch.isnan(logits).any()
 
 
 def test_checkpoint_round_trip_and_fp32_selection(builtin, tmp_path: Path) -> None:
