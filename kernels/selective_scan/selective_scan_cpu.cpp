@@ -134,7 +134,7 @@ __attribute__((always_inline)) inline int64_t update_rows_of_16(float* h0, const
       const int64_t j = j0 + i;
       float* hj = h0 + j * 16;
 #pragma omp simd
-      for (int64_t n = 0; n < 16; ++n) exps[n] = rnnserve::fast_exp(delta[j] * A0[j * 16 + n]);
+      for (int64_t n = 0; n < 16; ++n) exps[n] = rnnserve::fast_exp_of_finite(delta[j] * A0[j * 16 + n]);
       const __m512 h = _mm512_fmadd_ps(_mm512_load_ps(exps), _mm512_loadu_ps(hj),
                                        _mm512_mul_ps(_mm512_set1_ps(delta[j] * xs[j]), b));
       _mm512_storeu_ps(hj, h);
@@ -174,7 +174,7 @@ void scan_block(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0, int64_t d1
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t n = 0; n < N; ++n) {
-        const float hn = rnnserve::fast_exp(dj * Aj[n]) * hj[n] + uj * Bt[n];
+        const float hn = rnnserve::fast_exp_of_finite(dj * Aj[n]) * hj[n] + uj * Bt[n];
         hj[n] = hn;
         sum += hn * Ct[n];
       }
@@ -227,7 +227,7 @@ void scan_block_by_channel(const Args<T>& a, int64_t t0, int64_t t1, int64_t d0,
       const float* An = A + n * kWideBlock;
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
-        const float v = rnnserve::fast_exp(delta[j] * An[j]) * hn[j] + xs[j] * b;
+        const float v = rnnserve::fast_exp_of_finite(delta[j] * An[j]) * hn[j] + xs[j] * b;
         hn[j] = v;
         acc[j] += v * c;
       }
