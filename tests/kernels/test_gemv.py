@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnserve.engine.models.layers import matmul_t
+from rnnserve.engine.models.layers.linear import onednn_rows
 from rnnserve.kernels import gemv as gemv_module
 from rnnserve.kernels.cpu_extension import cpu_ops
 from rnnserve.kernels.gemv import ROW_LIMITS, gemv, gemv_applies, row_limit
@@ -234,6 +235,36 @@ def test_fp32_beyond_the_kernel_runs_onednn(rows: int, with_bias: bool, monkeypa
     with torch.enable_grad():  # no autograd formula: a product that needs a gradient keeps ATen's
         weight.requires_grad_(True)
         assert matmul_t(x, weight, bias).requires_grad and len(calls) == 1
+
+
+def test_onednn_rows_are_few_per_doubling_and_waste_at_most_an_eighth() -> None:
+    """oneDNN builds and caches a primitive per shape: a prefill's every row count was one, so the caches churned
+    and the heap grew; bucketed, 2048 row counts are a few dozen shapes."""
+    padded = [onednn_rows(rows) for rows in range(1, 4097)]
+    assert all(rows <= p <= rows * 1.125 for rows, p in enumerate(padded, start=1))
+    assert len(set(padded[:2048])) <= 80
+    assert [onednn_rows(rows) for rows in (1, 16, 17, 31, 32, 33, 600, 2048)] == [1, 16, 18, 32, 32, 36, 640, 2048]
+
+
+@pytest.mark.skipif(not gemv_module.ONEDNN_FP32_GEMM, reason="needs PyTorch's oneDNN (x86 builds)")
+@pytest.mark.parametrize("rows", [33, 100, 601])
+def test_onednn_multiplies_bucketed_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows oneDNN gets are padded with zeros to ``onednn_rows``; the result has the rows asked for,
+    contiguous, as ATen's."""
+    x, weight = operands(rows, 96, 200, torch.float32, seed=rows)
+    bias = torch.randn(200, generator=torch.Generator().manual_seed(7))
+    shapes: list[tuple[int, ...]] = []
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(args[0].shape))
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    out = matmul_t(x[:, :96], weight, bias)
+    assert shapes == [(onednn_rows(rows), 96)] and onednn_rows(rows) > rows
+    assert out.shape == (rows, 200) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 def mixer_args(dtype: torch.dtype, batch: int) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from rnnserve.server.sessions import (
     default_session_dir,
     new_session_id,
     remove_temporary_files,
+    safetensors_bytes,
 )
 
 SPECS = [StateSpec("h", (2, 3), torch.float32), StateSpec("conv", (4,), torch.float64)]
@@ -95,6 +97,24 @@ def test_file_format_round_trip(tmp_path: Path) -> None:
     assert fresh.num_sessions == 1 and fresh.stored_bytes == info.nbytes
     assert_same(state, fresh.load(empty.id).snapshot)  # type: ignore[arg-type]
     assert fresh.info(empty.id) == info
+
+
+def test_encoding_a_history_of_a_new_length_keeps_nothing_behind() -> None:
+    """``safetensors.torch.save`` made a ctypes array type (and its pointer type) per byte length of a tensor,
+    which ctypes keeps for good: one more per new history length for as long as the server ran. The files are
+    still what safetensors reads, in every dtype a state may have."""
+    codec = SessionCodec(FINGERPRINT, SPECS, VOCAB)
+    codec.encode(snapshot(0, tokens=3), 1, 1)  # whatever a first call sets up
+    types_before = len(ctypes._pointer_type_cache)  # type: ignore[attr-defined]
+    for tokens in range(40_000, 40_020):
+        codec.encode(snapshot(0, tokens=tokens), 1, 1)
+    assert len(ctypes._pointer_type_cache) == types_before  # type: ignore[attr-defined]
+    tensors = {"f": torch.randn(2, 3), "b": torch.randn(5).bfloat16(), "d": torch.randn(1).double(),
+               "i": torch.arange(3), "empty": torch.zeros(0, dtype=torch.int64), "s": torch.tensor(True)}
+    data = safetensors_bytes(tensors, {"k": "v", "a": "é"})
+    loaded = safetensors.torch.load(data)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    assert all(loaded[k].dtype == t.dtype for k, t in tensors.items())
 
 
 def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path: Path) -> None:

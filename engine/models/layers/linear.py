@@ -14,6 +14,7 @@ from rnnserve.kernels.int8_linear import int8_linear
 from rnnserve.kernels.skinny_linear import skinny_linear_applies
 
 SMALL_BATCH_ROWS = 128
+ONEDNN_ROW_BITS = 3  # oneDNN multiplies 2**3 row counts per doubling of the rows (see onednn_rows)
 
 
 def linear(layer: nn.Linear | QuantizedLinear, x: torch.Tensor, widened: bool = False) -> torch.Tensor:
@@ -40,7 +41,8 @@ def matmul_t(
     * bf16 beyond those rows on CPUs without bf16 arithmetic (:data:`rnnserve.kernels.gemv.UPCAST_BF16_GEMM`):
       the fp32 GEMM of the upcast operands, rounded once to bf16 (4-8x ATen's bf16 GEMM there);
     * fp32 beyond those rows where PyTorch has oneDNN (:data:`rnnserve.kernels.gemv.ONEDNN_FP32_GEMM`): oneDNN's
-      inner product (ATen's fp32 GEMM is MKL's, which takes its AVX2 code on AMD CPUs: 2.0-2.3x on a Zen 5);
+      inner product (ATen's fp32 GEMM is MKL's, which takes its AVX2 code on AMD CPUs: 2.0-2.3x on a Zen 5), on
+      rows padded to :func:`onednn_rows`;
     * 2..128 rows otherwise: ``(W @ x^T)^T``. With few rows, MKL/oneDNN repack the weight for ``x @ W^T``
       on every call; ``W @ x^T`` streams it as stored instead: 1.4-1.8x faster in fp32 and 1.5-2.5x in
       bf16 at 8-64 rows on these CPUs. The result is a transposed view.
@@ -60,11 +62,36 @@ def matmul_t(
     if gemv.UPCAST_BF16_GEMM and x.dtype == weight.dtype == torch.bfloat16:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if gemv.ONEDNN_FP32_GEMM and onednn_applies(x, weight, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     if not 2 <= x.shape[0] <= SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
     return out if bias is None else out + bias
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count oneDNN multiplies for ``rows`` rows: rounded up to one of ``2**ONEDNN_ROW_BITS`` steps per
+    doubling (at most 1/8 more rows). oneDNN builds (JIT-compiles)
+    and caches a primitive per shape, ~250 KB each, in caches of 1024 entries: every row count of a prefill's
+    packed chunks was a shape of its own, and a CPU server's heap grew by hundreds of MB of primitives, then kept
+    growing as the caches evicted and rebuilt them (the freed holes fragment glibc's heap, which the server never
+    trims). Bucketed, a weight shape has ~8 row counts per doubling."""
+    step = 1 << max(0, rows.bit_length() - 1 - ONEDNN_ROW_BITS)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's fp32 inner product of ``x`` padded with zero rows to :func:`onednn_rows` (the result's rows
+    beyond ``x``'s are left out: a contiguous view)."""
+    rows = x.shape[0]
+    padded_rows = onednn_rows(rows)
+    if padded_rows != rows:
+        padded = x.new_empty((padded_rows, x.shape[1]))
+        padded[:rows] = x
+        padded[rows:] = 0
+        x = padded
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out if padded_rows == rows else out[:rows]
 
 
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
