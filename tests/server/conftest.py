@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.sampling_params import StructuredOutputParams
+from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.app import ServerConfig, create_app
 from rnnserve.server.background import serve_in_thread
 
@@ -23,6 +27,20 @@ def tiny_config(**overrides: object) -> ServerConfig:
         "api_key": None,  # not $RNNSERVE_API_KEY from the developer's shell
     }
     return ServerConfig.build(**{**base, **overrides})
+
+
+def hold_grammar_compiles(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, timeout: float) -> threading.Semaphore:
+    """Make each of ``engine``'s grammar compiles wait for a release of the returned semaphore (at most
+    ``timeout`` seconds, then the compile fails the test)."""
+    may_finish = threading.Semaphore(0)
+    real_compile = engine.grammars.compile
+
+    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
+        assert may_finish.acquire(timeout=timeout)
+        return real_compile(constraint)
+
+    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    return may_finish
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import pytest
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, SamplingParams, StructuredOutputParams
 from rnnserve.engine.scheduler import QueueFullError
-from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.engine_core import (
     DEFAULT_MAX_COMPILING,
     MAX_UNHANDLED,
@@ -31,6 +30,7 @@ from rnnserve.server.engine_core import (
     Stopped,
 )
 from tests.engine.conftest import make_engine
+from tests.server.conftest import hold_grammar_compiles
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=OutputKind.DELTA)
 
@@ -172,14 +172,7 @@ def test_grammars_compile_off_the_engine_loop_while_other_requests_step(monkeypa
     while a grammar compiles and adds its request once it is ready; a request aborted while its grammar waits to
     compile is dropped (never compiled), its add answered; an invalid grammar is the add's error, as before."""
     engine = make_engine()
-    may_finish = threading.Semaphore(0)  # one release per compile that may finish
-    real_compile = engine.grammars.compile
-
-    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
-        assert may_finish.acquire(timeout=30)
-        return real_compile(constraint)
-
-    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    may_finish = hold_grammar_compiles(monkeypatch, engine, timeout=30)  # a release per compile that may finish
     core = CoreThread(engine)
     stream = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=OutputKind.DELTA)
     choice = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputParams(choice=["yes", "no"]))
@@ -216,14 +209,7 @@ def test_the_grammar_queue_is_bounded_counted_as_waiting_and_freed_by_an_abort(m
     the load the gauges show. Beyond ``max_compiling`` an add is refused (a 429, as a full waiting queue); those
     queued count as waiting, and as compiling; an abort of one gives its place, and its count, back at once."""
     engine = make_engine()
-    may_finish = threading.Semaphore(0)
-    real_compile = engine.grammars.compile
-
-    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
-        assert may_finish.acquire(timeout=30)
-        return real_compile(constraint)
-
-    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    may_finish = hold_grammar_compiles(monkeypatch, engine, timeout=30)
     core = CoreThread(engine, max_compiling=2)
     choice = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputParams(choice=["yes", "no"]))
     core.commands.put(AddCommand(1, ["a-0", "a-1"], ["x", "y"], choice, 0.0))  # one compile for both prompts

@@ -5,18 +5,15 @@ its grammar waits gives its place up at once."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from rnnserve.engine.sampling_params import StructuredOutputParams
-from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
-from tests.server.conftest import tiny_config
+from tests.server.conftest import hold_grammar_compiles, tiny_config
 from tests.server.test_live import scrape
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,14 +33,7 @@ def test_a_full_grammar_queue_is_a_429_and_a_client_gone_while_its_grammar_waits
 ) -> None:
     app = create_app(tiny_config(max_compiling=1, retry_after_seconds=3))
     engine = app.state.engine.engine
-    may_finish = threading.Semaphore(0)
-    real_compile = engine.grammars.compile
-
-    def held_compile(constraint: StructuredOutputParams) -> CompiledGrammar:
-        assert may_finish.acquire(timeout=60)
-        return real_compile(constraint)
-
-    monkeypatch.setattr(engine.grammars, "compile", held_compile)
+    may_finish = hold_grammar_compiles(monkeypatch, engine, timeout=60)
 
     def gauges(url: str) -> tuple[float, float]:
         metrics = scrape(url)
