@@ -28,6 +28,7 @@ from rnnserve.engine.sampling_params import InvalidParameterError, OutputKind, S
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.engine_core import (
+    SHUTDOWN_MESSAGE,
     AbortCommand,
     Aborted,
     AddCommand,
@@ -200,7 +201,7 @@ class AsyncEngine:
         the model is loaded and, on CPU, the fused kernels are built (``LLMEngine`` does both before it returns),
         so what remains is the engine loop running and the server not shutting down."""
         if self.draining:
-            return "the server is shutting down"
+            return SHUTDOWN_MESSAGE
         if not self.running or not self._accepting:
             return "the engine is not running"
         return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rnnserve.server.engine_core import SHUTDOWN_MESSAGE
 from rnnserve.server.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # "/tokenize" covers /tokenizer_info
@@ -20,9 +21,6 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # "/tokenize" covers 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 JSON_MEDIA_TYPE = b"application/json"
 STATE_UPLOAD_PATH = re.compile(r"/v1/sessions/[^/]+/state")  # PUT: a session's state, MBs, its own body limit
-
-
-SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class BodyReads:

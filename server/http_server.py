@@ -16,8 +16,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.config import ServerConfig
+from rnnserve.server.engine_core import SHUTDOWN_MESSAGE
 from rnnserve.server.errors import APIError
-from rnnserve.server.guard import SHUTDOWN_MESSAGE, BodyReads
+from rnnserve.server.guard import BodyReads
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers; h11's default limit, applied to httptools as well
 DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
