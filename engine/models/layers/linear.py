@@ -84,14 +84,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """oneDNN's fp32 inner product of ``x`` padded with zero rows to :func:`onednn_rows` (the result's rows
     beyond ``x``'s are left out: a contiguous view)."""
     rows = x.shape[0]
-    padded_rows = onednn_rows(rows)
-    if padded_rows != rows:
-        padded = x.new_empty((padded_rows, x.shape[1]))
-        padded[:rows] = x
-        padded[rows:] = 0
-        x = padded
-    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return out if padded_rows == rows else out[:rows]
+    padding = onednn_rows(rows) - rows
+    if not padding:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padding)), weight, bias, "none", [], "")[:rows]
 
 
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
