@@ -33,6 +33,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}Assistant:{% endif -%}"
 )
+# What rendering a compiled template can raise on a request's values: Jinja's own errors, and the Python errors of
+# the operations a template applies to them (a number added to a string, an index past a list's end, ...).
+RENDER_ERRORS = (TemplateError, TypeError, ValueError, LookupError, ArithmeticError)
 
 
 def _raise_exception(message: str) -> None:
@@ -88,7 +91,9 @@ def render_chat(
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Apply ``template`` (default: the tokenizer's, else ``DEFAULT_CHAT_TEMPLATE``) with ``template_kwargs`` as
-    extra variables; a template error becomes an InvalidParameterError on ``messages``."""
+    extra variables; a template error becomes an InvalidParameterError on ``messages``, as does a Python error the
+    template meets on the request's values (``'<call>' + name`` with a number for a tool call's name, ...), which
+    Jinja raises as it is."""
     source = template or tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     if template_kwargs and "messages" in template_kwargs:
         raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs cannot replace 'messages'")
@@ -100,7 +105,7 @@ def render_chat(
     }
     try:
         text = _compile(source).render(messages=messages, **variables)
-    except TemplateError as err:
+    except RENDER_ERRORS as err:
         raise InvalidParameterError("messages", f"chat template error: {err}") from err
     if continue_final_message and messages:
         last = messages[-1]["content"]

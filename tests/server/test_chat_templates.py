@@ -109,6 +109,30 @@ def test_tools_and_earlier_calls_reach_the_template(tmp_path: Path) -> None:
         assert without["prompt_tokens"] == len(expected) - len('<tool get_weather: {"type": "object"}>')
 
 
+# Llama 3.1's way of writing a call: string concatenation, which Jinja leaves to Python
+CONCATENATING_TEMPLATE = (
+    "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ '<call>' + c.function.name }}{% endfor %}"
+    "{{ m.role + ': ' + m.content }}{% endfor %}"
+)
+
+
+def test_values_a_template_cannot_render_are_400s_not_500s(tmp_path: Path) -> None:
+    """A Python error a template meets on the request's values (a tool call's name that is a number, added to a
+    string: a ``TypeError``, not a Jinja error) is a 400 naming ``messages``, on chat and /tokenize."""
+    template = tmp_path / "concatenating.jinja"
+    template.write_text(CONCATENATING_TEMPLATE)
+    call = {"id": "call_1", "type": "function", "function": {"name": 5, "arguments": "{}"}}
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with serving("random:mingru-tiny", chat_template=str(template)) as client:
+        for path, body in [("/v1/chat/completions", {"messages": history, "max_tokens": 1}),
+                           ("/tokenize", {"messages": history})]:  # fmt: skip
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == "messages" and "chat template error" in error["message"], error
+        assert rendered(client) == "user: Hi"
+
+
 def test_a_bad_template_file_stops_the_server_at_start(tmp_path: Path) -> None:
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
