@@ -218,9 +218,14 @@ class Generation(ABC):
     def choice_index(self, out: RequestOutput, sample: CompletionOutput) -> int:
         return self.prompt_index[out.request_id] * self.params.n + sample.index
 
-    def record(self, out: RequestOutput) -> None:
+    def record_prompt(self, out: RequestOutput) -> None:
+        """Count the prompt tokens of ``out``'s request in the usage."""
         self.prompt_tokens[out.request_id] = len(out.prompt_token_ids)
         self.cached_tokens[out.request_id] = out.num_cached_tokens
+
+    def record(self, out: RequestOutput) -> None:
+        """Count ``out``'s prompt and generated tokens in the usage."""
+        self.record_prompt(out)
         for sample in out.outputs:
             self.completion_tokens[(out.request_id, sample.index)] = self.reported_tokens(sample)
 
@@ -286,10 +291,19 @@ class Generation(ABC):
         falls behind the engine catches up with one send per batch, not one per token."""
         pending: list[str] = []
         try:
-            for choice in self.opening_choices():
-                yield self.chunk([choice])
             continuous_usage = self.req.continuous_usage
+            # With running usage the opening chunks wait for the first output, which tells the prompt's length
+            # (as vLLM sends them): before it, their usage would say 0 prompt tokens.
+            opening = self.opening_choices()
+            if not continuous_usage:
+                for choice in opening:
+                    yield self.chunk([choice])
+                opening = []
             async for out in self.submission.outputs():
+                if opening:
+                    self.record_prompt(out)
+                    pending += [self.chunk([choice]) for choice in opening]
+                    opening = []
                 if out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
                 choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]

@@ -78,6 +78,23 @@ def test_continuous_usage_stats_reports_usage_on_every_chunk(client: TestClient)
     assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks)  # type: ignore[index]
 
 
+def test_continuous_usage_of_a_chat_counts_the_prompt_from_the_opening_chunks(client: TestClient) -> None:
+    """The chunks that open each choice with the role carry the prompt's tokens and no completion tokens yet (they
+    said 0 prompt tokens), and every chunk after them the running totals of both choices."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": [{"role": "user", "content": "Hello"}], "n": 2, "stream": True, "stream_options": options,
+            **GREEDY, "ignore_eos": True}  # fmt: skip
+    chunks = events(client.post("/v1/chat/completions", json=body).text)[:-1]
+    final = chunks[-1]["usage"]  # type: ignore[index]
+    assert final["completion_tokens"] == 2 * 6 and final["prompt_tokens"] > 0
+    opening = [c for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]  # type: ignore[index]
+    assert [c["choices"][0]["index"] for c in opening] == [0, 1] and chunks[:2] == opening  # type: ignore[index]
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in chunks)  # type: ignore[index]
+    assert [c["usage"]["completion_tokens"] for c in opening] == [0, 0]  # type: ignore[index]
+    totals = [c["usage"]["total_tokens"] for c in chunks]  # type: ignore[index]
+    assert totals == sorted(totals) and totals[-1] == final["prompt_tokens"] + 2 * 6
+
+
 def test_stream_without_usage_has_no_usage_field(client: TestClient) -> None:
     chunks = events(client.post("/v1/completions", json={"prompt": "Hi", "stream": True, **GREEDY}).text)
     assert chunks[-1] == "[DONE]" and all("usage" not in c for c in chunks[:-1])
