@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -72,6 +73,32 @@ class InternalErrors:
             logger.error("unhandled error", exc_info=err)
 
 
+# A step of an error's location that names the member of a union a value was tried as (``prompt.list[int]``), not
+# a field: request fields are snake_case, the members are type names.
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
+# What each union-typed request field takes, for the error of a value it does not take
+ACCEPTED_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string, null or a list of content parts ({"type": "text", "text": ...})',
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+    "function_call": "a string or an object",
+    "guided_json": "a JSON schema: an object, or its text",
+}
+
+
+def union_error(loc: list[str]) -> APIError | None:
+    """The 400 for a value that none of a union-typed field's members take (pydantic reports the first member's
+    complaint, ``prompt.str: Input should be a valid string`` for ``[1.5]``), naming what the field takes; ``None``
+    where ``loc`` is no union member's."""
+    member = next((i for i, part in enumerate(loc) if UNION_MEMBER.fullmatch(part)), None)
+    if member is None or member == 0:
+        return None
+    field = loc[:member]
+    accepted = ACCEPTED_FORMS.get(field[-1], "a value of another type")
+    return bad_request(f"invalid value for {'.'.join(field)}: expected {accepted}", param=loc[0], code="invalid_type")
+
+
 def from_validation_error(err: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field."""
     first = err.errors(include_url=False)[0]
@@ -82,6 +109,9 @@ def from_validation_error(err: ValidationError) -> APIError:
         return bad_request(
             f"unrecognized request argument supplied: {'.'.join(loc)}", param=loc[0] if loc else None
         )
+    union = union_error(loc)
+    if union is not None:
+        return union
     if first["type"] == "missing":
         return bad_request(f"missing required parameter: {'.'.join(loc)}", param=loc[0] if loc else None)
     where = ".".join(loc) or "body"

@@ -51,6 +51,25 @@ def test_known_fields_keep_their_types(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "where", "accepted"),
+    [
+        ("/v1/completions", {"prompt": [1.5]}, "prompt", "a list of token ids"),
+        ("/v1/completions", {"prompt": [[1], "a"]}, "prompt", "a list of token-id lists"),
+        ("/v1/completions", {"prompt": "x", "stop": [None]}, "stop", "a list of strings"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "content parts"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": 5}, "tool_choice", "'required'"),
+    ],
+)
+def test_a_value_of_no_accepted_form_names_the_forms(client: TestClient, path: str, body: dict, where: str,
+                                                     accepted: str) -> None:  # fmt: skip
+    """A field that takes several forms names them all for a value of none of them, not the complaint of the
+    first form pydantic tried (``invalid value for prompt.str: Input should be a valid string`` for ``[1.5]``)."""
+    error = client.post(path, json=body).json()["error"]
+    assert error["param"] == where.split(".")[0] and error["code"] == "invalid_type", error
+    assert error["message"].startswith(f"invalid value for {where}: expected ") and accepted in error["message"]
+
+
+@pytest.mark.parametrize(
     "part",
     [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
      {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
