@@ -80,7 +80,8 @@ def is_ip_address(name: str) -> bool:
 
 class RequestGuard:
     """Host check (against DNS rebinding), API-key check (constant-time) on the protected routes, JSON-only
-    POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout.
+    POST bodies (a cross-origin form post cannot run a generation), and a body size limit and read timeout. A HEAD
+    request is served as the GET it stands for.
     A session state upload (``PUT /v1/sessions/{id}/state``) has its own limit, ``max_state_bytes``. Bodies are
     read through ``body_reads``, which a shutdown's drain ends with a 503."""
 
@@ -109,7 +110,9 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         error = self._check_headers(scope, headers)
         if error is None and scope["method"] in ("GET", "HEAD"):
-            await self.app(scope, receive, send)
+            # HEAD is a GET whose body the server leaves out (uvicorn does, by its own copy of the scope): FastAPI's
+            # GET routes answered it with a 405
+            await self.app({**scope, "method": "GET"} if scope["method"] == "HEAD" else scope, receive, send)
             return
         body = None
         if error is None:

@@ -463,6 +463,17 @@ def test_generation_routes_are_in_the_schema_and_refuse_other_methods(client: Te
         assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
+def test_head_is_answered_where_get_is(client: TestClient) -> None:
+    """HEAD asks for a GET's status and headers (RFC 9110), which FastAPI's GET routes answered with a 405."""
+    for path in ("/v1/models", "/health", "/ready", "/metrics", "/version"):
+        head, get = client.head(path), client.get(path)
+        assert head.status_code == get.status_code == 200, (path, head.text)
+        assert head.headers["content-type"] == get.headers["content-type"]
+    response = client.head("/v1/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert client.head("/v1/nope").status_code == 404
+
+
 def test_model_name_may_be_given_or_omitted(client: TestClient) -> None:
     assert complete(client, prompt="a", model=TINY, max_tokens=1)["model"] == TINY
     assert complete(client, prompt="a", max_tokens=1)["model"] == TINY
