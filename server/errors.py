@@ -73,9 +73,8 @@ class InternalErrors:
             logger.error("unhandled error", exc_info=err)
 
 
-# A step of an error's location that names the member of a union a value was tried as (``prompt.list[int]``), not
-# a field: request fields are snake_case, the members are type names.
-UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
+# A step of an error's location after a union-typed field: the member the value was tried as (``prompt.list[int]``)
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]")
 # What each union-typed request field takes, for the error of a value it does not take
 ACCEPTED_FORMS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -91,11 +90,13 @@ def union_error(loc: list[str]) -> APIError | None:
     """The 400 for a value that none of a union-typed field's members take (pydantic reports the first member's
     complaint, ``prompt.str: Input should be a valid string`` for ``[1.5]``), naming what the field takes; ``None``
     where ``loc`` is no union member's."""
-    member = next((i for i, part in enumerate(loc) if UNION_MEMBER.fullmatch(part)), None)
-    if member is None or member == 0:
+    member = next(
+        (i for i in range(1, len(loc)) if loc[i - 1] in ACCEPTED_FORMS and UNION_MEMBER.fullmatch(loc[i])), None
+    )
+    if member is None:
         return None
     field = loc[:member]
-    accepted = ACCEPTED_FORMS.get(field[-1], "a value of another type")
+    accepted = ACCEPTED_FORMS[field[-1]]
     return bad_request(f"invalid value for {'.'.join(field)}: expected {accepted}", param=loc[0], code="invalid_type")
 
 

@@ -67,6 +67,8 @@ def test_a_value_of_no_accepted_form_names_the_forms(client: TestClient, path: s
     error = client.post(path, json=body).json()["error"]
     assert error["param"] == where.split(".")[0] and error["code"] == "invalid_type", error
     assert error["message"].startswith(f"invalid value for {where}: expected ") and accepted in error["message"]
+    error = client.post("/v1/completions", json={"prompt": "x", "metadata": {"str": 5}}).json()["error"]
+    assert error["message"].startswith("invalid value for metadata.str: Input should be"), error  # a key, no form
 
 
 @pytest.mark.parametrize(
