@@ -6,6 +6,7 @@ gives ``transformers``' logits, with ``--tokenizer`` or serving token ids."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,15 +36,16 @@ CASES = {  # the release's config.json, and the transformers config of the same 
 }  # fmt: skip
 
 
-def authors_release(case: str, path: Path) -> torch.nn.Module:
-    """A ``transformers`` model with random weights, saved as the authors' package saves it."""
+def authors_release(case: str, path: Path, wrap: Callable[[dict], object] = lambda state: state) -> torch.nn.Module:
+    """A ``transformers`` model with random weights, saved as the authors' package saves it (or as a training
+    script saved the same state dict: ``wrap``)."""
     config, hf_config = CASES[case]
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(hf_config()).eval()
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in reference.state_dict().items()}
-    torch.save(state, path / "pytorch_model.bin")
+    torch.save(wrap(state), path / "pytorch_model.bin")
     return reference
 
 
@@ -90,5 +92,32 @@ def test_what_the_native_models_do_not_compute_is_refused(change: dict, reason: 
     config = json.loads((tmp_path / "release" / "config.json").read_text())
     (tmp_path / "release" / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ConvertError, match=reason):
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+
+
+TRAINING_WRAPPERS = {  # how training scripts save the same weights
+    "lightning": lambda state: {"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 1},
+    "compiled-ddp": lambda state: {f"module._orig_mod.{k}": v for k, v in state.items()},
+    "model-entry": lambda state: {"model": state, "optimizer": {"lr": torch.tensor(1e-3)}, "step": 7},
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(TRAINING_WRAPPERS))
+@torch.inference_mode()
+def test_a_training_checkpoint_of_the_release_converts_to_the_same_model(wrapper: str, tmp_path: Path) -> None:
+    """A Lightning ``{"state_dict": ...}`` with ``model.`` names, a compiled model under DDP (``module._orig_mod.``)
+    and a ``{"model": ..., "optimizer": ...}`` dict give the release's weights; the notes say what was unwrapped."""
+    reference = authors_release("mamba", tmp_path / "release", TRAINING_WRAPPERS[wrapper])
+    checkpoint = convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert any("entry" in n or "prefix" in n for n in checkpoint.notes)
+    model, _ = load_model(str(tmp_path / "native"), device="cpu", dtype="float32")
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=0, rtol=0)
+
+
+def test_a_release_with_an_ema_copy_is_refused_naming_it(tmp_path: Path) -> None:
+    authors_release("mamba", tmp_path / "release", lambda state: {**state, **{f"ema.{k}": v for k, v in state.items()}})
+    with pytest.raises(ConvertError, match="EMA copy"):
         convert_checkpoint(tmp_path / "release", tmp_path / "native")
     assert not (tmp_path / "native").exists()
