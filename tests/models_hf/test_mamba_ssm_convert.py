@@ -15,6 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
 from rnnserve.engine.loader import load_model
+from rnnserve.engine.models.base import PrefillBatch
+from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import TokenIdTokenizer
 from tests.models_hf.hf_harness import hf_greedy, prompts
 
@@ -85,6 +87,7 @@ def test_a_converted_release_gives_the_transformers_logits(case: str, tmp_path: 
         ({"d_intermediate": 64}, "MLP blocks"),
         ({"rms_norm": False}, "LayerNorm"),
         ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "rmsnorm": False}}, "gated"),
+        ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "D_has_hdim": True}}, "a D per"),
     ],
 )
 def test_what_the_native_models_do_not_compute_is_refused(change: dict, reason: str, tmp_path: Path) -> None:
@@ -121,3 +124,22 @@ def test_a_release_with_an_ema_copy_is_refused_naming_it(tmp_path: Path) -> None
     with pytest.raises(ConvertError, match="EMA copy"):
         convert_checkpoint(tmp_path / "release", tmp_path / "native")
     assert not (tmp_path / "native").exists()
+
+
+@torch.inference_mode()
+def test_mamba2s_gated_norm_keeps_mamba_ssms_eps_whatever_norm_epsilon_says(tmp_path: Path) -> None:
+    """``mamba_ssm``'s Mamba2 builds its gated RMSNorm with eps 1e-5 and uses ``norm_epsilon`` for the block norms
+    only (``transformers`` takes ``layer_norm_epsilon`` for both): the reference here is ``transformers`` with the
+    release's block eps and its mixers' norms set back to 1e-5."""
+    reference = authors_release("mamba2", tmp_path / "release")
+    release = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**release, "norm_epsilon": 0.1}))
+    for block in reference.backbone.layers:
+        block.norm.variance_epsilon = 0.1
+        block.mixer.norm.variance_epsilon = 1e-5
+    reference.backbone.norm_f.variance_epsilon = 0.1
+    convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    model, _ = load_model(str(tmp_path / "native"), device="cpu", dtype="float32")
+    prompt = prompts(64, [23])[0]
+    ours = model.prefill(PrefillBatch.build([prompt], [0]), StatePool(model.state_spec(), 1).tensors)[0]
+    torch.testing.assert_close(ours, reference(torch.tensor([prompt])).logits[0, -1].float(), atol=1e-4, rtol=0)
