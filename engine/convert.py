@@ -91,6 +91,58 @@ def load_pickled_tensors(path: Path) -> Any:
         raise ConvertError(f"{path}: not a plain tensor checkpoint (refused by weights_only=True): {reason}") from err
 
 
+# Where training scripts keep the weights in a checkpoint: PyTorch Lightning, common scripts, nanoGPT, DeepSpeed.
+WRAPPER_ENTRIES = ("state_dict", "model_state_dict", "model", "module")
+# Prefixes a whole state dict gets from its training wrapper: torch.compile, (Distributed)DataParallel, and the
+# attribute a LightningModule keeps its model under.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "model.")
+# Names an exponential moving average of the weights goes by, as an entry beside the weights or a key prefix.
+EMA_NAMES = ("ema", "model_ema", "ema_model", "state_dict_ema", "ema_state_dict")
+
+
+def _is_state_dict(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
+    )
+
+
+def training_state_dict(payload: Any, file: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The weights of a pickled checkpoint and notes on where they were: a state dict as ``model.state_dict()``
+    gives it, or one under a training wrapper's entry (``state_dict``, ``model``, ...), with the prefix a wrapper
+    gives every name (``_orig_mod.``, ``module.``, ``model.``) removed. A checkpoint that also holds an EMA copy
+    of the weights is refused: which of the two to serve is the user's choice, not a guess."""
+    notes: list[str] = []
+    state = payload
+    if isinstance(payload, dict) and not _is_state_dict(payload):
+        entry = next((k for k in WRAPPER_ENTRIES if _is_state_dict(payload.get(k))), None)
+        if entry is None:
+            keys = sorted(str(k) for k in payload)
+            raise ConvertError(
+                f"{file}: no state dict of tensors, neither at the top level nor under one of {list(WRAPPER_ENTRIES)} "
+                f"(top-level keys: {keys[:8]}{' ...' if len(keys) > 8 else ''})"
+            )
+        ema = [k for k in EMA_NAMES if payload.get(k) is not None]
+        if ema:
+            raise ConvertError(
+                f"{file}: holds the weights under {entry!r} and an EMA copy under {ema[0]!r}; save the one to serve "
+                "as a plain state dict (torch.save(checkpoint[name], path)) and convert that"
+            )
+        state = payload[entry]
+        notes.append(f"weights from the checkpoint's {entry!r} entry")
+    elif not _is_state_dict(payload):
+        raise ConvertError(f"{file}: expected a state dict (names -> tensors), got {type(payload).__name__}")
+    ema_keys = sorted(k for k in state if k.split(".", 1)[0] in EMA_NAMES)
+    if ema_keys:
+        raise ConvertError(
+            f"{file}: holds an EMA copy of the weights beside them ({ema_keys[0]}, ...); save the one to serve as a "
+            "plain state dict and convert that"
+        )
+    while (prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)) is not None:
+        state = {k.removeprefix(prefix): v for k, v in state.items()}
+        notes.append(f"removed the prefix {prefix!r} of every weight name")
+    return state, notes
+
+
 def read_config(src: Path) -> dict[str, Any] | None:
     """``src/config.json`` as a dict, or ``None`` where there is none that reads as a JSON object (a converter's
     ``detect`` asks, and ``convert`` refuses)."""

@@ -275,8 +275,10 @@ def load_safetensors_into(
     source: dict[str, str] = {}  # parameter name -> the checkpoint key and file it came from
     for file in files:
         for key, tensor in _read_safetensors(file, dtype):
-            if weight_map is not None and weight_map.get(key) != file.name:
-                raise ModelLoadError(f"{file}: holds {key}, which the shard index puts in {weight_map.get(key)}")
+            if weight_map is not None and key not in weight_map:  # transformers would drop it: which is meant?
+                raise ModelLoadError(f"{file}: holds {key}, which model.safetensors.index.json does not list")
+            if weight_map is not None and weight_map[key] != file.name:
+                raise ModelLoadError(f"{file}: holds {key}, which the shard index puts in {weight_map[key]}")
             name = rename(key) if rename else key
             if name in weights:
                 raise ModelLoadError(f"{path}: weight {name} is stored twice ({source[name]} and {key} in {file.name})")

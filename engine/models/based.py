@@ -323,6 +323,7 @@ class BasedLM(RecurrentLM):
             "activation_function": (hf.get("activation_function", "gelu_new"), "swiglu"),
             "mlp_type": (hf.get("mlp_type") or "base", "base"),
             "rotary_emb_interleaved": (hf.get("rotary_emb_interleaved", False), False),
+            "rotary_emb_scale_base": (hf.get("rotary_emb_scale_base"), None),  # xPos scaling of q and k
             "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
             "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
             "max_position_embeddings": (hf.get("max_position_embeddings", hf.get("n_positions", 1024)), 0),

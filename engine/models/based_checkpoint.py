@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors, read_config
+from rnnserve.engine.convert import (
+    ConvertedCheckpoint,
+    ConvertError,
+    load_pickled_tensors,
+    read_config,
+    training_state_dict,
+)
 from rnnserve.engine.models.based import BasedLM
 
 WEIGHTS = "pytorch_model.bin"
@@ -38,12 +44,7 @@ def convert(src: Path) -> ConvertedCheckpoint:
         config = BasedLM.from_hf_config(hf)
     except (KeyError, TypeError, ValueError) as err:
         raise ConvertError(f"{src / 'config.json'}: not a Based config: {err}") from err
-    state = load_pickled_tensors(src / WEIGHTS)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConvertError(f"{src / WEIGHTS}: expected a flat dict of tensors")
-    notes: list[str] = []
+    state, notes = training_state_dict(load_pickled_tensors(src / WEIGHTS), src / WEIGHTS)
     metrics = [k for k in state if "metrics" in k]
     if metrics:
         notes.append(f"dropped {len(metrics)} training metrics entries")

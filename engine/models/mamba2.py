@@ -50,6 +50,7 @@ class Mamba2Config(ModelConfig):
     use_bias: bool = False
     use_conv_bias: bool = True
     norm_eps: float = 1e-5
+    gated_norm_eps: float | None = None  # the gated RMSNorm's (mamba_ssm fixes it at 1e-5); None: norm_eps
     dt_min_limit: float = 0.0
     dt_max_limit: float = math.inf
     tie_embeddings: bool = True
@@ -59,6 +60,11 @@ class Mamba2Config(ModelConfig):
     @property
     def d_inner(self) -> int:
         return self.n_heads * self.head_dim
+
+    @property
+    def mixer_norm_eps(self) -> float:
+        """The eps of the gated RMSNorm before out_proj (``transformers`` uses ``layer_norm_epsilon`` for it too)."""
+        return self.norm_eps if self.gated_norm_eps is None else self.gated_norm_eps
 
     @property
     def conv_dim(self) -> int:
@@ -89,7 +95,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(c.n_heads))
         self.A_log = nn.Parameter(torch.empty(c.n_heads))
         self.D = nn.Parameter(torch.empty(c.n_heads))
-        self.norm = GatedGroupRMSNorm(c.d_inner, c.n_groups, c.norm_eps)
+        self.norm = GatedGroupRMSNorm(c.d_inner, c.n_groups, c.mixer_norm_eps)
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
 
     def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,7 +189,7 @@ class Mamba2LM(MixerStackLM):
         ]  # fmt: skip
         c = self.config
         return mamba2_decode_stack(normed, stream, norms, c.norm_eps, weights, conv, ssm, slot_ids, c.n_groups,
-                                   c.norm_eps, (c.dt_min_limit, c.dt_max_limit))  # fmt: skip
+                                   c.mixer_norm_eps, (c.dt_min_limit, c.dt_max_limit))  # fmt: skip
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> Mamba2Config:

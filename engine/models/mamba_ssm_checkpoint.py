@@ -19,13 +19,20 @@ from typing import Any
 
 import torch
 
-from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors, read_config
+from rnnserve.engine.convert import (
+    ConvertedCheckpoint,
+    ConvertError,
+    load_pickled_tensors,
+    read_config,
+    training_state_dict,
+)
 from rnnserve.engine.models.mamba import MambaLM
-from rnnserve.engine.models.mamba2 import Mamba2LM
+from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 
 WEIGHTS = "pytorch_model.bin"
 EMBEDDING = ("backbone.embedding.weight", "backbone.embeddings.weight")  # mamba_ssm's name, the native one
 HEAD = "lm_head.weight"
+MAMBA_SSM_GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5 whatever the config says
 
 
 def detect(src: Path) -> bool:
@@ -62,6 +69,7 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
             (not cfg.get("rmsnorm", True), "Mamba-2 without its gated RMSNorm (rmsnorm false)"),
             (cfg.get("norm_before_gate", False), "norm_before_gate true"),
             (cfg.get("d_ssm") not in (None, d_inner), "d_ssm other than the inner width"),
+            (cfg.get("D_has_hdim", False), "a D per channel (D_has_hdim)"),
         ]
         low, high = cfg.get("dt_limit", (0.0, math.inf))
         hf = {**common, "model_type": "mamba2", "num_heads": d_inner // head_dim, "head_dim": head_dim,
@@ -81,18 +89,19 @@ def convert(src: Path) -> ConvertedCheckpoint:
     ssm = read_config(src)
     if ssm is None:
         raise ConvertError(f"{src}: no readable config.json")
-    state = load_pickled_tensors(src / WEIGHTS)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConvertError(f"{src / WEIGHTS}: expected a flat dict of tensors")
+    state, unwrapped = training_state_dict(load_pickled_tensors(src / WEIGHTS), src / WEIGHTS)
     if EMBEDDING[0] not in state:
-        raise ConvertError(f"{src / WEIGHTS}: no {EMBEDDING[0]}")
+        raise ConvertError(f"{src / WEIGHTS}: no {EMBEDDING[0]} (names start with {sorted(state)[:3]})")
     try:
         cls, hf = hf_config(ssm, int(state[EMBEDDING[0]].shape[0]))
         config = cls.from_hf_config(hf)
+        if isinstance(config, Mamba2Config):  # mamba_ssm's gated norm ignores norm_epsilon; transformers' takes it
+            config.gated_norm_eps = MAMBA_SSM_GATED_NORM_EPS
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
         raise ConvertError(f"{src / 'config.json'}: not a mamba_ssm config: {type(err).__name__}: {err}") from err
     tensors = {EMBEDDING[1] if key == EMBEDDING[0] else key: value for key, value in state.items()}
-    notes = [f"vocabulary of {hf['vocab_size']} rows (config.json's vocab_size {ssm['vocab_size']}, padded)"]
+    padded = f"vocabulary of {hf['vocab_size']} rows (config.json's vocab_size {ssm['vocab_size']}, padded)"
+    notes = [*unwrapped, padded]
     if config.tie_embeddings and HEAD in tensors:
         if not torch.equal(tensors[HEAD], tensors[EMBEDDING[1]]):
             raise ConvertError(f"{src / WEIGHTS}: tie_embeddings is set but {HEAD} differs from {EMBEDDING[0]}")

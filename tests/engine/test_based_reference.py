@@ -253,3 +253,22 @@ def test_unknown_mixer_class_is_named(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="Hyena"):
         load_model(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"rotary_emb_scale_base": 512}, "rotary_emb_scale_base=512"),  # xPos: the authors' rotary scales q and k
+        ({"rotary_emb_interleaved": True}, "rotary_emb_interleaved=True"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ],
+)
+def test_config_fields_the_authors_code_honours_are_refused_not_ignored(
+    tmp_path: Path, change: dict, named: str
+) -> None:
+    """A field that changes the authors' forward pass and that rnnserve does not compute is a load error: ignored,
+    the model would load and answer differently from the checkpoint it was trained as."""
+    save_authors_layout(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, **change}))
+    with pytest.raises(ModelLoadError, match=named):
+        load_model(str(tmp_path), device="cpu")

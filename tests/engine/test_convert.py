@@ -19,6 +19,7 @@ from rnnserve.engine.convert import (
     convert_checkpoint,
     find_converter,
     load_pickled_tensors,
+    training_state_dict,
 )
 from rnnserve.server.cli import main
 
@@ -159,3 +160,41 @@ def test_what_load_model_would_refuse_is_refused_before_writing(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConvertError, match="not a directory"):
         convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "file")
+
+
+WEIGHTS = {"backbone.w": torch.ones(2), "lm_head.weight": torch.zeros(3, 2)}
+
+
+@pytest.mark.parametrize(
+    ("payload", "where"),
+    [
+        (WEIGHTS, []),
+        ({"state_dict": {f"model.{k}": v for k, v in WEIGHTS.items()}, "epoch": 3}, ["'state_dict' entry", "'model.'"]),
+        ({"model": {f"_orig_mod.{k}": v for k, v in WEIGHTS.items()}, "optimizer": {}, "iter_num": 5},
+         ["'model' entry", "'_orig_mod.'"]),
+        ({f"module._orig_mod.{k}": v for k, v in WEIGHTS.items()}, ["'module.'", "'_orig_mod.'"]),
+        ({"module": WEIGHTS, "global_steps": 9}, ["'module' entry"]),
+    ],
+)
+def test_training_wrappers_and_prefixes_are_removed(payload: dict, where: list[str], tmp_path: Path) -> None:
+    """Lightning's ``{"state_dict": ...}`` with its ``model.`` attribute prefix, nanoGPT's ``{"model": ...}`` under
+    ``torch.compile`` (``_orig_mod.``), DDP's ``module.`` and DeepSpeed's ``{"module": ...}`` give the model's names."""
+    state, notes = training_state_dict(payload, tmp_path / "ckpt.bin")
+    assert state.keys() == WEIGHTS.keys() and all(torch.equal(state[k], WEIGHTS[k]) for k in WEIGHTS)
+    assert len(notes) == len(where) and all(w in n for w, n in zip(where, notes, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({**WEIGHTS, **{f"ema.{k}": v for k, v in WEIGHTS.items()}}, "EMA copy of the weights beside them"),
+        ({"state_dict": WEIGHTS, "state_dict_ema": WEIGHTS}, "an EMA copy under 'state_dict_ema'"),
+        ({"model": WEIGHTS, "model_ema": {"decay": 0.999}}, "an EMA copy under 'model_ema'"),
+        ({"epoch": 3, "optimizer": {}}, r"no state dict of tensors.*top-level keys: \['epoch', 'optimizer'\]"),
+        ([torch.ones(2)], "expected a state dict"),
+    ],
+)
+def test_ema_copies_and_checkpoints_without_weights_are_named(payload: object, message: str, tmp_path: Path) -> None:
+    """Which of the weights and their moving average to serve is the user's choice: never a silent pick."""
+    with pytest.raises(ConvertError, match=message):
+        training_state_dict(payload, tmp_path / "ckpt.bin")

@@ -66,6 +66,15 @@ def test_missing_shard(checkpoint: Path, tmp_path: Path) -> None:
     assert f"shard {shards[-1].name} listed in model.safetensors.index.json is missing" in load_error(sharded)
 
 
+def test_a_tensor_the_shard_index_does_not_list_is_named(checkpoint: Path, tmp_path: Path) -> None:
+    reference = transformers.MambaForCausalLM.from_pretrained(checkpoint)
+    sharded = hf_harness.save_hf(reference, tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["backbone.norm_f.weight"]
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "holds backbone.norm_f.weight, which model.safetensors.index.json does not list" in load_error(sharded)
+
+
 def test_an_untied_head_under_a_tied_config_is_refused(tmp_path: Path) -> None:
     """A checkpoint trained untied, whose config says (or defaults to) tied: its lm_head.weight used to replace
     the embedding without a word."""

@@ -6,6 +6,7 @@ gives ``transformers``' logits, with ``--tokenizer`` or serving token ids."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
 from rnnserve.engine.loader import load_model
+from rnnserve.engine.models.base import PrefillBatch
+from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import TokenIdTokenizer
 from tests.models_hf.hf_harness import hf_greedy, prompts
 
@@ -35,15 +38,16 @@ CASES = {  # the release's config.json, and the transformers config of the same 
 }  # fmt: skip
 
 
-def authors_release(case: str, path: Path) -> torch.nn.Module:
-    """A ``transformers`` model with random weights, saved as the authors' package saves it."""
+def authors_release(case: str, path: Path, wrap: Callable[[dict], object] = lambda state: state) -> torch.nn.Module:
+    """A ``transformers`` model with random weights, saved as the authors' package saves it (or as a training
+    script saved the same state dict: ``wrap``)."""
     config, hf_config = CASES[case]
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(hf_config()).eval()
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in reference.state_dict().items()}
-    torch.save(state, path / "pytorch_model.bin")
+    torch.save(wrap(state), path / "pytorch_model.bin")
     return reference
 
 
@@ -83,6 +87,7 @@ def test_a_converted_release_gives_the_transformers_logits(case: str, tmp_path: 
         ({"d_intermediate": 64}, "MLP blocks"),
         ({"rms_norm": False}, "LayerNorm"),
         ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "rmsnorm": False}}, "gated"),
+        ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "D_has_hdim": True}}, "a D per"),
     ],
 )
 def test_what_the_native_models_do_not_compute_is_refused(change: dict, reason: str, tmp_path: Path) -> None:
@@ -92,3 +97,49 @@ def test_what_the_native_models_do_not_compute_is_refused(change: dict, reason: 
     with pytest.raises(ConvertError, match=reason):
         convert_checkpoint(tmp_path / "release", tmp_path / "native")
     assert not (tmp_path / "native").exists()
+
+
+TRAINING_WRAPPERS = {  # how training scripts save the same weights
+    "lightning": lambda state: {"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 1},
+    "compiled-ddp": lambda state: {f"module._orig_mod.{k}": v for k, v in state.items()},
+    "model-entry": lambda state: {"model": state, "optimizer": {"lr": torch.tensor(1e-3)}, "step": 7},
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(TRAINING_WRAPPERS))
+@torch.inference_mode()
+def test_a_training_checkpoint_of_the_release_converts_to_the_same_model(wrapper: str, tmp_path: Path) -> None:
+    """A Lightning ``{"state_dict": ...}`` with ``model.`` names, a compiled model under DDP (``module._orig_mod.``)
+    and a ``{"model": ..., "optimizer": ...}`` dict give the release's weights; the notes say what was unwrapped."""
+    reference = authors_release("mamba", tmp_path / "release", TRAINING_WRAPPERS[wrapper])
+    checkpoint = convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert any("entry" in n or "prefix" in n for n in checkpoint.notes)
+    model, _ = load_model(str(tmp_path / "native"), device="cpu", dtype="float32")
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=0, rtol=0)
+
+
+def test_a_release_with_an_ema_copy_is_refused_naming_it(tmp_path: Path) -> None:
+    authors_release("mamba", tmp_path / "release", lambda state: {**state, **{f"ema.{k}": v for k, v in state.items()}})
+    with pytest.raises(ConvertError, match="EMA copy"):
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+
+
+@torch.inference_mode()
+def test_mamba2s_gated_norm_keeps_mamba_ssms_eps_whatever_norm_epsilon_says(tmp_path: Path) -> None:
+    """``mamba_ssm``'s Mamba2 builds its gated RMSNorm with eps 1e-5 and uses ``norm_epsilon`` for the block norms
+    only (``transformers`` takes ``layer_norm_epsilon`` for both): the reference here is ``transformers`` with the
+    release's block eps and its mixers' norms set back to 1e-5."""
+    reference = authors_release("mamba2", tmp_path / "release")
+    release = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**release, "norm_epsilon": 0.1}))
+    for block in reference.backbone.layers:
+        block.norm.variance_epsilon = 0.1
+        block.mixer.norm.variance_epsilon = 1e-5
+    reference.backbone.norm_f.variance_epsilon = 0.1
+    convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    model, _ = load_model(str(tmp_path / "native"), device="cpu", dtype="float32")
+    prompt = prompts(64, [23])[0]
+    ours = model.prefill(PrefillBatch.build([prompt], [0]), StatePool(model.state_spec(), 1).tensors)[0]
+    torch.testing.assert_close(ours, reference(torch.tensor([prompt])).logits[0, -1].float(), atol=1e-4, rtol=0)
