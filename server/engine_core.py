@@ -602,7 +602,6 @@ metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Reques
 
 # where CompletionOutput.num_tokens sits in Sequence.take_output_fields' tuple (the fields in order)
 NUM_TOKENS_FIELD = [f.name for f in dataclasses.fields(CompletionOutput)].index("num_tokens")
-HANDLE_FIELD = 9  # where a full row holds the handle of the stream whose later outputs are compact (or None)
 
 
 class OutputEncoder:
@@ -615,7 +614,7 @@ class OutputEncoder:
     sample without logprobs: those are compact, what the step added and nothing else, and the decoder fills in
     the rest from what it kept. They are built all at once (:meth:`take_deltas`, ``bulk`` of
     ``LLMEngine.collect``) into columns, one flat list per server (``owners``: request id -> its server) of
-    ``handle, text, token_ids`` after one another, where the handle is a number the request's last full row
+    ``handle, text, token_ids`` after one another, where the handle is a number the request's first full row
     gave it: no tuple or request id per output, and one pass over the step's requests that routes them too."""
 
     def __init__(self, owners: dict[str, int] | None = None) -> None:
