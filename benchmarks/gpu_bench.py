@@ -272,13 +272,14 @@ def model_step_rows(model, preset: str, device: torch.device, sizes: Sizes, peak
 
 def streamed_tokens_per_second(engine: LLMEngine, concurrency: int, new_tokens: int) -> float:
     """Generated tok/s of ``concurrency`` streams' worth of engine work for a server that takes every step's
-    outputs: each request reads each step's outputs (``DELTA``), built as rows and pickled as the engine
+    outputs: each request reads each step's outputs (``DELTA``), built as rows and columns and pickled as the engine
     process sends them. Against the ``engine`` row (outputs only at the end), this is the most the engine pays
     to serve streams; a server that falls behind gets several steps' outputs collected at once, for less."""
     encoder = OutputEncoder()
 
     def send(engine: LLMEngine) -> None:
-        pickle.dumps(engine.collect(encoder.row), protocol=pickle.HIGHEST_PROTOCOL)
+        rows = engine.collect(encoder.row, bulk=encoder.take_deltas)  # the compact outputs go to columns
+        pickle.dumps((rows, encoder.take_columns()), protocol=pickle.HIGHEST_PROTOCOL)
 
     generated_tokens_per_second(engine, concurrency, PROMPT_LEN, 4, OutputKind.DELTA, send)
     return generated_tokens_per_second(engine, concurrency, PROMPT_LEN, new_tokens, OutputKind.DELTA, send)

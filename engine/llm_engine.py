@@ -443,18 +443,25 @@ class LLMEngine:
         return self.collect(SequenceGroup.output)
 
     def collect(
-        self, build: Callable[[SequenceGroup], T], wanted: Callable[[SequenceGroup], bool] | None = None
+        self,
+        build: Callable[[SequenceGroup], T],
+        wanted: Callable[[SequenceGroup], bool] | None = None,
+        bulk: Callable[[list[SequenceGroup]], list[SequenceGroup]] | None = None,
     ) -> list[T]:
         """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
         the engine process builds the plain rows it sends), of the requests ``wanted`` accepts (all by default):
         the others keep their progress for a later collection (an engine process's API server that has not
         handled its earlier outputs yet gets its requests' outputs later, merged).
 
+        ``bulk``, when given, sees the requests to collect first, all together: it builds the outputs it takes in
+        one pass (the engine process's columns of stream deltas, ``OutputEncoder.take_deltas``), which it keeps
+        itself, and returns the requests it left to ``build``. It takes unfinished requests only.
+
         A finished request whose ``final_state`` is still on its way to the host (CUDA) waits for a later
         collection while other requests keep the engine stepping, so that no step waits for the copy; once
         none do, the collection waits for it."""
         groups, self._uncollected = self._uncollected, {}
-        outputs = []
+        ready: list[SequenceGroup] = []
         busy: bool | None = None
         for group in groups:
             if not group.seqs:  # finished, its final output built in an earlier collection
@@ -472,6 +479,11 @@ class LLMEngine:
                         continue
                     copied.synchronize()
                 group.final_state_copied = None
+            ready.append(group)
+        if bulk is not None:
+            ready = bulk(ready)
+        outputs = []
+        for group in ready:
             try:
                 output = build(group)
             except Exception as err:  # noqa: BLE001 - e.g. a tokenizer raising on the text: that request's failure

@@ -15,7 +15,8 @@ processes they are pickled through a pipe, the server's commands written by a th
 from its requests (:class:`OutputEncoder` / :class:`OutputDecoder`: no output objects on the engine's side, and
 several times cheaper to pickle than dataclasses, which matters at a few hundred outputs per step), each
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
-once per generated token, and a stream's outputs between its first and its last as compact rows. The loop
+once per generated token, and a stream's outputs between its first and its last as columns: one flat list per
+server of each stream's handle, text and token ids, built in one pass over the step's requests. The loop
 posts a step's outputs only while the server has handled all but one of those it posted before
 (:class:`EngineCore`), so a busy server gets fewer, larger messages; with several servers each has that window
 of its own (:class:`ServerLinks`), so one that stalls holds back its own requests' outputs only.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import multiprocessing
@@ -39,10 +41,10 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -52,7 +54,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap, retain_freed_memory
 from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.base import StateSpec
-from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.sequence import SequenceGroup
@@ -67,6 +69,9 @@ logger = logging.getLogger("rnnserve.engine")
 
 Prompt = str | list[int]
 OutputRow = tuple  # one RequestOutput as plain data (see OutputEncoder)
+# The compact outputs of a step per server (None: requests without one, as outside an engine process): for each
+# stream, its handle, text delta and new token ids, one after the other in one flat list (see OutputEncoder)
+DeltaColumns = dict[int | None, list[Any]]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -196,11 +201,13 @@ class LoadChanged:
 class Stepped:
     """Engine steps and their outputs: one step, or the steps run while the server handled the previous
     :class:`Stepped` (each request's output then covers them all); ``steps`` has each step's stats. In the
-    engine process the outputs are already the rows they cross as (:meth:`OutputEncoder.row`)."""
+    engine process the outputs are already the rows they cross as (:meth:`OutputEncoder.row`), and the compact
+    outputs of streams the columns of each server in ``deltas`` (:meth:`OutputEncoder.take_deltas`)."""
 
     outputs: list[RequestOutput] | list[OutputRow]
     steps: list[StepStats]
     load: EngineLoad
+    deltas: DeltaColumns | None = None
 
 
 @dataclass
@@ -304,7 +311,8 @@ class EngineCore:
     several tokens a chunk, instead of the engine slowing down to build and send outputs that queue up. With
     several servers (:class:`ServerLinks`) a message collects the requests of the servers with room only: one
     that falls behind, or stalls, leaves the others' outputs flowing. ``build`` makes each output a
-    :class:`Stepped` carries from its request."""
+    :class:`Stepped` carries from its request; an engine process's ``encoder`` first takes the compact outputs of
+    streams, in bulk (:meth:`OutputEncoder.take_deltas`), which the :class:`Stepped` carries as its ``deltas``."""
 
     def __init__(
         self,
@@ -314,8 +322,10 @@ class EngineCore:
         build: Callable[[SequenceGroup], RequestOutput] | Callable[[SequenceGroup], OutputRow] = SequenceGroup.output,
         flow: OutputFlow | None = None,
         max_compiling: int = DEFAULT_MAX_COMPILING,
+        encoder: OutputEncoder | None = None,
     ) -> None:
         self.engine = engine
+        self.encoder = encoder
         self.next_command = next_command
         if flow is None:
             flow = window = OutputWindow(post)
@@ -447,7 +457,7 @@ class EngineCore:
         except Exception as err:
             logger.exception("engine step failed; failing every in-flight request")
             if self._has_unposted():  # what earlier steps finished still reaches its clients
-                self._post_outputs(self.engine.collect(self.build))
+                self._post_outputs(self._collect(None))
             self.post(StepFailed(f"{type(err).__name__}: {err}"))
             return False
         self.steps.append(self.engine.last_step)
@@ -461,13 +471,19 @@ class EngineCore:
         """Post the outputs of the requests whose servers have room, with the steps' stats; nothing when there
         are neither (what waits is another server's)."""
         if self.flow.has_room() and self._has_unposted():
-            outputs = self.engine.collect(self.build, self.flow.wanted())
-            if outputs or self.steps:
+            outputs = self._collect(self.flow.wanted())
+            if outputs or self.steps or (self.encoder is not None and self.encoder.columns):
                 self._post_outputs(outputs)
+
+    def _collect(self, wanted: Callable[[SequenceGroup], bool] | None) -> list[RequestOutput] | list[OutputRow]:
+        """The outputs of the requests ``wanted`` accepts; the compact ones go to the encoder's columns."""
+        bulk = self.encoder.take_deltas if self.encoder is not None else None
+        return self.engine.collect(self.build, wanted, bulk)
 
     def _post_outputs(self, outputs: list[RequestOutput] | list[OutputRow]) -> None:
         steps, self.steps = self.steps, []
-        self.post(Stepped(outputs, steps, self._load()))
+        deltas = self.encoder.take_columns() if self.encoder is not None else None
+        self.post(Stepped(outputs, steps, self._load(), deltas))
 
 
 class EngineThread:
@@ -584,7 +600,6 @@ class ThreadDriver:
 metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))
 
 
-COMPACT_ROW_LENGTH = 3  # (request id, text, token ids): see OutputEncoder
 # where CompletionOutput.num_tokens sits in Sequence.take_output_fields' tuple (the fields in order)
 NUM_TOKENS_FIELD = [f.name for f in dataclasses.fields(CompletionOutput)].index("num_tokens")
 
@@ -596,87 +611,156 @@ class OutputEncoder:
     request's first output.
 
     A stream's outputs between its first and its last, the bulk of a server's traffic, are mostly of one
-    sample without logprobs: those cross as compact rows, ``(request_id, text, token_ids)``, and the decoder
-    fills in the rest from what it kept (a third of the bytes, and ~40% less work on each side)."""
+    sample without logprobs: those are compact, what the step added and nothing else, and the decoder fills in
+    the rest from what it kept. They are built all at once (:meth:`take_deltas`, ``bulk`` of
+    ``LLMEngine.collect``) into columns, one flat list per server (``owners``: request id -> its server) of
+    ``handle, text, token_ids`` after one another, where the handle is a number the request's first full row
+    gave it: no tuple or request id per output, and one pass over the step's requests that routes them too."""
 
-    def __init__(self) -> None:
+    def __init__(self, owners: dict[str, int] | None = None) -> None:
+        self.owners = owners if owners is not None else {}
         self.sent: set[str] = set()  # requests whose prompt crossed
-        self.compact: set[str] = set()  # ...of which these send compact rows until their last
+        self.compact: dict[str, tuple[int | None, int]] = {}  # ...of which these: (their server, their handle)
+        self.columns: DeltaColumns = {}  # the compact outputs taken since the last take_columns
+        self._handles = itertools.count()
 
     def row(self, group: SequenceGroup) -> OutputRow:
         """``group.output()`` as a row (:class:`OutputDecoder` turns it back into that output)."""
         request_id = group.request_id
-        if request_id in self.compact and group.error is None and group.seqs[0].finish_reason is None:
-            text, token_ids = group.seqs[0].take_delta()
-            return request_id, text, token_ids
         finished = group.finished
         if request_id in self.sent:
             prompt = None
         else:
             prompt = (group.prompt, group.prompt_token_ids, group.prompt_logprobs)
         params = group.params
+        handle = None
         if finished:
             self.sent.discard(request_id)
-            self.compact.discard(request_id)
+            self.compact.pop(request_id, None)
         else:
             self.sent.add(request_id)
             if params.output_kind is OutputKind.DELTA and len(group.seqs) == 1 and group.seqs[0].logprobs is None:
-                self.compact.add(request_id)
+                key = self.compact.get(request_id)
+                if key is None:
+                    key = self.compact[request_id] = (self.owners.get(request_id), next(self._handles))
+                handle = key[1]
         samples = [seq.take_output_fields(params.output_kind) for seq in group.seqs]
         return (request_id, prompt, samples, finished, metrics_fields(group.metrics), group.error,
-                group.num_cached_tokens, group.final_state, group.error_param)  # fmt: skip
+                group.num_cached_tokens, group.final_state, group.error_param, handle)  # fmt: skip
+
+    def take_deltas(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+        """Append the compact outputs among ``groups`` (streams past their first output that have not ended: a
+        request that failed has ended too) to their servers' columns; returns the other requests, in order."""
+        compact = self.compact
+        columns = self.columns
+        rest = []
+        for group in groups:
+            key = compact.get(group.request_id)
+            if key is None:
+                rest.append(group)
+                continue
+            seq = group.seqs[0]
+            if seq.finish_reason is not None:  # its last output: a full row
+                rest.append(group)
+                continue
+            owner, handle = key
+            column = columns.get(owner)
+            if column is None:
+                column = columns[owner] = []
+            column.append(handle)
+            column += seq.take_delta()
+        return rest
+
+    def take_columns(self) -> DeltaColumns:
+        """The columns :meth:`take_deltas` filled since the last call."""
+        columns, self.columns = self.columns, {}
+        return columns
 
     def forget(self, request_ids: list[str]) -> None:
         self.sent.difference_update(request_ids)
-        self.compact.difference_update(request_ids)
+        for request_id in request_ids:
+            self.compact.pop(request_id, None)
+
+
+@dataclass(slots=True)
+class KnownRequest:
+    """What :class:`OutputDecoder` keeps of a request between its full rows: its prompt, the tokens it has
+    generated, its metrics and cached tokens as of its latest full row, and its handle (``None``: no compact
+    outputs)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    num_tokens: int
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    handle: int | None
 
 
 class OutputDecoder:
-    """Server side: rows back into :class:`RequestOutput` objects, each with its request's prompt, token count,
-    metrics and cached tokens kept from its latest full row until it finishes. An output decoded from a compact
-    row carries the metrics of that full row: the server reads the metrics of finished outputs only."""
+    """Server side: rows and columns back into :class:`RequestOutput` objects, each with its request's prompt,
+    token count, metrics and cached tokens kept from its latest full row until it finishes. An output decoded
+    from a compact one carries the metrics of that full row: the server reads the metrics of finished outputs
+    only."""
 
     def __init__(self) -> None:
-        self.known: dict[str, list[Any]] = {}  # request id -> [prompt, tokens emitted, metrics, cached tokens]
+        self.known: dict[str, KnownRequest] = {}
+        self.streams: dict[int, KnownRequest] = {}  # the known requests that have a handle, by handle
 
-    def decode(self, rows: list[OutputRow]) -> list[RequestOutput]:
+    def decode(self, rows: list[OutputRow], deltas: Sequence[Any] = ()) -> list[RequestOutput]:
+        """The outputs of full ``rows``, then those of the compact ``deltas`` (one server's column)."""
         outputs = []
+        known_requests = self.known
         for row in rows:
-            if len(row) == COMPACT_ROW_LENGTH:
-                request_id, text, token_ids = row
-                known = self.known[request_id]
-                known[1] += len(token_ids)
-                prompt_text, prompt_ids, prompt_logprobs = known[0]
-                sample = CompletionOutput(0, text, token_ids, None, None, 0.0, text, token_ids, [], known[1])
-                outputs.append(RequestOutput(request_id, prompt_text, prompt_ids, [sample], False, known[2], None,
-                                             prompt_logprobs, known[3], None))  # fmt: skip
-                continue
-            request_id, prompt, samples, finished, times, error, num_cached, final_state, error_param = row
+            request_id, prompt, samples, finished, times, error, num_cached, final_state, error_param, handle = row
             if prompt is None:
-                prompt = self.known[request_id][0]
+                known = known_requests[request_id]
+                prompt = (known.prompt, known.prompt_token_ids, known.prompt_logprobs)
             metrics = RequestMetrics(*times)
-            if finished:
-                self.known.pop(request_id, None)
-            else:
-                self.known[request_id] = [prompt, samples[0][NUM_TOKENS_FIELD] if samples else 0, metrics, num_cached]
-            completions = [CompletionOutput(*fields) for fields in samples]
             text, token_ids, logprobs = prompt
+            if finished:
+                self.forget([request_id])
+            else:
+                num_tokens = samples[0][NUM_TOKENS_FIELD] if samples else 0
+                known = known_requests[request_id] = KnownRequest(request_id, text, token_ids, logprobs, num_tokens,
+                                                                  metrics, num_cached, handle)  # fmt: skip
+                if handle is not None:
+                    self.streams[handle] = known
+            completions = [CompletionOutput(*fields) for fields in samples]
             outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,
                                          num_cached, final_state, error_param))  # fmt: skip
+        streams = self.streams
+        column = iter(deltas)
+        for handle, text, token_ids in zip(column, column, column, strict=True):
+            known = streams[handle]
+            known.num_tokens += len(token_ids)
+            sample = CompletionOutput(0, text, token_ids, None, None, 0.0, text, token_ids, [], known.num_tokens)
+            outputs.append(RequestOutput(known.request_id, known.prompt, known.prompt_token_ids, [sample], False,
+                                         known.metrics, None, known.prompt_logprobs,
+                                         known.num_cached_tokens))  # fmt: skip
         return outputs
+
+    def decode_step(self, step: EncodedStep) -> list[RequestOutput]:
+        """The outputs an :class:`EncodedStep` carries."""
+        return self.decode(step.rows, step.deltas)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.known.pop(request_id, None)
+            known = self.known.pop(request_id, None)
+            if known is not None and known.handle is not None:
+                del self.streams[known.handle]
 
 
 @dataclass
 class EncodedStep:
-    """:class:`Stepped` as it crosses between processes."""
+    """:class:`Stepped` as it crosses between processes: the full rows and this server's column of compact
+    outputs (:class:`OutputEncoder`)."""
 
     rows: list[OutputRow]
     steps: list[StepStats]
     load: EngineLoad
+    deltas: list[Any] = field(default_factory=list)
 
 
 # Connection.send_bytes' framing, which the server's recv_bytes reads: a 4-byte length (or -1, then 8 bytes)
@@ -784,8 +868,8 @@ class ServerLinks:
     ) -> None:
         self.conns = conns
         self.live: list[int] = list(range(len(conns)))
-        self.encoder = OutputEncoder()
         self.owners: dict[str, int] = {}  # request id -> the server that added it
+        self.encoder = OutputEncoder(self.owners)
         self.received: deque[tuple[int, Command]] = deque()  # commands cross in lists (CommandSender)
         self.unhandled: dict[int, int] = dict.fromkeys(self.live, 0)  # per server still connected: Stepped unhandled
         self.load_owed: set[int] = set()  # servers whose LoadChanged waits for room in their window
@@ -1028,21 +1112,21 @@ class ServerLinks:
     def _post_step(self, event: Stepped) -> None:
         rows: dict[int, list[OutputRow]] = {index: [] for index in self.live}
         owners = self.owners
-        for row in event.outputs:  # a request's last row (never a compact one) is the last it routes
-            if len(row) > COMPACT_ROW_LENGTH and row[3]:
-                owner = owners.pop(row[0], None)
-            else:
-                owner = owners.get(row[0])
+        for row in event.outputs:  # full rows (the compact outputs come in columns): a request's last routes last
+            owner = owners.pop(row[0], None) if row[3] else owners.get(row[0])
             if owner in rows:
                 rows[owner].append(row)  # type: ignore[index]
-        # The servers with room; with rows beyond it only after a failed step (the loop then posts everything),
+        deltas = event.deltas or {}  # a server that is gone has its column dropped
+        # The servers with room; with outputs beyond it only after a failed step (the loop then posts everything),
         # when the stats, if no server has room, go to the first.
-        receivers = [index for index in self.live if self.unhandled[index] < MAX_UNHANDLED or rows[index]]
+        receivers = [index for index in self.live
+                     if self.unhandled[index] < MAX_UNHANDLED or rows[index] or index in deltas]  # fmt: skip
         for position, index in enumerate(receivers or self.live[:1]):
             self.unhandled[index] += 1
             if index not in self.silent_since:
                 self.silent_since[index] = self.clock()
-            self._send(index, EncodedStep(rows[index], event.steps if position == 0 else [], event.load))
+            steps = event.steps if position == 0 else []
+            self._send(index, EncodedStep(rows[index], steps, event.load, deltas.get(index, [])))
 
 
 class CommandSender:
@@ -1133,7 +1217,8 @@ def run_engine_process(
                 pass
 
     links = ServerLinks(conns, limits.stall_timeout, report_stall)
-    EngineCore(engine, links.next_command, links.post, links.encoder.row, links, limits.max_compiling).run()
+    EngineCore(engine, links.next_command, links.post, links.encoder.row, links, limits.max_compiling,
+               links.encoder).run()  # fmt: skip
     links.flush_all(STOPPED_DELIVERY_SECONDS)
 
 
@@ -1248,7 +1333,7 @@ class ProcessDriver:
             except (EOFError, OSError):
                 event = Stopped(self._exit_message())
             if isinstance(event, EncodedStep):
-                post(Stepped(self.decoder.decode(event.rows), event.steps, event.load))
+                post(Stepped(self.decoder.decode_step(event), event.steps, event.load))
                 continue
             if isinstance(event, Aborted):
                 self.decoder.forget([out.request_id for out in event.finals])

@@ -35,7 +35,6 @@ from rnnserve.engine.tokenizer import HFTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import (
-    COMPACT_ROW_LENGTH,
     MAX_UNHANDLED,
     SHUTDOWN_MESSAGE,
     AbortCommand,
@@ -296,9 +295,10 @@ def without_times(out: RequestOutput) -> RequestOutput:
 
 
 def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_prompt_sent_once() -> None:
-    """What the engine process sends (``OutputEncoder.row`` straight from each request) decodes to exactly what
-    ``collect_outputs`` builds, step after step: output kinds, n > 1, logprobs, prompt logprobs, stop strings,
-    a stream's compact rows (its metrics as of its last full row), a request finishing and its id coming back."""
+    """What the engine process sends (``OutputEncoder.row`` straight from each request, the compact outputs of
+    streams in bulk as columns) decodes to exactly what ``collect_outputs`` builds, step after step: output kinds,
+    n > 1, logprobs, prompt logprobs, stop strings, a stream's compact outputs (its metrics as of its last full
+    row), a request finishing and its id coming back."""
     objects_engine, rows_engine = lockstep_engines()
     encoder, decoder = OutputEncoder(), OutputDecoder()
     requests = [
@@ -319,13 +319,17 @@ def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_pr
     while objects_engine.has_unfinished_requests():
         expected = objects_engine.step()
         rows_engine.step(collect=False)
-        rows = pickle.loads(pickle.dumps(rows_engine.collect(encoder.row), protocol=pickle.HIGHEST_PROTOCOL))
-        decoded = decoder.decode(rows)
-        assert [without_times(out) for out in decoded] == [without_times(out) for out in expected]
-        for row, got, want in zip(rows, decoded, expected, strict=True):  # the clocks differ, the times' presence not
-            if len(row) == COMPACT_ROW_LENGTH:
-                compact += 1
-                continue
+        rows = rows_engine.collect(encoder.row, bulk=encoder.take_deltas)
+        columns = encoder.take_columns()
+        assert set(columns) <= {None}  # no server owns them here
+        rows, deltas = pickle.loads(pickle.dumps((rows, columns.get(None, [])), protocol=pickle.HIGHEST_PROTOCOL))
+        decoded = decoder.decode(rows, deltas)
+        compact += len(deltas) // 3
+        by_id = {out.request_id: out for out in expected}  # full rows first, then the columns'
+        assert [without_times(out) for out in decoded] == [without_times(by_id[out.request_id]) for out in decoded]
+        assert len(decoded) == len(expected)
+        for row, got in zip(rows, decoded, strict=False):  # the clocks differ, the times' presence not
+            want = by_id[got.request_id]
             assert [t is None for t in dataclasses.astuple(got.metrics)] == [
                 t is None for t in dataclasses.astuple(want.metrics)
             ]
@@ -337,7 +341,7 @@ def test_rows_built_from_the_requests_decode_to_the_engines_outputs_with_each_pr
     assert not rows_engine.has_unfinished_requests()
     assert prompts_sent == {"a": 1, "b": 2, "c": 1, "d": 1}
     assert compact == 4  # d's outputs between its first and its last
-    assert not encoder.sent and not encoder.compact and not decoder.known
+    assert not encoder.sent and not encoder.compact and not decoder.known and not decoder.streams
 
 
 def add_command(add_id: int, *request_ids: str) -> AddCommand:
@@ -397,12 +401,12 @@ def test_each_server_gets_its_own_requests_outputs_and_the_step_stats_are_sent_o
     assert not any(server.poll() for server in servers)
 
     rows = [(request_id, None, [], request_id == "s1b") for request_id in ("s0a", "s1b", "gone", "s0b")]
-    rows.append(("s0a", " more", [7]))  # a compact row: never the last
+    deltas = {0: [4, " more", [7]], 2: [9, "x", [1]]}  # compact outputs: server 0's, and one of a server gone
     stats = [StepStats(generated_tokens=3)]
-    links.post(Stepped(rows, stats, "load"))  # type: ignore[arg-type]
+    links.post(Stepped(rows, stats, "load", deltas))  # type: ignore[arg-type]
     first, second = (pickle.loads(server.recv_bytes()) for server in servers)
-    assert (first.rows, first.steps, first.load) == ([rows[0], rows[3], rows[4]], stats, "load")
-    assert (second.rows, second.steps, second.load) == ([rows[1]], [], "load")
+    assert (first.rows, first.steps, first.load, first.deltas) == ([rows[0], rows[3]], stats, "load", deltas[0])
+    assert (second.rows, second.steps, second.load, second.deltas) == ([rows[1]], [], "load", [])
     assert "s1b" not in links.owners  # finished
 
     assert links.unhandled == {0: 1, 1: 1}
@@ -459,7 +463,7 @@ class LinkedServer:
         message = pickle.loads(self.conn.recv_bytes())
         if isinstance(message, EncodedStep):
             self.unhandled += 1
-            for out in self.decoder.decode(message.rows):
+            for out in self.decoder.decode_step(message):
                 self.tokens.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
                 if out.finished:
                     self.finished.add(out.request_id)
@@ -495,7 +499,7 @@ def test_a_server_that_stops_handling_its_outputs_holds_back_its_own_requests_on
     pipes = [multiprocessing.Pipe() for _ in range(2)]
     healthy, stalled = (LinkedServer(server_end) for server_end, _ in pipes)
     links = ServerLinks([engine_end for _, engine_end in pipes])
-    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links)
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links, encoder=links.encoder)
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     try:
@@ -623,7 +627,7 @@ def with_a_big_first_row(row_of: Callable[[SequenceGroup], tuple]) -> Callable[[
 
     def build(group: SequenceGroup) -> tuple:
         row = row_of(group)
-        if group.request_id == "big" and len(row) > COMPACT_ROW_LENGTH and row[1] is not None:
+        if group.request_id == "big" and row[1] is not None:
             row = (row[0], (BIG_PROMPT_TEXT, *row[1][1:]), *row[2:])
         return row
 
@@ -650,7 +654,8 @@ def test_a_server_stopped_halfway_through_a_large_message_holds_back_no_other() 
     (slow_conn, _), (healthy_conn, _) = pipes
     healthy = LinkedServer(healthy_conn)
     links = ServerLinks([engine_end for _, engine_end in pipes])
-    core = EngineCore(engine, links.next_command, links.post, with_a_big_first_row(links.encoder.row), links)
+    core = EngineCore(engine, links.next_command, links.post, with_a_big_first_row(links.encoder.row), links,
+                      encoder=links.encoder)
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     try:
@@ -668,7 +673,7 @@ def test_a_server_stopped_halfway_through_a_large_message_holds_back_no_other() 
         while True:
             for message in frames(received):
                 if isinstance(message, EncodedStep):
-                    big_outputs += decoder.decode(message.rows)
+                    big_outputs += decoder.decode_step(message)
                     slow_conn.send_bytes(pickle.dumps([HandledCommand()]))
             if big_outputs and big_outputs[-1].finished:
                 break
@@ -726,7 +731,7 @@ def test_an_engine_loop_detaches_a_stalled_server_whether_it_steps_or_idles(max_
     engine = make_engine()
     server_end, engine_end = multiprocessing.Pipe()
     links = ServerLinks([engine_end], stall_timeout=0.5)
-    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links)
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links, encoder=links.encoder)
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     try:

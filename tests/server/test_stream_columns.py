@@ -1,0 +1,181 @@
+"""The engine process's compact outputs of streams, sent as columns per API server (``OutputEncoder.take_deltas``)
+and decoded back (``OutputDecoder``): each server's outputs are exactly what an engine in the server's own process
+builds, step by step, whatever else the step carries, through aborts and a server that leaves.
+
+An engine loop over :class:`ServerLinks` is stepped here by hand (no thread), beside a reference engine over the
+same model that gets the same requests, aborts and steps: both step alike, so each request's outputs must match."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+from multiprocessing.connection import Connection
+
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.server.engine_core import (
+    AbortCommand,
+    Aborted,
+    AddCommand,
+    EncodedStep,
+    EngineCore,
+    HandledCommand,
+    OutputDecoder,
+    ServerLinks,
+    StopCommand,
+)
+from tests.server.test_engine_process import lockstep_engines
+
+STREAM = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=OutputKind.DELTA)
+
+
+def stream(max_tokens: int, **fields: object) -> SamplingParams:
+    return dataclasses.replace(STREAM, max_tokens=max_tokens, **fields)
+
+
+def without_times(out: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(out, metrics=RequestMetrics(0.0))
+
+
+class Harness:
+    """``num_servers`` API servers' ends of the pipes of an engine loop run step by step, each decoding what it
+    reads as a ``ProcessDriver`` does and handling it at once, and the reference engine."""
+
+    def __init__(self, num_servers: int) -> None:
+        self.engine, self.reference = lockstep_engines()
+        pipes = [multiprocessing.Pipe() for _ in range(num_servers)]
+        self.conns: list[Connection] = [server_end for server_end, _ in pipes]
+        self.links = ServerLinks([engine_end for _, engine_end in pipes])
+        links = self.links
+        self.core = EngineCore(self.engine, links.next_command, links.post, links.encoder.row, links,
+                               encoder=links.encoder)  # fmt: skip
+        self.decoders = [OutputDecoder() for _ in pipes]
+        self.outputs: dict[str, list[RequestOutput]] = {}  # request id -> what its server decoded
+        self.expected: dict[str, list[RequestOutput]] = {}  # ... what the reference engine built
+        self.receivers: dict[str, set[int]] = {}  # request id -> the servers that got its outputs
+        self.steps: list[list[EncodedStep | None]] = []  # per step, what each server read (None: no outputs)
+
+    def add(self, server: int, request_id: str, prompt: str, params: SamplingParams) -> None:
+        self.conns[server].send_bytes(pickle.dumps([AddCommand(0, [request_id], [prompt], params, 0.0)]))
+        self.reference.add_request(prompt, params, request_id)
+
+    def abort(self, server: int, request_id: str) -> None:
+        self.conns[server].send_bytes(pickle.dumps([AbortCommand([request_id])]))
+        self.reference.abort_request(request_id)
+
+    def step(self) -> None:
+        """Run the commands sent, one step of each engine, and each server's reading of its messages."""
+        assert self.core._run_commands(False)
+        self.core._step()
+        for out in self.reference.step():
+            self.expected.setdefault(out.request_id, []).append(out)
+        read: list[EncodedStep | None] = []
+        for index, conn in enumerate(self.conns):
+            read.append(None)
+            while not conn.closed and conn.poll(0):
+                message = pickle.loads(conn.recv_bytes())
+                if isinstance(message, Aborted):
+                    self.decoders[index].forget([out.request_id for out in message.finals])
+                if not isinstance(message, EncodedStep):
+                    continue
+                read[-1] = message
+                for out in self.decoders[index].decode_step(message):
+                    self.outputs.setdefault(out.request_id, []).append(out)
+                    self.receivers.setdefault(out.request_id, set()).add(index)
+                conn.send_bytes(pickle.dumps([HandledCommand()]))
+        self.steps.append(read)
+
+    def run(self) -> None:
+        while self.engine.has_unfinished_requests() or self.reference.has_unfinished_requests():
+            self.step()
+
+    def check(self, owners: dict[str, int]) -> None:
+        """Each request's outputs are the reference's and went to its own server only; nothing is left kept."""
+        assert {rid: [without_times(o) for o in outs] for rid, outs in self.outputs.items()} == {
+            rid: [without_times(o) for o in outs] for rid, outs in self.expected.items()
+        }
+        assert self.receivers == {request_id: {owner} for request_id, owner in owners.items()}
+        assert not self.links.encoder.compact and not self.links.encoder.sent
+        for decoder in self.decoders:
+            assert not decoder.known and not decoder.streams
+
+    def compact_outputs(self, server: int) -> int:
+        return sum(len(read[server].deltas) // 3 for read in self.steps if read[server] is not None)
+
+
+def test_the_streams_of_several_servers_interleaved_reach_each_its_own_server_intact() -> None:
+    """Three servers whose requests the engine steps together, interleaved: streams (some holding text back for a
+    stop string), and beside them requests whose outputs stay full rows (n > 1, logprobs, cumulative, final only)."""
+    harness = Harness(3)
+    owners = {}
+    requests = [
+        ("s0-a", "The cat", stream(9)), ("s1-a", "Hello", stream(7)), ("s2-a", "abc", stream(8, stop=["e "])),
+        ("s0-b", "Hi", stream(6, n=2, temperature=1.0, seed=3)), ("s1-b", "Hey", stream(5, logprobs=1)),
+        ("s2-b", "x", stream(6, output_kind=OutputKind.CUMULATIVE)),
+        ("s0-c", "y", stream(4, output_kind=OutputKind.FINAL_ONLY)),
+        ("s1-c", "zz", stream(10)), ("s2-c", "Once", stream(3)),
+    ]  # fmt: skip
+    for request_id, prompt, params in requests:
+        owners[request_id] = server = int(request_id[1])
+        harness.add(server, request_id, prompt, params)
+    harness.run()
+    harness.check(owners)
+    assert all(harness.compact_outputs(server) > 0 for server in range(3))
+
+
+def test_a_streams_last_output_in_the_same_step_as_others_compact_ones_ends_it() -> None:
+    """A stream that ends while others go on: its last output, a full row, crosses in the message whose columns
+    carry the others' compact outputs of that step, and the decoder forgets it."""
+    harness = Harness(1)
+    owners = {"short": 0, "long": 0, "other": 0}
+    harness.add(0, "short", "The cat", stream(3))
+    harness.add(0, "long", "Hello", stream(7))
+    harness.add(0, "other", "abc", stream(6))
+    harness.run()
+    harness.check(owners)
+    ends = [read[0] for read in harness.steps if read[0] is not None and any(row[0] == "short" for row in read[0].rows)]
+    last = ends[-1]
+    assert [row[3] for row in last.rows] == [True] and len(last.deltas) == 2 * 3  # long's and other's, compact
+    assert harness.outputs["short"][-1].finished and harness.outputs["short"][-1].outputs[0].num_tokens == 3
+
+
+def test_a_stream_aborted_between_steps_sends_nothing_more_and_its_id_starts_afresh() -> None:
+    """A stream aborted by its server between two steps, its id then reused by a new request: the new one's first
+    output is a full row with its prompt (the encoder forgot the old one's handle), and the other streams go on."""
+    harness = Harness(2)
+    harness.add(0, "a", "The cat", stream(20))
+    harness.add(1, "b", "Hello", stream(9))
+    for _ in range(4):
+        harness.step()
+    assert harness.compact_outputs(0) > 0
+    harness.abort(0, "a")
+    harness.step()
+    harness.add(0, "a", "Another prompt", stream(5))
+    harness.run()
+    outputs = harness.outputs["a"]
+    first_again = next(i for i, out in enumerate(outputs) if out.prompt == "Another prompt")
+    assert sum(len(out.outputs[0].new_token_ids) for out in outputs[first_again:]) == 5
+    assert not any(out.finished for out in outputs[:first_again])  # aborted: its end was the Aborted event
+    harness.check({"a": 0, "b": 1})
+
+
+def test_a_server_that_leaves_mid_stream_takes_its_columns_with_it() -> None:
+    """A server that stops while its streams run: they are aborted, their compact outputs go to no other server,
+    and the other server's streams go on intact."""
+    harness = Harness(2)
+    harness.add(0, "stays", "The cat", stream(12))
+    harness.add(1, "goes", "Hello", stream(12))
+    harness.add(1, "goes too", "abc", stream(12))
+    for _ in range(4):
+        harness.step()
+    assert harness.compact_outputs(1) > 0
+    harness.conns[1].send_bytes(pickle.dumps([StopCommand()]))
+    harness.reference.abort_request("goes")
+    harness.reference.abort_request("goes too")
+    harness.step()
+    assert harness.links.live == [0]
+    harness.conns[1].close()
+    harness.decoders[1] = OutputDecoder()  # it is gone, with what it kept
+    harness.run()
+    harness.check({"stays": 0, "goes": 1, "goes too": 1})
