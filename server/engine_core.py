@@ -146,7 +146,11 @@ class AddCommand:
 
 @dataclass
 class AbortCommand:
+    """Abort these requests; ``error``, when given, is why, which their final outputs (:class:`Aborted`) carry
+    unless they have an error of their own (the metrics then count them as errors, not aborts)."""
+
     request_ids: list[str]
+    error: str | None = None
 
 
 @dataclass
@@ -368,6 +372,9 @@ class EngineCore:
             else:
                 self._drop_compiling(command.request_ids)
                 finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
+                if command.error is not None:
+                    for out in finals:
+                        out.error = out.error or command.error
                 self.post(Aborted(finals, self._load()))
         if queued_compiles:  # the gauges count them as waiting now, not once their grammars compiled
             self.post(LoadChanged(self._load()))
