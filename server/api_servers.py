@@ -10,9 +10,10 @@ request's outputs to its server).
 
 The process that runs them (:class:`APIServers`) only supervises: it loads the engine process, starts the servers,
 forwards SIGTERM/SIGINT to them (each drains as a single server does), and stops everything when one of them or
-the engine process dies. Their metrics are shared through prometheus-client's multiprocess mode (see
-:mod:`rnnserve.server.metrics`), in a folder it makes and removes; their session folder is shared (see
-:mod:`rnnserve.server.sessions`).
+the engine process dies, or a server stalls: the engine finds one that owes it something and makes no progress,
+the supervisor one whose event loop stopped beating (an idle one too, whose connections would hang unnoticed).
+Their metrics are shared through prometheus-client's multiprocess mode (see :mod:`rnnserve.server.metrics`), in a
+folder it makes and removes; their session folder is shared (see :mod:`rnnserve.server.sessions`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable, MutableSequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
@@ -49,6 +52,12 @@ from rnnserve.server.sessions import prepare_session_folder, session_dir
 logger = logging.getLogger("rnnserve")
 STOP_TIMEOUT = 30.0  # seconds the engine process gets to end once its servers stopped
 READY_TIMEOUT = 300.0  # seconds an API server waits for its siblings to be ready before it gives up
+HEARTBEAT_SECONDS = 1.0  # how often each API server's event loop beats, at most (see heartbeat_seconds)
+
+
+def heartbeat_seconds(stall_timeout: float) -> float:
+    """How often an API server's event loop beats: every second, or four times per ``stall_timeout`` if shorter."""
+    return min(HEARTBEAT_SECONDS, stall_timeout / 4)
 
 
 def run_api_server(
@@ -59,11 +68,13 @@ def run_api_server(
     index: int,
     log_level: int,
     all_ready: Barrier,
+    beats: MutableSequence[float] | None = None,
 ) -> None:
     """One API server process's main: serve ``config``'s app on a socket of its own bound to ``address`` (with
     ``SO_REUSEPORT``, as its siblings' are) with the engine behind ``conn``, listening once every party of
     ``all_ready`` (its siblings) is ready to. Connections made while only some listened would stay on those
-    (clients keep them alive), and their load with them."""
+    (clients keep them alive), and their load with them. Once it serves, its event loop writes the time
+    (``time.monotonic``) into ``beats[index]`` every :func:`heartbeat_seconds`, when ``beats`` is given."""
     from rnnserve.server.app import create_app
     from rnnserve.server.http_server import build_server, listen_socket
 
@@ -78,7 +89,20 @@ def run_api_server(
     except threading.BrokenBarrierError:
         logger.error("the other API servers were not ready within %.0f s; not serving", READY_TIMEOUT)
         sys.exit(1)
-    build_server(app, config).run(sockets=[sock])
+    if beats is None:
+        server = build_server(app, config)
+    else:
+        server = build_server(app, config, beating(beats, index), heartbeat_seconds(config.api_server_stall_timeout))
+    server.run(sockets=[sock])
+
+
+def beating(beats: MutableSequence[float], index: int) -> Callable[[], None]:
+    """A heartbeat that writes the time into ``beats[index]``."""
+
+    def heartbeat() -> None:
+        beats[index] = time.monotonic()
+
+    return heartbeat
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -124,6 +148,10 @@ class APIServers:
                 raise ValueError(f"cannot use the session folder {folder}: {err.strerror or err}") from err
         context = multiprocessing.get_context("spawn")
         self.all_ready = context.Barrier(config.api_servers)  # kept: the servers unpickle it as they start
+        # Each server's last heartbeat (0: none yet), shared memory its event loop writes (an aligned double:
+        # no lock needed); watched when the stall timeout is set
+        self.stall_timeout = config.api_server_stall_timeout
+        self.beats = context.RawArray("d", config.api_servers) if self.stall_timeout else None
         self.servers: list[BaseProcess] = []
         # From now on a signal stops the servers (until wait returns). Ctrl-C reaches the whole process group:
         # the servers start with SIGINT ignored, and this process answers it with a SIGTERM to each, which
@@ -132,7 +160,8 @@ class APIServers:
         for index, conn in enumerate(self.engine.connections):
             server = context.Process(
                 target=run_api_server,
-                args=(config, sock.getsockname()[:2], conn, self.engine.info, index, log_level, self.all_ready),
+                args=(config, sock.getsockname()[:2], conn, self.engine.info, index, log_level, self.all_ready,
+                      self.beats),  # fmt: skip
                 name=f"rnnserve-api-{index}",
                 daemon=True,  # ended with this process, whatever ends it
             )
@@ -155,16 +184,20 @@ class APIServers:
 
     def wait(self) -> int:
         """Supervise until every server ended; 0 if they ended because :meth:`stop` asked, else 1 (a server or the
-        engine process died, or the engine found a server stalled, which is killed; the others were stopped).
-        Then wait for the engine process."""
+        engine process died, or a server stalled, which is killed; the others were stopped). Then wait for the
+        engine process."""
         failed = False
         try:
             running = {server.sentinel: server for server in self.servers}
             engine: int | None = self.engine.process.sentinel
             stalls = self.engine.stalls
+            look = heartbeat_seconds(self.stall_timeout) if self.beats is not None else None
             while running:
                 waited = [*running, *([engine] if engine else []), *([stalls] if stalls else [])]
-                for sentinel in multiprocessing.connection.wait(waited):
+                ready = multiprocessing.connection.wait(waited, look)
+                if self.beats is not None and not self.stopping and self._kill_silent():
+                    failed = True
+                for sentinel in ready:
                     if sentinel is stalls:
                         try:
                             self._kill_stalled(receive_message(stalls))
@@ -195,10 +228,26 @@ class APIServers:
     def _kill_stalled(self, index: int) -> None:
         """The engine detached server ``index`` as stalled (its requests are aborted): kill it, since it can
         neither serve nor drain; its end stops the others, as a crash does."""
+        self._kill(index, "the engine got no acknowledgement from it for --api-server-stall-timeout")
+
+    def _kill_silent(self) -> bool:
+        """Kill the servers whose event loop has not beaten for the stall timeout (idle ones too: the connections
+        the kernel gives them would hang, and nothing else would notice); whether there were any."""
+        assert self.beats is not None and self.stall_timeout
+        now, killed = time.monotonic(), False
+        for index, beat in enumerate(self.beats):
+            if beat and now - beat >= self.stall_timeout:
+                self._kill(index, f"its event loop did not run for {now - beat:.1f} s, --api-server-stall-timeout "
+                                  f"{self.stall_timeout:g}")  # fmt: skip
+                killed = True
+        return killed
+
+    def _kill(self, index: int, why: str) -> None:
         server = self.servers[index]
+        if self.beats is not None:
+            self.beats[index] = 0.0  # watched no more
         if server.is_alive() and server.pid is not None:
-            logger.error("%s stalled (the engine got no acknowledgement from it for --api-server-stall-timeout); "
-                         "killing it", server.name)  # fmt: skip
+            logger.error("%s stalled (%s); killing it", server.name, why)
             os.kill(server.pid, signal.SIGKILL)
 
     def _on_signal(self, signum: int, _: FrameType | None) -> None:

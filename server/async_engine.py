@@ -183,7 +183,6 @@ class AsyncEngine:
         self.draining = False
         self.stat_logger = StatLogger()
         self._consumers: dict[str, Submission] = {}
-        self._step_failures: dict[str, str] = {}  # request id -> why its step failed, until its abort is counted
         self._adds: dict[int, tuple[asyncio.Future[None], SamplingParams, int]] = {}
         self._add_ids = itertools.count()
         self._started = False
@@ -298,18 +297,13 @@ class AsyncEngine:
                     self.metrics.observe_admitted(params)
             self.metrics.set_load(event.load)
             self._settle(accepted, event.error)
-        elif isinstance(event, Aborted):
-            for out in event.finals:  # a request failed with its step answered a 500: counted as an error
-                failure = self._step_failures.pop(out.request_id, None)
-                if failure is not None and out.error is None:
-                    out.error = failure
+        elif isinstance(event, Aborted):  # those a failed step failed carry its error (counted as errors)
             self.metrics.observe_outputs(event.finals)
             self.metrics.set_load(event.load)
         elif isinstance(event, LoadChanged):
             self.metrics.set_load(event.load)
-        elif isinstance(event, StepFailed):
-            self._step_failures.update(dict.fromkeys(self._consumers, event.message))
-            self._fail_all(RequestFailedError(event.message), False)
+        elif isinstance(event, StepFailed):  # their clients were answered a 500: their finals carry the error
+            self._fail_all(RequestFailedError(event.message), False, event.message)
         else:
             if not self._stopping:  # it died: /health says 503 from now on, and the log and metrics say why
                 logger.error("the engine stopped: %s; /health answers 503 from now on", event.message)
@@ -335,11 +329,11 @@ class AsyncEngine:
         else:
             accepted.set_exception(error)
 
-    def _fail_all(self, error: BaseException, closing: bool) -> None:
+    def _fail_all(self, error: BaseException, closing: bool, abort_error: str | None = None) -> None:
         """Fail every in-flight submission and have the engine abort their requests (after a failed step,
-        this command is what the engine loop waits for)."""
+        this command is what the engine loop waits for), their final outputs with ``abort_error``, if given."""
         failed, self._consumers = self._consumers, {}
-        self.driver.send(AbortCommand(list(failed)))
+        self.driver.send(AbortCommand(list(failed), abort_error))
         if closing:
             self._accepting = False
         for submission in set(failed.values()):

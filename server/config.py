@@ -130,9 +130,10 @@ class ServerConfig:
         "engine in its own process", type=int, metavar="N",
     )
     api_server_stall_timeout: float = option(
-        30.0, "an HTTP server process that leaves the engine process's outputs unacknowledged, or unread, this "
-        "long (its event loop blocked, the process stopped) is taken for stalled: the engine aborts its requests "
-        "and drops it, and with --api-servers it is killed, which stops the server as when one crashes "
+        30.0, "an HTTP server process that leaves the engine process's outputs unacknowledged, or unread, or a "
+        "command half-written, this long (its event loop blocked, the process stopped) is taken for stalled: the "
+        "engine aborts its requests and drops it, and with --api-servers it is killed, which stops the server as "
+        "when one crashes; with --api-servers, so is one whose event loop does not run this long, idle or not "
         "(0: never)", metavar="SECONDS",
     )
     max_compiling: int = option(

@@ -151,7 +151,11 @@ class AddCommand:
 
 @dataclass
 class AbortCommand:
+    """Abort these requests; ``error``, when given, is why, which their final outputs (:class:`Aborted`) carry
+    unless they have an error of their own (the metrics then count them as errors, not aborts)."""
+
     request_ids: list[str]
+    error: str | None = None
 
 
 @dataclass
@@ -378,6 +382,9 @@ class EngineCore:
             else:
                 self._drop_compiling(command.request_ids)
                 finals = [out for i in command.request_ids if (out := self.engine.abort_request(i)) is not None]
+                if command.error is not None:
+                    for out in finals:
+                        out.error = out.error or command.error
                 self.post(Aborted(finals, self._load()))
         if queued_compiles:  # the gauges count them as waiting now, not once their grammars compiled
             self.post(LoadChanged(self._load()))
@@ -763,9 +770,13 @@ class EncodedStep:
     deltas: list[Any] = field(default_factory=list)
 
 
-# Connection.send_bytes' framing, which the server's recv_bytes reads: a 4-byte length (or -1, then 8 bytes)
+# Connection.send_bytes' framing, which the server's recv_bytes reads and Inbox reads: a 4-byte length (or -1, then
+# 8 bytes), then the message's bytes
 SMALL_FRAME = 16384  # up to this size a message's header and bytes go out as one write, as send_bytes does
 SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+FRAME_LENGTH = struct.Struct("!i")
+LONG_FRAME_LENGTH = struct.Struct("!Q")  # after a length of -1: a message of 2 GiB or more
+INBOX_SIZE = 65536  # bytes an Inbox reads at most at once, unless a message it has begun is larger
 
 
 class Outbox:
@@ -829,6 +840,77 @@ class Outbox:
         self.socket.close()
 
 
+class Inbox:
+    """What one API server sends the engine process, read without ever blocking the engine loop: :meth:`read`
+    takes what the pipe holds now and returns the messages it completes, whole; the part of one that has not all
+    come yet waits here for the rest. A server stopped halfway through writing a large command (an add with a long
+    prompt: megabytes), by a signal, a crash or a blocked thread, so holds back its own commands only (a blocking
+    ``recv_bytes`` waited for the rest, and every server's streams with it). Messages are framed as
+    ``Connection.send_bytes`` frames them."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock  # read with MSG_DONTWAIT, a flag of each read (the outbox writes through it the same way)
+        self._allocate(INBOX_SIZE)
+        self.start = 0  # where the first message not returned yet begins
+        self.end = 0  # where the bytes read end
+
+    def _allocate(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        self.view = memoryview(self.buffer)
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a message was read and the rest has not come yet."""
+        return self.end > self.start
+
+    def read(self) -> list[Any] | None:
+        """The messages completed by what the pipe holds now (one read), unpickled; ``None`` when it holds nothing.
+        Raises EOFError at the pipe's end (the server is gone, maybe halfway through a message), OSError when it
+        fails."""
+        try:
+            received = self.socket.recv_into(self.view[self.end :], 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        if not received:
+            raise EOFError
+        self.end += received
+        messages = []
+        view, start, end = self.view, self.start, self.end
+        needed = 0  # the bytes of the message begun at start, header included, once its header came
+        while end - start >= FRAME_LENGTH.size:
+            (size,) = FRAME_LENGTH.unpack_from(view, start)
+            header = FRAME_LENGTH.size
+            if size == -1:
+                if end - start < header + LONG_FRAME_LENGTH.size:
+                    break
+                (size,) = LONG_FRAME_LENGTH.unpack_from(view, start + header)
+                header += LONG_FRAME_LENGTH.size
+            if end - start < header + size:
+                needed = header + size
+                break
+            messages.append(pickle.loads(view[start + header : start + header + size]))
+            start += header + size
+        if start == end:  # the usual case: whole messages only
+            self.start = self.end = 0
+            if len(self.buffer) > INBOX_SIZE:  # the room a large message took
+                self._allocate(INBOX_SIZE)
+        else:
+            self._keep_partial(start, needed)
+        return messages
+
+    def _keep_partial(self, start: int, needed: int) -> None:
+        """Keep the part of a message read (from ``start``), at the buffer's start, with room for the whole message
+        (``needed`` bytes, when its header came)."""
+        length = self.end - start
+        if needed > len(self.buffer):
+            rest = self.view[start : self.end]
+            self._allocate(needed)
+            self.view[:length] = rest
+        elif start:
+            self.buffer[:length] = self.buffer[start : self.end]
+        self.start, self.end = 0, length
+
+
 class ServerLinks:
     """The engine process's ends of the pipes of its API servers (one, or ``--api-servers`` of them): commands in
     from all of them, each event out to the server it concerns.
@@ -848,12 +930,14 @@ class ServerLinks:
     :class:`LoadChanged`, for its next :class:`HandledCommand`. A server that stops (or whose pipe closes) is
     answered :class:`Stopped` and its requests are aborted; the loop stops once no server is left.
 
-    No write waits for a server (:class:`Outbox`): what its pipe cannot take waits, and goes out as it reads.
-    A server that owes the engine something (a :class:`HandledCommand`, or the reading of what waits for it)
-    and makes no progress for ``stall_timeout`` seconds is taken for stalled: it is told why (as far as its pipe
-    takes it), its requests are aborted, freeing their slots, its pipe is closed and ``on_stalled(index)`` runs
-    (an engine process tells its supervisor, which kills that server: :mod:`rnnserve.server.api_servers`). An
-    idle server owes nothing, and is not watched.
+    No write waits for a server (:class:`Outbox`): what its pipe cannot take waits, and goes out as it reads. No
+    read waits for one either (:class:`Inbox`): part of a command waits for the rest, and the loop goes on.
+    A server that owes the engine something (a :class:`HandledCommand`, the reading of what waits for it, or the
+    rest of a command it began) and makes no progress for ``stall_timeout`` seconds is taken for stalled: it is
+    told why (as far as its pipe takes it), its requests are aborted, freeing their slots, its pipe is closed and
+    ``on_stalled(index)`` runs (an engine process tells its supervisor, which kills that server:
+    :mod:`rnnserve.server.api_servers`). An idle server owes nothing, and is not watched here (its supervisor
+    watches its event loop).
 
     Each event is encoded before ``post`` returns (a :class:`Stepped` as an :class:`EncodedStep`, an error as one
     the server can unpickle): an event that cannot be encoded raises, so the loop stops and says so instead of
@@ -870,12 +954,13 @@ class ServerLinks:
         self.live: list[int] = list(range(len(conns)))
         self.owners: dict[str, int] = {}  # request id -> the server that added it
         self.encoder = OutputEncoder(self.owners)
-        self.received: deque[tuple[int, Command]] = deque()  # commands cross in lists (CommandSender)
+        self.received: deque[tuple[int, Command]] = deque()  # the commands read, in order
         self.unhandled: dict[int, int] = dict.fromkeys(self.live, 0)  # per server still connected: Stepped unhandled
         self.load_owed: set[int] = set()  # servers whose LoadChanged waits for room in their window
         self.load: EngineLoad | None = None  # the latest the loop posted
         self.current: tuple[int, Command] | None = None  # the command the loop runs, and whose it is
         self.outboxes = {index: Outbox(conn) for index, conn in enumerate(conns)}
+        self.inboxes = {index: Inbox(outbox.socket) for index, outbox in self.outboxes.items()}
         self.stall_timeout = stall_timeout
         self.on_stalled = on_stalled
         self.clock = clock
@@ -930,15 +1015,33 @@ class ServerLinks:
         elif events & (select.POLLHUP | select.POLLERR):  # a server that left, gone before it read its last bytes
             self._close(index)
 
-    def _receive(self, index: int) -> None:
+    def _receive(self, index: int) -> bool:
+        """Queue the commands of the messages that what server ``index``'s pipe holds now completes; whether it
+        held anything. Part of a message is a debt: the server owes the rest."""
+        inbox = self.inboxes[index]
+        was_partial = inbox.partial
         try:
-            batch = receive_message(self.conns[index])
+            messages = inbox.read()
         except (EOFError, OSError):  # the server is gone
             self._detach(index)
-            return
-        self.received.extend((index, command) for command in batch)
-        if index in self.silent_since and any(type(command) is HandledCommand for command in batch):
-            self.silent_since[index] = self.clock()  # progress, counted as it arrives (the loop may run it later)
+            return False
+        if messages is None:
+            return False
+        for batch in messages:  # commands cross in lists (CommandSender)
+            self.received.extend((index, command) for command in batch)
+            if index in self.silent_since and any(type(command) is HandledCommand for command in batch):
+                self.silent_since[index] = self.clock()  # progress, counted as it arrives (the loop may run it later)
+        if was_partial or inbox.partial:
+            if not self._owes(index):
+                self.silent_since.pop(index, None)
+            elif was_partial or index not in self.silent_since:  # more of a message begun (progress), or a new debt
+                self.silent_since[index] = self.clock()
+        return True
+
+    def _owes(self, index: int) -> bool:
+        """Whether live server ``index`` owes the engine something: the acknowledgement of a :class:`Stepped`, the
+        reading of what waits for it, or the rest of a message it began."""
+        return bool(self.unhandled[index]) or self.outboxes[index].pending or self.inboxes[index].partial
 
     def _send(self, index: int, message: object) -> None:
         outbox = self.outboxes.get(index)
@@ -969,7 +1072,7 @@ class ServerLinks:
                 self.silent_since[index] = self.clock()
         elif index in self.live:
             self._watch(index, select.POLLIN)
-            if not self.unhandled[index]:
+            if not self._owes(index):
                 self.silent_since.pop(index, None)
             elif written:
                 self.silent_since[index] = self.clock()
@@ -998,6 +1101,7 @@ class ServerLinks:
         del self.unhandled[index]
         self.load_owed.discard(index)
         self.silent_since.pop(index, None)
+        self.inboxes.pop(index, None)  # what it began to send, never to be whole
         self._watch(index, select.POLLOUT if self.outboxes[index].pending else 0)
         orphans = [request_id for request_id, owner in self.owners.items() if owner == index]
         if orphans:
@@ -1013,19 +1117,23 @@ class ServerLinks:
             if now - since < self.stall_timeout or index not in self.live:
                 continue
             self._flush(index)
-            while index in self.live and self.conns[index].poll(0):
-                self._receive(index)
+            while index in self.live and self._receive(index):
+                pass
             since = self.silent_since.get(index, now)
             if index in self.live and now - since >= self.stall_timeout:
                 self._detach_stalled_server(index, now - since)
 
     def _detach_stalled_server(self, index: int, seconds: float) -> None:
         requests = sum(1 for owner in self.owners.values() if owner == index)
+        if self.inboxes[index].partial:
+            silence = f"sent none of the rest of a command it began for {seconds:.1f} s"
+        else:
+            silence = f"took none of its outputs for {seconds:.1f} s"
         logger.error(
-            "API server %d took none of its outputs for %.1f s (--api-server-stall-timeout %g): detached as stalled, "
-            "its %d requests aborted", index, seconds, self.stall_timeout, requests,
+            "API server %d %s (--api-server-stall-timeout %g): detached as stalled, its %d requests aborted",
+            index, silence, self.stall_timeout, requests,
         )  # fmt: skip
-        why = f"the engine detached this API server: it took none of its outputs for {seconds:.1f} s (stalled)"
+        why = f"the engine detached this API server: it {silence} (stalled)"
         self._send(index, Stopped(why))  # as far as its pipe takes it now
         self._detach(index)
         self._close(index)
@@ -1063,7 +1171,7 @@ class ServerLinks:
         assert self.current is not None and self.current[1] is command
         index = self.current[0]
         self.unhandled[index] -= 1
-        if not self.unhandled[index] and not self.outboxes[index].pending:
+        if not self._owes(index):
             self.silent_since.pop(index, None)
         if index in self.load_owed:
             self.load_owed.discard(index)

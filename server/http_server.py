@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -149,20 +150,36 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones; when
     ``drain_timeout`` ends, this fails the generations still running, so streams end with an error event and
     ``[DONE]`` and other requests get a JSON 503, and answers requests whose bodies are still arriving with a
-    503 (``body_reads``), rather than uvicorn cancelling their tasks mid-response or with a 500."""
+    503 (``body_reads``), rather than uvicorn cancelling their tasks mid-response or with a 500. With
+    ``heartbeat``, the event loop calls it every ``heartbeat_seconds`` from startup on, draining included (a
+    supervisor so sees that the loop runs)."""
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float, body_reads: BodyReads | None = None
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        drain_timeout: float,
+        body_reads: BodyReads | None = None,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_seconds: float = 1.0,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
         self.body_reads = body_reads or BodyReads()
+        self.heartbeat = heartbeat
+        self.heartbeat_seconds = heartbeat_seconds
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if sockets is not None and self.started:  # uvicorn says "Uvicorn running on ..." only for its own sockets
             self._log_started_message(sockets)
+        if self.heartbeat is not None:
+            self._beat()
+
+    def _beat(self) -> None:
+        self.heartbeat()  # type: ignore[misc]
+        asyncio.get_running_loop().call_later(self.heartbeat_seconds, self._beat)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.engine.draining = True  # /ready answers 503 from now on
@@ -198,8 +215,11 @@ def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.sock
     return sock
 
 
-def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
-    """The uvicorn server for ``app`` (made by ``create_app(config)``) with the config's connection limits."""
+def build_server(
+    app: FastAPI, config: ServerConfig, heartbeat: Callable[[], None] | None = None, heartbeat_seconds: float = 1.0
+) -> DrainingServer:
+    """The uvicorn server for ``app`` (made by ``create_app(config)``) with the config's connection limits (and
+    ``heartbeat``, see :class:`DrainingServer`)."""
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -211,4 +231,6 @@ def build_server(app: FastAPI, config: ServerConfig) -> DrainingServer:
         timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE_SECONDS,  # type: ignore[arg-type]
         access_log=config.access_log,
     )
-    return DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout, app.state.body_reads)
+    return DrainingServer(
+        uvicorn_config, app.state.engine, config.drain_timeout, app.state.body_reads, heartbeat, heartbeat_seconds
+    )

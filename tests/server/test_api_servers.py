@@ -358,7 +358,8 @@ def test_a_single_server_keeps_its_metrics_out_of_an_inherited_multiprocess_fold
 def test_an_api_server_stalled_for_the_stall_timeout_is_killed_and_the_server_stops() -> None:
     """An API server stopped for good (SIGSTOP) kept its requests running to max_tokens and its connections
     hanging, and nothing said so: the engine detaches it after --api-server-stall-timeout, aborting its requests,
-    and the supervisor kills it, which stops the others (drained) and the server with 1, as a crash does."""
+    and the supervisor kills it, which stops the others (drained) and the server with 1, as a crash does. (Its event
+    loop's heartbeat stops as well: whichever of the two notices first has it killed.)"""
     flags = ("--model", TINY, "--api-servers", "2", "--max-num-seqs", "16", "--no-sessions",
              "--api-server-stall-timeout", "1", "--drain-timeout", "1")  # fmt: skip
     with running_server(*flags) as server:
@@ -369,8 +370,29 @@ def test_an_api_server_stalled_for_the_stall_timeout_is_killed_and_the_server_st
         finally:
             if Path(f"/proc/{stalled}").exists():
                 os.kill(stalled, signal.SIGKILL)
-    assert re.search(r"API server \d took none of its outputs for [\d.]+ s .*detached as stalled", server.output)
+    engine_saw = re.search(r"API server \d took none of its outputs for [\d.]+ s .*detached as stalled", server.output)
+    supervisor_saw = re.search(r"rnnserve-api-\d stalled \(its event loop did not run", server.output)
+    assert engine_saw or supervisor_saw, server.output
     assert re.search(r"rnnserve-api-\d stalled .*; killing it", server.output), server.output
+    assert re.search(r"rnnserve-api-\d exited \(exit code -9\); stopping", server.output), server.output
+
+
+def test_an_idle_api_server_that_stalls_is_killed_and_the_server_stops() -> None:
+    """An API server stopped (SIGSTOP) while it had no request owed the engine nothing, so nothing noticed it: the
+    connections the kernel gave it hung. Its event loop's heartbeat stops, and the supervisor kills it after
+    --api-server-stall-timeout, which stops the others and the server with 1, as a crash does."""
+    flags = ("--model", TINY, "--api-servers", "2", "--no-sessions", "--api-server-stall-timeout", "2",
+             "--drain-timeout", "1")  # fmt: skip
+    with running_server(*flags) as server:
+        stalled = wait_for_servers(server, 2)[0]
+        try:
+            os.kill(stalled, signal.SIGSTOP)
+            assert server.proc.wait(timeout=60) == 1, server.output
+        finally:
+            if Path(f"/proc/{stalled}").exists():
+                os.kill(stalled, signal.SIGKILL)
+    silent = r"rnnserve-api-\d stalled \(its event loop did not run for [\d.]+ s, --api-server-stall-timeout 2\)"
+    assert re.search(silent + "; killing it", server.output), server.output
     assert re.search(r"rnnserve-api-\d exited \(exit code -9\); stopping", server.output), server.output
 
 

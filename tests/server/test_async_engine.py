@@ -16,13 +16,14 @@ from fastapi.testclient import TestClient
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams, StructuredOutputParams
 from rnnserve.engine.sequence import Sequence
+from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.app import create_app
-from rnnserve.server.async_engine import EngineDeadError
+from rnnserve.server.async_engine import EngineDeadError, RequestFailedError
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import EngineThread
-from tests.server.conftest import tiny_config
+from tests.server.conftest import hold_grammar_compiles, tiny_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -168,6 +169,56 @@ def test_stopping_fails_pending_requests_with_engine_dead() -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert not bridge.running
+
+
+def test_a_failed_step_leaves_the_bridge_holding_nothing_of_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed step the bridge kept each failed request's error until the request's final output came
+    back from the abort (to count it as an error); a request that had none, its grammar still compiling, stayed
+    there for the life of the server, one per such request and failure. The error now travels with the abort."""
+    app = create_app(tiny_config())
+    bridge, engine = app.state.engine, app.state.engine.engine
+    may_finish = hold_grammar_compiles(monkeypatch, engine, timeout=30)
+    held_compile, compiling, real_step = engine.grammars.compile, threading.Event(), engine.step
+    failed: list[bool] = []
+
+    def compile_and_say_so(constraint: StructuredOutputParams) -> CompiledGrammar:
+        compiling.set()
+        return held_compile(constraint)
+
+    def step(collect: bool = True):  # type: ignore[no-untyped-def]
+        if compiling.is_set() and not failed:  # once, while a grammar compiles
+            failed.append(True)
+            raise RuntimeError("device fell over")
+        return real_step(collect)
+
+    monkeypatch.setattr(engine.grammars, "compile", compile_and_say_so)
+    monkeypatch.setattr(engine, "step", step)
+    stream = SamplingParams(max_tokens=100_000, ignore_eos=True, output_kind=OutputKind.DELTA)
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputParams(regex="[a-f]+"))
+
+    def errors() -> float:
+        labels = {"model_name": bridge.metrics.model_name, "finished_reason": "error"}
+        return bridge.metrics.registry.get_sample_value("rnnserve_request_success_total", labels) or 0.0
+
+    async def scenario() -> None:
+        bridge.start(asyncio.get_running_loop())
+        outputs = (await bridge.submit("cmpl-running", ["Hello"], stream)).outputs()
+        await anext(outputs)
+        with pytest.raises(RequestFailedError, match="device fell over"):  # its grammar compiles meanwhile
+            await bridge.submit("cmpl-compiling", ["Hi"], constrained)
+        with pytest.raises(RequestFailedError, match="device fell over"):
+            async for _ in outputs:
+                pass
+        while errors() < 1:  # the abort ran (the compiling add dropped), the running request counted as an error
+            await asyncio.sleep(0.01)
+        may_finish.release(2)  # the dropped compile, and the next request's
+        async for _ in (await bridge.submit("cmpl-after", ["Hi"], constrained)).outputs():  # the engine goes on
+            pass
+        await asyncio.to_thread(bridge.stop)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert errors() == 1
+    assert {name: value for name, value in vars(bridge).items() if isinstance(value, dict) and value} == {}
 
 
 def test_async_scheduling_streams_the_same_text_as_a_synchronous_engine() -> None:

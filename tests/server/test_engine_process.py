@@ -12,7 +12,9 @@ import json
 import multiprocessing
 import os
 import pickle
+import random
 import signal
+import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +48,7 @@ from rnnserve.server.engine_core import (
     EngineCore,
     EngineInfo,
     HandledCommand,
+    Inbox,
     LoadChanged,
     OutputDecoder,
     OutputEncoder,
@@ -686,6 +689,109 @@ def test_a_server_stopped_halfway_through_a_large_message_holds_back_no_other() 
             server_end.close()
         loop.join(30)
     assert not loop.is_alive() and engine.pool.num_used == 0
+
+
+def framed(payload: bytes, long_header: bool = False) -> bytes:
+    """``payload`` framed as ``Connection.send_bytes`` frames it (``long_header``: as it frames 2 GiB or more)."""
+    if long_header:
+        return struct.pack("!iQ", -1, len(payload)) + payload
+    return struct.pack("!i", len(payload)) + payload
+
+
+def write_raw(conn: Connection, data: bytes) -> None:
+    """Write ``data`` into ``conn``'s pipe as it is (no framing), all of it."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.sendall(data)
+
+
+def test_an_inbox_returns_whole_messages_only_however_their_bytes_arrive() -> None:
+    """Messages sent in pieces cut anywhere (inside a header too), small and larger than the inbox, with either
+    header, come out whole and once each, in order; the room a large one took is given back; the end of the pipe
+    is EOFError, also halfway through a message."""
+    messages: list[object] = [[HandledCommand()], [add_command(1, "a")], ["x" * 300_000], [AbortCommand(["b"])]]
+    frames = [framed(pickle.dumps(m), long_header=i == 3) for i, m in enumerate(messages)]
+    stream = b"".join(frames) + framed(pickle.dumps(["never whole"]))[:-1]
+    ends = list(itertools.accumulate(len(frame) for frame in frames))  # a cut there: nothing begun is left
+    cuts = sorted({*random.Random(0).sample(range(1, len(stream)), 200), 1, 2, 3, 5, 9, *ends})
+    writer, reader = socket.socketpair()
+    inbox = Inbox(reader)
+    received: list[object] = []
+    try:
+        assert inbox.read() is None  # nothing to read: no wait
+        for begin, end in itertools.pairwise([0, *cuts, len(stream)]):
+            writer.sendall(stream[begin:end])
+            while (whole := inbox.read()) is not None:
+                received += whole
+        assert received == messages and inbox.partial
+        assert len(inbox.buffer) == 65536
+        writer.close()
+        with pytest.raises(EOFError):
+            inbox.read()
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_server_stopped_halfway_through_writing_a_command_holds_back_no_other() -> None:
+    """The engine read each command with a blocking ``recv_bytes``: a server that stopped halfway through writing
+    a large one (a stopped process, a crash mid-write) stopped the engine loop, and every server's streams with
+    it. Its part waits for the rest, the loop serves the others, and the command runs once it is whole."""
+    engine = make_engine()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    (slow_conn, _), (healthy_conn, _) = pipes
+    slow, healthy = LinkedServer(slow_conn), LinkedServer(healthy_conn)
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=OutputKind.DELTA)
+        long_prompt = "The cat " * 100_000  # an add of 800 KB
+        frame = framed(pickle.dumps([AddCommand(0, ["big"], [long_prompt], params, 0.0)]))
+        write_raw(slow_conn, frame[:4096])  # its header and a little of the rest
+        healthy.send(AddCommand(0, ["h"], ["Hello"], dataclasses.replace(params, max_tokens=20), 0.0))
+        assert isinstance(healthy.read(), Added)
+        healthy.serve_until({"h"})
+        assert len(healthy.tokens["h"]) == 20 and links.inboxes[0].partial
+        write_raw(slow_conn, frame[4096:] + framed(pickle.dumps([AbortCommand(["nothing"])])))  # the rest
+        messages = [slow.read(30)]
+        while not isinstance(messages[-1], Aborted):  # the answer to the message written behind it
+            messages.append(slow.read(30))
+        [answer] = [message for message in messages if isinstance(message, Added)]
+        assert answer.request_ids == ["big"]  # refused (too long) once it crossed whole
+        assert isinstance(answer.error, ValueError) and "prompt" in str(answer.error), answer.error
+    finally:
+        for server_end, _ in pipes:
+            server_end.close()
+        loop.join(30)
+    assert not loop.is_alive() and engine.pool.num_used == 0
+
+
+def test_a_server_that_leaves_a_command_half_written_for_the_stall_timeout_is_detached() -> None:
+    """Part of a command is a debt, as an unacknowledged output is: more of it is progress, and a server that
+    sends none of the rest for ``stall_timeout`` seconds is detached as stalled; the other stays."""
+    now = [0.0]
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    stalled, healthy = (server_end for server_end, _ in pipes)
+    reports: list[int] = []
+    links = ServerLinks([end for _, end in pipes], stall_timeout=30.0, on_stalled=reports.append, clock=lambda: now[0])
+    frame = framed(pickle.dumps([add_command(1, "s0")]))
+    write_raw(healthy, frame[:6])
+    write_raw(healthy, frame[6:])  # whole within the timeout: no debt left
+    assert links.next_command(True) == add_command(1, "s0") and links.silent_since == {}
+    write_raw(stalled, frame[:3])  # inside the header
+    assert links.next_command(False) is None and links.silent_since == {0: 0.0}
+    now[0] = 20.0
+    write_raw(stalled, frame[3:-1])
+    assert links.next_command(False) is None and links.silent_since == {0: 20.0}
+    now[0] = 49.0
+    assert links.next_command(False) is None and reports == []
+    now[0] = 50.0
+    assert links.next_command(False) is None and reports == [0] and links.live == [1]
+    message = pickle.loads(stalled.recv_bytes())
+    assert isinstance(message, Stopped) and "sent none of the rest of a command it began for 30.0 s" in message.message
+    with pytest.raises(EOFError):
+        stalled.recv_bytes()
 
 
 def test_a_server_that_makes_no_progress_for_the_stall_timeout_is_detached() -> None:
