@@ -58,6 +58,8 @@ class Harness:
 
     def add(self, server: int, request_id: str, prompt: str, params: SamplingParams) -> None:
         self.conns[server].send_bytes(pickle.dumps([AddCommand(0, [request_id], [prompt], params, 0.0)]))
+        # read at once, so that both engines order their batches alike: a row's place moves its logprobs' last bits
+        assert self.core._run_commands(False)
         self.reference.add_request(prompt, params, request_id)
 
     def abort(self, server: int, request_id: str) -> None:
