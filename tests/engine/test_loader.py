@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,38 @@ def test_a_model_deriving_a_tensor_in_its_constructor_is_built_for_real(
     assert built_on == ["meta", "cpu"]
     assert torch.equal(model.derived[0], torch.arange(3.0))
     torch.testing.assert_close(_logits(model, [1, 2]), _logits(tiny_model("mingru", seed=2), [1, 2]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("value", ["False", "false", "FALSE", False])
+def test_a_string_boolean_in_config_json_is_read_as_the_word_says(tmp_path: Path, value: object) -> None:
+    """Training scripts write ``"bias": "False"``: Python's truthiness read it as true (a model with biases)."""
+    model, _ = load_model("random:looped-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bias": value}))
+    loaded, _ = load_model(str(tmp_path), device="cpu")
+    assert loaded.config.bias is False and loaded.block.q.bias is None
+
+
+@pytest.mark.parametrize("value", ["no", "0", "", 0, 1, None, [False]])
+def test_a_config_value_that_is_no_boolean_is_refused_naming_the_field(tmp_path: Path, value: object) -> None:
+    model, _ = load_model("random:looped-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bias": value}))
+    with pytest.raises(ModelLoadError, match=f"bias must be true or false, got {re.escape(repr(value))}"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_every_architecture_reads_its_boolean_fields_strictly() -> None:
+    """One helper for every config: each boolean field of each architecture takes ``"true"``/``"false"`` in any
+    case and refuses anything else, naming the field."""
+    for cls in MODEL_REGISTRY.values():
+        defaults = cls.config_class()
+        booleans = [f for f, v in defaults.to_dict().items() if isinstance(v, bool)]
+        for field in booleans:
+            value = getattr(defaults, field)
+            parsed = cls.config_class.from_dict({**defaults.to_dict(), field: str(value).upper()})
+            assert getattr(parsed, field) is value, (cls.architecture, field)
+            with pytest.raises(ValueError, match=f"{field} must be true or false, got 'maybe'"):
+                cls.config_class.from_dict({**defaults.to_dict(), field: "maybe"})
