@@ -217,6 +217,9 @@ class RecurrentLM(nn.Module):
     architecture: ClassVar[str]
     config_class: ClassVar[type[ModelConfig]]
     hf_model_types: ClassVar[tuple[str, ...]] = ()
+    non_finite_weights: ClassVar[frozenset[str]] = frozenset()
+    """Weights whose NaN or infinite numbers mean something (the model checks them itself); loading refuses
+    non-finite numbers in the others."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

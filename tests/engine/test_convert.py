@@ -159,3 +159,19 @@ def test_what_load_model_would_refuse_is_refused_before_writing(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConvertError, match="not a directory"):
         convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "file")
+
+
+def test_non_finite_tensors_are_refused_naming_them_unless_allowed(tmp_path, toy_format, capsys):
+    """A diverged training run's checkpoint (NaN weights) converted without a word, then answered every request
+    with NaN logits."""
+    src, dest = tmp_path / "a.toyckpt", tmp_path / "out"
+    torch.save({"w": torch.tensor([1.0, float("nan"), float("inf"), float("nan")])}, src)
+    with pytest.raises(ConvertError, match=r"tensor w holds 2 NaN and 1 infinite numbers \(the first at \(1,\)\).*"
+                                           "--allow-non-finite"):  # fmt: skip
+        convert_checkpoint(src, dest)
+    assert not dest.exists()
+    assert main(["convert", str(src), str(dest)]) == 1
+    assert not dest.exists()
+    assert main(["convert", str(src), str(dest), "--allow-non-finite"]) == 0
+    assert "note: w holds 2 NaN and 1 infinite numbers" in capsys.readouterr().out
+    assert torch.isnan(load_file(str(dest / "model.safetensors"))["w"]).sum() == 2

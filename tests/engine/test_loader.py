@@ -243,3 +243,30 @@ def test_every_architecture_reads_its_boolean_fields_strictly() -> None:
             assert getattr(parsed, field) is value, (cls.architecture, field)
             with pytest.raises(ValueError, match=f"{field} must be true or false, got 'maybe'"):
                 cls.config_class.from_dict({**defaults.to_dict(), field: "maybe"})
+
+
+def _with_weight(path: Path, name: str, edit) -> None:
+    weights = load_file(str(path / "model.safetensors"))
+    edit(weights[name])
+    save_file(weights, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_small_weight_holding_nan_or_inf_is_a_load_error_naming_it(tmp_path: Path, bad: float) -> None:
+    """Norms, biases and SSM parameters (the weights of at most FINITE_CHECK_MAX_ELEMENTS) are checked: a diverged
+    training run's NaN loaded and then gave NaN logits for every request."""
+    model, _ = load_model("random:mamba-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    _with_weight(tmp_path, "backbone.layers.1.mixer.D", lambda w: w.__setitem__(3, bad))
+    with pytest.raises(ModelLoadError, match=r"weight backbone.layers.1.mixer.D holds \d NaN and \d infinite numbers "
+                                             r"\(the first at \(3,\)\)"):  # fmt: skip
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_a_small_weight_beyond_the_range_of_the_dtype_asked_for_is_a_load_error(tmp_path: Path) -> None:
+    model, _ = load_model("random:mamba-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    _with_weight(tmp_path, "backbone.layers.0.mixer.D", lambda w: w.__setitem__(0, 1e6))
+    with pytest.raises(ModelLoadError, match="mixer.D holds numbers up to 1e[+]06, beyond the range of float16"):
+        load_model(str(tmp_path), device="cpu", dtype="float16")
+    assert load_model(str(tmp_path), device="cpu", dtype="bfloat16")[0].backbone.layers[0].mixer.D[0] == 1e6
