@@ -121,6 +121,20 @@ def test_cli_reports_bad_program_files(tmp_path: Path, capsys) -> None:
     assert "define build()" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["compile", "run"])
+def test_cli_names_a_program_whose_inputs_form_a_cycle(tmp_path: Path, capsys, command: str) -> None:
+    """``lsrl run`` failed with a KeyError traceback, ``lsrl compile`` with "compiling it raised KeyError: 3"."""
+    program = tmp_path / "cycle.py"
+    program.write_text("from rnnserve.engine.lsrl import Input, Lin, ReLU\n\ndef build():\n    x = Input(1)\n"
+                       "    a = Lin(x, [[1.0]])\n    b = Lin(ReLU(a), [[2.0]])\n    a.inputs = (b,)\n    return b\n")
+    args = [command, str(program), *(["-o", str(tmp_path / "out")] if command == "compile" else ["1"])]
+    assert lsrl_main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{program}: build() returned no valid program: an LSRL program is a DAG, but the inputs of 3 node(s) " \
+           "form a cycle: Lin#" in err and len(err.strip().splitlines()) == 1  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("program", "message"),
     [
