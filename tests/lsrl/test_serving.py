@@ -204,6 +204,30 @@ def test_http_completion_returns_the_dictionary_answer() -> None:
     assert response.json()["choices"][0]["text"] == "TOTTOTT"
 
 
+def test_a_chat_request_is_a_400_on_messages_showing_the_rendered_prompt(tmp_path: Path) -> None:
+    """The default template's ``User: ...`` is not in the alphabet: the 400 named ``prompt``, a field a chat request
+    does not have, and quoted ``'ser: CANAUS'`` without saying where that text came from."""
+    body = {"messages": [{"role": "user", "content": "CAN" + PAIRS}], "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(ServerConfig.build(model="lsrl:dictionary", max_num_seqs=4))) as client:
+        for stream in (False, True):
+            response = client.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error.keys() == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            assert error["param"] == "messages"
+            assert error["message"].startswith("the chat template renders the messages as 'User: CANAUSVIE")
+            assert "no symbol of this model's alphabet starts at 'ser: CANAUSV'" in error["message"]
+            assert "/v1/completions" in error["message"] and "--chat-template" in error["message"]
+        tokens = client.post("/tokenize", json={"messages": body["messages"]})
+        assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "messages"
+    (tmp_path / "plain.jinja").write_text("{{ messages[-1]['content'] }}")
+    config = ServerConfig.build(model="lsrl:dictionary", max_num_seqs=4, chat_template=str(tmp_path / "plain.jinja"))
+    with TestClient(create_app(config)) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "TOT"
+
+
 def test_sampling_at_the_default_temperature_gives_the_programs_answer() -> None:
     """At unit scale the head let temperature 1 (OpenAI's default) pick a neighbour of the answer: a sampled
     8-token dictionary answer was right about 1% of the time."""
