@@ -239,7 +239,7 @@ class OpenAIServing:
             if err.param != "prompt":
                 return err
             if not isinstance(err, UnencodablePromptError):
-                return InvalidParameterError("messages", f"the prompt the chat template renders from them: {err}")
+                return InvalidParameterError("messages", f"the prompt rendered from the messages: {err}")
             shown = repr(prompt if len(prompt) <= 80 else prompt[:80]) + ("..." if len(prompt) > 80 else "")
             message = f"the chat template renders the messages as {shown}, which this model cannot read: {err}"
             if isinstance(self.tokenizer, CharTokenizer):
