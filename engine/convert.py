@@ -212,8 +212,11 @@ def convert_checkpoint(
     format_name: str | None = None,
     tokenizer_json: str | Path | None = None,
     overwrite: bool = False,
+    allow_non_finite: bool = False,
 ) -> ConvertedCheckpoint:
-    """Convert ``src`` (format detected unless named) into a native checkpoint directory ``dest``."""
+    """Convert ``src`` (format detected unless named) into a native checkpoint directory ``dest``. A tensor holding
+    NaN or infinite numbers (a training run that diverged, a corrupt file) is refused, naming it, unless
+    ``allow_non_finite``."""
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
@@ -234,6 +237,7 @@ def convert_checkpoint(
     if "architecture" not in checkpoint.config:
         raise ConvertError("converter produced a config without 'architecture'")
     _check_loadable(checkpoint, src, tokenizer)
+    _check_finite(checkpoint, src, allow_non_finite)
     try:
         write_native_checkpoint(dest, checkpoint, tokenizer or checkpoint.tokenizer_json, overwrite)
     except OSError as err:
@@ -255,6 +259,24 @@ def _check_loadable(checkpoint: ConvertedCheckpoint, src: Path, tokenizer: Path 
             read_hf_tokenizer(tokenizer)
     except ModelLoadError as err:
         raise ConvertError(str(err)) from err
+
+
+def _check_finite(checkpoint: ConvertedCheckpoint, src: Path, allow: bool) -> None:
+    """Every floating tensor is finite: a model with a NaN weight converted, loaded and then answered every request
+    with NaN logits (a diverged training run's last checkpoint often holds them). With ``allow`` each such tensor
+    is a note instead."""
+    from rnnserve.engine.loader import non_finite_summary
+
+    for name, tensor in checkpoint.tensors.items():
+        found = non_finite_summary(tensor)
+        if found is None:
+            continue
+        if not allow:
+            raise ConvertError(
+                f"{src}: tensor {name} holds {found}; a model with it would compute NaN. Convert a checkpoint "
+                "from before training diverged, or pass --allow-non-finite to convert it as it is"
+            )
+        checkpoint.notes.append(f"{name} holds {found} (kept: --allow-non-finite)")
 
 
 def describe(checkpoint: ConvertedCheckpoint) -> Mapping[str, Any]:

@@ -29,6 +29,10 @@ from rnnserve.engine.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer,
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of floating weights
+FINITE_CHECK_MAX_ELEMENTS = 1 << 16
+"""Loading checks the floating weights of at most this many elements for NaN and infinities: norms, biases, SSM
+parameters, the ones a diverged training run poisons with the rest, at well under 1% of a load's time. Checking every
+weight would cost 1.5-5x the load itself (docs/models.md); ``rnnserve convert`` checks them all."""
 
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -101,7 +105,9 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None)
         )
     cls = MODEL_REGISTRY[architecture]
     model_config = _parse_config(config_path, lambda: cls.config_class.from_dict(config))
-    model = load_safetensors_into(lambda: cls(model_config), path, config_path=config_path, dtype=dtype)
+    model = load_safetensors_into(
+        lambda: cls(model_config), path, config_path=config_path, dtype=dtype, non_finite=cls.non_finite_weights
+    )
     tokenizer: Tokenizer
     if config.get("alphabet"):  # fixed-alphabet models (compiled LSRL programs)
         tokenizer = CharTokenizer(config["alphabet"])
@@ -171,7 +177,7 @@ def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: to
     cls = hf_architecture(str(config["model_type"]))
     model_config = _parse_config(path / "config.json", lambda: cls.from_hf_config(config))
     model = load_safetensors_into(
-        lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json", dtype
+        lambda: cls(model_config), path, cls.hf_weight_name, path / "config.json", dtype, cls.non_finite_weights
     )
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json (rnnserve reads HF tokenizers from tokenizer.json)")
@@ -207,17 +213,52 @@ def _safetensors_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [path / n for n in names], weight_map
 
 
-def _read_safetensors(file: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(
+    file: Path, dtype: torch.dtype, non_finite: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``file`` one at a time, each a fresh tensor of its own memory: floating ones of a loadable
     dtype in ``dtype``, the rest as stored. Reading one at a time keeps the peak at the model's size: the file is
-    mapped, not copied whole."""
+    mapped, not copied whole. The small floating ones not named in ``non_finite`` are checked for NaN and
+    infinities (:data:`FINITE_CHECK_MAX_ELEMENTS`)."""
     try:
         with safe_open(str(file), framework="pt") as tensors:
             for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = tensors.get_tensor(key)
-                yield key, tensor.to(dtype, copy=True) if tensor.dtype in LOADABLE_DTYPES else tensor.clone()
+                if tensor.dtype not in LOADABLE_DTYPES:
+                    yield key, tensor.clone()
+                    continue
+                loaded = tensor.to(dtype, copy=True)
+                if loaded.numel() <= FINITE_CHECK_MAX_ELEMENTS and key not in non_finite:
+                    _check_finite_weight(file, key, tensor, loaded)
+                yield key, loaded
     except (SafetensorError, OSError) as err:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {err}") from err
+
+
+def non_finite_summary(tensor: torch.Tensor) -> str | None:
+    """How many NaN and infinite numbers a floating ``tensor`` holds and where the first is; ``None`` if none."""
+    if not tensor.is_floating_point():
+        return None
+    bad = ~torch.isfinite(tensor)
+    if not bool(bad.any()):
+        return None
+    nans = int(torch.isnan(tensor).sum())
+    first = tuple(torch.nonzero(bad)[0].tolist())
+    return f"{nans} NaN and {int(bad.sum()) - nans} infinite numbers (the first at {first})"
+
+
+def _check_finite_weight(file: Path, key: str, stored: torch.Tensor, loaded: torch.Tensor) -> None:
+    """:class:`ModelLoadError` naming a weight that holds NaN or infinite numbers as loaded: stored so, or finite
+    numbers beyond the range of the dtype asked for (fp16's 65504)."""
+    found = non_finite_summary(loaded)
+    if found is None:
+        return
+    if non_finite_summary(stored) is None:
+        raise ModelLoadError(
+            f"{file}: weight {key} holds numbers up to {float(stored.abs().max()):.4g}, beyond the range of "
+            f"{str(loaded.dtype).removeprefix('torch.')}: load it in a wider dtype (--dtype bfloat16 or float32)"
+        )
+    raise ModelLoadError(f"{file}: weight {key} holds {found}; a model with it would compute NaN")
 
 
 def _stored_dtype(files: list[Path]) -> torch.dtype:
@@ -247,6 +288,7 @@ def load_safetensors_into(
     rename: Callable[[str], str] | None = None,
     config_path: Path | None = None,
     dtype: torch.dtype | None = None,
+    non_finite: frozenset[str] = frozenset(),
 ) -> RecurrentLM:
     """The model ``build`` makes, with the ``*.safetensors`` weights in ``path``, its floating weights in
     ``dtype`` (``None``: the checkpoint's, that of most of its weights where they differ).
@@ -256,6 +298,7 @@ def load_safetensors_into(
     millions) fails before the model's memory is allocated.
 
     ``rename`` maps checkpoint keys to parameter names. A tied parameter may be stored under either name.
+    ``non_finite`` names checkpoint keys that may hold NaN or infinities (the model checks them itself).
 
     Each tensor is read and converted on its own and becomes the parameter itself: the peak is about the
     loaded model's size, not the checkpoint's plus a randomly initialised fp32 copy of the model.
@@ -274,7 +317,7 @@ def load_safetensors_into(
     weights: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # parameter name -> the checkpoint key and file it came from
     for file in files:
-        for key, tensor in _read_safetensors(file, dtype):
+        for key, tensor in _read_safetensors(file, dtype, non_finite):
             if weight_map is not None and key not in weight_map:  # transformers would drop it: which is meant?
                 raise ModelLoadError(f"{file}: holds {key}, which model.safetensors.index.json does not list")
             if weight_map is not None and weight_map[key] != file.name:

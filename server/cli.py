@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--format", default=None, help="source format (default: detected)")
     convert.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json to copy alongside")
     convert.add_argument("--force", action="store_true", help="replace DEST if it holds a checkpoint convert wrote")
+    convert.add_argument(
+        "--allow-non-finite", action="store_true",
+        help="convert tensors holding NaN or infinite numbers (refused by default, naming the tensor)",
+    )
 
     commands.add_parser(
         "lsrl", help="LSRL tools: compile and run LSRL programs (rnnserve lsrl --help)", add_help=False
@@ -356,7 +360,9 @@ def convert(args: argparse.Namespace) -> int:
     from rnnserve.engine.convert import ConvertError, convert_checkpoint, describe
 
     try:
-        checkpoint = convert_checkpoint(args.src, args.dest, args.format, args.tokenizer, args.force)
+        checkpoint = convert_checkpoint(
+            args.src, args.dest, args.format, args.tokenizer, args.force, allow_non_finite=args.allow_non_finite
+        )
     except ConvertError as err:
         logger.error("cannot convert: %s", err)
         return 1

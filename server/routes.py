@@ -26,7 +26,7 @@ from rnnserve.engine.chat_template import (
 )
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
-from rnnserve.engine.tokenizer import Tokenizer
+from rnnserve.engine.tokenizer import CharTokenizer, Tokenizer
 from rnnserve.server.async_engine import AsyncEngine, EngineDeadError, Submission
 from rnnserve.server.config import ServerConfig
 from rnnserve.server.errors import APIError, bad_request, from_validation_error
@@ -81,6 +81,10 @@ def client_input(build: Callable[[], Any]) -> Any:
         return build()
     except InvalidParameterError as err:
         raise bad_request(str(err), param=err.param) from err
+
+
+class UnencodablePromptError(InvalidParameterError):
+    """The tokenizer cannot encode a prompt's text (a character outside a fixed alphabet)."""
 
 
 class OpenAIServing:
@@ -155,7 +159,8 @@ class OpenAIServing:
         except EngineDeadError as err:
             raise APIError(503, str(err), type="service_unavailable") from err
         except ValueError as err:  # the tokenizer rejected the text (e.g. a character outside an alphabet)
-            raise bad_request(str(err), param="prompt") from err
+            explained = explain(UnencodablePromptError("prompt", str(err)))
+            raise bad_request(str(explained), param=explained.param) from err
 
     async def generate(
         self,
@@ -166,15 +171,17 @@ class OpenAIServing:
         prompts: list[str | list[int]],
         params: SamplingParams,
         turn: SessionTurn | None = None,
+        explain: Callable[[InvalidParameterError], InvalidParameterError] | None = None,
     ) -> Response:
         """Submit the prompts under a new response id and answer with a stream or one JSON body. With a session
         ``turn``, the state after the answer is stored before its end is sent, and the session is given back
-        when the response ends, however it ends."""
+        when the response ends, however it ends. ``explain`` words the engine's refusals in the request's terms
+        (default: the request's own ``in_request_terms``)."""
         try:
             # 128 random bits, not uuid4: its os.urandom call releases the GIL, and with the engine in a thread
             # each request then waited for the engine to hand the GIL back.
             response_id = f"{generation.id_prefix}-{random.getrandbits(128):032x}"
-            submitting = self.submit(response_id, prompts, params, turn, req.in_request_terms)
+            submitting = self.submit(response_id, prompts, params, turn, explain or req.in_request_terms)
             if params.structured_outputs is None:  # answered at once; a grammar may wait to compile
                 submission = await submitting
             else:
@@ -215,12 +222,34 @@ class OpenAIServing:
                     req.messages, req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
                 )
             )
-            return await self.generate(request, ChatStream, req, model, [prompt], params)
+            explain = self.in_chat_terms(prompt)
+            return await self.generate(request, ChatStream, req, model, [prompt], params, explain=explain)
         self.check_session_request(req, params)
         turn, session_prompt = await self.open_turn(
             req.session_id, lambda stored: client_input(lambda: self.render_turn(req, stored))
         )
-        return await self.generate(request, ChatStream, req, model, [session_prompt], params, turn)
+        explain = self.in_chat_terms(session_prompt)
+        return await self.generate(request, ChatStream, req, model, [session_prompt], params, turn, explain=explain)
+
+    def in_chat_terms(self, prompt: str | list[int]) -> Callable[[InvalidParameterError], InvalidParameterError]:
+        """The engine's refusals of the prompt a chat request's messages rendered to, as errors on ``messages`` (the
+        field the client sent); a text the tokenizer cannot encode is shown as the template rendered it."""
+
+        def explain(err: InvalidParameterError) -> InvalidParameterError:
+            if err.param != "prompt":
+                return err
+            if not isinstance(err, UnencodablePromptError):
+                return InvalidParameterError("messages", f"the prompt rendered from the messages: {err}")
+            shown = repr(prompt if len(prompt) <= 80 else prompt[:80]) + ("..." if len(prompt) > 80 else "")
+            message = f"the chat template renders the messages as {shown}, which this model cannot read: {err}"
+            if isinstance(self.tokenizer, CharTokenizer):
+                message += (
+                    ". A model with a fixed alphabet (a compiled LSRL program) has no chat format: send text in its "
+                    "alphabet to /v1/completions, or serve it with a --chat-template that writes only its symbols"
+                )
+            return InvalidParameterError("messages", message)
+
+        return explain
 
     # --- sessions -------------------------------------------------------------------------------------
 
@@ -360,7 +389,8 @@ class OpenAIServing:
                 text = self.render(req.messages or [], req.add_generation_prompt, False, req.template_kwargs())
             tokens = self.tokenizer.encode(text) if req.add_special_tokens else self.tokenizer.encode_plain(text)
         except (InvalidParameterError, ValueError) as err:
-            raise bad_request(str(err), param=getattr(err, "param", "prompt")) from err
+            field = "prompt" if req.prompt is not None else "messages"
+            raise bad_request(str(err), param=getattr(err, "param", field)) from err
         limit = self.engine.info.max_model_len
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 

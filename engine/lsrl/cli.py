@@ -25,7 +25,7 @@ import torch
 
 from rnnserve.engine.lsrl.compiler import LinStateOp, Path, compile_program
 from rnnserve.engine.lsrl.interpreter import run_program
-from rnnserve.engine.lsrl.program import Node
+from rnnserve.engine.lsrl.program import Node, program_input, topological_order
 from rnnserve.engine.lsrl.tokens import TokenInterface
 from rnnserve.engine.models.lsrl import LSRLModel
 from rnnserve.engine.tokenizer import CharTokenizer
@@ -81,6 +81,10 @@ def load_program_file(path: str | FilePath) -> tuple[Node, TokenInterface]:
         output = build()
     if not isinstance(output, Node):
         raise ProgramFileError(f"{path}: build() returned {type(output).__name__}, not an LSRL node")
+    try:
+        program_input(topological_order(output))
+    except ValueError as err:  # a cycle, no Input or two
+        raise ProgramFileError(f"{path}: build() returned no valid program: {err}") from err
     alphabet = getattr(module, "ALPHABET", DEFAULT_ALPHABET)
     if not isinstance(alphabet, str | list | tuple) or not alphabet:
         raise ProgramFileError(f"{path}: ALPHABET must be a non-empty string or list of characters")

@@ -158,21 +158,40 @@ class Multi(Node):
 
 
 def topological_order(output: Node) -> list[Node]:
-    """Every node ``output`` depends on, inputs before users (deterministic)."""
+    """Every node ``output`` depends on, inputs before users (deterministic). ValueError naming the nodes of a
+    cycle, for inputs reassigned after the nodes were built (``node.inputs = ...``): the interpreter and the
+    compiler met a node before its input and failed with a bare KeyError."""
     order: list[Node] = []
-    seen: set[int] = set()
-    stack: list[tuple[Node, bool]] = [(output, False)]
+    done: set[int] = set()
+    parent: dict[int, Node | None] = {}  # the node whose input each expanded node is, on the current path
+    stack: list[tuple[Node, bool, Node | None]] = [(output, False, None)]
     while stack:
-        node, expanded = stack.pop()
+        node, expanded, user = stack.pop()
         if expanded:
             order.append(node)
+            done.add(node.id)
             continue
-        if node.id in seen:
+        if node.id in done:
             continue
-        seen.add(node.id)
-        stack.append((node, True))
-        stack.extend((x, False) for x in reversed(node.inputs) if x.id not in seen)
+        if node.id in parent:  # expanded and not done: it is on the path to ``user``, which reads it
+            raise ValueError(_cycle_message(node, user, parent))
+        parent[node.id] = user
+        stack.append((node, True, user))
+        stack.extend((x, False, node) for x in reversed(node.inputs) if x.id not in done)
     return order
+
+
+def _cycle_message(node: Node, user: Node | None, parent: dict[int, Node | None]) -> str:
+    """``node`` -> its user -> ... -> ``node``: each reads the one before it."""
+    path = [node]
+    while user is not None and user is not node:
+        path.append(user)
+        user = parent[user.id]
+    cycle = " -> ".join(repr(n) for n in [*path, node])
+    return (
+        f"an LSRL program is a DAG, but the inputs of {len(path)} node(s) form a cycle: {cycle} (each node is an "
+        "input of the next); a value carried from one token to the next is a LinState's state"
+    )
 
 
 def program_input(order: Sequence[Node]) -> Input:

@@ -50,11 +50,33 @@ class StateSpec:
         return self.numel * self.dtype.itemsize
 
 
+BOOLEAN_WORDS = {"true": True, "false": False}
+
+
+def config_bool(value: object, name: str) -> bool:
+    """A config value that must be a boolean: JSON's ``true``/``false``, or the strings ``"true"``/``"false"`` in any
+    case, as some training scripts write them (``"False"`` is not true, as Python's truthiness would have it);
+    ValueError naming ``name`` for anything else (``"no"``, ``0``, ``null``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.lower()]
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """Base class for architecture configs: a flat dataclass that round-trips through ``config.json``."""
 
     vocab_size: int = 320
+
+    def __post_init__(self) -> None:
+        """Boolean fields read with :func:`config_bool`, however the config was built (``config.json``, a Hugging
+        Face config's mapping, a converter)."""
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            if hints.get(field.name) is bool:
+                setattr(self, field.name, config_bool(getattr(self, field.name), field.name))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,6 +217,9 @@ class RecurrentLM(nn.Module):
     architecture: ClassVar[str]
     config_class: ClassVar[type[ModelConfig]]
     hf_model_types: ClassVar[tuple[str, ...]] = ()
+    non_finite_weights: ClassVar[frozenset[str]] = frozenset()
+    """Weights whose NaN or infinite numbers mean something (the model checks them itself); loading refuses
+    non-finite numbers in the others."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -42,6 +42,7 @@ from rnnserve.engine.models.base import (
     RecurrentLM,
     StateSpec,
     StateTensors,
+    config_bool,
     register_model,
     register_preset,
 )
@@ -270,6 +271,16 @@ class Transformer(nn.Module):
             self.decay = Decay(c)
 
 
+_BASED_FLAGS = {  # the boolean GPT-2 config keys the mapping reads before the config checks its own, with defaults
+    "rms_norm": False,
+    "rotary_emb_interleaved": False,
+    "scale_attn_by_inverse_layer_idx": False,
+    "scale_attn_weights": True,
+    "mlp_fc1_bias": True,
+    "mlp_fc2_bias": True,
+}
+
+
 def _mlp_hidden(hf: Mapping[str, Any], d_model: int) -> int:
     """``n_inner`` (default ``8 d / 3``) rounded up to a multiple of 256, as the authors' ``GatedMlp``."""
     hidden = hf.get("n_inner") or int(8 * d_model / 3)
@@ -318,14 +329,15 @@ class BasedLM(RecurrentLM):
         d_model = hf.get("hidden_size", hf.get("n_embd", 768))
         n_layers = hf.get("num_hidden_layers", hf.get("n_layer", 12))
         n_head = hf.get("num_attention_heads", hf.get("n_head", 12))
+        flag = {name: config_bool(hf.get(name, default), name) for name, default in _BASED_FLAGS.items()}
         unsupported = {
-            "rms_norm": (hf.get("rms_norm", False), True),
+            "rms_norm": (flag["rms_norm"], True),
             "activation_function": (hf.get("activation_function", "gelu_new"), "swiglu"),
             "mlp_type": (hf.get("mlp_type") or "base", "base"),
-            "rotary_emb_interleaved": (hf.get("rotary_emb_interleaved", False), False),
+            "rotary_emb_interleaved": (flag["rotary_emb_interleaved"], False),
             "rotary_emb_scale_base": (hf.get("rotary_emb_scale_base"), None),  # xPos scaling of q and k
-            "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
-            "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
+            "scale_attn_by_inverse_layer_idx": (flag["scale_attn_by_inverse_layer_idx"], False),
+            "scale_attn_weights": (flag["scale_attn_weights"], True),
             "max_position_embeddings": (hf.get("max_position_embeddings", hf.get("n_positions", 1024)), 0),
         }
         for key, (value, wanted) in unsupported.items():
@@ -333,7 +345,7 @@ class BasedLM(RecurrentLM):
                 raise ValueError(f"{key}={value!r} is not supported (Based checkpoints use {wanted!r})")
         if hf.get("n_head_kv") not in (None, n_head):
             raise ValueError("n_head_kv != n_head is not supported")
-        if hf.get("mlp_fc1_bias", True) or hf.get("mlp_fc2_bias", True):
+        if flag["mlp_fc1_bias"] or flag["mlp_fc2_bias"]:
             raise ValueError("MLP biases are not supported (Based checkpoints set mlp_fc1_bias/mlp_fc2_bias false)")
         alt, alt2 = set(hf.get("alt_mixer_layers") or ()), set(hf.get("alt_mixer_2_layers") or ())
         specs = [
@@ -368,7 +380,7 @@ class BasedLM(RecurrentLM):
             sliding_window_layers=layers["sliding_window"],
             conv_expand=conv.get("expand_proj", 2),
             conv_kernel=conv.get("kernel_size", 3),
-            conv_bias=conv.get("use_bias", True),
+            conv_bias=config_bool(conv.get("use_bias", True), "mixer.use_bias"),
             la_heads=la_heads,
             la_feature_dim=la.get("feature_dim", 16),
             la_head_dim=la.get("head_dim") or d_model // la_heads,
@@ -378,13 +390,13 @@ class BasedLM(RecurrentLM):
             window_size=sw.get("window_size", 128),
             rotary_dim=int(hf.get("rotary_emb_fraction", 0.0) * head_dim),
             rope_theta=hf.get("rotary_emb_base", 10000.0),
-            sw_qkv_bias=hf.get("qkv_proj_bias", True),
-            sw_out_bias=hf.get("out_proj_bias", True),
+            sw_qkv_bias=config_bool(hf.get("qkv_proj_bias", True), "qkv_proj_bias"),
+            sw_out_bias=config_bool(hf.get("out_proj_bias", True), "out_proj_bias"),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            residual_in_fp32=hf.get("residual_in_fp32", False),
-            fixed_decay=hf.get("fixed_decay", False),
+            residual_in_fp32=config_bool(hf.get("residual_in_fp32", False), "residual_in_fp32"),
+            fixed_decay=config_bool(hf.get("fixed_decay", False), "fixed_decay"),
             decay_const=hf.get("decay_const", -3),
-            tie_embeddings=hf.get("tie_word_embeddings", True),
+            tie_embeddings=config_bool(hf.get("tie_word_embeddings", True), "tie_word_embeddings"),
         )
 
     @staticmethod

@@ -68,6 +68,7 @@ class LatticeConfig(ModelConfig):
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.step_size not in STEP_SIZES:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rnnserve.engine.convert import ConvertedCheckpoint, ConvertError, load_pickled_tensors
+from rnnserve.engine.models.base import config_bool
 from rnnserve.engine.models.looped import shape_problem
 
 COMPILE_PREFIX = "_orig_mod."
@@ -127,13 +128,16 @@ def convert(src: Path) -> ConvertedCheckpoint:
     head = state.pop(TIED_HEAD, None)
     if head is not None and not torch.equal(head, state.get("transformer.wte.weight", head)):
         raise ConvertError(f"{path}: {TIED_HEAD} differs from transformer.wte.weight (the models tie them)")
-    names = weight_names(model_type, bool(args["bias"]))
+    try:
+        bias = config_bool(args["bias"], "bias")
+    except ValueError as err:
+        raise ConvertError(f"{path}: model_args: {err}") from err
+    names = weight_names(model_type, bias)
     missing = sorted(set(names) - state.keys())
     unexpected = sorted(state.keys() - names.keys())
     if missing or unexpected:
         raise ConvertError(f"{path}: {model_type} checkpoint with missing weights {missing}, unexpected {unexpected}")
-    config = {"architecture": model_type, **{k: args[k] for k in CONFIG_KEYS}, "tokenizer": "token_ids"}
-    config["bias"] = bool(config["bias"])
+    config = {"architecture": model_type, **{k: args[k] for k in CONFIG_KEYS}, "bias": bias, "tokenizer": "token_ids"}
     notes = [
         f"{model_type}: {args['n_loop']} loops of one block, width {args['n_embd']}, {args['n_head']} heads, "
         f"block_size {args['block_size']} (the longest sequence, prompt + generated tokens)",

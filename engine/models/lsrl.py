@@ -175,6 +175,7 @@ class LSRLModel(RecurrentLM):
 
     architecture = "lsrl"
     config_class = LSRLConfig
+    non_finite_weights = frozenset({"token_values"})  # NaN: a token that is never generated
 
     def __init__(self, config: LSRLConfig) -> None:
         super().__init__(config)

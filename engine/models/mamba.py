@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
+from rnnserve.engine.models.base import (
+    ModelConfig,
+    StateSpec,
+    StateTensors,
+    config_bool,
+    register_model,
+    register_preset,
+)
 from rnnserve.engine.models.layers import MixerStackLM, linear, matmul_t, weightless_rms_norm
 from rnnserve.engine.quantize import Int4Linear, Int8Linear
 from rnnserve.kernels import mamba_decode as mamba_decode_ops
@@ -252,13 +259,13 @@ class MambaLM(MixerStackLM):
             d_state=hf.get("state_size", 16),
             d_conv=hf.get("conv_kernel", 4),
             dt_rank=math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank),
-            use_bias=hf.get("use_bias", False),
-            use_conv_bias=hf.get("use_conv_bias", True),
+            use_bias=config_bool(hf.get("use_bias", False), "use_bias"),
+            use_conv_bias=config_bool(hf.get("use_conv_bias", True), "use_conv_bias"),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True),
+            tie_embeddings=config_bool(hf.get("tie_word_embeddings", True), "tie_word_embeddings"),
             bcdt_rms_norm=hf["model_type"] == "falcon_mamba",
             mixer_rms_eps=hf.get("mixer_rms_eps", 1e-6),
-            residual_in_fp32=hf.get("residual_in_fp32", True),
+            residual_in_fp32=config_bool(hf.get("residual_in_fp32", True), "residual_in_fp32"),
         )
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:

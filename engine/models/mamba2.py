@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnserve.engine.models.base import ModelConfig, StateSpec, StateTensors, register_model, register_preset
+from rnnserve.engine.models.base import (
+    ModelConfig,
+    StateSpec,
+    StateTensors,
+    config_bool,
+    register_model,
+    register_preset,
+)
 from rnnserve.engine.models.layers import MixerStackLM, linear
 from rnnserve.kernels import mamba2_decode as mamba2_decode_ops
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -209,13 +216,13 @@ class Mamba2LM(MixerStackLM):
             d_state=hf.get("state_size", 128),
             n_groups=hf.get("n_groups", 1),
             d_conv=hf.get("conv_kernel", 4),
-            use_bias=hf.get("use_bias", False),
-            use_conv_bias=hf.get("use_conv_bias", True),
+            use_bias=config_bool(hf.get("use_bias", False), "use_bias"),
+            use_conv_bias=config_bool(hf.get("use_conv_bias", True), "use_conv_bias"),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             dt_min_limit=_json_float(low),
             dt_max_limit=_json_float(high),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            residual_in_fp32=hf.get("residual_in_fp32", True),
+            tie_embeddings=config_bool(hf.get("tie_word_embeddings", False), "tie_word_embeddings"),
+            residual_in_fp32=config_bool(hf.get("residual_in_fp32", True), "residual_in_fp32"),
         )
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -26,6 +26,7 @@ from rnnserve.engine.convert import (
     read_config,
     training_state_dict,
 )
+from rnnserve.engine.models.base import config_bool
 from rnnserve.engine.models.mamba import MambaLM
 from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 
@@ -52,24 +53,28 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
     refused = [
         (bool(ssm.get("attn_layer_idx")), "attention layers (attn_layer_idx)"),
         (bool(ssm.get("d_intermediate", 0)), "MLP blocks (d_intermediate > 0)"),
-        (not ssm.get("rms_norm", True), "LayerNorm (rms_norm false)"),
+        (not config_bool(ssm.get("rms_norm", True), "rms_norm"), "LayerNorm (rms_norm false)"),
         (layer not in ("Mamba1", "Mamba2"), f"the mixer layer {layer!r}"),
     ]
     d_model = int(ssm["d_model"])
     common = {
         "vocab_size": vocab_size, "hidden_size": d_model, "num_hidden_layers": int(ssm["n_layer"]),
-        "expand": cfg.get("expand", 2), "conv_kernel": cfg.get("d_conv", 4), "use_bias": cfg.get("bias", False),
-        "use_conv_bias": cfg.get("conv_bias", True), "layer_norm_epsilon": ssm.get("norm_epsilon", 1e-5),
-        "residual_in_fp32": ssm.get("residual_in_fp32", True), "tie_word_embeddings": ssm.get("tie_embeddings", True),
+        "expand": cfg.get("expand", 2), "conv_kernel": cfg.get("d_conv", 4),
+        "use_bias": config_bool(cfg.get("bias", False), "ssm_cfg.bias"),
+        "use_conv_bias": config_bool(cfg.get("conv_bias", True), "ssm_cfg.conv_bias"),
+        "layer_norm_epsilon": ssm.get("norm_epsilon", 1e-5),
+        "residual_in_fp32": config_bool(ssm.get("residual_in_fp32", True), "residual_in_fp32"),
+        "tie_word_embeddings": config_bool(ssm.get("tie_embeddings", True), "tie_embeddings"),
     }  # fmt: skip
     if layer == "Mamba2":
         d_inner = int(cfg.get("expand", 2) * d_model)
         head_dim = cfg.get("headdim", 64)
         refused += [
-            (not cfg.get("rmsnorm", True), "Mamba-2 without its gated RMSNorm (rmsnorm false)"),
-            (cfg.get("norm_before_gate", False), "norm_before_gate true"),
+            (not config_bool(cfg.get("rmsnorm", True), "ssm_cfg.rmsnorm"),
+             "Mamba-2 without its gated RMSNorm (rmsnorm false)"),
+            (config_bool(cfg.get("norm_before_gate", False), "ssm_cfg.norm_before_gate"), "norm_before_gate true"),
             (cfg.get("d_ssm") not in (None, d_inner), "d_ssm other than the inner width"),
-            (cfg.get("D_has_hdim", False), "a D per channel (D_has_hdim)"),
+            (config_bool(cfg.get("D_has_hdim", False), "ssm_cfg.D_has_hdim"), "a D per channel (D_has_hdim)"),
         ]
         low, high = cfg.get("dt_limit", (0.0, math.inf))
         hf = {**common, "model_type": "mamba2", "num_heads": d_inner // head_dim, "head_dim": head_dim,

@@ -34,6 +34,7 @@ from rnnserve.engine.models.base import (
     RecurrentLM,
     StateSpec,
     StateTensors,
+    config_bool,
     register_model,
     register_preset,
 )
@@ -259,8 +260,8 @@ class RecurrentGemmaLM(RecurrentLM):
             rotary_dim=int(head_dim * partial),
             logits_soft_cap=hf.get("logits_soft_cap", 30.0),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            attention_bias=hf.get("attention_bias", False),
-            tie_embeddings=hf.get("tie_word_embeddings", True),
+            attention_bias=config_bool(hf.get("attention_bias", False), "attention_bias"),
+            tie_embeddings=config_bool(hf.get("tie_word_embeddings", True), "tie_word_embeddings"),
         )
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:

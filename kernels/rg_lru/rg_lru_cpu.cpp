@@ -47,7 +47,10 @@ __attribute__((always_inline)) inline void coefficients(const Inputs<T>& in, int
   const float keep = in.first[t] ? 0.0f : 1.0f;  // a sequence's first token: a = 0 and a root of 1
 #pragma omp simd
   for (int64_t c = 0; c < count; ++c) {
-    const float gate_i = round_to<T>(rnnserve::sigmoid(to_float(pre_i[c])));
+    // sigmoid(-inf) is 1 / (1 + e^88) here, not torch's 0, which made (x i) for an infinite x infinite where the
+    // reference's inf * 0 is NaN; the select costs nothing beside the GEMMs that give pre_i.
+    const float pre = to_float(pre_i[c]);
+    const float gate_i = rnnserve::is_negative_infinity(pre) ? 0.0f : round_to<T>(rnnserve::sigmoid(pre));
     const float gate_r = round_to<T>(rnnserve::sigmoid(to_float(pre_r[c])));
     const float log_a = round_to<T>(round_to<T>(-8.0f * gate_r) * to_float(softplus[c]));
     const float root = round_to<T>(root_of(round_to<T>(1.0f - round_to<T>(rnnserve::fast_exp(2.0f * log_a)))));

@@ -11,6 +11,7 @@ import torch
 from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.models.base import PrefillBatch
+from rnnserve.engine.models.based import BasedLM
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.server.cli import main
 from tests.engine.test_based_reference import TINY_HF_CONFIG, random_state_dict, reference_logits
@@ -70,3 +71,14 @@ def test_plain_gpt2_release_is_not_detected(tmp_path: Path) -> None:
         find_converter(tmp_path / "gpt2")
     with pytest.raises(ConvertError, match="not a Based config"):
         convert_checkpoint(tmp_path / "gpt2", tmp_path / "out", format_name="based")
+
+
+def test_string_booleans_in_the_authors_config_are_read_as_the_words_say(tmp_path: Path) -> None:
+    """``"mlp_fc1_bias": "False"`` was truthy (refused as MLP biases) and ``"rms_norm": "True"`` was not ``True``
+    (refused as LayerNorm); a word that is no boolean names its key."""
+    words = {"rms_norm": "True", "mlp_fc1_bias": "False", "mlp_fc2_bias": "false", "scale_attn_weights": "TRUE",
+             "tie_word_embeddings": "true", "residual_in_fp32": "True"}  # fmt: skip
+    assert BasedLM.from_hf_config({**TINY_HF_CONFIG, **words}) == BasedLM.from_hf_config(TINY_HF_CONFIG)
+    for key in ("mlp_fc1_bias", "rms_norm", "qkv_proj_bias"):
+        with pytest.raises(ValueError, match=f"{key} must be true or false, got 'off'"):
+            BasedLM.from_hf_config({**TINY_HF_CONFIG, key: "off"})

@@ -198,3 +198,19 @@ def test_ema_copies_and_checkpoints_without_weights_are_named(payload: object, m
     """Which of the weights and their moving average to serve is the user's choice: never a silent pick."""
     with pytest.raises(ConvertError, match=message):
         training_state_dict(payload, tmp_path / "ckpt.bin")
+
+
+def test_non_finite_tensors_are_refused_naming_them_unless_allowed(tmp_path, toy_format, capsys):
+    """A diverged training run's checkpoint (NaN weights) converted without a word, then answered every request
+    with NaN logits."""
+    src, dest = tmp_path / "a.toyckpt", tmp_path / "out"
+    torch.save({"w": torch.tensor([1.0, float("nan"), float("inf"), float("nan")])}, src)
+    with pytest.raises(ConvertError, match=r"tensor w holds 2 NaN and 1 infinite numbers \(the first at \(1,\)\).*"
+                                           "--allow-non-finite"):  # fmt: skip
+        convert_checkpoint(src, dest)
+    assert not dest.exists()
+    assert main(["convert", str(src), str(dest)]) == 1
+    assert not dest.exists()
+    assert main(["convert", str(src), str(dest), "--allow-non-finite"]) == 0
+    assert "note: w holds 2 NaN and 1 infinite numbers" in capsys.readouterr().out
+    assert torch.isnan(load_file(str(dest / "model.safetensors"))["w"]).sum() == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,65 @@ def test_a_model_deriving_a_tensor_in_its_constructor_is_built_for_real(
     assert built_on == ["meta", "cpu"]
     assert torch.equal(model.derived[0], torch.arange(3.0))
     torch.testing.assert_close(_logits(model, [1, 2]), _logits(tiny_model("mingru", seed=2), [1, 2]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("value", ["False", "false", "FALSE", False])
+def test_a_string_boolean_in_config_json_is_read_as_the_word_says(tmp_path: Path, value: object) -> None:
+    """Training scripts write ``"bias": "False"``: Python's truthiness read it as true (a model with biases)."""
+    model, _ = load_model("random:looped-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bias": value}))
+    loaded, _ = load_model(str(tmp_path), device="cpu")
+    assert loaded.config.bias is False and loaded.block.q.bias is None
+
+
+@pytest.mark.parametrize("value", ["no", "0", "", 0, 1, None, [False]])
+def test_a_config_value_that_is_no_boolean_is_refused_naming_the_field(tmp_path: Path, value: object) -> None:
+    model, _ = load_model("random:looped-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bias": value}))
+    with pytest.raises(ModelLoadError, match=f"bias must be true or false, got {re.escape(repr(value))}"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_every_architecture_reads_its_boolean_fields_strictly() -> None:
+    """One helper for every config: each boolean field of each architecture takes ``"true"``/``"false"`` in any
+    case and refuses anything else, naming the field."""
+    for cls in MODEL_REGISTRY.values():
+        defaults = cls.config_class()
+        booleans = [f for f, v in defaults.to_dict().items() if isinstance(v, bool)]
+        for field in booleans:
+            value = getattr(defaults, field)
+            parsed = cls.config_class.from_dict({**defaults.to_dict(), field: str(value).upper()})
+            assert getattr(parsed, field) is value, (cls.architecture, field)
+            with pytest.raises(ValueError, match=f"{field} must be true or false, got 'maybe'"):
+                cls.config_class.from_dict({**defaults.to_dict(), field: "maybe"})
+
+
+def _with_weight(path: Path, name: str, edit) -> None:
+    weights = load_file(str(path / "model.safetensors"))
+    edit(weights[name])
+    save_file(weights, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_small_weight_holding_nan_or_inf_is_a_load_error_naming_it(tmp_path: Path, bad: float) -> None:
+    """Norms, biases and SSM parameters (the weights of at most FINITE_CHECK_MAX_ELEMENTS) are checked: a diverged
+    training run's NaN loaded and then gave NaN logits for every request."""
+    model, _ = load_model("random:mamba-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    _with_weight(tmp_path, "backbone.layers.1.mixer.D", lambda w: w.__setitem__(3, bad))
+    with pytest.raises(ModelLoadError, match=r"weight backbone.layers.1.mixer.D holds \d NaN and \d infinite numbers "
+                                             r"\(the first at \(3,\)\)"):  # fmt: skip
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_a_small_weight_beyond_the_range_of_the_dtype_asked_for_is_a_load_error(tmp_path: Path) -> None:
+    model, _ = load_model("random:mamba-tiny", device="cpu")
+    save_checkpoint(model, tmp_path)
+    _with_weight(tmp_path, "backbone.layers.0.mixer.D", lambda w: w.__setitem__(0, 1e6))
+    with pytest.raises(ModelLoadError, match="mixer.D holds numbers up to 1e[+]06, beyond the range of float16"):
+        load_model(str(tmp_path), device="cpu", dtype="float16")
+    assert load_model(str(tmp_path), device="cpu", dtype="bfloat16")[0].backbone.layers[0].mixer.D[0] == 1e6

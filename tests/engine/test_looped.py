@@ -231,6 +231,29 @@ def test_converter_refuses_other_checkpoints(tmp_path: Path) -> None:
         convert_checkpoint(tmp_path / "mislabelled.pt", tmp_path / "out")
 
 
+@pytest.mark.parametrize(("stored", "bias"), [(True, True), ("True", True), ("true", True), ("False", False),
+                                             ("FALSE", False)])
+def test_a_string_bias_in_model_args_is_read_as_the_word_says(tmp_path: Path, stored: object, bias: bool) -> None:
+    """``bias: "False"`` (a training script's string) was read as true: the converter then expected bias weights the
+    checkpoint does not have and reported them missing."""
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt", {**MODEL_ARGS, "bias": bias})
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    data["model_args"]["bias"] = stored
+    torch.save(data, tmp_path / "ckpt.pt")
+    checkpoint = convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native")
+    assert checkpoint.config["bias"] is bias
+    assert json.loads((tmp_path / "native" / "config.json").read_text())["bias"] is bias
+
+
+def test_a_bias_that_is_no_boolean_is_refused_naming_it(tmp_path: Path) -> None:
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    data["model_args"]["bias"] = "yes"
+    torch.save(data, tmp_path / "ckpt.pt")
+    with pytest.raises(ConvertError, match="model_args: bias must be true or false, got 'yes'"):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out")
+
+
 @pytest.mark.parametrize(("field", "value"), [("n_loop", -2), ("n_head", 0), ("n_embd", 0), ("block_size", 0)])
 def test_converter_names_a_shape_that_cannot_be(tmp_path: Path, field: str, value: int) -> None:
     """n_loop -2 failed with torch's "upper bound and larger bound inconsistent with step sign" and n_head 0 with

@@ -243,3 +243,25 @@ def test_mamba2_step_keeps_a_nan_step_size() -> None:
     out = mamba2_mixer_step(**args)
     assert_matches(out, mamba2_mixer_step_ref(**ref_args), 1e-5)
     assert_matches(args["pool"], ref_args["pool"], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_rg_lru_with_infinite_inputs(dtype: torch.dtype) -> None:
+    """An infinite x drives its input gate's pre-activation to -inf, where torch's sigmoid is 0 and ``x i`` is
+    inf * 0 = NaN; the kernel's sigmoid(-inf) was 1 / (1 + e^88), which kept ``x i`` infinite."""
+    g = torch.Generator().manual_seed(17)
+    lengths, heads, width = [5, 15], 2, 16
+    weights = _rg_lru_weights(dtype, heads, width)
+    cu = cu_seqlens_of(lengths)
+    first = torch.zeros(sum(lengths), dtype=torch.bool)
+    first[cu[:-1]] = True
+    for seed in range(6):
+        x = with_specials(torch.randn(sum(lengths), heads * width, generator=g).to(dtype), 3, seed=seed,
+                          values=torch.tensor([INF, -INF]))  # fmt: skip
+        h0 = torch.rand(len(lengths), heads * width, generator=g)
+        h, final = rg_lru_scan(x, first, cu, h0.clone(), *weights)
+        a, b = rg_lru_coefficients(x, first, *weights)
+        h_ref, final_ref = diag_linear_scan_ref(a, b, cu, h0)
+        assert_matches(h, h_ref, tolerance(dtype))
+        assert_matches(final, final_ref, tolerance(dtype))

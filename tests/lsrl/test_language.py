@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from rnnserve.engine.lsrl import (
     f_step,
     run_program,
 )
+from rnnserve.engine.lsrl.compiler import compile_program
 
 
 def run(output, inputs) -> torch.Tensor:
@@ -60,6 +63,24 @@ def test_invalid_programs_are_rejected() -> None:
         x * x
     with pytest.raises(ValueError, match="exactly one Input"):
         run_program(x + Input(3), torch.zeros(1, 3))
+
+
+def test_a_cycle_of_inputs_is_refused_naming_its_nodes() -> None:
+    """Inputs reassigned after the nodes were built: the interpreter and the compiler raised a bare KeyError (or
+    "needs exactly one Input, found 0" when the cycle hid the Input)."""
+    x = Input(1)
+    a = Lin(x, [[1.0]])
+    b = ReLU(a)
+    c = Lin(Concat([b, x]), [[2.0, 1.0]])
+    a.inputs = (c,)
+    cycle = f"{c!r} -> {a!r} -> {b!r} -> {c.inputs[0]!r} -> {c!r}"
+    for use in (lambda: run_program(c, torch.zeros(2, 1)), lambda: compile_program(c)):
+        with pytest.raises(ValueError, match=f"the inputs of 4 node\\(s\\) form a cycle: {re.escape(cycle)}"):
+            use()
+    selfish = ReLU(x)
+    selfish.inputs = (selfish,)
+    with pytest.raises(ValueError, match=re.escape(f"form a cycle: {selfish!r} -> {selfish!r}")):
+        run_program(selfish, torch.zeros(1, 1))
 
 
 @pytest.mark.parametrize(

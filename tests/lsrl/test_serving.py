@@ -121,6 +121,20 @@ def test_cli_reports_bad_program_files(tmp_path: Path, capsys) -> None:
     assert "define build()" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["compile", "run"])
+def test_cli_names_a_program_whose_inputs_form_a_cycle(tmp_path: Path, capsys, command: str) -> None:
+    """``lsrl run`` failed with a KeyError traceback, ``lsrl compile`` with "compiling it raised KeyError: 3"."""
+    program = tmp_path / "cycle.py"
+    program.write_text("from rnnserve.engine.lsrl import Input, Lin, ReLU\n\ndef build():\n    x = Input(1)\n"
+                       "    a = Lin(x, [[1.0]])\n    b = Lin(ReLU(a), [[2.0]])\n    a.inputs = (b,)\n    return b\n")
+    args = [command, str(program), *(["-o", str(tmp_path / "out")] if command == "compile" else ["1"])]
+    assert lsrl_main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{program}: build() returned no valid program: an LSRL program is a DAG, but the inputs of 3 node(s) " \
+           "form a cycle: Lin#" in err and len(err.strip().splitlines()) == 1  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("program", "message"),
     [
@@ -188,6 +202,30 @@ def test_http_completion_returns_the_dictionary_answer() -> None:
         response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "TOTTOTT"
+
+
+def test_a_chat_request_is_a_400_on_messages_showing_the_rendered_prompt(tmp_path: Path) -> None:
+    """The default template's ``User: ...`` is not in the alphabet: the 400 named ``prompt``, a field a chat request
+    does not have, and quoted ``'ser: CANAUS'`` without saying where that text came from."""
+    body = {"messages": [{"role": "user", "content": "CAN" + PAIRS}], "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(ServerConfig.build(model="lsrl:dictionary", max_num_seqs=4))) as client:
+        for stream in (False, True):
+            response = client.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error.keys() == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            assert error["param"] == "messages"
+            assert error["message"].startswith("the chat template renders the messages as 'User: CANAUSVIE")
+            assert "no symbol of this model's alphabet starts at 'ser: CANAUSV'" in error["message"]
+            assert "/v1/completions" in error["message"] and "--chat-template" in error["message"]
+        tokens = client.post("/tokenize", json={"messages": body["messages"]})
+        assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "messages"
+    (tmp_path / "plain.jinja").write_text("{{ messages[-1]['content'] }}")
+    config = ServerConfig.build(model="lsrl:dictionary", max_num_seqs=4, chat_template=str(tmp_path / "plain.jinja"))
+    with TestClient(create_app(config)) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "TOT"
 
 
 def test_sampling_at_the_default_temperature_gives_the_programs_answer() -> None:

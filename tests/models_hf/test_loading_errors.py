@@ -203,12 +203,25 @@ def test_text_the_tokenizer_maps_past_the_models_vocabulary_is_a_parameter_error
         ({"layer_norm_epsilon": "1e-5"}, "norm_eps must be float"),  # loaded, then failed every request
         ({"hidden_size": -16}, "cannot build the model"),
         ({"num_hidden_layers": "2"}, "must be int"),
+        ({"use_conv_bias": "yes"}, "use_conv_bias must be true or false, got 'yes'"),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false, got 0"),
     ],
 )
 def test_config_values_of_the_wrong_type_or_size_are_load_errors(checkpoint: Path, change: dict, expected: str) -> None:
     settings = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**settings, **change}))
     assert expected in load_error(checkpoint)
+
+
+def test_string_booleans_in_a_hf_config_are_read_as_the_words_say(checkpoint: Path) -> None:
+    """``"use_bias": "False"`` was truthy: the model then expected bias weights the checkpoint does not have."""
+    settings = json.loads((checkpoint / "config.json").read_text())
+    words = {"use_bias": "False", "use_conv_bias": "TRUE", "tie_word_embeddings": "true", "residual_in_fp32": "false"}
+    (checkpoint / "config.json").write_text(json.dumps({**settings, **words}))
+    model, _ = load_model(str(checkpoint), device="cpu")
+    config = model.config
+    assert (config.use_bias, config.use_conv_bias, config.tie_embeddings, config.residual_in_fp32) == (
+        False, True, True, False)  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "content"), [("tokenizer.json", "{broken"), ("tokenizer.json", "[]"),

@@ -86,6 +86,8 @@ def test_a_converted_release_gives_the_transformers_logits(case: str, tmp_path: 
         ({"attn_layer_idx": [1]}, "attention layers"),
         ({"d_intermediate": 64}, "MLP blocks"),
         ({"rms_norm": False}, "LayerNorm"),
+        ({"rms_norm": "False"}, "LayerNorm"),  # was truthy: converted as RMSNorm
+        ({"rms_norm": "off"}, "rms_norm must be true or false, got 'off'"),
         ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "rmsnorm": False}}, "gated"),
         ({"ssm_cfg": {"layer": "Mamba2", "headdim": 16, "ngroups": 2, "d_state": 16, "D_has_hdim": True}}, "a D per"),
     ],

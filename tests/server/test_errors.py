@@ -147,7 +147,7 @@ BAD_CHATS = [
          "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}},
         "response_format",
     ),  # fmt: skip
-    ({"messages": [{"role": "user", "content": "y" * 80}]}, "prompt"),
+    ({"messages": [{"role": "user", "content": "y" * 80}]}, "messages"),  # the field sent, as OpenAI names it
 ]
 
 
