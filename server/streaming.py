@@ -90,6 +90,9 @@ SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                (b"content-type", b"text/event-stream; charset=utf-8"))  # fmt: skip
 
 
+DONE_EVENT = "data: [DONE]\n\n"
+
+
 class EventStreamResponse(Response):
     """Server-sent events, one body message per event; whatever ends the stream (done, error, disconnect) aborts
     the submission's leftovers.
@@ -97,7 +100,10 @@ class EventStreamResponse(Response):
     A task of its own waits for the client's disconnect and fails the submission (:func:`fail_on_disconnect`),
     whose events then end at once. (Starlette's ``StreamingResponse`` runs each response in an anyio task group
     with a second task and cancel scopes under ASGI < 2.4, as uvicorn speaks it: about 40% of the serving
-    process's CPU for a one-token stream in ``benchmarks/server_overhead.py``.)"""
+    process's CPU for a one-token stream in ``benchmarks/server_overhead.py``.) The events are sent from a task of
+    their own too: a token's output wakes that task, whose coroutines are this response's few, where the request's
+    task would resume (and suspend again) every middleware of the app on each token. The last event (``[DONE]``)
+    ends the body in the same write."""
 
     def __init__(self, events: AsyncGenerator[str, None], submission: Submission) -> None:
         self.events = events
@@ -107,12 +113,11 @@ class EventStreamResponse(Response):
         self.raw_headers = list(SSE_HEADERS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.get_running_loop().create_task(fail_on_disconnect(receive, self.submission))
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(fail_on_disconnect(receive, self.submission))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await loop.create_task(self.send_events(send))  # cancelled with this task (a drain's end)
         except OSError:  # ASGI 2.4: a send to a closed connection raises
             pass
         except asyncio.CancelledError:  # the end of a drain cancels a stream whose client stopped reading: not
@@ -121,6 +126,15 @@ class EventStreamResponse(Response):
             watcher.cancel()
             self.submission.abort()
             await self.events.aclose()
+
+    async def send_events(self, send: Send) -> None:
+        """Send each event as a body message; the last (``[DONE]``) ends the body."""
+        async for event in self.events:
+            done = event.endswith(DONE_EVENT)  # a chunk's JSON never ends a line: [DONE] comes last alone
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": not done})
+            if done:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 T = TypeVar("T")
@@ -289,7 +303,8 @@ class Generation(ABC):
             for choice in self.opening_choices():
                 yield self.chunk([choice])
             continuous_usage = self.req.continuous_usage
-            async for out in self.submission.outputs():
+            next_output = self.submission.next_output
+            while (out := await next_output()) is not None:
                 if out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
                 choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]
@@ -304,7 +319,7 @@ class Generation(ABC):
                 pending.append(self.chunk([], self.usage()))
         except Exception as err:  # a failed generation ends with an error event, never a hung stream
             pending.append(generation_error(err).sse())
-        pending.append("data: [DONE]\n\n")
+        pending.append(DONE_EVENT)
         yield "".join(pending)
 
     async def collect(self) -> dict:
