@@ -28,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,8 +167,9 @@ def worker_main(args: argparse.Namespace) -> None:
 
     os.environ["RNNSERVE_CPU_KERNELS"] = "0"  # the model never runs: no need to build its kernels
     sys.path.insert(0, args.worker)
-    import rnnserve  # noqa: F401 - from the worker's checkout, before server_overhead puts this one first
     import torch
+
+    import rnnserve  # noqa: F401 - from the worker's checkout, before server_overhead puts this one first
 
     torch.set_num_threads(1)
     uvloop.run(serve_loads(args))
