@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
