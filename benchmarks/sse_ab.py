@@ -9,9 +9,10 @@ is timed and taken off). A client process (raw sockets on uvloop, kept-alive con
 streams of ``--output-len`` tokens going, ``--requests-per-stream`` in a row on each connection, and checks that
 every response is a 200 ending with ``[DONE]`` and carrying no error. Four loads: completions and chat, each
 with and without ``stream_options.include_usage``. The two workers take turns load by load, the order swapped
-each round, so a machine whose speed drifts slows both alike; the table gives medians of the rounds and the
-median of the paired ratios ``this / base``. The client shares the machine, so keep ``--step-ms`` long enough
-that the server keeps up (one token a chunk; the table says how many tokens a chunk carried)::
+each round, so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median
+of the paired ratios ``this / base`` and the kernel's part (system time: mostly the socket writes). The client
+shares the machine, so keep ``--step-ms`` long enough that the server keeps up (one token a chunk; the table
+says how many tokens an event carried)::
 
     git worktree add /tmp/base HEAD
     python benchmarks/sse_ab.py --base /tmp/base [--concurrency 256] [--output-len 64] [--step-ms 25] [--rounds 5]
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"API server CPU us per streamed token (its process, less the scripted engine's building of outputs); "
           f"{args.concurrency} streams x {args.output_len} tokens, a step every {args.step_ms:g} ms, "
           f"{args.rounds} rounds, medians")
-    print(f"{'load':34s} {'base':>8s} {'this':>8s} {'this/base':>10s} {'tok/event':>10s} {'built us':>9s}")
+    print(f"{'load':34s} {'base':>8s} {'this':>8s} {'this/base':>10s} {'sys base':>9s} {'sys this':>9s} "
+          f"{'tok/event':>10s} {'built us':>9s}")
     for endpoint, usage in LOADS:
         base, this = figures[(endpoint, usage, "base")], figures[(endpoint, usage, "this")]
         ratios = [t["us_per_token"] / b["us_per_token"] for b, t in zip(base, this, strict=True)]
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         built = statistics.median(f["built_us_per_token"] for f in base + this)
         print(f"{name:34s} {statistics.median(f['us_per_token'] for f in base):8.2f} "
               f"{statistics.median(f['us_per_token'] for f in this):8.2f} {statistics.median(ratios):10.3f} "
-              f"{per_event:10.2f} {built:9.2f}")
+              f"{statistics.median(f['system_us_per_token'] for f in base):9.2f} "
+              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f}")
 
 
 if __name__ == "__main__":
