@@ -64,13 +64,17 @@ PRESET = "mingru-tiny"
 
 class ScriptedDriver:
     """An engine driver whose engine takes no time: an add is accepted on the next turn of the event loop; while
-    requests run, each turn is a step that gives all of them a token (byte ``a``), until each has the
-    ``max_tokens`` it asked for."""
+    requests run, each turn (or, with ``step_interval``, one turn every that many seconds, as a device's steps
+    come) is a step that gives all of them a token (byte ``a``), until each has the ``max_tokens`` it asked for.
+    ``build_seconds`` sums this thread's CPU time spent building the steps' outputs (the engine's part, not the
+    server's)."""
 
     engine = None
 
-    def __init__(self, info: EngineInfo) -> None:
+    def __init__(self, info: EngineInfo, step_interval: float = 0.0) -> None:
         self.info = info
+        self.step_interval = step_interval
+        self.build_seconds = 0.0
         self.running = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: EventHandler | None = None
@@ -94,13 +98,21 @@ class ScriptedDriver:
             self._loop.call_soon(self._handle, Added(command.add_id, command.request_ids, None, self.info.load))
             if not self._stepping:
                 self._stepping = True
-                self._loop.call_soon(self._step)
+                self._schedule_step()
         elif isinstance(command, AbortCommand):
             for request_id in command.request_ids:
                 self._requests.pop(request_id, None)
 
+    def _schedule_step(self) -> None:
+        assert self._loop is not None
+        if self.step_interval:
+            self._loop.call_later(self.step_interval, self._step)
+        else:
+            self._loop.call_soon(self._step)
+
     def _step(self) -> None:
         assert self._loop is not None and self._handle is not None
+        started = time.thread_time()
         now = time.monotonic()
         outputs = []
         for request_id, (prompt, max_tokens, metrics, count) in list(self._requests.items()):
@@ -116,21 +128,23 @@ class ScriptedDriver:
             sample = CompletionOutput(0, "a", [97], "length" if finished else None, None, 0.0, "a", [97], [], count)
             outputs.append(RequestOutput(request_id, None, prompt, [sample], finished, metrics.copy()))
         stats = StepStats(decode_batch_size=len(outputs), generated_tokens=len(outputs))
+        self.build_seconds += time.thread_time() - started
         self._handle(Stepped(outputs, [stats], self.info.load))
         self._stepping = bool(self._requests)
         if self._stepping:
-            self._loop.call_soon(self._step)
+            self._schedule_step()
 
 
-def scripted_app(concurrency: int) -> FastAPI:
-    """The real app with :class:`ScriptedDriver` in place of its engine (``random:`` preset ``PRESET`` on CPU
-    describes the model: tokenizer, limits, pool)."""
+def scripted_app(concurrency: int, step_interval: float = 0.0) -> FastAPI:
+    """The real app with :class:`ScriptedDriver` (stepping every ``step_interval`` seconds) in place of its engine
+    (``random:`` preset ``PRESET`` on CPU describes the model: tokenizer, limits, pool)."""
     config = ServerConfig.build(model=f"random:{PRESET}", max_num_seqs=concurrency, engine_process="off", api_key=None)
     app = create_app(config)
     bridge = app.state.engine
     bridge.driver.thread.close()
     info = bridge.driver.info
-    bridge.driver = ScriptedDriver(EngineInfo(**{**info.__dict__, "load": EngineLoad(0, 0, concurrency, 0, 0)}))
+    load = EngineLoad(0, 0, concurrency, 0, 0)
+    bridge.driver = ScriptedDriver(EngineInfo(**{**info.__dict__, "load": load}), step_interval)
     return app
 
 

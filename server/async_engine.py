@@ -89,6 +89,7 @@ class Submission:
         self.on_close: list[Callable[[], None]] = []
         self._items: deque[RequestOutput | BaseException] = deque()  # what outputs() has not read yet
         self._waiter: asyncio.Future[None] | None = None  # outputs() waits on it while _items is empty
+        self._remaining = len(request_ids)  # requests whose final output has not been read
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queue an output, or the error that ends the submission, for :meth:`outputs` (on the event loop). With
@@ -108,34 +109,39 @@ class Submission:
         """Whether an output (or error) is waiting to be read."""
         return bool(self._items)
 
-    async def _next(self) -> RequestOutput | BaseException:
-        while not self._items:
+    async def next_output(self) -> RequestOutput | None:
+        """The next output, or ``None`` once every request's final output was read. Raises
+        :class:`RequestFailedError` when the engine failed one of the requests (:class:`InvalidParameterError`
+        when the request's own parameter did, e.g. a grammar that met llguidance's limits), or the error that
+        failed the whole engine (or what ``on_finished`` raised). A coroutine, not an async generator: a stream
+        reads one per token, and each ``anext`` of a generator costs an object and a frame more."""
+        if not self._remaining:
+            return None
+        items = self._items
+        while not items:
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
+        item = items.popleft()
+        if self.coalesce and items:
+            item = self._merge_queued(item)
+        if isinstance(item, BaseException):
+            raise item
+        if item.error_param is not None:
+            raise InvalidParameterError(item.error_param, item.error or "")
+        if item.error is not None:
+            raise RequestFailedError(item.error)
+        if item.finished:
+            self._remaining -= 1
+            if self.on_finished is not None:
+                await self.on_finished(item)
+        return item
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until every request finished. Raises :class:`RequestFailedError` when the engine
-        failed one of them (:class:`InvalidParameterError` when the request's own parameter did, e.g. a grammar
-        that met llguidance's limits), or the error that failed the whole engine (or what ``on_finished``
-        raised)."""
-        remaining = len(self.request_ids)
-        while remaining:
-            item = self._items.popleft() if self._items else await self._next()
-            if self.coalesce:
-                item = self._merge_queued(item)
-            if isinstance(item, BaseException):
-                raise item
-            if item.error_param is not None:
-                raise InvalidParameterError(item.error_param, item.error or "")
-            if item.error is not None:
-                raise RequestFailedError(item.error)
-            remaining -= item.finished
-            if item.finished and self.on_finished is not None:
-                await self.on_finished(item)
+        """Yield outputs until every request finished (:meth:`next_output`, which says what it raises)."""
+        while (item := await self.next_output()) is not None:
             yield item
 
     def _merge_queued(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException:

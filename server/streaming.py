@@ -90,6 +90,9 @@ SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                (b"content-type", b"text/event-stream; charset=utf-8"))  # fmt: skip
 
 
+DONE_EVENT = "data: [DONE]\n\n"
+
+
 class EventStreamResponse(Response):
     """Server-sent events, one body message per event; whatever ends the stream (done, error, disconnect) aborts
     the submission's leftovers.
@@ -97,7 +100,10 @@ class EventStreamResponse(Response):
     A task of its own waits for the client's disconnect and fails the submission (:func:`fail_on_disconnect`),
     whose events then end at once. (Starlette's ``StreamingResponse`` runs each response in an anyio task group
     with a second task and cancel scopes under ASGI < 2.4, as uvicorn speaks it: about 40% of the serving
-    process's CPU for a one-token stream in ``benchmarks/server_overhead.py``.)"""
+    process's CPU for a one-token stream in ``benchmarks/server_overhead.py``.) The events are sent from a task of
+    their own too: a token's output wakes that task, whose coroutines are this response's few, where the request's
+    task would resume (and suspend again) every middleware of the app on each token. The last event (``[DONE]``)
+    ends the body in the same write."""
 
     def __init__(self, events: AsyncGenerator[str, None], submission: Submission) -> None:
         self.events = events
@@ -107,12 +113,11 @@ class EventStreamResponse(Response):
         self.raw_headers = list(SSE_HEADERS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.get_running_loop().create_task(fail_on_disconnect(receive, self.submission))
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(fail_on_disconnect(receive, self.submission))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await loop.create_task(self.send_events(send))  # cancelled with this task (a drain's end)
         except OSError:  # ASGI 2.4: a send to a closed connection raises
             pass
         except asyncio.CancelledError:  # the end of a drain cancels a stream whose client stopped reading: not
@@ -121,6 +126,15 @@ class EventStreamResponse(Response):
             watcher.cancel()
             self.submission.abort()
             await self.events.aclose()
+
+    async def send_events(self, send: Send) -> None:
+        """Send each event as a body message; the last (``[DONE]``) ends the body."""
+        async for event in self.events:
+            done = event.endswith(DONE_EVENT)  # a chunk's JSON never ends a line: [DONE] comes last alone
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": not done})
+            if done:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 T = TypeVar("T")
@@ -190,6 +204,7 @@ class Generation(ABC):
         self.submission = submission
         self.req = req
         self.include_usage = req.include_usage  # read on every chunk: once here, not through the request model
+        self.continuous_usage = req.continuous_usage
         self.model = model
         self.params = params
         self.created = int(time.time())
@@ -200,6 +215,9 @@ class Generation(ABC):
         self.ended: set[int] = set()  # the choices whose finish_reason was streamed
         # Every chunk's body without its end: '{"id": ..., "model": ..., "choices": []}' less the final '[]}'.
         self._chunk_head = "data: " + json_text(self.body(self.chunk_object_name, []))[:-3]
+        # A plain chunk's text before and after its JSON-escaped delta, once the stream's chunks are plain (see
+        # plain_chunk_parts); None until then.
+        self.plain_parts: tuple[str, str] | None = None
 
     def token_text(self, token_id: int) -> str:
         """A token's string in logprobs: its text, or a special token's own (``<|im_end|>``, as vLLM gives it:
@@ -276,7 +294,7 @@ class Generation(ABC):
         for); the fields every chunk shares are rendered once per response (a stream renders hundreds)."""
         if not self.include_usage:
             return f"{self._chunk_head}{self.choices_json(choices)}}}\n\n"
-        usage = self.usage() if usage is None and self.req.continuous_usage else usage
+        usage = self.usage() if usage is None and self.continuous_usage else usage
         usage_text = "null" if usage is None else json_text(usage)
         return f'{self._chunk_head}{self.choices_json(choices)}, "usage": {usage_text}}}\n\n'
 
@@ -284,14 +302,28 @@ class Generation(ABC):
         """A chunk's choices as JSON (``json_text``; subclasses write their usual one-choice chunk directly)."""
         return json_text(choices)
 
+    def plain_chunk_parts(self, choice_start: str, choice_end: str) -> tuple[str, str] | None:
+        """What a plain chunk holds around its delta's JSON string: one choice (index 0) whose delta is text, no
+        finish_reason, no logprobs, ``usage`` null where it is included. ``choice_start`` and ``choice_end``:
+        the choice's JSON before and after that string. ``None`` for a stream whose chunks may be other than
+        plain before they end (several choices or prompts, logprobs, usage on every chunk)."""
+        if self.params.n != 1 or len(self.submission.request_ids) != 1 or self.params.logprobs is not None:
+            return None
+        if self.continuous_usage:
+            return None
+        usage = ', "usage": null' if self.include_usage else ""
+        return f"{self._chunk_head}[{choice_start}", f"{choice_end}]{usage}}}\n\n"
+
     async def events(self) -> AsyncGenerator[str, None]:
         """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails.
 
         The chunks of outputs that are already queued go out in one write: a client (or an event loop) that
-        falls behind the engine catches up with one send per batch, not one per token."""
+        falls behind the engine catches up with one send per batch, not one per token. Once the stream's chunks
+        are plain (:attr:`plain_parts`), an output that adds text or tokens and does not finish is written from
+        those parts and its delta alone, without choice dicts (as :meth:`chunk` would write it)."""
         pending: list[str] = []
         try:
-            continuous_usage = self.req.continuous_usage
+            continuous_usage = self.continuous_usage
             # With running usage the opening chunks wait for the first output, which tells the prompt's length
             # (as vLLM sends them): before it, their usage would say 0 prompt tokens.
             opening = self.opening_choices()
@@ -299,11 +331,21 @@ class Generation(ABC):
                 for choice in opening:
                     yield self.chunk([choice])
                 opening = []
-            async for out in self.submission.outputs():
+            next_output = self.submission.next_output
+            has_queued = self.submission.has_queued
+            while (out := await next_output()) is not None:
                 if opening:
                     self.record_prompt(out)
                     pending += [self.chunk([choice]) for choice in opening]
                     opening = []
+                if (parts := self.plain_parts) is not None and not out.finished:
+                    sample = out.outputs[0]
+                    if sample.text_delta or sample.new_token_ids:
+                        pending.append(f"{parts[0]}{json_string(sample.text_delta)}{parts[1]}")
+                    if pending and not has_queued():
+                        yield "".join(pending)
+                        pending.clear()
+                    continue
                 if out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
                 choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]
@@ -311,14 +353,14 @@ class Generation(ABC):
                     pending.append(self.chunk(choices))
                 if closing := self.closing_choices():
                     pending.append(self.chunk(closing))
-                if pending and not self.submission.has_queued():
+                if pending and not has_queued():
                     yield "".join(pending)
                     pending.clear()
             if self.include_usage:
                 pending.append(self.chunk([], self.usage()))
         except Exception as err:  # a failed generation ends with an error event, never a hung stream
             pending.append(generation_error(err).sse())
-        pending.append("data: [DONE]\n\n")
+        pending.append(DONE_EVENT)
         yield "".join(pending)
 
     async def collect(self) -> dict:
@@ -470,6 +512,9 @@ class CompletionStream(Generation):
         echoed = None
         if first:
             self.started.add(index)
+            if not self.req.echo:
+                self.plain_parts = self.plain_chunk_parts('{"index": 0, "text": ', ', "finish_reason": null, '
+                                                          '"logprobs": null}')  # fmt: skip
             if self.req.echo:
                 text = self.prompt_text(out) + text
                 entries = self.echoed_entries(out) + entries
@@ -558,6 +603,9 @@ class ChatStream(Generation):
         self.call_ids: dict[int, str] = {}  # a named call's id per choice, from its first chunk on
         self.call_texts: dict[int, list[str]] = {}  # a stream's ``required`` calls so far, per choice
         self.finishing: list[dict] = []  # finish_reasons held back from a chunk that carries tool calls
+        if self.tool_mode is None:
+            self.plain_parts = self.plain_chunk_parts('{"index": 0, "delta": {"content": ',
+                                                      '}, "finish_reason": null, "logprobs": null}')  # fmt: skip
 
     def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls a finished sample's ``text`` makes, or ``None`` when it is not a complete list of calls."""

@@ -87,10 +87,29 @@ def test_a_stream_whose_client_left_before_its_first_token_ends_and_frees_its_sl
         await asyncio.wait_for(app(scope(body), receiving(body, disconnected), send), 30)
 
     asyncio.run(run_with_app(test))
-    assert sent[0]["status"] == 200 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert sent[0]["status"] == 200 and all(m["more_body"] for m in sent[1:-1])
+    assert sent[-1]["more_body"] is False and sent[-1]["body"].endswith(b"data: [DONE]\n\n")  # one write: the end
     text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     assert text.endswith("data: [DONE]\n\n") and '"code": "client_disconnected"' in text
     assert "generation failed" not in caplog.text  # a disconnect is no server error
+
+
+def test_a_streams_events_are_sent_from_a_task_of_their_own() -> None:
+    """A token's event is sent from a task whose coroutines are the response's few, not from the request's task,
+    which would resume every middleware of the app on each token."""
+    body = json.dumps({"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "stream": True}).encode()
+    senders: list[asyncio.Task | None] = []
+
+    async def test(app: FastAPI) -> None:
+        async def send(message: dict) -> None:
+            senders.append(asyncio.current_task())
+
+        request = asyncio.ensure_future(app(scope(body), receiving(body, asyncio.Event()), send))
+        await asyncio.wait_for(request, 30)
+        assert senders[0] is request  # the response's start
+        assert len(senders) > 2 and all(task is not request for task in senders[1:])
+
+    asyncio.run(run_with_app(test))
 
 
 def test_a_stream_whose_send_raises_ends_quietly_and_frees_its_slot() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
@@ -20,18 +19,19 @@ class QueuedSubmission:
         self.request_id = "cmpl-test"
         self.request_ids = ["r0"]
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.ended = False
         for out in outputs:
             self.queue.put_nowait(out)
 
     def has_queued(self) -> bool:
         return not self.queue.empty()
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            out = await self.queue.get()
-            yield out
-            if out.finished:
-                return
+    async def next_output(self) -> RequestOutput | None:
+        if self.ended:
+            return None
+        out = await self.queue.get()
+        self.ended = out.finished
+        return out
 
 
 def step_output(text: str, step: int, last: bool) -> RequestOutput:
