@@ -151,7 +151,7 @@ def rendered(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
 def test_manifests_validate_against_kubernetes_schemas(rendered: dict[str, dict[str, Any]]) -> None:
     validator = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (a test extra)")
     kinds = {"Deployment", "Service", "Ingress", "ServiceMonitor", "PrometheusRule", "HorizontalPodAutoscaler",
-             "Service/rnnserve-sessions", "Ingress/rnnserve-sessions"}  # fmt: skip
+             "PodDisruptionBudget", "Service/rnnserve-sessions", "Ingress/rnnserve-sessions"}  # fmt: skip
     assert set(rendered) == kinds
     for doc in rendered.values():
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -304,3 +304,14 @@ def test_containers_run_on_a_read_only_root_filesystem(rendered: dict[str, dict[
     source, destination = copy["command"][-2:]
     assert copy["command"][:2] == ["cp", "-a"] and source == f"{kernels}/."
     assert target[destination.rstrip("/")] == {m["mountPath"]: m["name"] for m in container["volumeMounts"]}[kernels]
+
+
+def test_the_autoscaler_owns_the_replica_count_and_disruptions_take_one(rendered: dict[str, dict[str, Any]]) -> None:
+    """A Deployment's replicas, applied again by every ``kubectl apply``, would override the autoscaler's count;
+    a node drain may evict one replica at a time."""
+    deployment = rendered["Deployment"]
+    assert "replicas" not in deployment["spec"]
+    assert rendered["HorizontalPodAutoscaler"]["spec"]["minReplicas"] >= 2
+    budget = rendered["PodDisruptionBudget"]["spec"]
+    assert budget["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert budget["maxUnavailable"] == 1
