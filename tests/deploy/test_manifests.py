@@ -127,6 +127,9 @@ def test_compose_wires_the_services_together() -> None:
     drain = float(command[command.index("--drain-timeout") + 1])
     grace = float(services["rnnserve"]["stop_grace_period"].removesuffix("s"))
     assert grace >= drain + DRAIN_GRACE_SECONDS + PROCESS_EXIT_SECONDS
+    for service in services.values():  # no service without auth (the API by default, Grafana's admin) on the network
+        assert all(port.startswith("127.0.0.1:") for port in service["ports"]), service["ports"]
+    assert services["rnnserve"]["environment"][API_KEY_ENV] == f"${{{API_KEY_ENV}:-}}"  # a key from the shell
     source = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
     assert source["datasources"][0]["url"] == "http://prometheus:9090"
 
