@@ -18,6 +18,7 @@ OUTSIDE_FLAGS = {
     "--gpus": "docker run",
     "--rm": "docker run",
     "--data-binary": "curl",
+    "--from-literal": "kubectl create secret",
     "--api-server-count": "vLLM",
     "--tool-call-parser": "vLLM",
 }
