@@ -15,8 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from rnnserve.engine.llm_engine import EngineLoad
+from rnnserve.engine.prefix_cache import TierUsage
 from rnnserve.server import dashboard
+from rnnserve.server.metrics import ServerMetrics
 from tests.server.server_process import REPO, ServerProcess, free_port, stop
 
 PROMETHEUS = shutil.which("prometheus")
@@ -27,6 +32,11 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 METRIC = re.compile(r"\b((?:rnnserve|process)_[a-z0-9_]+)\b")
 REGEX_SPECIAL = re.compile(r"([\\^$.|?*+()\[\]{}])")
 LABEL_VALUES = re.compile(r"^label_values\((\w+)(\{.*\})?, (\w+)\)$")
+TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape, not by the server
+SELECTOR = re.compile(r"\b((?:rnnserve|process)_[a-z0-9_]+)\b(?:\{([^}]*)\})?")
+COUNTER_FUNCTIONS = re.compile(r"\b(?:rate|irate|increase)\(\s*((?:rnnserve|process)_[a-z0-9_]+)")
+GAUGE_FUNCTIONS = re.compile(r"\b(?:deriv|delta|\w+_over_time)\(\s*((?:rnnserve|process)_[a-z0-9_]+)")
+BY_CLAUSE = re.compile(r"\bby\s*\(([^)]*)\)")
 
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian's prometheus package)")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus package")
@@ -38,6 +48,33 @@ def panels() -> list[dict[str, Any]]:
 
 def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in panels() for t in p["targets"]]
+
+
+def exported_samples() -> dict[str, tuple[str, frozenset[str]]]:
+    """Each sample name a server exports (with a pool and both prefix-cache tiers), with its family's type and
+    its labels."""
+    metrics = ServerMetrics("m", 64)
+    metrics.set_pool(num_slots=4, bytes_per_slot=8)
+    metrics.set_load(EngineLoad(1, 0, 4, 1, 8, [TierUsage("device", 10, 20, 3), TierUsage("host", 1, 2, 1)]))
+    samples: dict[str, tuple[str, frozenset[str]]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            labels = samples.get(sample.name, (family.type, frozenset()))[1] | set(sample.labels)
+            samples[sample.name] = (family.type, frozenset(labels))
+    return samples
+
+
+def every_query() -> dict[str, str]:
+    """Every PromQL expression of deploy/: the Grafana panels and variables, the alert rules, the autoscaler's
+    metric (prometheus-adapter's series query), by where it is."""
+    queries = {f"panel {p['title']!r} {t['refId']}": t["expr"] for p in panels() for t in p["targets"]}
+    for variable in GRAFANA["templating"]["list"]:
+        if variable["type"] == "query":
+            queries[f"variable {variable['name']}"] = LABEL_VALUES.match(variable["query"]["query"]).group(1)  # type: ignore[union-attr]
+    queries |= {f"alert {name}": expr for name, expr in alert_exprs().items()}
+    adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter" / "values.yaml").read_text())
+    queries |= {f"adapter rule {i}": rule["seriesQuery"] for i, rule in enumerate(adapter["rules"]["custom"])}
+    return queries
 
 
 def alert_exprs() -> dict[str, str]:
@@ -75,6 +112,33 @@ def test_grafana_dashboard_layout() -> None:
     variables = {v["name"] for v in GRAFANA["templating"]["list"]}
     assert variables == {"datasource", "job", "model_name"}
     assert {v for e in dashboard_exprs() for v in re.findall(r"\$(\w+)", e)} <= variables | {"__rate_interval"}
+
+
+def test_queries_use_series_as_the_server_exports_them() -> None:
+    """Without a Prometheus: every series a dashboard panel, an alert or the autoscaler reads is exported under
+    that name, with the labels the query selects and groups by, and of the type its function expects (rate of
+    counters and histogram series, deriv and *_over_time of gauges, histogram_quantile by le)."""
+    samples = exported_samples()
+    counter_series = {name for name, (kind, _) in samples.items() if kind in {"counter", "histogram"}}
+    counter_series -= {name for name in counter_series if name.endswith("_created")}
+    for where, expr in every_query().items():
+        used: set[str] = set()
+        for name, matchers in SELECTOR.findall(expr):
+            assert name in samples, f"{where}: {name} is not exported"
+            labels = samples[name][1] | TARGET_LABELS
+            used |= labels
+            selected = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+            assert selected <= labels, f"{where}: {name} has no label {selected - labels}"
+        for name in COUNTER_FUNCTIONS.findall(expr):
+            assert name in counter_series, f"{where}: rate of {name}, a {samples[name][0]}"
+        for name in GAUGE_FUNCTIONS.findall(expr):
+            assert samples[name][0] == "gauge", f"{where}: {name} is a {samples[name][0]}, not a gauge"
+        for group in BY_CLAUSE.findall(expr):
+            missing = {label.strip() for label in group.split(",")} - used
+            assert not missing, f"{where}: grouped by {missing}, which its series do not carry"
+        if "histogram_quantile" in expr:
+            assert all("le" in g for g in BY_CLAUSE.findall(expr)), f"{where}: histogram_quantile needs by (le)"
+            assert all(n.endswith("_bucket") for n, _ in SELECTOR.findall(expr)), where
 
 
 def test_grafana_covers_the_live_dashboard() -> None:
