@@ -3,10 +3,11 @@
 Each fenced code block is checked by its language tag (the convention is in CONTRIBUTING.md, "Examples in the
 docs"):
 
-- ``bash``: commands. ``rnnserve`` lines must parse with the CLI's own parser, ``make`` targets must exist,
-  scripts named must exist and know the flags given, and repository paths must exist. A block that calls
-  ``curl`` runs in bash against a real ``rnnserve serve`` of the embedded default model, with ``HOST:8000``
-  rewritten to that server: every call must answer 2xx with the documented shape.
+- ``bash``: commands. ``rnnserve`` lines (and the flags after a ``docker run`` image) must parse with the CLI's
+  own parser, ``make`` targets must exist, scripts named must exist and know the flags given, and repository
+  paths must exist. A block that calls ``curl`` runs in bash against a real ``rnnserve serve`` of the embedded
+  default model, with ``HOST:8000`` rewritten to that server: every call must answer 2xx with the documented
+  shape.
 - ``console``: ``$ `` lines are commands, run in order in one folder per doc (``rnnserve serve`` starts a real
   server there); the lines after a command are its output, where ``...`` stands for any text.
 - ``python``: runs in a fresh interpreter in an empty folder (``127.0.0.1:8000`` rewritten as above).
@@ -218,6 +219,9 @@ def check_command_lines(block: Block, script: str) -> None:
             assert not missing, f"{block}: no make target {missing}"
         elif re.fullmatch(r"python[\d.]*", name):
             check_script(words)
+        elif words[:2] == ["docker", "run"]:  # the images' entrypoint is `rnnserve serve`: what follows is its flags
+            image = next(i for i, word in enumerate(words) if re.fullmatch(r"rnnserve(:[\w.-]+)?", word))
+            check_rnnserve(["serve", *words[image + 1 :]])
 
 
 # --- HTTP calls ---------------------------------------------------------------------------------------------
