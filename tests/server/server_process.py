@@ -39,14 +39,16 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None, timeout: float = 90.0) -> Iterator[ServerProcess]:
-    """``rnnserve serve --port <free> FLAGS`` (stdout and stderr collected in ``log``) until it logs that it is
-    running; stopped with SIGINT when the block exits."""
+def running_server(
+    *flags: str, env: dict[str, str] | None = None, timeout: float = 90.0, cwd: Path = REPO
+) -> Iterator[ServerProcess]:
+    """``rnnserve serve --port <free> FLAGS`` run in ``cwd`` (stdout and stderr collected in ``log``) until it logs
+    that it is running; stopped with SIGINT when the block exits."""
     port = free_port()
     command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--port", str(port), *flags]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, **output)  # type: ignore[call-overload]
+    proc = subprocess.Popen(command, cwd=cwd, env=full_env, **output)  # type: ignore[call-overload]
     server = ServerProcess(proc, port)
     reader = threading.Thread(target=lambda: server.log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
