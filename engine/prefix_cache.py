@@ -8,7 +8,8 @@ the path from the root to a node spells the tokens its snapshot consumed. They l
 tier (pinned on CUDA) that device evictions are demoted to. Eviction is least-recently-used; a lookup or store
 touches every snapshot on its path, so an ancestor is never older than its descendants and the victim is
 always a leaf-most snapshot. A node left without snapshot and children is pruned, and one with a single child
-is merged into it.
+is merged into it. The tree's keys are int64 arrays (8 bytes a token, no int object per token) and count against
+the last tier's budget, so a flood of long distinct prompts cannot grow host memory past it.
 
 Every copy (slot to row, row to row, row to slot) is queued on the engine thread, in the device's order, by the
 call that asks for it (the slot-to-row copies of one ``store_many`` together at its end, or before a demotion
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +32,12 @@ import torch
 from rnnserve.engine.models.base import StateSpec, long_tensor
 
 COPY_CHUNK_BYTES = 64 * 2**20  # a batched store gathers at most this much state at a time
+TOKEN_BYTES = 8  # host memory of one token of the tree's keys (an int64 array element)
+
+
+def token_array(tokens: Sequence[int] = ()) -> array[int]:
+    """Tokens as the tree keeps them: an int64 array (a tuple costs 8 bytes a token plus an int object each)."""
+    return array("q", tokens)
 
 
 class SnapshotTier:
@@ -86,12 +94,12 @@ class SnapshotTier:
 
 
 class RadixNode:
-    """A tree node: ``key`` is the token run on the edge from its parent, ``depth`` the tokens from the root
-    to its end; ``tier``/``row`` locate its snapshot (``None`` when it has none)."""
+    """A tree node: ``key`` is the token run on the edge from its parent (an int64 array), ``depth`` the tokens
+    from the root to its end; ``tier``/``row`` locate its snapshot (``None`` when it has none)."""
 
     __slots__ = ("key", "parent", "children", "depth", "tier", "row", "stamp")
 
-    def __init__(self, key: tuple[int, ...], parent: RadixNode | None) -> None:
+    def __init__(self, key: array[int], parent: RadixNode | None) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[int, RadixNode] = {}
@@ -119,7 +127,7 @@ class PrefixCacheStats:
 
 @dataclass
 class TierUsage:
-    """One tier's snapshot memory (for gauges)."""
+    """One tier's snapshot memory (for gauges); the last tier's ``used_bytes`` includes the tree's keys."""
 
     name: str
     used_bytes: int
@@ -132,7 +140,8 @@ class PrefixCache:
 
     ``min_tokens``: shorter sequences are not stored (a snapshot costs a whole state whatever its length; a
     handful of tokens is cheaper to prefill again). ``host_tier`` (default: when ``device`` is not the CPU)
-    adds the host tier of ``host_bytes`` below the device tier of ``device_bytes``.
+    adds the host tier of ``host_bytes`` below the device tier of ``device_bytes``. ``token_bytes``: the host
+    memory charged to the last tier's budget per token of the tree's keys (0: keys are free).
     """
 
     def __init__(
@@ -143,6 +152,7 @@ class PrefixCache:
         host_bytes: int,
         min_tokens: int = 1,
         host_tier: bool | None = None,
+        token_bytes: int = TOKEN_BYTES,
     ) -> None:
         tiers = [SnapshotTier("device", specs, device_bytes, device)]
         if host_tier is None:
@@ -153,7 +163,9 @@ class PrefixCache:
         self.all_tiers = tiers
         self.tiers = [t for t in tiers if t.num_rows > 0]  # where snapshots go, fastest first
         self.min_tokens = max(1, min_tokens)
-        self.root = RadixNode((), None)
+        self.token_bytes = token_bytes
+        self.num_key_tokens = 0  # tokens on the tree's edges
+        self.root = RadixNode(token_array(), None)
         self.stats = PrefixCacheStats()
         self._clock = itertools.count(1)
         self._serial = itertools.count()
@@ -218,7 +230,7 @@ class PrefixCache:
                     continue
                 row = self._free_row(0)  # may evict, which may prune nodes: walk the tree again afterwards
                 self._pending[row] = slot  # replaces the copy of a snapshot evicted from this row meanwhile
-                node = self._insert_path(tuple(token_ids))
+                node = self._insert_path(token_array(token_ids))
                 node.tier, node.row = 0, row
                 self._live[0] += 1
                 self.stats.stores += 1
@@ -226,7 +238,26 @@ class PrefixCache:
                 stored += 1
         finally:
             self._flush()
+        self._shed()
         return stored
+
+    @property
+    def key_bytes(self) -> int:
+        """Host memory charged for the tree's keys."""
+        return self.num_key_tokens * self.token_bytes
+
+    def _shed(self) -> None:
+        """Drop least recently used snapshots (the last tier's first) while the last tier's rows and the tree's
+        keys pass its budget: a snapshot's state may be small (15 KB for the default model) and its key long (a
+        4,000-token prompt takes 32 KB), and the keys would otherwise grow without bound."""
+        last = self.tiers[-1]
+        while self.num_key_tokens and last.used_bytes + self.key_bytes > last.capacity_bytes:
+            victim = next(
+                (node for tier in reversed(range(len(self.tiers))) if (node := self._pop_lru(tier)) is not None), None
+            )
+            assert victim is not None, "every key leads to a snapshot"
+            tier = self.tiers[victim.tier]  # type: ignore[index]
+            tier.release(self._drop(victim))
 
     def _flush(self) -> None:
         """Copy the pending slots into their device-tier rows, at most ``COPY_CHUNK_BYTES`` of gathered state
@@ -309,7 +340,7 @@ class PrefixCache:
         node, matched, best = self.root, 0, None
         while matched < limit:
             child = node.children.get(token_ids[matched])
-            if child is None or child.depth > limit or tuple(token_ids[matched : child.depth]) != child.key:
+            if child is None or child.depth > limit or token_array(token_ids[matched : child.depth]) != child.key:
                 break
             node, matched = child, child.depth
             if node.has_snapshot:
@@ -338,12 +369,12 @@ class PrefixCache:
         node, matched = self.root, 0
         while matched < len(token_ids):
             child = node.children.get(token_ids[matched])
-            if child is None or tuple(token_ids[matched : child.depth]) != child.key:
+            if child is None or token_array(token_ids[matched : child.depth]) != child.key:
                 return None
             node, matched = child, child.depth
         return node
 
-    def _insert_path(self, tokens: tuple[int, ...]) -> RadixNode:
+    def _insert_path(self, tokens: array[int]) -> RadixNode:
         """The node ending exactly after ``tokens``, creating it (and splitting an edge) as needed."""
         node, matched = self.root, 0
         while matched < len(tokens):
@@ -351,6 +382,7 @@ class PrefixCache:
             if child is None:
                 leaf = RadixNode(tokens[matched:], node)
                 node.children[tokens[matched]] = leaf
+                self.num_key_tokens += len(leaf.key)
                 return leaf
             if tokens[matched : child.depth] != child.key:  # the edge diverges or is longer: split it
                 child = self._split(child, _shared_run(child.key, tokens, matched))
@@ -376,6 +408,7 @@ class PrefixCache:
             assert parent is not None
             if not node.children:
                 del parent.children[node.key[0]]
+                self.num_key_tokens -= len(node.key)
                 node = parent
                 continue
             if len(node.children) == 1:
@@ -435,10 +468,18 @@ class PrefixCache:
             self._live[tier + 1] += 1
             self._push(victim)
         else:
-            victim.tier = victim.row = None
-            self._live[tier] -= 1
-            self.stats.evictions += 1
-            self._prune(victim)
+            self._drop(victim)
+        return row
+
+    def _drop(self, victim: RadixNode) -> int:
+        """Evict ``victim``'s snapshot for good (pruning the tree); returns its row, which the caller reuses or
+        releases."""
+        tier, row = victim.tier, victim.row
+        assert tier is not None and row is not None
+        victim.tier = victim.row = None
+        self._live[tier] -= 1
+        self.stats.evictions += 1
+        self._prune(victim)
         return row
 
     # -- introspection --------------------------------------------------------------------------------------
@@ -448,16 +489,23 @@ class PrefixCache:
         return sum(self._live)
 
     def usage(self) -> list[TierUsage]:
-        """Memory and snapshot count of every tier (an empty tier reports zero capacity)."""
+        """Memory and snapshot count of every tier (an empty tier reports zero capacity); the last tier's memory
+        includes the tree's keys."""
         live = {id(t): n for t, n in zip(self.tiers, self._live, strict=True)}
-        return [TierUsage(t.name, t.used_bytes, t.capacity_bytes, live.get(id(t), 0)) for t in self.all_tiers]
+        keys = {id(self.tiers[-1]): self.key_bytes} if self.tiers else {}
+        return [
+            TierUsage(t.name, t.used_bytes + keys.get(id(t), 0), t.capacity_bytes, live.get(id(t), 0))
+            for t in self.all_tiers
+        ]
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the tree or the tiers are inconsistent (for tests)."""
         seen: dict[tuple[int, int], RadixNode] = {}
+        key_tokens = 0
         stack = [self.root]
         while stack:
             node = stack.pop()
+            key_tokens += len(node.key)
             for first, child in node.children.items():
                 assert child.parent is node and child.key and child.key[0] == first
                 assert child.depth == node.depth + len(child.key)
@@ -472,11 +520,24 @@ class PrefixCache:
             assert len(rows) == tier.num_used == self._live[index]
             assert rows == sorted(set(range(tier._next_unused)) - set(tier._released))
             assert tier.used_bytes <= tier.capacity_bytes
+        assert key_tokens == self.num_key_tokens
+        if self.tiers:
+            assert self.tiers[-1].used_bytes + self.key_bytes <= self.tiers[-1].capacity_bytes
 
 
-def _shared_run(key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
-    """How many of an edge's ``key`` tokens ``tokens`` repeats from ``start`` on."""
-    common, limit = 0, min(len(key), len(tokens) - start)
-    while common < limit and key[common] == tokens[start + common]:
-        common += 1
-    return common
+def _shared_run(key: array[int], tokens: Sequence[int], start: int) -> int:
+    """How many of an edge's ``key`` tokens ``tokens`` repeats from ``start`` on. Compares array slices (a memcmp
+    each), halving the range that holds the first difference: no Python loop over tokens (a prompt that branched
+    off a 32,000-token edge took 55 ms per admission)."""
+    limit = min(len(key), len(tokens) - start)
+    other = token_array(tokens[start : start + limit])
+    if key[:limit] == other:
+        return limit
+    low, high = 0, limit  # key[:low] == other[:low] and key[:high] != other[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if key[low:middle] == other[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -205,7 +205,10 @@ LOAD_GAUGES = (
     ("rnnserve_state_memory_used_bytes", "Bytes of state held by running sequences."),
 )
 TIER_GAUGES = (
-    ("rnnserve_prefix_cache_memory_used_bytes", "Bytes of prefix-cache snapshots held, per tier."),
+    (
+        "rnnserve_prefix_cache_memory_used_bytes",
+        "Bytes of prefix-cache snapshots held, per tier (the last tier counts the cache's token keys too).",
+    ),
     ("rnnserve_prefix_cache_memory_total_bytes", "Bytes of prefix-cache snapshot memory, per tier."),
     ("rnnserve_prefix_cache_snapshots", "Prefix-cache snapshots held, per tier."),
 )

@@ -147,7 +147,8 @@ def test_eviction_under_pressure_never_serves_a_wrong_state() -> None:
     assert cache.stats.hits > 0 and sum(out.num_cached_tokens for out in outputs) == cache.stats.hit_tokens
     assert cache.stats.evictions > 10
     usage = cache.usage()[0]
-    assert usage.capacity_bytes == budget and usage.used_bytes == 3 * probe.pool.bytes_per_slot
+    assert usage.capacity_bytes == budget and usage.num_snapshots == cache.num_snapshots
+    assert usage.used_bytes == cache.num_snapshots * probe.pool.bytes_per_slot + cache.key_bytes <= budget
 
 
 # -- the radix tree and its tiers on their own ------------------------------------------------------------------
@@ -155,11 +156,14 @@ def test_eviction_under_pressure_never_serves_a_wrong_state() -> None:
 SPEC = [StateSpec("x", (2,), torch.float64)]
 
 
-def toy_cache(snapshots: int, host_snapshots: int = 0, min_tokens: int = 1) -> PrefixCache:
+def toy_cache(snapshots: int, host_snapshots: int = 0, min_tokens: int = 1, token_bytes: int = 0) -> PrefixCache:
+    """A cache of ``snapshots`` device rows and ``host_snapshots`` host rows; its keys are free unless
+    ``token_bytes``."""
     row = SPEC[0].nbytes
     return PrefixCache(
-        SPEC, torch.device("cpu"), snapshots * row, host_snapshots * row, min_tokens, host_tier=host_snapshots > 0
-    )
+        SPEC, torch.device("cpu"), snapshots * row, host_snapshots * row, min_tokens, host_tier=host_snapshots > 0,
+        token_bytes=token_bytes,
+    )  # fmt: skip
 
 
 def state_of(tokens: list[int]) -> dict[str, torch.Tensor]:
@@ -177,7 +181,7 @@ def cached_keys(cache: PrefixCache) -> set[tuple[int, ...]]:
         node, path = stack.pop()
         if node.has_snapshot:
             keys.add(path)
-        stack += [(child, path + child.key) for child in node.children.values()]
+        stack += [(child, path + tuple(child.key)) for child in node.children.values()]
     return keys
 
 
@@ -193,7 +197,8 @@ def test_insert_split_lookup_and_prune() -> None:
     assert not cache.store([1, 2, 3, 4], state_of([9]), 0)  # already cached: only touched
     cache.check_invariants()
     (a,) = cache.root.children.values()  # [1, 2] was split off when [1, 2, 7] diverged
-    assert a.key == (1, 2) and not a.has_snapshot and sorted(c.key for c in a.children.values()) == [(3, 4), (7,)]
+    assert tuple(a.key) == (1, 2) and not a.has_snapshot
+    assert sorted(tuple(c.key) for c in a.children.values()) == [(3, 4), (7,)]
     length, state = restore(cache, [1, 2, 3, 4, 5, 6, 9])
     assert length == 6 and state.tolist() == state_of([1, 2, 3, 4, 5, 6])["x"][0].tolist()
     assert restore(cache, [1, 2, 3, 4, 5, 6])[0] == 4  # one token is always left to prefill
@@ -216,7 +221,7 @@ def test_eviction_is_lru_leaf_first_and_prunes_and_merges() -> None:
     cache.store([8, 8], state_of([8, 8]), 0)  # evicts [1, 2, 3], the least recently used
     assert cached_keys(cache) == {(1, 2, 7), (9,), (8, 8)}
     # its leaf was pruned and the empty [1, 2] node merged into its remaining child
-    assert sorted(c.key for c in cache.root.children.values()) == [(1, 2, 7), (8, 8), (9,)]
+    assert sorted(tuple(c.key) for c in cache.root.children.values()) == [(1, 2, 7), (8, 8), (9,)]
     cache.check_invariants()
     assert cache.stats.evictions == 2
     assert restore(cache, [1, 2, 7, 0])[1].tolist() == state_of([1, 2, 7])["x"][0].tolist()
@@ -232,6 +237,49 @@ def test_device_evictions_move_to_the_host_tier_and_drop_from_there() -> None:
     assert [(u.name, u.num_snapshots) for u in cache.usage()] == [("device", 1), ("host", 2)]
     for key in keys[1:]:  # each restores its own state, from whichever tier holds it
         assert restore(cache, key + [0])[1].tolist() == state_of(key)["x"][0].tolist()
+
+
+def test_the_keys_count_against_the_last_tiers_budget() -> None:
+    """A snapshot's key may take more memory than its state (a 4,000-token prompt's tuple took 144 KB of host
+    memory beside the default model's 15 KB state), and keys were not counted: 2,000 distinct long prompts under a
+    64 MiB budget held 30 MB of snapshots and 288 MB of keys. Now keys are int64 arrays whose 8 bytes a token count
+    against the last tier's budget, and least recently used snapshots are dropped to stay within it."""
+    row = SPEC[0].nbytes  # 16 bytes: two tokens of key
+    for host_snapshots in (0, 4):
+        cache = toy_cache(4, host_snapshots, token_bytes=8)
+        last = cache.tiers[-1]
+        rng = random.Random(host_snapshots)
+        for _ in range(200):
+            key = [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+            cache.store(key, state_of(key), 0)
+            cache.check_invariants()
+            assert last.used_bytes + cache.key_bytes <= last.capacity_bytes
+            assert cache.key_bytes == 8 * sum(len(node.key) for node in all_nodes(cache))
+            for cached in cached_keys(cache):  # what stays is exact
+                assert restore(cache, [*cached, 0])[1].tolist() == state_of(list(cached))["x"][0].tolist()
+            probe = [rng.randrange(4) for _ in range(6)]
+            shared = max((next((i for i, (a, b) in enumerate(zip(k, probe, strict=False)) if a != b), min(len(k), 6))
+                          for k in cached_keys(cache)), default=0)  # fmt: skip
+            assert cache.shared_length(probe) == shared
+        assert cache.usage()[-1].used_bytes == last.used_bytes + cache.key_bytes
+    cache = toy_cache(4, token_bytes=8)
+    assert cache.store([1, 2], state_of([1, 2]), 0) and cached_keys(cache) == {(1, 2)}  # 16 + 16 of 64 bytes
+    assert cache.store([1, 2, 3], state_of([1, 2, 3]), 0)  # 32 + 24: fits
+    cache.store([5, 5, 5], state_of([5, 5, 5]), 0)  # 48 + 48: [1, 2] and [1, 2, 3] (least recent, leaf first) go
+    assert cached_keys(cache) == {(5, 5, 5)} and cache.stats.evictions == 2
+    huge = toy_cache(4, token_bytes=8)
+    huge.store([7] * (4 * row // 8), state_of([7]), 0)  # its key alone fills the budget: nothing is kept
+    assert cached_keys(huge) == set() and huge.num_key_tokens == 0
+    huge.check_invariants()
+
+
+def all_nodes(cache: PrefixCache) -> list[RadixNode]:
+    nodes, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack += node.children.values()
+    return nodes
 
 
 def test_min_tokens_and_a_zero_budget_store_nothing() -> None:
@@ -359,5 +407,6 @@ def test_prometheus_counters_and_gauges_follow_the_cache() -> None:
     tier = 'model_name="tiny",tier="device"'
     (usage,) = engine.load().prefix_cache
     assert sample("rnnserve_prefix_cache_snapshots", tier) == usage.num_snapshots == engine.prefix_cache.num_snapshots
-    assert sample("rnnserve_prefix_cache_memory_used_bytes", tier) == usage.num_snapshots * engine.pool.bytes_per_slot
+    used = usage.num_snapshots * engine.pool.bytes_per_slot + 8 * engine.prefix_cache.num_key_tokens
+    assert sample("rnnserve_prefix_cache_memory_used_bytes", tier) == usage.used_bytes == used
     assert sample("rnnserve_prefix_cache_memory_total_bytes", tier) == usage.capacity_bytes > 0
