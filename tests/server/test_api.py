@@ -130,7 +130,7 @@ def test_streaming_several_prompts_interleaves_all_choices(client: TestClient) -
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_a_streamed_choice_ends_once_while_its_siblings_go_on(client: TestClient, path: str, logprobs: bool) -> None:
     """With ``n > 1`` samples that end at different steps, each choice's ``finish_reason`` comes in one chunk and
-    nothing more of that choice follows it (as in OpenAI's and vLLM's streams)."""
+    nothing more of that choice follows it (as in OpenAI's and vLLM's streams), through the whole server."""
     completions = path == "/v1/completions"
     body = {"prompt": "Hello"} if completions else {"messages": [{"role": "user", "content": "Hi"}]}
     if logprobs:
@@ -144,7 +144,9 @@ def test_a_streamed_choice_ends_once_while_its_siblings_go_on(client: TestClient
             assert choice["index"] not in ends, f"choice {choice['index']} went on after it ended: {choice}"
             if choice["finish_reason"] is not None:
                 ends[choice["index"]] = number
-    assert sorted(ends) == [0, 1, 2, 3] and len(set(ends.values())) > 1  # the samples ended at different steps
+    # Whether the ends come in different chunks depends on the consumer's pace (a loaded machine's merges the steps'
+    # outputs): test_stream_batching scripts the steps to check a sibling that goes on.
+    assert sorted(ends) == [0, 1, 2, 3]
 
 
 def test_streamed_usage_of_several_prompts_and_samples_equals_the_response_usage(client: TestClient) -> None:

@@ -65,3 +65,33 @@ def test_queued_outputs_are_written_together_and_in_order() -> None:
     events = [e for e in written[0].split("\n\n") if e]
     texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events]
     assert texts == deltas
+
+
+def sample_output(index: int, text: str, token: int, finish_reason: str | None) -> CompletionOutput:
+    return CompletionOutput(index, "", [], finish_reason, None, 0.0, text_delta=text, new_token_ids=[token])
+
+
+def test_a_choice_that_ended_is_not_streamed_again_while_its_sibling_goes_on() -> None:
+    """Each output of a request carries all its samples, also one that ended steps before the others: its end is
+    streamed once, and nothing of it follows (as in OpenAI's and vLLM's streams). Scripted, so that the steps are
+    not merged as a loaded machine's consumer may merge them."""
+    steps = [
+        [sample_output(0, "a", 1, None), sample_output(1, "b", 2, None)],
+        [sample_output(0, "c", 3, "stop"), sample_output(1, "d", 4, None)],
+        [sample_output(0, "", 0, "stop"), sample_output(1, "e", 5, None)],
+        [sample_output(0, "", 0, "stop"), sample_output(1, "f", 6, "length")],
+    ]
+    outputs = [RequestOutput("r0", "p", [1], samples, i == len(steps) - 1, RequestMetrics(0.0))
+               for i, samples in enumerate(steps)]  # fmt: skip
+    params = SamplingParams(n=2, max_tokens=3)
+    request = CompletionRequest(prompt="p", stream=True, n=2)
+    stream = CompletionStream(ByteTokenizer(), QueuedSubmission(outputs), request, "m", params)
+
+    async def writes() -> list[str]:
+        return [w async for w in stream.events()]
+
+    events = [e for w in asyncio.run(writes()) for e in w.split("\n\n") if e and e != "data: [DONE]"]
+    choices = [c for e in events for c in json.loads(e.removeprefix("data: "))["choices"]]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in choices] == [
+        (0, "a", None), (1, "b", None), (0, "c", "stop"), (1, "d", None), (1, "e", None), (1, "f", "length"),
+    ]  # fmt: skip
