@@ -296,6 +296,9 @@ class AsyncEngine:
             if event.error is None:
                 for _ in range(count):
                     self.metrics.observe_admitted(params)
+            else:  # nothing was added (e.g. dropped while its grammar compiled): no final will take its failure
+                for request_id in event.request_ids:
+                    self._step_failures.pop(request_id, None)
             self.metrics.set_load(event.load)
             self._settle(accepted, event.error)
         elif isinstance(event, Aborted):

@@ -16,13 +16,13 @@ from fastapi.testclient import TestClient
 
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
-from rnnserve.engine.sampling_params import SamplingParams
+from rnnserve.engine.sampling_params import SamplingParams, StructuredOutputParams
 from rnnserve.engine.sequence import Sequence
 from rnnserve.server.app import create_app
-from rnnserve.server.async_engine import EngineDeadError
+from rnnserve.server.async_engine import EngineDeadError, RequestFailedError
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.engine_core import EngineThread
-from tests.server.conftest import tiny_config
+from tests.server.conftest import hold_grammar_compiles, tiny_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -244,3 +244,58 @@ def test_engine_thread_runs_calls_in_order_with_the_creators_torch_threads() -> 
         thread.close()
     with pytest.raises(RuntimeError, match="closed"):
         thread.submit(lambda: None)
+
+
+def test_a_failed_step_leaves_no_failure_behind_for_a_request_whose_grammar_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that fails while a request's structured output compiles fails that request too; its add is dropped
+    (never added, nothing to abort), and the reason kept for its abort's final output must go with it: it was
+    kept for good, one entry per such request and failed step."""
+    app = create_app(tiny_config())
+    bridge = app.state.engine
+    engine = bridge.engine
+    may_compile = hold_grammar_compiles(monkeypatch, engine, timeout=30)
+    real_step = engine.step
+    fail_next_step = threading.Event()
+
+    def step(collect: bool = True):  # type: ignore[no-untyped-def]
+        if fail_next_step.is_set():
+            fail_next_step.clear()
+            raise RuntimeError("device fell over")
+        return real_step(collect)
+
+    engine.step = step
+
+    async def scenario() -> None:
+        bridge.start(asyncio.get_running_loop())
+        try:
+            endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
+            running = await bridge.submit("cmpl-running", ["Hello"], endless)
+            outputs = running.outputs()
+            await anext(outputs)
+            schema = StructuredOutputParams(json={"type": "object"})
+            compiling = asyncio.ensure_future(bridge.submit("cmpl-compiling", ["{"], SamplingParams(
+                max_tokens=8, structured_outputs=schema)))  # fmt: skip
+            while engine.load().num_running == 0 or not bridge._adds or len(bridge._consumers) < 2:
+                await asyncio.sleep(0.01)
+            fail_next_step.set()
+            with pytest.raises(RequestFailedError):
+                async for _ in outputs:
+                    pass
+            with pytest.raises(RequestFailedError):
+                await compiling
+            may_compile.release()
+            # The failed step's abort drops the compiling add (its Added comes first), then aborts the running
+            # request, whose final output takes its entry.
+            for _ in range(1000):
+                if not bridge._adds and "cmpl-running" not in bridge._step_failures:
+                    break
+                await asyncio.sleep(0.01)
+            assert not bridge._adds and engine.pool.num_used == 0
+            assert bridge._step_failures == {}
+        finally:
+            may_compile.release()
+            await asyncio.to_thread(bridge.stop)
+
+    asyncio.run(scenario())
