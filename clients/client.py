@@ -23,8 +23,11 @@ retries that honour ``Retry-After``); request fields beyond OpenAI's (``top_k``,
 ``/health``, ``/ready``, ``/version``, ``/metrics``, ``/v1/sessions``) and no default model name, so those are
 here; a request continues a session with :meth:`session_fields` in ``extra_body``. They go
 through the same ``openai`` client (its ``get``/``post`` with absolute URLs), so they share its connection pool,
-auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses). Needs the ``openai``
-package: ``pip install 'rnnserve[client]'``.
+auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses). ``timeout`` is httpx's: it
+bounds the connect and each read, so it cuts a stream that stalls, not one that keeps flowing (``rnnserve bench
+--timeout`` bounds the whole request). A stream whose connection is cut raises ``openai.APIConnectionError``, one
+that the server ends with an error event ``openai.APIError``. Needs the ``openai`` package: ``pip install
+'rnnserve[client]'``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ retries that honour Retry-After."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import socket
+import threading
 import time
 
 import openai
@@ -79,3 +83,57 @@ def test_a_busy_server_is_retried_after_its_retry_after(monkeypatch: pytest.Monk
         completion = client.openai.completions.create(model=TINY, prompt="Hello", **GREEDY)
     assert completion.choices[0].finish_reason == "length" and len(attempts) == 2
     assert attempts[1] - attempts[0] >= 0.95  # Retry-After: 1, not openai's own 0.5 s first backoff
+
+
+def stream_then(ending: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A one-shot HTTP server on a free port that answers a POST with a chunked event stream of one chunk, then
+    ``ending`` (raw bytes, the chunked framing included, or nothing) and closes the connection."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    first = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": TINY,
+             "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}]}  # fmt: skip
+
+    def answer() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += conn.recv(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+            while len(body) < length:
+                body += conn.recv(65536)
+            event = b"data: " + json.dumps(first).encode() + b"\n\n"
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + b"%x\r\n%s\r\n" % (len(event), event) + ending)  # fmt: skip
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return sock, thread
+
+
+def chunked(*events: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("ending", "error"),
+    [
+        pytest.param(b"", openai.APIConnectionError, id="connection-cut"),
+        pytest.param(chunked(b'data: {"error": {"message": "generation failed: boom", "type": "internal_error", '
+                             b'"param": null, "code": null}}\n\n', b"data: [DONE]\n\n"), openai.APIError,
+                     id="error-event"),
+    ],
+)  # fmt: skip
+def test_a_stream_cut_or_ended_by_an_error_event_raises_as_the_client_documents(
+    ending: bytes, error: type[Exception]
+) -> None:
+    sock, thread = stream_then(ending)
+    with sock, Client(f"http://127.0.0.1:{sock.getsockname()[1]}", max_retries=0, timeout=10) as client:
+        texts = []
+        with pytest.raises(error) as raised:
+            for chunk in client.openai.completions.create(model=TINY, prompt="x", stream=True):
+                texts.append(chunk.choices[0].text)
+        assert texts == ["a"]  # the chunk before the end arrived
+        if error is openai.APIError:
+            assert "generation failed: boom" in str(raised.value)
+        thread.join(10)
