@@ -193,7 +193,7 @@ class OpenAIServing:
         if turn is not None:
             submission.on_finished = turn.store_state
             submission.on_close.append(turn.release)
-            weakref.finalize(submission, turn.release)  # also if the response is dropped before it starts
+            weakref.finalize(submission, turn.release_soon)  # also if the response is dropped before it starts
         stream = generation(self.tokenizer, submission, req, model, params)
         if req.stream:
             return EventStreamResponse(stream.events(), submission)

@@ -794,6 +794,8 @@ class SessionTurn:
         self.stored = stored
         self._write: asyncio.Future[SessionInfo] | None = None
         self._released = False
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
 
     @property
     def context(self) -> StateSnapshot | None:
@@ -804,13 +806,25 @@ class SessionTurn:
         """Store the state after a finished response, off the event loop. The write goes on (and the session
         stays leased) even if the client disconnects meanwhile, so a file is never half-replaced."""
         if out.final_state is None:
+            if any(sample.finish_reason == "abort" for sample in out.outputs):  # e.g. cut by a shutdown's drain
+                raise APIError(
+                    503,
+                    "the request was aborted before it finished (the server is shutting down or its engine failed); "
+                    "the session keeps the state it had before this request",
+                    type="service_unavailable",
+                )
             raise APIError(500, "the engine returned no state to store in the session", type="internal_error")
         save = asyncio.to_thread(self.store.save, self.lease.session_id, out.final_state, self.stored.info.created)
         self._write = asyncio.ensure_future(save)
         await asyncio.shield(self._write)
 
     def release(self) -> None:
-        """Give the session back, once a write in flight has finished; later calls do nothing."""
+        """Give the session back, once a write in flight has finished; later calls do nothing. Called off the
+        event loop's thread, it hands the release to the loop (:meth:`release_soon`): the write's future is the
+        loop's, and not thread-safe."""
+        if threading.get_ident() != self._loop_thread:
+            self.release_soon()
+            return
         if self._released:
             return
         self._released = True
@@ -818,6 +832,18 @@ class SessionTurn:
             self.lease.release()
         else:
             self._write.add_done_callback(self._written)
+
+    def release_soon(self) -> None:
+        """:meth:`release` from any thread, also from a garbage-collected submission's finalizer, which runs on
+        whichever thread collected it, maybe amid the loop's own code (or the store's, holding its lock): the
+        release is handed to the loop, to run there next. Once the loop is closed no write can finish any more,
+        and the lease is given back at once."""
+        try:
+            self._loop.call_soon_threadsafe(self.release)
+        except RuntimeError:  # the loop is closed
+            if not self._released:
+                self._released = True
+                self.lease.release()
 
     def _written(self, write: asyncio.Future[SessionInfo]) -> None:
         if not write.cancelled():

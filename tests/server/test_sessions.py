@@ -21,7 +21,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from rnnserve.engine.loader import build_random, save_checkpoint
+from rnnserve.engine.outputs import RequestOutput
 from rnnserve.server.app import ServerConfig, create_app
+from rnnserve.server.async_engine import AsyncEngine
 from rnnserve.server.background import serve_in_thread
 from tests.server.conftest import tiny_config
 
@@ -361,6 +363,40 @@ def test_one_request_at_a_time_and_an_aborted_turn_changes_nothing(tmp_path: Pat
         # the aborted turn left no trace: the session went on from the state before it
         assert http.get(f"/v1/sessions/{session}/state").content != state
         assert response.json()["usage"]["prompt_tokens"] == sum(len(t) for t in tokens_of(state)) + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_turn_the_engine_ends_as_aborted_is_a_503_and_keeps_the_state(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """A session request the engine ends as aborted (e.g. a shutdown's drain) has no state to store: the client
+    gets the 503 of a request cut by a shutdown, and the session its state from before the request."""
+    session = create(client)
+    complete(client, [5, 6], session_id=session)
+    state = client.get(f"/v1/sessions/{session}/state").content
+    route = AsyncEngine._route
+
+    def route_as_aborted(engine: AsyncEngine, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                out.final_state = None
+                for sample in out.outputs:
+                    sample.finish_reason = "abort"
+        route(engine, outputs)
+
+    monkeypatch.setattr(AsyncEngine, "_route", route_as_aborted)
+    body = {"prompt": [7], "session_id": session, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": stream}
+    response = client.post("/v1/completions", json=body)
+    monkeypatch.undo()
+    if stream:
+        assert response.status_code == 200
+        failure = sse_chunks(response.text)[-1]
+    else:
+        assert response.status_code == 503, response.text
+        failure = response.json()
+    assert failure["error"]["type"] == "service_unavailable", failure
+    assert client.get(f"/v1/sessions/{session}/state").content == state
+    complete(client, [7], session_id=session)  # the session was given back
 
 
 def tokens_of(state: bytes) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import json
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import struct
 import threading
 import time
 import tracemalloc
+import weakref
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import safetensors.torch
 import torch
 
 from rnnserve.engine.models.base import StateSpec
-from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
 from rnnserve.server.sessions import (
@@ -473,6 +475,81 @@ def test_a_turn_keeps_the_session_until_its_write_is_done(tmp_path: Path) -> Non
 
     asyncio.run(client_leaves_during_the_write())
     assert_same(snapshot(3), open_store(tmp_path).load(info.id).snapshot)  # type: ignore[arg-type]
+
+
+class Cyclic:
+    """A response's submission that only the garbage collector frees (it refers to itself)."""
+
+    def __init__(self) -> None:
+        self.itself = self
+
+
+def test_a_turn_given_back_by_a_finalizer_on_another_thread_is_released_on_the_loop(tmp_path: Path) -> None:
+    """The route gives a session back when the submission of a response that never ran is collected. The
+    collector runs that finalizer on whichever thread it runs on; the release, which touches the loop's future of
+    a write in flight, must run on the loop."""
+    store = open_store(tmp_path)
+    info = store.create()
+    released_on: list[int] = []
+    real_release = store.release
+
+    def recording_release(lease: object) -> None:
+        released_on.append(threading.get_ident())
+        real_release(lease)  # type: ignore[arg-type]
+
+    store.release = recording_release  # type: ignore[method-assign]
+
+    def collect_in_a_thread(release_by: str) -> None:
+        turn = SessionTurn(store, store.acquire(info.id), store.load(info.id))
+        submission = Cyclic()
+        weakref.finalize(submission, getattr(turn, release_by))
+        dropped = [submission]
+        del submission
+
+        def collect() -> None:
+            dropped.clear()
+            gc.collect()
+
+        worker = threading.Thread(target=collect)
+        worker.start()
+        worker.join(10)
+        assert not dropped and released_on == []  # finalized on the thread, released on the loop
+
+    async def finalized_off_the_loop() -> None:
+        for release_by in ("release", "release_soon"):
+            collect_in_a_thread(release_by)
+            for _ in range(100):
+                await asyncio.sleep(0)
+            assert released_on == [threading.get_ident()]
+            store.acquire(info.id).release()
+            released_on.clear()
+
+    asyncio.run(finalized_off_the_loop(), debug=True)
+
+
+def test_an_aborted_turn_is_a_503_and_keeps_the_stored_state(tmp_path: Path) -> None:
+    """A session request the engine ended as aborted (a shutdown's drain) carries no state: the client gets a 503,
+    as other requests cut by a shutdown, and the session keeps its state."""
+    store = open_store(tmp_path)
+    info = store.create()
+    store.save(info.id, snapshot(1), info.created)
+    before = store.export(info.id)
+    sample = CompletionOutput(0, "", [], "abort", None, 0.0)
+    aborted = RequestOutput("req", None, [1], [sample], True, RequestMetrics(0.0))
+
+    async def aborted_turn() -> APIError:
+        turn = SessionTurn(store, store.acquire(info.id), store.load(info.id))
+        try:
+            with pytest.raises(APIError) as raised:
+                await turn.store_state(aborted)
+        finally:
+            turn.release()
+        return raised.value
+
+    err = asyncio.run(aborted_turn())
+    assert (err.status, err.type) == (503, "service_unavailable"), err.message
+    assert open_store(tmp_path).export(info.id) == before
+    store.acquire(info.id).release()
 
 
 def hold_lease(directory: str, session_id: str, held: EventType) -> None:
