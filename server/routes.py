@@ -222,20 +222,24 @@ class OpenAIServing:
                     req.messages, req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
                 )
             )
-            explain = self.in_chat_terms(prompt)
+            explain = self.in_chat_terms(req, prompt)
             return await self.generate(request, ChatStream, req, model, [prompt], params, explain=explain)
         self.check_session_request(req, params)
         turn, session_prompt = await self.open_turn(
             req.session_id, lambda stored: client_input(lambda: self.render_turn(req, stored))
         )
-        explain = self.in_chat_terms(session_prompt)
+        explain = self.in_chat_terms(req, session_prompt)
         return await self.generate(request, ChatStream, req, model, [session_prompt], params, turn, explain=explain)
 
-    def in_chat_terms(self, prompt: str | list[int]) -> Callable[[InvalidParameterError], InvalidParameterError]:
-        """The engine's refusals of the prompt a chat request's messages rendered to, as errors on ``messages`` (the
-        field the client sent); a text the tokenizer cannot encode is shown as the template rendered it."""
+    def in_chat_terms(
+        self, req: ChatCompletionRequest, prompt: str | list[int]
+    ) -> Callable[[InvalidParameterError], InvalidParameterError]:
+        """The engine's refusals in the chat request's terms (``in_request_terms``: e.g. its
+        ``max_completion_tokens``), those of the prompt its messages rendered to as errors on ``messages`` (the field
+        the client sent); a text the tokenizer cannot encode is shown as the template rendered it."""
 
         def explain(err: InvalidParameterError) -> InvalidParameterError:
+            err = req.in_request_terms(err)
             if err.param != "prompt":
                 return err
             if not isinstance(err, UnencodablePromptError):
