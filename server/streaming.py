@@ -512,13 +512,13 @@ class CompletionStream(Generation):
         echoed = None
         if first:
             self.started.add(index)
-            if not self.req.echo:
-                self.plain_parts = self.plain_chunk_parts('{"index": 0, "text": ', ', "finish_reason": null, '
-                                                          '"logprobs": null}')  # fmt: skip
             if self.req.echo:
                 text = self.prompt_text(out) + text
                 entries = self.echoed_entries(out) + entries
                 echoed = self.echoed_offsets(out)
+            else:
+                self.plain_parts = self.plain_chunk_parts('{"index": 0, "text": ', ', "finish_reason": null, '
+                                                          '"logprobs": null}')  # fmt: skip
         wants_logprobs = self.params.logprobs is not None and entries
         new_tokens = bool(sample.new_token_ids) and not self.echo_only
         opening_logprobs = first and self.req.prompt_logprobs is not None
