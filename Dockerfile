@@ -1,5 +1,5 @@
-# rnnserve on the CPU: `docker build -t rnnserve .` then `docker run -p 8000:8000 rnnserve` serves the embedded
-# default model; flags after the image name go to `rnnserve serve` (e.g. `--model /models/x --max-num-seqs 32`).
+# rnnserve on the CPU: `docker build -t rnnserve .` then `docker run -p 127.0.0.1:8000:8000 rnnserve` serves the
+# embedded default model; flags after the image name go to `rnnserve serve` (`--model /models/x --max-num-seqs 32`).
 # The CUDA image is Dockerfile.cuda. docs/deploy.md has Compose and Kubernetes.
 FROM python:3.11-slim-bookworm
 
