@@ -108,11 +108,21 @@ def render_chat(
     except RENDER_ERRORS as err:
         raise InvalidParameterError("messages", f"chat template error: {err}") from err
     if continue_final_message and messages:
-        last = messages[-1]["content"]
-        cut = text.rfind(last)
-        if last and cut >= 0:
-            text = text[: cut + len(last)]
+        text = _cut_after_final_message(text, messages[-1]["content"])
     return text
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` up to the end of the final message's content, which the reply continues (a template that trims
+    the messages has the stripped content); an InvalidParameterError when the template left it out."""
+    for content in (final, final.strip()):
+        cut = text.rfind(content)
+        if cut >= 0:
+            return text[: cut + len(content)]
+    raise InvalidParameterError(
+        "continue_final_message",
+        "continue_final_message is set, but the chat template does not render the final message's content",
+    )
 
 
 def content_text(content: Any) -> str:

@@ -373,6 +373,17 @@ def with_tools(template_kwargs: dict[str, Any] | None, tools: list[Tool] | None)
     return {"tools": [tool.model_dump(exclude_none=True) for tool in tools], **(template_kwargs or {})}
 
 
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: a reply either starts after a generation prompt or continues the final message, not both
+    (``add_generation_prompt`` defaults to true: continuing needs it set to false)."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidParameterError(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true: send add_generation_prompt false "
+            "to continue the final message",
+        )
+
+
 class ChatCompletionRequest(SamplingFields):
     NULL_MEANS_DEFAULT = SamplingFields.NULL_MEANS_DEFAULT | {"logprobs"}
 
@@ -402,6 +413,7 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if not self.messages:
             raise InvalidParameterError("messages", "messages must not be empty")
+        check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
         for deprecated, current in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, deprecated) is not None:
                 raise InvalidParameterError(
@@ -504,6 +516,7 @@ class TokenizeRequest(APIModel):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -40,6 +40,7 @@ from rnnserve.server.protocol import (
     SamplingFields,
     SessionRequest,
     TokenizeRequest,
+    check_generation_prompt,
 )
 from rnnserve.server.sessions import SessionStore, SessionTurn, StoredSession, check_session_id
 from rnnserve.server.streaming import (
@@ -390,7 +391,10 @@ class OpenAIServing:
             if req.prompt is not None:
                 text = req.prompt
             else:
-                text = self.render(req.messages or [], req.add_generation_prompt, False, req.template_kwargs())
+                check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
+                text = self.render(
+                    req.messages or [], req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
+                )
             tokens = self.tokenizer.encode(text) if req.add_special_tokens else self.tokenizer.encode_plain(text)
         except (InvalidParameterError, ValueError) as err:
             field = "prompt" if req.prompt is not None else "messages"

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from rnnserve.engine.chat_template import render_chat
+from rnnserve.engine.sampling_params import InvalidParameterError
+from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
 from rnnserve.server.streaming import required_calls
@@ -298,3 +301,31 @@ def test_a_schema_with_numbers_that_are_not_json_is_a_400(client: TestClient, sc
            f'{{"name": "s", "schema": {schema}}}}}}}'  # fmt: skip
     response = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
+
+
+def test_continue_final_message_needs_add_generation_prompt_false(client: TestClient) -> None:
+    """vLLM's rule: continuing the final message and starting a reply after the generation prompt exclude each
+    other; ``add_generation_prompt`` defaults to true, so a continuation sends it false (chat and /tokenize)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]
+    both = {"messages": messages, "continue_final_message": True}
+    for path, body in (("/v1/chat/completions", {**both, "max_tokens": 2}), ("/tokenize", both)):
+        response = client.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == "continue_final_message"
+    tokens = client.post("/tokenize", json={**both, "add_generation_prompt": False}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "User: Hi\nAssistant:Sure"
+    reply = client.post("/v1/chat/completions", json={**both, "add_generation_prompt": False, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_continue_final_message_that_the_template_leaves_out_is_an_error() -> None:
+    """The reply continues the final message's content; a template that does not render it (nor its stripped
+    text, as templates that trim messages do) has nothing to continue: an error on ``continue_final_message``,
+    not a reply after the whole rendered chat."""
+    tokenizer = ByteTokenizer()
+    trimming = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Sure "}]
+    assert render_chat(tokenizer, messages, False, True, trimming) == "<user>Hi</s><assistant>Sure"
+    with pytest.raises(InvalidParameterError) as err:
+        render_chat(tokenizer, messages, False, True, "{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    assert err.value.param == "continue_final_message"
