@@ -125,7 +125,9 @@ def create_app(
             CORSMiddleware,
             allow_origins=config.allowed_origins,
             allow_methods=["GET", "POST", "PUT", "DELETE"],
-            allow_headers=["Authorization", "Content-Type"],
+            # any header (as vLLM): OpenAI's SDKs send their own (X-Stainless-OS, OpenAI-Organization, ...), and a
+            # preflight that refused one of them kept every browser client built on them out
+            allow_headers=["*"],
         )
     app.add_middleware(InternalErrors)  # added last: the outermost of ours, around the guard
 

@@ -1,5 +1,6 @@
 """ASGI middleware that guards every HTTP request before any parsing: the Host header, the API key, the
-content type, the body size and how long the body may take to arrive (at most until a shutdown's drain ends)."""
+content type and encoding, the body size and how long the body may take to arrive (at most until a shutdown's drain
+ends)."""
 
 from __future__ import annotations
 
@@ -161,6 +162,14 @@ class RequestGuard:
         if scope["method"] == "POST" and media_type != JSON_MEDIA_TYPE:
             return APIError(
                 415, "request bodies must be sent as 'Content-Type: application/json'", code="unsupported_media_type"
+            )
+        encoding = headers.get("content-encoding", b"").strip().lower()  # a gzip body was read as (invalid) JSON
+        if encoding not in (b"", b"identity") and scope["method"] not in ("GET", "HEAD"):
+            return APIError(
+                415,
+                f"request bodies are read as sent: Content-Encoding {encoding.decode('latin-1')[:40]!r} is not "
+                "supported (send the body uncompressed)",
+                code="unsupported_media_type",
             )
         declared = headers.get("content-length")
         limit = self._body_limit(scope)

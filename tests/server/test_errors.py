@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 
@@ -214,6 +215,19 @@ def test_post_bodies_must_be_json(client: TestClient) -> None:
         assert error["code"] == "unsupported_media_type"
     ok = client.post("/v1/completions", content=body, headers={"Content-Type": "Application/JSON; charset=utf-8"})
     assert ok.status_code == 200
+
+
+def test_compressed_bodies_are_a_415_not_invalid_json(client: TestClient) -> None:
+    """A body sent with a Content-Encoding (``gzip``, ...) is read as sent: it was a 400 "not valid JSON", which
+    sent its client looking for a bug in its JSON."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    for encoding in ("gzip", "deflate", "br", "GZIP"):
+        headers = {**JSON, "Content-Encoding": encoding}
+        error = assert_error(client.post("/v1/completions", content=gzip.compress(body), headers=headers), 415)
+        assert error["code"] == "unsupported_media_type" and encoding.lower() in error["message"]
+    for encoding in ("identity", ""):
+        ok = client.post("/v1/completions", content=body, headers={**JSON, "Content-Encoding": encoding})
+        assert ok.status_code == 200, ok.text
 
 
 def test_host_header_is_checked(client: TestClient) -> None:

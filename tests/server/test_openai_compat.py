@@ -263,6 +263,19 @@ def test_cors_is_off_unless_origins_are_allowed(client: TestClient) -> None:
         assert unauthorised.status_code == 401
 
 
+def test_cors_preflight_takes_the_headers_openai_sdks_send() -> None:
+    """The openai SDKs (Stainless-generated) add headers of their own to every request: a preflight that refused
+    them kept every browser client built on the SDKs out."""
+    sdk_headers = "authorization, content-type, openai-organization, x-stainless-os, x-stainless-retry-count"
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": sdk_headers}  # fmt: skip
+    with TestClient(create_app(tiny_config(allowed_origins=["http://app.example"]))) as cors:
+        answer = cors.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200, answer.text
+        allowed = {h.strip() for h in answer.headers["access-control-allow-headers"].lower().split(",")}
+        assert set(sdk_headers.split(", ")) <= allowed
+
+
 def test_required_tool_calls_take_tools_whose_parameters_use_defs(client: TestClient) -> None:
     """``tool_choice: "required"`` put every tool's schema under one root, where a pydantic tool's ``#/$defs/...``
     references no longer resolved: a 400 for any tool with an enum or a nested model."""
