@@ -423,6 +423,9 @@ class OpenAIServing:
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        undecodable = self.tokenizer.first_undecodable(req.tokens)
+        if undecodable is not None:  # a model's padding row past its tokenizer, as a prompt's ids are refused
+            raise bad_request(f"token id {undecodable} is not in the tokenizer's vocabulary", param="tokens")
         return JSONResponse({"prompt": self.tokenizer.decode_with_specials(req.tokens)})
 
 

@@ -167,6 +167,15 @@ def test_malformed_bodies_are_400(client: TestClient) -> None:
     assert_error(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
 
 
+def test_detokenize_refuses_the_ids_a_prompt_may_not_hold(client: TestClient) -> None:
+    """mingru-tiny's 320 vocabulary rows pad its byte tokenizer's 257 ids: a padding row is refused in a prompt,
+    and /detokenize, which gave it as "" (text that is no token's), refuses it too."""
+    assert_error(client.post("/v1/completions", json={"prompt": [72, 300]}), 400, "prompt")
+    error = assert_error(client.post("/detokenize", json={"tokens": [72, 300]}), 400, "tokens")
+    assert "300" in error["message"]
+    assert client.post("/detokenize", json={"tokens": [72, 256]}).json() == {"prompt": "H"}
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     for path, body in (
         ("/v1/completions", {"prompt": "x"}),
