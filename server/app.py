@@ -33,7 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
@@ -54,6 +56,19 @@ from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
 
 __all__ = ["ServerConfig", "create_app"]
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS, whose refused preflight (an origin, method or header not allowed) has OpenAI's error body,
+    not plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        reason = bytes(response.body).decode()
+        headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
+        return APIError(400, f"{reason} (see --allowed-origins)", code="cors_disallowed", headers=headers).response()
 
 
 def engine_driver(
@@ -122,7 +137,7 @@ def create_app(
     )
     if config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(
-            CORSMiddleware,
+            CORS,
             allow_origins=config.allowed_origins,
             allow_methods=["GET", "POST", "PUT", "DELETE"],
             # any header (as vLLM): OpenAI's SDKs send their own (X-Stainless-OS, OpenAI-Organization, ...), and a

@@ -276,6 +276,19 @@ def test_cors_preflight_takes_the_headers_openai_sdks_send() -> None:
         assert set(sdk_headers.split(", ")) <= allowed
 
 
+def test_a_refused_cors_preflight_has_openais_error_body() -> None:
+    """A preflight from an origin that is not allowed, or for a method no route takes: OpenAI's 400, not plain text."""
+    other_origin = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    other_method = {"Origin": "http://app.example", "Access-Control-Request-Method": "PATCH"}
+    with TestClient(create_app(tiny_config(allowed_origins=["http://app.example"]))) as cors:
+        for headers, refused in ((other_origin, "origin"), (other_method, "method")):
+            answer = cors.options("/v1/completions", headers=headers)
+            assert answer.status_code == 400 and answer.headers["content-type"] == "application/json"
+            error = answer.json()["error"]
+            assert error["code"] == "cors_disallowed" and refused in error["message"], error
+        assert "access-control-allow-origin" not in cors.options("/v1/models", headers=other_origin).headers
+
+
 def test_required_tool_calls_take_tools_whose_parameters_use_defs(client: TestClient) -> None:
     """``tool_choice: "required"`` put every tool's schema under one root, where a pydantic tool's ``#/$defs/...``
     references no longer resolved: a 400 for any tool with an enum or a nested model."""
