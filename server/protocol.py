@@ -293,14 +293,14 @@ class CompletionRequest(SamplingFields):
 class ContentPart(BaseModel):
     """One part of a message's content; only ``text`` parts can be served (the models read text only)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -341,7 +341,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str
     description: str | None = None
@@ -352,7 +352,7 @@ class FunctionDefinition(BaseModel):
 class Tool(BaseModel):
     """One entry of ``tools``: a function the model may be made to call."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function"]
     function: FunctionDefinition

@@ -355,3 +355,15 @@ def test_continue_final_message_that_the_template_leaves_out_is_an_error() -> No
     with pytest.raises(InvalidParameterError) as err:
         render_chat(tokenizer, messages, False, True, "{% for m in messages %}<{{ m.role }}>{% endfor %}")
     assert err.value.param == "continue_final_message"
+
+
+def test_fields_inside_messages_and_tools_are_typed_strictly(client: TestClient) -> None:
+    """As the top-level fields: a function's ``strict`` sent as ``"yes"`` or ``1`` was read as true."""
+    function = {"name": "f", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required", "max_tokens": 2}
+    for strict in ("yes", 1, "true"):
+        tools = [{"type": "function", "function": {**function, "strict": strict}}]
+        response = client.post("/v1/chat/completions", json={**body, "tools": tools})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", (strict, response.text)
+    tools = [{"type": "function", "function": {**function, "strict": True}}]
+    assert client.post("/v1/chat/completions", json={**body, "tools": tools}).status_code == 200
