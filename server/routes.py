@@ -119,12 +119,16 @@ class OpenAIServing:
         return name
 
     def model_card(self, name: str) -> dict[str, Any]:
+        """OpenAI's model object with vLLM's ``root``, ``parent`` and ``max_model_len`` (clients built for vLLM size
+        their prompts by it)."""
         return {
             "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "rnnserve",
             "root": self.config.model_root,
+            "parent": None,
+            "max_model_len": self.engine.info.max_model_len,
         }
 
     async def submit(

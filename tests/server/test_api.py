@@ -446,7 +446,10 @@ def test_default_and_tokenizer_chat_templates() -> None:
 def test_models_tokenize_detokenize_health(client: TestClient) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]
-    assert client.get(f"/v1/models/{TINY}").json()["id"] == TINY
+    card = client.get(f"/v1/models/{TINY}").json()
+    assert card["id"] == TINY and card == models["data"][0]
+    max_model_len = client.app.state.engine.engine.max_model_len
+    assert card["max_model_len"] == max_model_len and card["parent"] is None  # vLLM's fields
     tokens = client.post("/tokenize", json={"prompt": "héllo"}).json()
     assert tokens["tokens"] == list("héllo".encode()) and tokens["count"] == 6
     assert tokens["max_model_len"] == client.app.state.engine.engine.max_model_len > 0
