@@ -64,6 +64,15 @@ class SamplingFields(APIModel):
     """Fields shared by both endpoints."""
 
     NULL_MEANS_DEFAULT = frozenset({"n", "stream"})
+    # vLLM fields this server does not serve, each with the values that ask for nothing (vLLM's default, null):
+    # ignored like unknown fields, any other value would change the answer without a word, so it is a 400.
+    UNSERVED_VLLM_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (None, False),
+        "length_penalty": (None, 1, 1.0),
+        "truncate_prompt_tokens": (None,),
+        "bad_words": (None, []),
+        "return_tokens_as_token_ids": (None, False),
+    }
 
     model: str | None = None
     n: int = 1
@@ -107,6 +116,12 @@ class SamplingFields(APIModel):
             raise InvalidParameterError(
                 "stream_options", "stream_options is only allowed when stream is true"
             )
+        extra = self.model_extra or {}
+        for name, inert in self.UNSERVED_VLLM_FIELDS.items():
+            if name in extra and not any(extra[name] == value and type(extra[name]) is type(value) for value in inert):
+                raise InvalidParameterError(
+                    name, f"{name} (vLLM) is not supported by this server: leave it out (or send its default)"
+                )
 
     def in_request_terms(self, err: InvalidParameterError) -> InvalidParameterError:
         """A parameter error, raised building the engine's parameters or by the engine at submission, in this
@@ -386,6 +401,7 @@ def check_generation_prompt(add_generation_prompt: bool, continue_final_message:
 
 class ChatCompletionRequest(SamplingFields):
     NULL_MEANS_DEFAULT = SamplingFields.NULL_MEANS_DEFAULT | {"logprobs"}
+    UNSERVED_VLLM_FIELDS = {**SamplingFields.UNSERVED_VLLM_FIELDS, "echo": (None, False)}  # the last message again
 
     messages: list[ChatMessage]
     max_tokens: int | None = None

@@ -102,3 +102,26 @@ def test_streamed_chat_opens_with_the_role_alone(client: TestClient) -> None:
     rest = [choice for c in chunks[2:-1] for choice in c["choices"]]  # type: ignore[index]
     assert rest and all("role" not in c["delta"] for c in rest)
     assert sorted(c["index"] for c in rest if c["finish_reason"]) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value", "inert"),
+    [
+        ("/v1/completions", "use_beam_search", True, False),
+        ("/v1/completions", "truncate_prompt_tokens", 1, None),
+        ("/v1/completions", "bad_words", ["a"], []),
+        ("/v1/completions", "return_tokens_as_token_ids", True, False),
+        ("/v1/completions", "length_penalty", 0.5, 1),
+        ("/v1/chat/completions", "use_beam_search", True, None),
+        ("/v1/chat/completions", "echo", True, False),
+    ],
+)
+def test_vllm_fields_this_server_does_not_serve_are_400s_unless_inert(
+    client: TestClient, path: str, field: str, value: object, inert: object
+) -> None:
+    """vLLM's beam search, prompt truncation, bad words, token-id logprobs and chat echo were ignored as unknown
+    fields: the answer changed without a word. Asked for, they are a 400 naming the field; their default is taken."""
+    body = CHAT if path == "/v1/chat/completions" else {"prompt": "Hi", "max_tokens": 2}
+    refused = client.post(path, json={**body, field: value})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    assert client.post(path, json={**body, field: inert}).status_code == 200
