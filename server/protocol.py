@@ -35,6 +35,9 @@ class APIModel(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     # Fields OpenAI declares nullable whose value here is never null: ``null`` reads as the field left out.
     NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+    # vLLM fields this server does not serve, each with the values that ask for nothing (vLLM's default, null):
+    # ignored like unknown fields, any other value would change the answer without a word, so it is a 400.
+    UNSERVED_VLLM_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -42,6 +45,16 @@ class APIModel(BaseModel):
         if isinstance(data, dict) and cls.NULL_MEANS_DEFAULT:
             return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_MEANS_DEFAULT}
         return data
+
+    def check_unserved_fields(self) -> None:
+        """An InvalidParameterError for the first of :attr:`UNSERVED_VLLM_FIELDS` sent with a value that asks for
+        something."""
+        extra = self.model_extra or {}
+        for name, inert in self.UNSERVED_VLLM_FIELDS.items():
+            if name in extra and not any(extra[name] == value and type(extra[name]) is type(value) for value in inert):
+                raise InvalidParameterError(
+                    name, f"{name} (vLLM) is not supported by this server: leave it out (or send its default)"
+                )
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of the fields this server ignored, nested request objects included."""
@@ -64,9 +77,7 @@ class SamplingFields(APIModel):
     """Fields shared by both endpoints."""
 
     NULL_MEANS_DEFAULT = frozenset({"n", "stream"})
-    # vLLM fields this server does not serve, each with the values that ask for nothing (vLLM's default, null):
-    # ignored like unknown fields, any other value would change the answer without a word, so it is a 400.
-    UNSERVED_VLLM_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
+    UNSERVED_VLLM_FIELDS = {
         "use_beam_search": (None, False),
         "length_penalty": (None, 1, 1.0),
         "truncate_prompt_tokens": (None,),
@@ -116,12 +127,7 @@ class SamplingFields(APIModel):
             raise InvalidParameterError(
                 "stream_options", "stream_options is only allowed when stream is true"
             )
-        extra = self.model_extra or {}
-        for name, inert in self.UNSERVED_VLLM_FIELDS.items():
-            if name in extra and not any(extra[name] == value and type(extra[name]) is type(value) for value in inert):
-                raise InvalidParameterError(
-                    name, f"{name} (vLLM) is not supported by this server: leave it out (or send its default)"
-                )
+        self.check_unserved_fields()
 
     def in_request_terms(self, err: InvalidParameterError) -> InvalidParameterError:
         """A parameter error, raised building the engine's parameters or by the engine at submission, in this
@@ -401,7 +407,9 @@ def check_generation_prompt(add_generation_prompt: bool, continue_final_message:
 
 class ChatCompletionRequest(SamplingFields):
     NULL_MEANS_DEFAULT = SamplingFields.NULL_MEANS_DEFAULT | {"logprobs"}
-    UNSERVED_VLLM_FIELDS = {**SamplingFields.UNSERVED_VLLM_FIELDS, "echo": (None, False)}  # the last message again
+    # chat's echo: the last message again; chat_template: a template of the request's own (vLLM refuses it too,
+    # unless started with --trust-request-chat-template)
+    UNSERVED_VLLM_FIELDS = {**SamplingFields.UNSERVED_VLLM_FIELDS, "echo": (None, False), "chat_template": (None,)}
 
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -527,6 +535,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(APIModel):
+    UNSERVED_VLLM_FIELDS = {"chat_template": (None,)}
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

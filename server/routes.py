@@ -389,6 +389,7 @@ class OpenAIServing:
 
     def tokenize(self, req: TokenizeRequest) -> JSONResponse:
         self.check_model(req.model)
+        client_input(req.check_unserved_fields)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         try:

@@ -114,14 +114,19 @@ def test_streamed_chat_opens_with_the_role_alone(client: TestClient) -> None:
         ("/v1/completions", "length_penalty", 0.5, 1),
         ("/v1/chat/completions", "use_beam_search", True, None),
         ("/v1/chat/completions", "echo", True, False),
+        ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}", None),
+        ("/tokenize", "chat_template", "{{ messages[0].content }}", None),
     ],
 )
 def test_vllm_fields_this_server_does_not_serve_are_400s_unless_inert(
     client: TestClient, path: str, field: str, value: object, inert: object
 ) -> None:
-    """vLLM's beam search, prompt truncation, bad words, token-id logprobs and chat echo were ignored as unknown
-    fields: the answer changed without a word. Asked for, they are a 400 naming the field; their default is taken."""
-    body = CHAT if path == "/v1/chat/completions" else {"prompt": "Hi", "max_tokens": 2}
+    """vLLM's beam search, prompt truncation, bad words, token-id logprobs, chat echo and a request's own chat
+    template were ignored as unknown fields: the answer changed without a word. Asked for, they are a 400 naming
+    the field; their default is taken."""
+    body = {"/v1/chat/completions": CHAT, "/tokenize": {"messages": CHAT["messages"]}}.get(
+        path, {"prompt": "Hi", "max_tokens": 2}
+    )
     refused = client.post(path, json={**body, field: value})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
     assert client.post(path, json={**body, field: inert}).status_code == 200
