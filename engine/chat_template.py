@@ -126,8 +126,9 @@ def _cut_after_final_message(text: str, final: str) -> str:
 
 
 def content_text(content: Any) -> str:
-    """A message's OpenAI ``content`` as text: a string, ``None`` (``""``) or a list of ``text`` parts (joined);
-    :class:`InvalidParameterError` on ``messages`` for anything else (an image part: the models read text only)."""
+    """A message's OpenAI ``content`` as text: a string, ``None`` (``""``) or a list of ``text`` parts and
+    ``refusal`` parts (an assistant's refusal sent back: its text), joined; :class:`InvalidParameterError` on
+    ``messages`` for anything else (an image part: the models read text only)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -137,15 +138,15 @@ def content_text(content: Any) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        if kind not in ("text", "refusal"):
             raise InvalidParameterError(
                 "messages",
                 f"content parts of type {kind!r} are not supported: this server's models read text only, "
                 "so send the content as a string or as parts of type 'text'",
             )
-        if not isinstance(part.get("text"), str):
-            raise InvalidParameterError("messages", "a content part of type 'text' needs a 'text' string")
-        texts.append(part["text"])
+        if not isinstance(part.get(kind), str):
+            raise InvalidParameterError("messages", f"a content part of type {kind!r} needs a {kind!r} string")
+        texts.append(part[kind])
     return "".join(texts)
 
 

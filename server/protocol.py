@@ -312,12 +312,14 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only ``text`` parts can be served (the models read text only)."""
+    """One part of a message's content; only ``text`` parts (and an assistant's ``refusal`` parts, text too) can be
+    served (the models read text only)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -344,7 +346,9 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         """The message's text; :class:`InvalidParameterError` for a part that is not text (an image, ...)."""
         content = self.content
-        return content_text([part.model_dump() for part in content] if isinstance(content, list) else content)
+        if not isinstance(content, list):
+            return content_text(content)
+        return content_text([part.model_dump(exclude_none=True) for part in content])
 
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:

@@ -93,6 +93,21 @@ def test_text_parts_are_joined(client: TestClient) -> None:
     assert as_parts["tokens"] == as_text["tokens"]
 
 
+def test_an_assistant_refusal_part_is_its_text(client: TestClient) -> None:
+    """OpenAI's assistant messages may hold ``refusal`` parts (a refusal sent back with the conversation): text the
+    template renders, not a 400 saying the models read text only."""
+    refused = [{"type": "text", "text": "I "}, {"type": "refusal", "refusal": "can't."}]
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": refused}]
+    as_parts = client.post("/tokenize", json={"messages": conversation})
+    assert as_parts.status_code == 200, as_parts.text
+    as_text = [conversation[0], {"role": "assistant", "content": "I can't."}]
+    assert as_parts.json()["tokens"] == client.post("/tokenize", json={"messages": as_text}).json()["tokens"]
+    assert client.post("/v1/chat/completions", json={**CHAT, "messages": conversation}).status_code == 200
+    no_text = [conversation[0], {"role": "assistant", "content": [{"type": "refusal"}]}]
+    error = client.post("/tokenize", json={"messages": no_text}).json()["error"]
+    assert error["param"] == "messages" and "'refusal' string" in error["message"]
+
+
 def test_streamed_chat_opens_with_the_role_alone(client: TestClient) -> None:
     chunks = events(client.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}).text)
     opening = [c["choices"][0] for c in chunks[:2]]  # type: ignore[index]
