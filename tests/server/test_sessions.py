@@ -482,3 +482,18 @@ def test_a_session_idle_for_the_ttl_expires(tmp_path: Path) -> None:
         assert client.get(f"/v1/sessions/{kept}").status_code == 200
         metrics = session_metrics(client)
     assert metrics["rnnserve_session_expired_total"] == 2 and metrics["rnnserve_sessions"] == 1
+
+
+def test_a_turn_past_the_length_limit_is_told_its_history_counts(tmp_path: Path) -> None:
+    """A session that filled max_model_len gets a 400 for its next turn, which names the history with the prompt
+    (a one-token turn was told its prompt had the whole history's length)."""
+    config = tiny_config(session_dir=str(tmp_path), max_model_len=24, max_prompt_tokens=None)
+    with TestClient(create_app(config)) as client:
+        session = create(client)
+        body = {"prompt": "abcdefghij", "session_id": session, "ignore_eos": True}  # the default max_tokens fills it
+        assert client.post("/v1/completions", json=body).json()["usage"]["total_tokens"] == 24
+        for prompt, max_tokens, param in [("", None, "prompt"), ("", 2, "max_tokens"), ("x", None, "prompt")]:
+            body = {"prompt": prompt, "session_id": session, "max_tokens": max_tokens}
+            response = client.post("/v1/completions", json=body)
+            assert error(response)[0] == 400 and response.json()["error"]["param"] == param
+            assert "context + prompt" in response.json()["error"]["message"], response.text
