@@ -482,6 +482,12 @@ def test_a_session_idle_for_the_ttl_expires(tmp_path: Path) -> None:
         assert client.get(f"/v1/sessions/{kept}").status_code == 200
         metrics = session_metrics(client)
     assert metrics["rnnserve_session_expired_total"] == 2 and metrics["rnnserve_sessions"] == 1
+    os.utime(tmp_path / f"{kept}.safetensors", (old, old))
+    with TestClient(create_app(tiny_config(session_dir=str(tmp_path), session_ttl=3600))):
+        deadline = time.monotonic() + 30  # the server's sweep runs at start-up, off the event loop
+        while (tmp_path / f"{kept}.safetensors").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not (tmp_path / f"{kept}.safetensors").exists()
 
 
 def test_a_turn_past_the_length_limit_is_told_its_history_counts(tmp_path: Path) -> None:
