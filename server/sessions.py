@@ -56,11 +56,11 @@ from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
+from rnnserve.server.metrics import SessionMetrics
 
 if TYPE_CHECKING:
     from rnnserve.server.config import ServerConfig
     from rnnserve.server.engine_core import EngineInfo
-    from rnnserve.server.metrics import SessionMetrics
 
 logger = logging.getLogger("rnnserve.server")
 
@@ -415,8 +415,6 @@ class SessionStore:
         metrics: SessionMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        from rnnserve.server.metrics import SessionMetrics  # metrics imports the engine; sessions' users need not
-
         self.directory = directory
         self.codec = codec
         self.max_sessions = max_sessions
