@@ -257,18 +257,20 @@ class LLMEngine:
             return params
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
-    def check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise InvalidParameterError (a 400) for a request beyond the engine's length or stop-string limits."""
+    def check_limits(self, num_prompt_tokens: int, params: SamplingParams, prompt: str = "prompt") -> None:
+        """Raise InvalidParameterError (a 400) for a request beyond the engine's length or stop-string limits;
+        ``prompt`` names what the ``num_prompt_tokens`` are (``context + prompt`` when a request continues a
+        state: a session's 1-token turn was told its prompt had the whole history's length)."""
         if params.fit_max_tokens and num_prompt_tokens >= self.max_model_len:
             raise InvalidParameterError(
                 "prompt",
-                f"the prompt ({num_prompt_tokens} tokens) leaves no room for a token under the "
+                f"the {prompt} ({num_prompt_tokens} tokens) leaves no room for a token under the "
                 f"{self.max_model_len}-token limit (max_model_len)",
             )
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise InvalidParameterError(
                 "max_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"{prompt} ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"{self.max_model_len}-token limit (max_model_len)",
             )
         if len(params.stop) > self.config.max_stop_sequences:
@@ -315,7 +317,7 @@ class LLMEngine:
             raise InvalidParameterError("n", f"returning the state needs n=1, got n={params.n}")
         self._check_token_params(params)
         params = self.fit_max_tokens(len(ids), params)
-        self.check_limits(len(ids), params)
+        self.check_limits(len(ids), params, "context + prompt" if context is not None else "prompt")
         self.model.check_request(len(ids), params.max_tokens)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)

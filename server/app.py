@@ -53,7 +53,12 @@ from rnnserve.server.errors import APIError, InternalErrors, bad_request
 from rnnserve.server.guard import BodyReads, RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
-from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
+from rnnserve.server.sessions import (
+    max_state_upload_bytes,
+    open_session_store,
+    sweep_expired_sessions,
+    sweep_interval,
+)
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -104,20 +109,28 @@ def create_app(
     lifespan. ``driver``, when given, is the engine's (e.g. one of several API servers' links to one engine
     process)."""
     driver = driver or engine_driver(config, engine, thread, engine_factory or LLMEngine.from_config)
+    metrics = ServerMetrics(config.model_names[0], driver.info.max_model_len)
     try:
-        sessions = open_session_store(config, driver.info) if config.sessions else None
+        sessions = open_session_store(config, driver.info, metrics.sessions) if config.sessions else None
     except BaseException:
         driver.stop(10.0)
         raise
-    metrics = ServerMetrics(config.model_names[0], driver.info.max_model_len)
+    if sessions is not None:
+        metrics.watch_sessions(sessions)
     async_engine = AsyncEngine(driver, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start(asyncio.get_running_loop())
+        sweep = None
+        if sessions is not None and sessions.idle_ttl is not None:
+            interval = sweep_interval(sessions.idle_ttl)
+            sweep = asyncio.create_task(sweep_expired_sessions(sessions, interval), name="rnnserve-session-sweep")
         try:
             yield
         finally:
+            if sweep is not None:
+                sweep.cancel()
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)

@@ -119,6 +119,11 @@ class ServerConfig:
         256 << 20, "host memory for recently used sessions' states, so a conversation's next turn skips the disk "
         "read (default: 256MiB)", type=parse_bytes, metavar="BYTES",
     )
+    session_ttl: float | None = option(
+        None, "delete a session that no request has used for this long (checked when it is next named, and by a "
+        "sweep every quarter of it, at most every minute); a session in use never expires (default: never)",
+        metavar="SECONDS",
+    )
     engine_process: str = option(
         "auto", "run the engine in a process of its own, so that the HTTP event loop and the engine's host work "
         "do not take turns on one Python interpreter; auto: on for CUDA (on a CPU the model step is the host's "
@@ -165,6 +170,8 @@ class ServerConfig:
             if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
                 least = "0 or more" if zero_ok else "above 0"
                 raise ValueError(f"{flag} must be a number of seconds {least}, got {seconds}")
+        if self.session_ttl is not None and not (math.isfinite(self.session_ttl) and self.session_ttl > 0):
+            raise ValueError(f"--session-ttl must be a number of seconds above 0, got {self.session_ttl}")
         if self.api_servers > 1 and self.engine_process == "off":
             raise ValueError("--api-servers above 1 needs the engine in its own process (not --engine-process off)")
 

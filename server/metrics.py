@@ -23,6 +23,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -34,6 +35,9 @@ from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server.config import MULTIPROCESS_DIR_ENV
+
+if TYPE_CHECKING:
+    from rnnserve.server.sessions import SessionStore
 
 logger = logging.getLogger("rnnserve.metrics")
 
@@ -246,6 +250,86 @@ class LoadGauges:
             yield family
 
 
+SESSION_OPERATIONS = ("create", "fork", "import", "export", "delete")
+STORED_SESSION_GAUGES = (
+    ("rnnserve_sessions", "Sessions stored."),
+    ("rnnserve_session_bytes", "Bytes of the stored session files."),
+    ("rnnserve_sessions_limit", "Sessions stored at most (--max-sessions)."),
+    ("rnnserve_session_bytes_limit", "Bytes of session files stored at most (--max-session-bytes)."),
+)
+
+
+class SessionMetrics:
+    """What the session store does (counters) and its host-memory LRU (gauges). With several API servers the
+    counters are summed over them, and so are the LRU's gauges (each server has an LRU of its own: ``livesum``)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, ["model_name"], registry=registry).labels(model_name=model_name)
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            metric = Gauge(name, documentation, ["model_name"], registry=registry, multiprocess_mode="livesum")
+            return metric.labels(model_name=model_name)
+
+        self.turns = counter("rnnserve_session_turns", "Session requests whose state was stored.")
+        self._operations = Counter(
+            "rnnserve_session_operations",
+            "Session operations done, by operation (create, fork, import, export, delete).",
+            ["model_name", "operation"],
+            registry=registry,
+        )
+        self.rejected = counter(
+            "rnnserve_session_rejected", "Session writes answered 429 (--max-sessions or --max-session-bytes)."
+        )
+        self.expired = counter("rnnserve_session_expired", "Sessions deleted after going unused for --session-ttl.")
+        self.cache_queries = counter("rnnserve_session_cache_queries", "Session loads that looked up the LRU.")
+        self.cache_hits = counter("rnnserve_session_cache_hits", "Session loads the LRU answered without the disk.")
+        self.cache_memory_used_bytes = gauge(
+            "rnnserve_session_cache_memory_used_bytes", "Host memory of the sessions the LRU holds decoded."
+        )
+        self.cache_memory_total_bytes = gauge(
+            "rnnserve_session_cache_memory_total_bytes", "Host memory for the LRU (--session-cache-bytes)."
+        )
+        for operation in SESSION_OPERATIONS:
+            self.operation(operation)
+
+    @classmethod
+    def unregistered(cls) -> SessionMetrics:
+        """Metrics that no registry exports (a store built without a server)."""
+        return cls("", CollectorRegistry())
+
+    def operation(self, operation: str) -> Counter:
+        """The counter of one session operation."""
+        return self._operations.labels(model_name=self.model_name, operation=operation)
+
+
+class StoredSessionGauges:
+    """The gauges of the stored sessions and their limits, read from the store when the registry is collected:
+    with several API servers the scraped one counts the shared folder, so every one reports all sessions."""
+
+    def __init__(self, model_name: str, store: SessionStore, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
+        self.store = store
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(name, doc, labels=["model_name"]) for name, doc in STORED_SESSION_GAUGES]
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            count, nbytes = self.store.stored()
+        except OSError as err:  # the folder cannot be read: the session routes answer for it
+            logger.warning("cannot count the stored sessions: %s", err)
+            return
+        values = (count, nbytes, self.store.max_sessions, self.store.max_bytes)
+        for (name, doc), value in zip(STORED_SESSION_GAUGES, values, strict=True):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """All metrics the server exports; updated from the engine thread (prometheus-client is thread-safe)."""
 
@@ -330,8 +414,13 @@ class ServerMetrics:
         self.decode_batch_size = self._histogram(
             "rnnserve_decode_batch_size", "Sequences decoded together in one engine step.", BATCH_SIZE_BUCKETS
         )
+        self.sessions = SessionMetrics(model_name, self._own)
         for reason in FINISH_REASONS:
             self.request_success(reason)
+
+    def watch_sessions(self, store: SessionStore) -> None:
+        """Export the gauges of ``store``'s stored sessions (absent with ``--no-sessions``)."""
+        StoredSessionGauges(self.model_name, store, self.registry)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         gauge = Gauge(name, documentation, ["model_name"], registry=self._own, multiprocess_mode="mostrecent")

@@ -290,7 +290,7 @@ class OpenAIServing:
         store = self.session_store()
         lease = store.acquire(session_id)
         try:
-            stored = await asyncio.to_thread(store.load, session_id)
+            stored = await asyncio.to_thread(store.load, session_id, True)
             return SessionTurn(store, lease, stored), prompt_for(stored)
         except BaseException:
             lease.release()

@@ -13,6 +13,12 @@ an LRU in host memory; an idle session never holds a state slot. A file that can
 bad header) or that belongs to another model or state layout is a 422 for that session alone. One request at a
 time may use a session (:meth:`SessionStore.acquire`; a second one gets 409).
 
+With an idle expiry (``--session-ttl``) a session that no request has used for that long is deleted: when it is
+next named (it is then a 404, whether or not the sweep got to it first) and by a periodic sweep
+(:meth:`SessionStore.expire_idle`). A file's last use is the later of its modification time (the last write) and
+its access time, which the store sets whenever a request reads the session. A session in use is never expired:
+expiring one takes its lease.
+
 The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``. Several server
 processes may share a folder (``--api-servers``; ``shared``): a lease then also holds a lock on one byte of the
 folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write re-counts the folder's
@@ -37,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +56,7 @@ from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
+from rnnserve.server.metrics import SessionMetrics
 
 if TYPE_CHECKING:
     from rnnserve.server.config import ServerConfig
@@ -70,6 +77,7 @@ MAX_HEADER_BYTES = 1 << 20
 TOKEN_ID_BYTES = 8
 LISTED_TOKEN_ID_BYTES = 36  # a token id held in a Python list: its slot (8 B) and the int object (28 B)
 LEASE_FILE = ".leases"  # shared folders: byte 0 locks writes, byte 1 + hash(id) a session's lease
+MAX_SWEEP_INTERVAL = 60.0  # seconds between sweeps for expired sessions, at most
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -391,7 +399,9 @@ class SessionLease:
 
 
 class SessionStore:
-    """The sessions of one model in ``directory``, with count and byte limits and an LRU of decoded sessions."""
+    """The sessions of one model in ``directory``, with count and byte limits, an optional idle expiry
+    (``idle_ttl`` seconds, against ``clock``, the Unix time of file times) and an LRU of decoded sessions; what it
+    does is counted in ``metrics``."""
 
     def __init__(
         self,
@@ -401,12 +411,20 @@ class SessionStore:
         max_bytes: int,
         cache_bytes: int,
         shared: bool = False,
+        idle_ttl: float | None = None,
+        metrics: SessionMetrics | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.directory = directory
         self.codec = codec
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.cache_bytes = cache_bytes
+        self.shared = shared
+        self.idle_ttl = idle_ttl
+        self.clock = clock
+        self.metrics = metrics if metrics is not None else SessionMetrics.unregistered()
+        self.metrics.cache_memory_total_bytes.set(cache_bytes)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # shared folders: one write at a time in this process, too
         self._sizes: dict[str, int] = {}
@@ -444,6 +462,15 @@ class SessionStore:
     @property
     def num_sessions(self) -> int:
         return len(self._sizes)
+
+    def stored(self) -> tuple[int, int]:
+        """The sessions stored and their files' bytes: of the folder as it is now when it is shared (other
+        processes write to it too), else as this store counts them."""
+        if self.shared:
+            sizes = self._scan()
+            return len(sizes), sum(sizes.values())
+        with self._lock:
+            return len(self._sizes), sum(self._sizes.values())
 
     @property
     def stored_bytes(self) -> int:
@@ -502,11 +529,15 @@ class SessionStore:
 
     # --- reading --------------------------------------------------------------------------------------
 
-    def load(self, session_id: str) -> StoredSession:
+    def load(self, session_id: str, leased: bool = False) -> StoredSession:
         """The session, decoded and checked; 404 or 422. From the LRU while its file is the one the LRU's copy
-        came from (a file replaced or damaged behind the server's back is read again)."""
+        came from (a file replaced or damaged behind the server's back is read again). ``leased``: the caller
+        holds the session's lease (a turn), so an expired session is deleted without taking it."""
+        self._expire_if_idle(session_id, leased)
+        self.metrics.cache_queries.inc()
         cached = self._cached(session_id)
         if cached is not None:
+            self.metrics.cache_hits.inc()
             return cached
         data, version = self._read(session_id)
         stored = self.codec.decode(session_id, data)
@@ -515,6 +546,7 @@ class SessionStore:
 
     def info(self, session_id: str) -> SessionInfo:
         """The session's info from its header alone (the tensors are not read); 404 or 422."""
+        self._expire_if_idle(session_id)
         cached = self._cached(session_id)
         if cached is not None:
             return cached.info
@@ -533,8 +565,10 @@ class SessionStore:
 
     def export(self, session_id: str) -> bytes:
         """The session's file, checked first (a broken or foreign file is a 422, not a download)."""
+        self._expire_if_idle(session_id)
         data, version = self._read(session_id)
         self._remember(self.codec.decode(session_id, data), version)
+        self.metrics.operation("export").inc()
         return data
 
     # --- writing --------------------------------------------------------------------------------------
@@ -543,31 +577,44 @@ class SessionStore:
         """A new empty session (its first request's prompt starts it); 429 beyond the limits."""
         now = int(time.time())
         session_id = new_session_id()
-        return self._store(session_id, None, now, now, new=True)
+        info = self._store(session_id, None, now, now, new=True)
+        self.metrics.operation("create").inc()
+        return info
 
     def save(self, session_id: str, snapshot: StateSnapshot, created: int) -> SessionInfo:
         """Store the state after a turn (the caller holds the session's lease)."""
-        return self._store(session_id, snapshot, created, int(time.time()), new=False)
+        info = self._store(session_id, snapshot, created, int(time.time()), new=False)
+        self.metrics.turns.inc()
+        return info
 
     def fork(self, session_id: str) -> SessionInfo:
         """A new session with a copy of ``session_id``'s stored state."""
         source = self.load(session_id)
         now = int(time.time())
-        return self._store(new_session_id(), source.snapshot, now, now, new=True)
+        info = self._store(new_session_id(), source.snapshot, now, now, new=True)
+        self.metrics.operation("fork").inc()
+        return info
 
     def import_state(self, session_id: str, data: bytes) -> tuple[SessionInfo, bool]:
         """Create or replace ``session_id`` from an exported file (checked like a stored one); whether it is
-        new. 409 while a request uses the session."""
-        stored = self.codec.decode(session_id, data)
-        self.codec.check_continuable(session_id, stored.info.num_tokens)
+        new. A session in use is a 409 before the file is looked at (as any write to it, whatever it sends),
+        then a file that cannot be stored is a 422."""
         with self._leased(session_id):
+            try:
+                self._expire_if_idle(session_id, leased=True)  # an expired session is replaced by a new one
+            except APIError:
+                pass
+            stored = self.codec.decode(session_id, data)
+            self.codec.check_continuable(session_id, stored.info.num_tokens)
             new = not self.path(session_id).exists()
             info = self._store(session_id, stored.snapshot, stored.info.created, int(time.time()), new=new)
+        self.metrics.operation("import").inc()
         return info, new
 
     def delete(self, session_id: str) -> None:
-        """Remove the session; 404 if there is none, 409 while a request uses it."""
+        """Remove the session; 404 if there is none (or it expired), 409 while a request uses it."""
         with self._leased(session_id):
+            self._expire_if_idle(session_id, leased=True)
             try:
                 self.path(session_id).unlink()
             except FileNotFoundError:
@@ -578,6 +625,95 @@ class SessionStore:
             with self._lock:
                 self._sizes.pop(session_id, None)
                 self._forget(session_id)
+        self.metrics.operation("delete").inc()
+
+    # --- idle expiry ----------------------------------------------------------------------------------
+
+    def expire_idle(self) -> int:
+        """Delete every session unused for ``idle_ttl`` seconds that no request holds; how many it deleted."""
+        if self.idle_ttl is None or not self.directory.exists():
+            return 0
+        expired = 0
+        for entry in os.scandir(self.directory):
+            session_id = entry.name.removesuffix(FILE_SUFFIX)
+            if not (entry.name.endswith(FILE_SUFFIX) and SESSION_ID_PATTERN.fullmatch(session_id)):
+                continue
+            try:
+                idle = self._idle(entry.stat())
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            if not idle:
+                continue
+            try:
+                lease = self.acquire(session_id)
+            except APIError:  # in use
+                continue
+            try:
+                expired += self._remove_if_idle(session_id)
+            finally:
+                lease.release()
+        return expired
+
+    def _idle(self, stat_result: os.stat_result) -> bool:
+        """Whether a regular file was last used (written or read) ``idle_ttl`` or more seconds ago."""
+        if self.idle_ttl is None or not stat.S_ISREG(stat_result.st_mode):
+            return False
+        last_use = max(stat_result.st_mtime_ns, stat_result.st_atime_ns) / 1e9
+        return self.clock() - last_use >= self.idle_ttl
+
+    def _expire_if_idle(self, session_id: str, leased: bool = False) -> None:
+        """Before a request reads or writes a session: 404 (and the file deleted) if it expired, else mark it
+        used now. A session another request holds is in use, not idle. ``leased``: the caller holds the lease."""
+        if self.idle_ttl is None:
+            return
+        path = self.path(session_id)
+        try:
+            stat_result = path.stat()
+        except OSError:  # missing or unreadable: the request's own read answers for it
+            return
+        if not self._idle(stat_result):
+            if stat.S_ISREG(stat_result.st_mode):
+                self._mark_used(path, stat_result)
+            return
+        if leased:
+            removed = self._remove_if_idle(session_id)
+        else:
+            try:
+                lease = self.acquire(session_id)
+            except APIError:  # in use
+                return
+            try:
+                removed = self._remove_if_idle(session_id)
+            finally:
+                lease.release()
+        if removed:
+            raise not_found(session_id)
+
+    def _mark_used(self, path: Path, stat_result: os.stat_result) -> None:
+        """Set the file's access time to now, its modification time unchanged (the LRU's copy stays valid)."""
+        try:
+            os.utime(path, ns=(int(self.clock() * 1e9), stat_result.st_mtime_ns))
+        except OSError as err:  # deleted meanwhile, or a file of another owner
+            logger.debug("cannot mark session file %s used: %s", path, err)
+
+    def _remove_if_idle(self, session_id: str) -> bool:
+        """Delete the session if it is (still) idle; the caller holds its lease. Whether it did."""
+        path = self.path(session_id)
+        try:
+            if not self._idle(path.stat()):
+                return False
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            logger.warning("cannot delete expired session %s: %s", session_id, err.strerror or err)
+            return False
+        with self._lock:
+            self._sizes.pop(session_id, None)
+            self._forget(session_id)
+        self.metrics.expired.inc()
+        logger.info("session %s expired: unused for %gs (--session-ttl)", session_id, self.idle_ttl)
+        return True
 
     def _store(
         self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool
@@ -586,13 +722,15 @@ class SessionStore:
         with self._writing():
             with self._lock:
                 at_limit = self._over_limits(session_id, new, len(data)) is not None
-            if at_limit:  # files removed behind the server's back still counted: count afresh
+            if at_limit:  # expired sessions, and files removed behind the server's back, still counted
+                self.expire_idle()
                 sizes = self._scan()
                 with self._lock:  # sessions in use keep their count (a write of theirs may not be on disk yet)
                     self._sizes = {**sizes, **{i: n for i, n in self._sizes.items() if i in self._leases}}
             with self._lock:
                 refused = self._over_limits(session_id, new, len(data))
                 if refused is not None:
+                    self.metrics.rejected.inc()
                     raise limit_reached(refused)
                 previous = self._sizes.get(session_id)
                 self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
@@ -637,6 +775,8 @@ class SessionStore:
             with os.fdopen(fd, "wb") as file:
                 file.write(data)
                 file.flush()
+                now = int(self.clock() * 1e9)  # the store's time, which idle expiry compares file times with
+                os.utime(file.fileno(), ns=(now, now))
                 os.fsync(file.fileno())
                 version = FileVersion.of(os.fstat(file.fileno()))
             os.replace(temp, path)
@@ -718,12 +858,14 @@ class SessionStore:
             while self._cache_used > self.cache_bytes:
                 _, (evicted, _) = self._cache.popitem(last=False)
                 self._cache_used -= evicted.host_bytes
+            self.metrics.cache_memory_used_bytes.set(self._cache_used)
 
     def _forget(self, session_id: str) -> None:
         """Drop a session from the LRU (the caller holds the lock)."""
         entry = self._cache.pop(session_id, None)
         if entry is not None:
             self._cache_used -= entry[0].host_bytes
+            self.metrics.cache_memory_used_bytes.set(self._cache_used)
 
 
 def lease_byte(session_id: str) -> int:
@@ -764,9 +906,9 @@ def session_dir(config: ServerConfig, fingerprint: str) -> Path:
     return Path(config.session_dir).expanduser() if config.session_dir else default_session_dir(fingerprint)
 
 
-def open_session_store(config: ServerConfig, engine: EngineInfo) -> SessionStore:
-    """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used); shared by
-    the processes of ``--api-servers``."""
+def open_session_store(config: ServerConfig, engine: EngineInfo, metrics: SessionMetrics) -> SessionStore:
+    """The store ``config`` asks for, for ``engine``'s model (ValueError if its folder cannot be used), counting in
+    ``metrics``; shared by the processes of ``--api-servers``."""
     codec = SessionCodec(engine.model_fingerprint, engine.state_specs, engine.vocab_size, engine.max_model_len)
     return SessionStore(
         session_dir(config, codec.fingerprint),
@@ -775,7 +917,25 @@ def open_session_store(config: ServerConfig, engine: EngineInfo) -> SessionStore
         config.max_session_bytes,
         config.session_cache_bytes,
         shared=config.api_servers > 1,
+        idle_ttl=config.session_ttl,
+        metrics=metrics,
     )
+
+
+def sweep_interval(idle_ttl: float) -> float:
+    """Seconds between two sweeps for expired sessions: a quarter of the expiry, at most a minute (a session
+    named by a request is checked then anyway; the sweep frees the room of those no one names again)."""
+    return min(idle_ttl / 4, MAX_SWEEP_INTERVAL)
+
+
+async def sweep_expired_sessions(store: SessionStore, interval: float) -> None:
+    """Delete expired sessions now and then every ``interval`` seconds, off the event loop, until cancelled."""
+    while True:
+        try:
+            await asyncio.to_thread(store.expire_idle)
+        except OSError as err:  # e.g. the folder became unreadable: try again next time
+            logger.warning("cannot sweep the session folder %s: %s", store.directory, err.strerror or err)
+        await asyncio.sleep(interval)
 
 
 def max_state_upload_bytes(bytes_per_slot: int, max_model_len: int) -> int:

@@ -9,19 +9,24 @@ import math
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from rnnserve.engine.llm_engine import EngineLoad
+from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.prefix_cache import TierUsage
 from rnnserve.server import dashboard
 from rnnserve.server.metrics import ServerMetrics
+from rnnserve.server.sessions import SessionCodec, SessionStore
 from tests.server.server_process import REPO, ServerProcess, free_port, stop
 
 PROMETHEUS = shutil.which("prometheus")
@@ -51,13 +56,17 @@ def dashboard_exprs() -> list[str]:
 
 
 def exported_samples() -> dict[str, tuple[str, frozenset[str]]]:
-    """Each sample name a server exports (with a pool and both prefix-cache tiers), with its family's type and
-    its labels."""
+    """Each sample name a server exports (with a pool, both prefix-cache tiers and sessions), with its family's
+    type and its labels."""
     metrics = ServerMetrics("m", 64)
     metrics.set_pool(num_slots=4, bytes_per_slot=8)
     metrics.set_load(EngineLoad(1, 0, 4, 1, 8, [TierUsage("device", 10, 20, 3), TierUsage("host", 1, 2, 1)]))
+    with tempfile.TemporaryDirectory() as folder:
+        codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
+        metrics.watch_sessions(SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, metrics=metrics.sessions))
+        text = metrics.render().decode()
     samples: dict[str, tuple[str, frozenset[str]]] = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = samples.get(sample.name, (family.type, frozenset()))[1] | set(sample.labels)
             samples[sample.name] = (family.type, frozenset(labels))

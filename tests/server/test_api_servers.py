@@ -184,6 +184,14 @@ def test_rnnserve_serve_with_two_api_servers_counts_every_request_once(tmp_path:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             session, turns = session_turns(http, 4)
         assert (tmp_path / "s" / f"{session}.safetensors").exists() and (tmp_path / "s" / ".leases").exists()
+        for _ in range(6):  # whichever server answers counts the shared folder, and every server's work
+            text = httpx.get(f"{server.url}/metrics").text
+            assert metric(text, "rnnserve_sessions") == 1
+            assert metric(text, "rnnserve_session_bytes") == (tmp_path / "s" / f"{session}.safetensors").stat().st_size
+            assert metric(text, "rnnserve_session_turns_total") == 4
+            assert metric(text, "rnnserve_session_operations_total") == 1  # the create
+            assert metric(text, "rnnserve_session_cache_queries_total") == 4
+            assert metric(text, "rnnserve_session_cache_memory_total_bytes") == 2 * (256 << 20)  # an LRU each
         with TestClient(create_app(tiny_config(session_dir=str(tmp_path / "alone")))) as alone:
             assert turns == session_turns(alone, 4)[1]
         server.proc.send_signal(signal.SIGTERM)

@@ -7,24 +7,34 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from rnnserve.engine.llm_engine import EngineLoad
+from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.prefix_cache import TierUsage
 from rnnserve.server.metrics import DEPRECATED_STATE_SLOTS, ServerMetrics
+from rnnserve.server.sessions import SessionCodec, SessionStore
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 PROMTOOL = shutil.which("promtool")
 
 
 def exposition() -> str:
-    """A server's metrics page with a pool and both prefix-cache tiers (whose gauges are absent without them)."""
+    """A server's metrics page with a pool, both prefix-cache tiers and sessions (whose gauges are absent without
+    them)."""
     metrics = ServerMetrics("m", 64)
     metrics.set_pool(num_slots=4, bytes_per_slot=8)
     metrics.set_load(EngineLoad(1, 0, 4, 1, 8, [TierUsage("device", 10, 20, 3), TierUsage("host", 1, 2, 1)]))
-    return metrics.render().decode()
+    with tempfile.TemporaryDirectory() as folder:
+        codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
+        store = SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, metrics=metrics.sessions)
+        metrics.watch_sessions(store)
+        store.create()
+        return metrics.render().decode()
 
 
 def exported_names(text: str) -> set[str]:
@@ -58,3 +68,20 @@ def test_promtool_flags_only_the_deprecated_alias() -> None:
     )  # fmt: skip
     problems = (done.stdout + done.stderr).strip().splitlines()
     assert problems == [f'{DEPRECATED_STATE_SLOTS} non-counter metrics should not have "_total" suffix'], problems
+
+
+def test_the_session_gauges_count_a_shared_folder_as_it_is() -> None:
+    """With several API servers the scraped one reports the sessions the others stored too."""
+    with tempfile.TemporaryDirectory() as folder:
+        codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
+        scraped, other = (SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, shared=True) for _ in range(2))
+        metrics = ServerMetrics("m", 64)
+        metrics.watch_sessions(scraped)
+        first = scraped.create()
+        other.create()
+        other.create()
+        other.delete(first.id)
+        text = metrics.render().decode()
+        size = sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+    assert 'rnnserve_sessions{model_name="m"} 2.0' in text
+    assert f'rnnserve_session_bytes{{model_name="m"}} {float(size)}' in text

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,10 +350,11 @@ def test_one_request_at_a_time_and_an_aborted_turn_changes_nothing(tmp_path: Pat
             busy = http.post("/v1/completions", json={"prompt": "x", "session_id": session})
             assert error(busy) == (409, "session_busy")
             assert error(http.delete(f"/v1/sessions/{session}")) == (409, "session_busy")
-            assert error(http.put(f"/v1/sessions/{session}/state", content=state, headers=STATE)) == (
-                409,
-                "session_busy",
-            )
+            for upload in (state, b"garbage"):  # busy before the file is looked at, as any write
+                assert error(http.put(f"/v1/sessions/{session}/state", content=upload, headers=STATE)) == (
+                    409,
+                    "session_busy",
+                )
             assert http.post(f"/v1/sessions/{session}/fork", json={}).status_code == 200  # reads the stored state
         deadline = time.monotonic() + 10
         while True:  # the server lets the session go once it has seen the client leave
@@ -414,3 +417,89 @@ def test_session_flags() -> None:
     config = ServerConfig.from_args(parser.parse_args([*flags, "--session-cache-bytes", "0"]))
     assert not config.sessions and config.session_dir == "/srv/s" and config.max_sessions == 3
     assert (config.max_session_bytes, config.session_cache_bytes) == (1 << 20, 0)
+    assert defaults.session_ttl is None
+    assert ServerConfig.from_args(parser.parse_args(["--session-ttl", "3600"])).session_ttl == 3600
+    for ttl in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="--session-ttl"):
+            ServerConfig.from_args(parser.parse_args(["--session-ttl", ttl]))
+
+
+def session_metrics(client: TestClient) -> dict[str, float]:
+    """The ``rnnserve_session*`` samples of the server's /metrics page, by name and labels but model_name."""
+    found = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("rnnserve_session") and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            found[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+    return found
+
+
+def test_session_metrics_follow_what_the_sessions_do(tmp_path: Path) -> None:
+    config = tiny_config(session_dir=str(tmp_path), max_sessions=4, session_cache_bytes=1 << 20)
+    with TestClient(create_app(config)) as client:
+        before = session_metrics(client)
+        assert before["rnnserve_sessions"] == 0 and before["rnnserve_session_turns_total"] == 0
+        assert (before["rnnserve_sessions_limit"], before["rnnserve_session_cache_memory_total_bytes"]) == (4, 1 << 20)
+        session = create(client)
+        for prompt in ("Hi", " there"):  # the LRU holds what the server wrote
+            assert complete(client, prompt, session_id=session)
+        state = client.get(f"/v1/sessions/{session}/state").content
+        imported, copied = "sess-" + "i" * 30, "sess-" + "c" * 30
+        assert client.put(f"/v1/sessions/{imported}/state", content=state, headers=STATE).status_code == 201
+        (tmp_path / f"{copied}.safetensors").write_bytes(state)  # copied in: its first turn reads the disk
+        assert complete(client, " again", session_id=copied)
+        fork = client.post(f"/v1/sessions/{session}/fork", json={}).json()["id"]
+        assert error(client.post("/v1/sessions", json={})) == (429, "session_limit_reached")
+        during = session_metrics(client)
+        assert client.delete(f"/v1/sessions/{fork}").status_code == 200
+        after = session_metrics(client)
+    assert during["rnnserve_sessions"] == 4 and during["rnnserve_session_bytes"] > after["rnnserve_session_bytes"]
+    assert after["rnnserve_sessions"] == 3
+    assert after["rnnserve_session_bytes"] == sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert after["rnnserve_session_turns_total"] == 3 and after["rnnserve_session_rejected_total"] == 1
+    operations = {op: after[f'rnnserve_session_operations_total{{operation="{op}"}}'] for op in
+                  ("create", "fork", "import", "export", "delete")}  # fmt: skip
+    assert operations == {"create": 1, "fork": 1, "import": 1, "export": 1, "delete": 1}
+    # three turns and a fork loaded a session, all but the copied one's turn from the LRU
+    assert (after["rnnserve_session_cache_queries_total"], after["rnnserve_session_cache_hits_total"]) == (4, 3)
+    assert 0 < after["rnnserve_session_cache_memory_used_bytes"] <= 1 << 20
+    assert after["rnnserve_session_expired_total"] == 0
+
+
+def test_a_session_idle_for_the_ttl_expires(tmp_path: Path) -> None:
+    """With --session-ttl, a session whose file was last used that long ago is gone (a 404 when named, deleted by
+    the sweep otherwise); one used since is kept."""
+    with TestClient(create_app(tiny_config(session_dir=str(tmp_path), session_ttl=3600))) as client:
+        named, swept, kept = create(client), create(client), create(client)
+        old = time.time() - 3600
+        for session in (named, swept):
+            os.utime(tmp_path / f"{session}.safetensors", (old, old))
+        assert error(client.get(f"/v1/sessions/{named}")) == (404, "session_not_found")
+        body = {"prompt": "Hi", "max_tokens": 2, "session_id": named}
+        assert error(client.post("/v1/completions", json=body)) == (404, "session_not_found")
+        assert client.app.state.sessions.expire_idle() == 1  # type: ignore[attr-defined]
+        assert [f.name for f in tmp_path.glob("*.safetensors")] == [f"{kept}.safetensors"]
+        assert client.get(f"/v1/sessions/{kept}").status_code == 200
+        metrics = session_metrics(client)
+    assert metrics["rnnserve_session_expired_total"] == 2 and metrics["rnnserve_sessions"] == 1
+    os.utime(tmp_path / f"{kept}.safetensors", (old, old))
+    with TestClient(create_app(tiny_config(session_dir=str(tmp_path), session_ttl=3600))):
+        deadline = time.monotonic() + 30  # the server's sweep runs at start-up, off the event loop
+        while (tmp_path / f"{kept}.safetensors").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not (tmp_path / f"{kept}.safetensors").exists()
+
+
+def test_a_turn_past_the_length_limit_is_told_its_history_counts(tmp_path: Path) -> None:
+    """A session that filled max_model_len gets a 400 for its next turn, which names the history with the prompt
+    (a one-token turn was told its prompt had the whole history's length)."""
+    config = tiny_config(session_dir=str(tmp_path), max_model_len=24, max_prompt_tokens=None)
+    with TestClient(create_app(config)) as client:
+        session = create(client)
+        body = {"prompt": "abcdefghij", "session_id": session, "ignore_eos": True}  # the default max_tokens fills it
+        assert client.post("/v1/completions", json=body).json()["usage"]["total_tokens"] == 24
+        for prompt, max_tokens, param in [("", None, "prompt"), ("", 2, "max_tokens"), ("x", None, "prompt")]:
+            body = {"prompt": prompt, "session_id": session, "max_tokens": max_tokens}
+            response = client.post("/v1/completions", json=body)
+            assert error(response)[0] == 400 and response.json()["error"]["param"] == param
+            assert "context + prompt" in response.json()["error"]["message"], response.text

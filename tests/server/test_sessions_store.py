@@ -16,6 +16,7 @@ import tracemalloc
 import weakref
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -25,6 +26,7 @@ from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.server.errors import APIError
+from rnnserve.server.metrics import SessionMetrics
 from rnnserve.server.sessions import (
     LISTED_TOKEN_ID_BYTES,
     SessionCodec,
@@ -50,8 +52,8 @@ def snapshot(seed: int = 0, tokens: int = 5) -> StateSnapshot:
     return StateSnapshot(tensors, list(range(seed, seed + tokens)), [seed + tokens])
 
 
-def open_store(directory: Path, **options: int) -> SessionStore:
-    """A store with small limits; ``options``: other limits, or ``shared``."""
+def open_store(directory: Path, **options: Any) -> SessionStore:
+    """A store with small limits; ``options``: other limits, ``shared``, ``idle_ttl``, ``metrics``, ``clock``."""
     options = {"max_sessions": 100, "max_bytes": 1 << 20, "cache_bytes": 1 << 20, **options}
     return SessionStore(directory, SessionCodec(FINGERPRINT, SPECS, VOCAB), **options)
 
@@ -334,6 +336,9 @@ def test_one_request_at_a_time(tmp_path: Path) -> None:
     assert (err.status, err.code) == (409, "session_busy")
     assert error_of(store.delete, info.id).status == 409
     assert error_of(store.import_state, info.id, store.export(info.id)).status == 409
+    for garbage in (b"", b"not a session file", store.export(info.id)[:-1]):  # busy first, as any write
+        err = error_of(store.import_state, info.id, garbage)
+        assert (err.status, err.code) == (409, "session_busy"), err.message
     store.fork(info.id)  # reading the stored state needs no lease
     lease.release()
     second = store.acquire(info.id)
@@ -590,3 +595,92 @@ def test_a_shared_folder_counts_every_process_sessions_against_the_limits(tmp_pa
     assert (tmp_path / ".tmp-being-written").exists()
     remove_temporary_files(tmp_path)  # what the supervisor does before it starts them
     assert not (tmp_path / ".tmp-being-written").exists()
+
+
+class Clock:
+    """Unix time that a test moves forward (file times stay the kernel's)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+def expiring_store(directory: Path, ttl: float = 100.0, **options: Any) -> tuple[SessionStore, Clock]:
+    clock = Clock()
+    return open_store(directory, idle_ttl=ttl, clock=clock, metrics=SessionMetrics.unregistered(), **options), clock
+
+
+def test_a_session_unused_for_the_ttl_is_gone_when_next_named(tmp_path: Path) -> None:
+    store, clock = expiring_store(tmp_path)
+    idle, used = store.create(), store.create()
+    store.save(used.id, snapshot(1), used.created)
+    clock.offset = 60
+    store.load(used.id)  # a read is a use: its idle time starts again
+    clock.offset = 120
+    for call in (store.load, store.info, store.export, store.fork, store.delete):
+        fresh = store.create()
+        clock.offset += 100
+        err = error_of(call, fresh.id)
+        assert (err.status, err.code) == (404, "session_not_found"), call
+        assert not store.path(fresh.id).exists()
+    assert error_of(store.info, idle.id).status == 404 and not store.path(idle.id).exists()
+    assert store.expire_idle() == 1 and not store.path(used.id).exists()
+    assert store.num_sessions == 0 and store.metrics.expired._value.get() == 7
+
+
+def test_the_sweep_expires_idle_sessions_but_never_one_in_use(tmp_path: Path) -> None:
+    store, clock = expiring_store(tmp_path)
+    idle, busy, recent = store.create(), store.create(), store.create()
+    store.save(busy.id, snapshot(2), busy.created)
+    lease = store.acquire(busy.id)  # a request runs on it, longer than the ttl
+    clock.offset = 60
+    store.info(recent.id)
+    clock.offset = 150
+    assert store.expire_idle() == 1  # the idle one; the busy one is in use, the recent one was read 90 s ago
+    assert not store.path(idle.id).exists() and store.path(busy.id).exists() and store.path(recent.id).exists()
+    assert store.info(busy.id).num_tokens == 6  # in use: never expired, also when named meanwhile
+    fork = store.fork(busy.id)
+    lease.release()
+    store.save(busy.id, snapshot(3), busy.created)  # the turn's write: a use
+    clock.offset = 240
+    assert store.expire_idle() == 1 and not store.path(recent.id).exists()  # busy and the fork: 90 s
+    clock.offset = 400
+    assert store.expire_idle() == 2 and not store.path(fork.id).exists() and store.num_sessions == 0
+    assert open_store(tmp_path).num_sessions == 0
+
+
+def test_a_turn_on_an_expired_session_is_a_404_and_an_import_makes_it_anew(tmp_path: Path) -> None:
+    store, clock = expiring_store(tmp_path)
+    info = store.create()
+    store.save(info.id, snapshot(4), info.created)
+    exported = store.export(info.id)
+    clock.offset = 100
+    lease = store.acquire(info.id)  # the turn holds the lease as it loads
+    assert error_of(store.load, info.id, True).status == 404
+    lease.release()
+    assert store.import_state(info.id, exported)[1]  # created: the expired one is gone
+    clock.offset = 200
+    assert store.import_state(info.id, exported)[1]
+    assert store.metrics.operation("import")._value.get() == 2
+
+
+def test_expired_sessions_make_room_at_the_limits(tmp_path: Path) -> None:
+    store, clock = expiring_store(tmp_path, max_sessions=2)
+    first, second = store.create(), store.create()
+    assert error_of(store.create).status == 429
+    clock.offset = 100
+    lease = store.acquire(first.id)
+    third = store.create()  # the idle second one made room; the leased first one stays
+    assert store.path(first.id).exists() and not store.path(second.id).exists() and store.path(third.id).exists()
+    lease.release()
+    assert (store.metrics.rejected._value.get(), store.metrics.expired._value.get()) == (1, 1)
+
+
+def test_without_a_ttl_nothing_expires(tmp_path: Path) -> None:
+    clock = Clock()
+    store = open_store(tmp_path, clock=clock)
+    info = store.create()
+    clock.offset = 10**9
+    assert store.expire_idle() == 0 and store.info(info.id).id == info.id
