@@ -569,7 +569,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="R",
-        help="Poisson arrivals at R requests per second",
+        help="arrivals at R requests per second, a Poisson process unless --burstiness says otherwise",
     )
     parser.add_argument(
         "--burstiness", type=positive_float, default=1.0,
