@@ -1,12 +1,15 @@
 """Load generator for any OpenAI-compatible server (rnnserve, vLLM, ...): ``rnnserve bench``.
 
 Sends ``--num-prompts`` streaming ``/v1/completions`` requests of about ``--input-len`` prompt tokens that
-each generate ``--output-len`` tokens (``ignore_eos``), either ``--concurrency`` at a time or arriving as a
-Poisson process at ``--request-rate`` per second, and reports request throughput, output tokens/s, time to
-first token (TTFT) and inter-token latency (ITL: time between streamed chunks; a chunk carries one token while
-the server keeps up, several on rnnserve and vLLM when a stream falls behind the engine; output tokens are
-counted from the usage chunk). It needs nothing beyond ``/v1/models`` and streamed ``/v1/completions``, so it
-measures llama.cpp's server or vLLM as well as rnnserve.
+each generate ``--output-len`` tokens (``ignore_eos``), either ``--concurrency`` at a time or arriving at
+``--request-rate`` per second (a Poisson process, or gamma-distributed gaps of ``--burstiness``), and reports
+request throughput, output tokens/s, time to first token (TTFT), inter-token latency (ITL: time between streamed
+chunks; a chunk carries one token while the server keeps up, several on rnnserve and vLLM when a stream falls
+behind the engine), time per output token (TPOT) and end-to-end latency, with ``--goodput`` the rate of
+requests within given objectives. The figures mean what ``vllm bench serve``'s of the same names mean (output
+tokens from the usage chunk, latency to the last token chunk, percentiles interpolated as numpy's);
+docs/performance.md lists the definitions and the few differences. It needs nothing beyond ``/v1/models`` and
+streamed ``/v1/completions``, so it measures llama.cpp's server or vLLM as well as rnnserve.
 
 Prompts (``--prompts``): ``text`` sends random common words, their number calibrated to about
 ``--input-len`` tokens with a local ``--tokenizer tokenizer.json`` or, without one, the server's
@@ -73,10 +76,16 @@ class BenchConfig:
     tokenizer: str | None = None
     max_token_id: int = 256
     processes: int = 1
+    burstiness: float = 1.0
+    goodput: dict[str, float] | None = None  # service level objectives in ms: ttft, tpot, e2el
 
 
 @dataclass
 class RequestResult:
+    """One request's figures, in seconds from its sending, as ``vllm bench serve`` takes them: ``ttft`` at the
+    first chunk with choices (a token chunk, also one whose text is empty), ``itl`` the gaps between such chunks,
+    ``latency`` at the last one (a trailing usage chunk and ``[DONE]`` carry no token)."""
+
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -88,13 +97,18 @@ class RequestResult:
 
 
 def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
-    """mean/p50/p90/p99 (in ms for seconds with the default scale); None when there are no values."""
+    """mean/p50/p90/p99 (in ms for seconds with the default scale); None when there are no values. Percentiles
+    interpolate linearly between the two nearest ranks, as numpy's default and so ``vllm bench serve`` do (p50 of
+    [1, 2] is 1.5, p99 of 1..100 is 99.01)."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
 
     def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))] * scale
+        position = (len(ordered) - 1) * q / 100
+        below = math.floor(position)
+        above = min(below + 1, len(ordered) - 1)
+        return (ordered[below] + (ordered[above] - ordered[below]) * (position - below)) * scale
 
     return {"mean": statistics.fmean(values) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
@@ -261,7 +275,8 @@ async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResu
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         return result
-    result.latency = time.perf_counter() - start
+    if last is not None:
+        result.latency = last - start
     result.output_tokens = result.output_tokens or chunks
     result.chunks = chunks
     result.ok = result.ttft is not None and done
@@ -369,7 +384,7 @@ async def drive(
     """Send every prompt as ``config`` says; the results and the wall-clock start and end of the load."""
     connections = Connections(config, config.concurrency or len(prompts) or 1)
     progress = Progress(len(prompts), config.progress)
-    arrivals = random.Random(config.seed + 1)
+    arrivals = arrival_times(len(prompts), config.request_rate, config.burstiness, random.Random(config.seed + 1))
 
     async def run(prompt: str | list[int]) -> RequestResult:
         body = {
@@ -390,12 +405,15 @@ async def drive(
         progress.advance()
         return result
 
-    start = time.time()
+    start, schedule_start = time.time(), time.perf_counter()
     tasks = []
-    for index, prompt in enumerate(prompts):
+    for prompt, arrival in zip(prompts, arrivals, strict=True):
+        # Sleep to the arrival's time, not for its gap: a loop busy reading streams wakes late, and gaps slept one
+        # after another would add up those delays (the load would arrive slower than --request-rate).
+        wait = schedule_start + arrival - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(run(prompt)))
-        if config.request_rate and index + 1 < len(prompts):  # no gap after the last arrival
-            await asyncio.sleep(arrivals.expovariate(config.request_rate))
     try:
         results = await asyncio.gather(*tasks)
         end = time.time()
@@ -404,13 +422,45 @@ async def drive(
     return list(results), start, end
 
 
+def arrival_times(count: int, rate: float | None, burstiness: float, rng: random.Random) -> list[float]:
+    """When each of ``count`` requests is sent, in seconds from the load's start: all at once without ``rate``;
+    else the first at 0 and gaps drawn from a gamma distribution of mean ``1 / rate`` and shape ``burstiness``
+    (1: exponential, a Poisson process; below 1 burstier; ``inf``: every gap ``1 / rate``), as ``vllm bench
+    serve --burstiness`` draws them, scaled so that the last request is sent at ``(count - 1) / rate`` (the load
+    arrives at exactly ``rate`` whatever the seed; vLLM scales its ``count`` gaps, the first before the first
+    request, to ``count / rate``)."""
+    if not rate or count <= 1:
+        return [0.0] * count
+    times = [0.0]
+    for _ in range(count - 1):
+        gap = 1 / rate if math.isinf(burstiness) else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+        times.append(times[-1] + gap)
+    scale = (count - 1) / rate / times[-1] if times[-1] > 0 else 1.0
+    return [t * scale for t in times]
+
+
+def time_per_output_token(result: RequestResult) -> float | None:
+    """Seconds per output token after the first (vLLM's TPOT), ``None`` for fewer than two tokens."""
+    if result.ttft is None or result.output_tokens < 2:
+        return None
+    return (result.latency - result.ttft) / (result.output_tokens - 1)
+
+
+def meets_objectives(result: RequestResult, objectives: dict[str, float]) -> bool:
+    """Whether a completed request is within every objective (ms) of ``--goodput``; a request of one token has a
+    TPOT of 0, as in vLLM."""
+    figures = {"ttft": result.ttft or 0.0, "tpot": time_per_output_token(result) or 0.0, "e2el": result.latency}
+    return all(figures[name] * 1000 <= limit for name, limit in objectives.items())
+
+
 def report(config: BenchConfig, model: str, results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [
-        (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1
-    ]
+    tpot = [t for t in map(time_per_output_token, ok) if t is not None]
+    goodput = {}
+    if config.goodput:
+        goodput["request_goodput"] = sum(meets_objectives(r, config.goodput) for r in ok) / duration
     return {
         "config": asdict(config) | {"api_key": bool(config.api_key)},
         "model": model,
@@ -425,6 +475,7 @@ def report(config: BenchConfig, model: str, results: list[RequestResult], durati
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+        **goodput,
         "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
         "itl_ms": summarize([x for r in ok for x in r.itl]),
         "tpot_ms": summarize(tpot),
@@ -449,6 +500,8 @@ def format_report(figures: dict[str, Any]) -> str:
         f"{'output throughput (tok/s)':<28}{figures['output_throughput']:.2f}",
         f"{'total throughput (tok/s)':<28}{figures['total_token_throughput']:.2f}",
     ]
+    if "request_goodput" in figures:
+        lines.append(f"{'request goodput (req/s)':<28}{figures['request_goodput']:.2f}")
     for key, title in (
         ("ttft_ms", "TTFT (ms)"),
         ("itl_ms", "inter-token latency (ms)"),
@@ -475,6 +528,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def objective(text: str) -> tuple[str, float]:
+    """One ``--goodput`` objective, ``METRIC:MS``."""
+    name, _, limit = text.partition(":")
+    if name not in GOODPUT_METRICS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the metric must be one of {', '.join(GOODPUT_METRICS)}")
+    try:
+        value = float(limit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: METRIC:MS, the limit a number of milliseconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the limit must be 0 or more milliseconds")
+    return name, value
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
@@ -499,7 +569,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="R",
-        help="Poisson arrivals at R requests per second",
+        help="arrivals at R requests per second, a Poisson process unless --burstiness says otherwise",
+    )
+    parser.add_argument(
+        "--burstiness", type=positive_float, default=1.0,
+        help="with --request-rate: the shape of the gamma distribution of the gaps between arrivals, as vLLM's: "
+        "1 a Poisson process (default), below 1 burstier, above 1 more even, inf constant gaps",
+    )
+    parser.add_argument(
+        "--goodput", type=objective, nargs="+", default=None, metavar="METRIC:MS",
+        help="also report the rate of completed requests within every objective, e.g. ttft:500 tpot:50 "
+        "(metrics: ttft, tpot, e2el), as vLLM's --goodput",
     )
     parser.add_argument(
         "--input-len", type=positive_int, default=128, help="prompt tokens, about (default: 128)"
@@ -572,6 +652,8 @@ def run_bench(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         max_token_id=args.max_token_id,
         processes=args.processes,
+        burstiness=args.burstiness,
+        goodput=dict(args.goodput) if args.goodput else None,
     )
     try:
         if args.compare:

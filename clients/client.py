@@ -23,7 +23,14 @@ retries that honour ``Retry-After``); request fields beyond OpenAI's (``top_k``,
 ``/health``, ``/ready``, ``/version``, ``/metrics``, ``/v1/sessions``) and no default model name, so those are
 here; a request continues a session with :meth:`session_fields` in ``extra_body``. They go
 through the same ``openai`` client (its ``get``/``post`` with absolute URLs), so they share its connection pool,
-auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses). ``timeout`` is httpx's: it
+auth, timeouts, retries and error classes (``openai.APIStatusError`` and subclasses).
+
+Retries: ``openai`` retries a request after a timeout, a lost connection, 408, 409, 429 and 5xx
+(``max_retries``). A session turn (a request with ``session_id``), :meth:`create_session` and
+:meth:`fork_session` are sent once: a session turn whose client timed out or lost its connection while the server
+stored its state is in the session (the server finishes the write), and a retry would add its prompt and answer
+a second time; a create or fork whose answer was lost has made a session that a retry would make again, under
+another id. Their errors, 409 ``session_busy`` and 429 included, reach the caller. ``timeout`` is httpx's: it
 bounds the connect and each read, so it cuts a stream that stalls, not one that keeps flowing (``rnnserve bench
 --timeout`` bounds the whole request). A stream whose connection is cut raises ``openai.APIConnectionError``, one
 that the server ends with an error event ``openai.APIError``. Needs the ``openai`` package: ``pip install
@@ -32,8 +39,10 @@ that the server ends with an error event ``openai.APIError``. Needs the ``openai
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,6 +61,39 @@ def _openai() -> Any:
     except ImportError as err:
         raise ImportError("rnnserve.clients needs the openai package: pip install 'rnnserve[client]'") from err
     return openai
+
+
+ONCE = {"max_retries": 0}  # the options of a request that must not be sent twice
+
+
+def _sent_once(options: Any) -> Any:
+    """``options`` (openai's ``FinalRequestOptions``) without retries when the request continues a session
+    (``session_id`` in its body or ``extra_body``): see the module docstring."""
+    if not any(isinstance(body, Mapping) and "session_id" in body for body in (options.json_data, options.extra_json)):
+        return options
+    options = copy.copy(options)
+    options.max_retries = 0
+    return options
+
+
+def _openai_client() -> type:
+    """``openai.OpenAI`` that sends session turns once."""
+
+    class OpenAI(_openai().OpenAI):
+        def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
+            return super().request(cast_to, _sent_once(options), **kwargs)
+
+    return OpenAI
+
+
+def _async_openai_client() -> type:
+    """``openai.AsyncOpenAI`` that sends session turns once."""
+
+    class AsyncOpenAI(_openai().AsyncOpenAI):
+        async def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
+            return await super().request(cast_to, _sent_once(options), **kwargs)
+
+    return AsyncOpenAI
 
 
 class _Routes:
@@ -100,7 +142,7 @@ class Client(_Routes):
         max_retries: int = 2,
     ) -> None:
         super().__init__(base_url)
-        self.openai: openai.OpenAI = _openai().OpenAI(
+        self.openai: openai.OpenAI = _openai_client()(
             base_url=self.url("/v1"), api_key=default_api_key(api_key), timeout=timeout, max_retries=max_retries
         )
 
@@ -150,8 +192,8 @@ class Client(_Routes):
         return self.openai.post(self.url("/detokenize"), body=body, cast_to=object)["prompt"]
 
     def create_session(self, model: str | None = None) -> dict[str, Any]:
-        """A new empty session: ``{"id": "sess-...", "object": "session", ...}``."""
-        return self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object)
+        """A new empty session: ``{"id": "sess-...", "object": "session", ...}`` (sent once, not retried)."""
+        return self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object, options=ONCE)
 
     def get_session(self, session_id: str) -> dict[str, Any]:
         return self.openai.get(self.session_url(session_id), cast_to=object)
@@ -160,8 +202,8 @@ class Client(_Routes):
         return self.openai.delete(self.session_url(session_id), cast_to=object)
 
     def fork_session(self, session_id: str) -> dict[str, Any]:
-        """A new session with a copy of ``session_id``'s state."""
-        return self.openai.post(self.session_url(session_id, "/fork"), body={}, cast_to=object)
+        """A new session with a copy of ``session_id``'s state (sent once, not retried)."""
+        return self.openai.post(self.session_url(session_id, "/fork"), body={}, cast_to=object, options=ONCE)
 
     def export_session(self, session_id: str) -> bytes:
         """The session's file (safetensors), for :meth:`import_session` here or on another replica."""
@@ -184,7 +226,7 @@ class AsyncClient(_Routes):
         max_retries: int = 2,
     ) -> None:
         super().__init__(base_url)
-        self.openai: openai.AsyncOpenAI = _openai().AsyncOpenAI(
+        self.openai: openai.AsyncOpenAI = _async_openai_client()(
             base_url=self.url("/v1"), api_key=default_api_key(api_key), timeout=timeout, max_retries=max_retries
         )
 
@@ -231,7 +273,7 @@ class AsyncClient(_Routes):
         return (await self.openai.post(self.url("/detokenize"), body=body, cast_to=object))["prompt"]
 
     async def create_session(self, model: str | None = None) -> dict[str, Any]:
-        return await self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object)
+        return await self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object, options=ONCE)
 
     async def get_session(self, session_id: str) -> dict[str, Any]:
         return await self.openai.get(self.session_url(session_id), cast_to=object)
@@ -240,7 +282,8 @@ class AsyncClient(_Routes):
         return await self.openai.delete(self.session_url(session_id), cast_to=object)
 
     async def fork_session(self, session_id: str) -> dict[str, Any]:
-        return await self.openai.post(self.session_url(session_id, "/fork"), body={}, cast_to=object)
+        url = self.session_url(session_id, "/fork")
+        return await self.openai.post(url, body={}, cast_to=object, options=ONCE)
 
     async def export_session(self, session_id: str) -> bytes:
         url = self.session_url(session_id, "/state")

@@ -23,9 +23,7 @@ from tests.server.conftest import API_KEY, TINY
 pytestmark = pytest.mark.timeout(90)
 
 
-def test_summarize_percentiles() -> None:
-    stats = summarize([float(x) for x in range(1, 101)], scale=1.0)
-    assert stats == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+def test_summarize_without_values() -> None:
     assert summarize([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 

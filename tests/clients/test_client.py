@@ -137,3 +137,68 @@ def test_a_stream_cut_or_ended_by_an_error_event_raises_as_the_client_documents(
         if error is openai.APIError:
             assert "generation failed: boom" in str(raised.value)
         thread.join(10)
+
+
+def hang_up_server() -> tuple[socket.socket, list[bytes]]:
+    """A server on a free port that reads each request and closes the connection without an answer (a server
+    that dies, or a connection lost, after the request arrived); the request lines it got, in order."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # the test closed the socket
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                received.append(data.split(b"\r\n", 1)[0])
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, received
+
+
+def test_session_turns_and_session_creation_are_sent_once() -> None:
+    """openai retries a lost connection or a timeout: a session turn that the server stored while its client
+    lost the answer was sent again and entered the session twice; a create or fork made a second session."""
+    sock, received = hang_up_server()
+    session = "sess-" + "A" * 24
+    with sock, Client(f"http://127.0.0.1:{sock.getsockname()[1]}", max_retries=1, timeout=10) as client:
+        calls = {
+            "turn": lambda: client.openai.completions.create(
+                model=TINY, prompt="x", max_tokens=2, extra_body=client.session_fields(session)
+            ),
+            "chat turn": lambda: client.openai.chat.completions.create(
+                model=TINY, messages=MESSAGES, extra_body=client.session_fields(session)
+            ),
+            "create": client.create_session,
+            "fork": lambda: client.fork_session(session),
+        }
+        for name, call in calls.items():
+            received.clear()
+            with pytest.raises(openai.APIConnectionError):
+                call()
+            assert len(received) == 1, name
+        received.clear()
+        with pytest.raises(openai.APIConnectionError):
+            client.openai.completions.create(model=TINY, prompt="x", max_tokens=2)
+        assert received == [b"POST /v1/completions HTTP/1.1"] * 2  # other requests keep openai's retries
+
+    async def scenario() -> None:
+        sock, received = hang_up_server()
+        async with AsyncClient(f"http://127.0.0.1:{sock.getsockname()[1]}", max_retries=1, timeout=10) as client:
+            for call in (
+                lambda: client.openai.completions.create(model=TINY, prompt="x", extra_body={"session_id": session}),
+                client.create_session,
+                lambda: client.fork_session(session),
+            ):
+                received.clear()
+                with pytest.raises(openai.APIConnectionError):
+                    await call()
+                assert len(received) == 1
+        sock.close()
+
+    asyncio.run(scenario())

@@ -21,6 +21,7 @@ OUTSIDE_FLAGS = {
     "--from-literal": "kubectl create secret",
     "--api-server-count": "vLLM",
     "--tool-call-parser": "vLLM",
+    "--metric-percentiles": "vllm bench serve",
 }
 # A command line of the server, up to the end of its code span, a comment or a shell operator.
 SERVE_COMMAND = re.compile(r"rnnserve serve([^`#&|\n]*)")
