@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+
 import pytest
 
 from rnnserve.engine import llm_engine, scheduler, sequence
