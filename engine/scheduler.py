@@ -25,7 +25,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.outputs import TokenLatencies, TokenLogprob
 from rnnserve.engine.prefix_cache import PrefixCache
 from rnnserve.engine.sampling_params import InvalidParameterError
-from rnnserve.engine.sequence import Sequence, SequenceGroup, SteadyAppend
+from rnnserve.engine.sequence import Sequence, SequenceGroup, SteadyAppend, SteadyAppendError
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.state_snapshot import StateSnapshot
 
@@ -347,20 +347,28 @@ class Scheduler:
             for seq in seqs:
                 seq.num_pending -= 1
         steady = self._steady_append
-        if steady is not None and seqs is steady.seqs and seqs is self._steady and steady.append(token_ids):
-            return self._steady_appended(len(seqs), now)
+        done, raised = 0, None  # the samples whose tokens are appended already, and the error of the next one
+        if steady is not None and seqs is steady.seqs and seqs is self._steady:
+            try:
+                if steady.append(token_ids):
+                    return self._steady_appended(len(seqs), now)
+            except SteadyAppendError as stopped:
+                done, raised = stopped.index, stopped.error
         latencies = TokenLatencies()
         inter_token = latencies.inter_token
         groups: dict[SequenceGroup, None] = {}
         appended: list[Sequence] = []
         finished_seqs: list[Sequence] = []
         failed = False
-        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+        for index, (seq, token, logprob) in enumerate(zip(seqs, token_ids, logprobs, strict=True)):
             if seq.finish_reason is not None:
                 continue
             group = seq.group
             try:
-                seq.append_token(token, logprob)
+                if index >= done:  # those before were appended for the batch, this one raised there
+                    if index == done and raised is not None:
+                        raise raised
+                    seq.append_token(token, logprob)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
                 self.fail(group, err)
                 groups[group] = None

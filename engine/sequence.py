@@ -274,7 +274,9 @@ class SteadyAppend:
 
     def append(self, token_ids: list[int]) -> bool:
         """Append one token to each sample (``token_ids`` in the samples' order) when none ends a sample or
-        reaches ``max_tokens``; returns whether it did (else nothing changed)."""
+        reaches ``max_tokens``; returns whether it did (else nothing changed). Decoding a sample's text may raise
+        (a tokenizer's error): :class:`SteadyAppendError` then says which sample; the samples before it have their
+        tokens, it has its token as ``append_token`` leaves it when it raises, the others have nothing."""
         if self.room <= 1 or not self.end_ids.isdisjoint(token_ids):
             return False
         self.room -= 1
@@ -282,15 +284,28 @@ class SteadyAppend:
             for output, token in zip(self.outputs, token_ids, strict=True):
                 output.append(token)
             return True
-        for seq, output, token in zip(self.seqs, self.outputs, token_ids, strict=True):
-            output.append(token)
-            if seq._lazy_text:
-                continue
-            text = seq._text + seq._detokenizer.push(token)
-            seq._text = text
-            if len(text) > TEXT_TAIL_CHARS + seq._stop_reach:
-                seq._freeze()
+        seq = self.seqs[0]
+        try:
+            for seq, output, token in zip(self.seqs, self.outputs, token_ids, strict=True):
+                output.append(token)
+                if seq._lazy_text:
+                    continue
+                text = seq._text + seq._detokenizer.push(token)
+                seq._text = text
+                if len(text) > TEXT_TAIL_CHARS + seq._stop_reach:
+                    seq._freeze()
+        except Exception as err:
+            raise SteadyAppendError(self.seqs.index(seq), err) from err
         return True
+
+
+class SteadyAppendError(Exception):
+    """Appending a steady batch's tokens stopped at sample ``index``, whose appending raised ``error``."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
 
 
 @dataclass(eq=False)
