@@ -118,6 +118,7 @@ class LaunchedStep:
     seqs: list[Sequence] = field(default_factory=list)
     sampled: SampledTokens | None = None
     failed: list[SequenceGroup] = field(default_factory=list)
+    counted: bool = True  # whether its samples count its token in ``num_pending`` (appending uncounts it)
 
 
 @dataclass
@@ -507,9 +508,23 @@ class LLMEngine:
             slots = self.runner.slot_tensor(launched.seqs)  # before sampling: a request failing there frees its slots
             launched.sampled = self._sample(logits, launched.seqs, launched.failed)
             self.runner.record_sampled(slots, launched.sampled.tokens)
+            self._count_pending(launched)
+        return launched
+
+    def _count_pending(self, launched: LaunchedStep) -> None:
+        """Count the launched step's token as pending in each of its samples, read before the host appends it
+        (the scheduler's limits, ``min_tokens``, grammars). Synchronously nothing reads it before its step appends
+        it, so nothing counts it; a step of the same samples as the step in flight (a steady batch) takes over the
+        count of that step, whose appending then leaves it: each sample keeps one token pending, and no pass over
+        the batch adds one and takes it off again."""
+        in_flight = self._in_flight
+        if not self.async_scheduling:
+            launched.counted = False
+        elif in_flight is not None and in_flight.counted and launched.seqs is in_flight.seqs:
+            in_flight.counted = False
+        else:
             for seq in launched.seqs:
                 seq.num_pending += 1
-        return launched
 
     def _complete(self, launched: LaunchedStep, stats: StepStats) -> dict[SequenceGroup, None]:
         """Wait for a launched step's tokens and append them; returns the requests that got a token (or failed
@@ -517,7 +532,7 @@ class LLMEngine:
         if launched.sampled is None:
             return {}
         token_ids, logprobs = launched.sampled.result()
-        appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs)
+        appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, launched.counted)
         stats.latencies = appended.latencies
         stats.generated_tokens = appended.num_tokens
         return appended.groups
@@ -550,9 +565,11 @@ class LLMEngine:
                 failed += self._fail_groups({g.request_id: g for g in groups}.values(), err)
             else:
                 rows.append(logits[: len(batch.decode)])
-                seqs += batch.decode
-                stats.prefill_tokens += len(batch.decoded_prompts)
-                seqs += self.scheduler.complete_prefill(batch.decoded_prompts)
+                # the decode list itself while nothing joins it: a steady batch's appending recognises it
+                seqs = batch.decode
+                if batch.decoded_prompts:
+                    stats.prefill_tokens += len(batch.decoded_prompts)
+                    seqs = seqs + self.scheduler.complete_prefill(batch.decoded_prompts)
                 for row, chunk in enumerate(batch.decoded_prompts, len(batch.decode)):
                     if chunk.completes_prompt:  # the prompt's last token: its logits give the first output token
                         rows.append(logits[row : row + 1].expand(len(chunk.group.seqs), -1))
@@ -568,7 +585,7 @@ class LLMEngine:
                 for chunk, logits in chunks:
                     if chunk.completes_prompt:
                         rows.append(logits[-1:].expand(len(chunk.group.seqs), -1))
-                seqs += ready
+                seqs = seqs + ready
         if not seqs:
             return [], torch.empty(0)
         return seqs, rows[0] if len(rows) == 1 else torch.cat(rows)

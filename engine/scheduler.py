@@ -25,7 +25,7 @@ from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.outputs import TokenLatencies, TokenLogprob
 from rnnserve.engine.prefix_cache import PrefixCache
 from rnnserve.engine.sampling_params import InvalidParameterError
-from rnnserve.engine.sequence import Sequence, SequenceGroup
+from rnnserve.engine.sequence import Sequence, SequenceGroup, SteadyAppend, SteadyAppendError
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.state_snapshot import StateSnapshot
 
@@ -115,6 +115,12 @@ class Scheduler:
         # every schedule, so the one with the fewest tokens left before ``max_tokens`` drops out after that many.
         self._steady: list[Sequence] | None = None
         self._steady_schedules = 0
+        # While the steady batch stays: its appending done for the whole batch, the requests of its samples (each
+        # once) and theirs that read every step, and when they all got their latest token.
+        self._steady_append: SteadyAppend | None = None
+        self._steady_groups: list[SequenceGroup] = []
+        self._steady_readers: dict[SequenceGroup, None] = {}
+        self._steady_time = 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -186,6 +192,7 @@ class Scheduler:
                     if left < fewest_left:
                         fewest_left = left
         self._steady = decode if decode and not prompts and not admits else None
+        self._steady_append = None
         self._steady_schedules = fewest_left - 1
         if admits:
             admitted: list[SequenceGroup] = []
@@ -325,24 +332,43 @@ class Scheduler:
         seqs: list[Sequence],
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
+        counted: bool = True,
     ) -> AppendedTokens:
         """Append each sample's new token and free the slots of samples that finished. Samples already
         finished (their request failed or was aborted since, or, with async scheduling, it finished in the step
-        before) are skipped; a sample whose stop handling raises fails its request alone."""
+        before) are skipped; a sample whose stop handling raises fails its request alone. ``counted``: whether
+        the samples count these tokens as pending (``Sequence.num_pending``), which appending them ends.
+
+        The steady batch's tokens (see :meth:`schedule`) are appended for the whole batch when none of them ends
+        a sample (:class:`SteadyAppend`): every request then got its previous token at the same time, so each
+        has the same inter-token latency, and the requests with an output are the same as the step before."""
         now = time.monotonic()
+        if counted:
+            for seq in seqs:
+                seq.num_pending -= 1
+        steady = self._steady_append
+        done, raised = 0, None  # the samples whose tokens are appended already, and the error of the next one
+        if steady is not None and seqs is steady.seqs and seqs is self._steady:
+            try:
+                if steady.append(token_ids):
+                    return self._steady_appended(len(seqs), now)
+            except SteadyAppendError as stopped:
+                done, raised = stopped.index, stopped.error
         latencies = TokenLatencies()
         inter_token = latencies.inter_token
         groups: dict[SequenceGroup, None] = {}
         appended: list[Sequence] = []
         finished_seqs: list[Sequence] = []
         failed = False
-        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            seq.num_pending -= 1
+        for index, (seq, token, logprob) in enumerate(zip(seqs, token_ids, logprobs, strict=True)):
             if seq.finish_reason is not None:
                 continue
             group = seq.group
             try:
-                seq.append_token(token, logprob)
+                if index >= done:  # those before were appended for the batch, this one raised there
+                    if index == done and raised is not None:
+                        raise raised
+                    seq.append_token(token, logprob)
             except Exception as err:  # noqa: BLE001 - an error in one request's handling is that request's
                 self.fail(group, err)
                 groups[group] = None
@@ -373,7 +399,31 @@ class Scheduler:
                 self._free(seq)
         if failed:  # a request that failed later in the step (another of its samples) generated nothing
             appended = [s for s in appended if s.group.error is None]
+        elif seqs is self._steady and len(appended) == len(seqs) and all(map(SteadyAppend.plain, seqs)):
+            self._start_steady_append(seqs, now)  # each of its requests got its latest token now
         return AppendedTokens(groups, len(appended), latencies)
+
+    def _start_steady_append(self, seqs: list[Sequence], now: float) -> None:
+        """Append the steady batch's next tokens for the whole batch (its requests' latest token came ``now``)."""
+        self._steady_append = SteadyAppend(seqs)
+        groups = dict.fromkeys(s.group for s in seqs)
+        self._steady_groups = list(groups)
+        self._steady_readers = {g: None for g in groups if g.reads_every_step}
+        self._steady_time = now
+
+    def _steady_appended(self, num_tokens: int, now: float) -> AppendedTokens:
+        """The bookkeeping of a step whose tokens :class:`SteadyAppend` appended: each request's token times, and
+        one inter-token latency per request, the same for all (``postprocess`` would have found them so)."""
+        latencies = TokenLatencies()
+        last = self._steady_time
+        if now != last:
+            for group in self._steady_groups:
+                metrics = group.metrics
+                metrics.previous_token_time = last
+                metrics.last_token_time = now
+            latencies.inter_token = [now - last] * len(self._steady_groups)
+            self._steady_time = now
+        return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies)
 
     def _save_finished(self, seqs: list[Sequence]) -> None:
         """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the
@@ -399,7 +449,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""
-        self._steady = None
+        self._steady = self._steady_append = None
         if seq.slot is not None:
             self.pool.free([seq.slot])
             seq.slot = None
@@ -424,7 +474,7 @@ class Scheduler:
         return group
 
     def _remove(self, group: SequenceGroup, reason: str) -> None:
-        self._steady = None
+        self._steady = self._steady_append = None
         if self.running.pop(group.request_id, None) is None and group in self.waiting:
             self.waiting.remove(group)
         self.pool.free([s.slot for s in group.seqs if s.slot is not None])

@@ -253,6 +253,61 @@ class Sequence:
                 new_logprobs, self._emitted_tokens, self.stop_reason)  # fmt: skip
 
 
+class SteadyAppend:
+    """:meth:`Sequence.append_token` for a whole steady batch at once: the same samples step after step, each
+    plain (no logprobs, stop strings or grammar, not finished). While no token of a step is an end token of
+    the batch and no sample reaches its ``max_tokens``, appending a step's tokens is appending each token and,
+    for a sample that decodes as it goes (not ``FINAL_ONLY``), its text: :meth:`append` does just that, with
+    both checks made once for the batch; any other step is left to ``append_token``."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.seqs = seqs
+        self.outputs = [s.output_token_ids for s in seqs]
+        self.lazy = all(s._lazy_text for s in seqs)  # no text to decode per token
+        self.end_ids = frozenset().union(*(s.end_ids for s in seqs))
+        self.room = min(s.max_tokens - len(s.output_token_ids) for s in seqs)  # before the limit, the fewest left
+
+    @staticmethod
+    def plain(seq: Sequence) -> bool:
+        """Whether ``seq`` may be in a steady append: appending a token that ends nothing only records it."""
+        return seq.finish_reason is None and seq.logprobs is None and not seq.params.stop and seq.grammar is None
+
+    def append(self, token_ids: list[int]) -> bool:
+        """Append one token to each sample (``token_ids`` in the samples' order) when none ends a sample or
+        reaches ``max_tokens``; returns whether it did (else nothing changed). Decoding a sample's text may raise
+        (a tokenizer's error): :class:`SteadyAppendError` then says which sample; the samples before it have their
+        tokens, it has its token as ``append_token`` leaves it when it raises, the others have nothing."""
+        if self.room <= 1 or not self.end_ids.isdisjoint(token_ids):
+            return False
+        self.room -= 1
+        if self.lazy:
+            for output, token in zip(self.outputs, token_ids, strict=True):
+                output.append(token)
+            return True
+        seq = self.seqs[0]
+        try:
+            for seq, output, token in zip(self.seqs, self.outputs, token_ids, strict=True):
+                output.append(token)
+                if seq._lazy_text:
+                    continue
+                text = seq._text + seq._detokenizer.push(token)
+                seq._text = text
+                if len(text) > TEXT_TAIL_CHARS + seq._stop_reach:
+                    seq._freeze()
+        except Exception as err:
+            raise SteadyAppendError(self.seqs.index(seq), err) from err
+        return True
+
+
+class SteadyAppendError(Exception):
+    """Appending a steady batch's tokens stopped at sample ``index``, whose appending raised ``error``."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+
 @dataclass(eq=False)
 class SequenceGroup:
     """A request: one prompt, ``n`` samples. The prompt is prefilled once into the first sample's slot and

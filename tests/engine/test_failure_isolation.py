@@ -11,6 +11,7 @@ from rnnserve.engine import llm_engine
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.sequence import Sequence
+from rnnserve.engine.tokenizer import Utf8StreamDecoder
 from tests.engine.conftest import make_engine, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -65,9 +66,48 @@ def test_stop_handling_error_fails_only_its_request(monkeypatch: pytest.MonkeyPa
         real_append(self, token_id, logprob)
 
     monkeypatch.setattr(Sequence, "append_token", append_token)
-    final = run_with_victim(make_engine(async_scheduling=scheduling), prompts)
+    engine = make_engine(async_scheduling=scheduling)
+    engine.scheduler._start_steady_append = lambda seqs, now: None  # every token through append_token
+    final = run_with_victim(engine, prompts)
     assert final["victim"].error == "ValueError: bad stop string"
     assert final["alpha"].outputs[0].token_ids == expected["alpha"]
+
+
+@SCHEDULING
+@pytest.mark.parametrize("steady", [False, True])
+def test_detokenizing_error_fails_only_its_request(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str, steady: bool
+) -> None:
+    """A tokenizer that raises on a stream's token fails that request alone, whether the token is appended on its
+    own or with a steady batch's (then the samples before it in the batch keep their tokens, and those after it
+    get theirs)."""
+    prompts = ["alpha", "victim", "gamma"]
+    expected = reference(prompts)
+    real_push = Utf8StreamDecoder.push
+    victims: set[int] = set()
+
+    def push(self: Utf8StreamDecoder, token_id: int) -> str:
+        pushed = getattr(self, "pushed", 0) + 1
+        self.pushed = pushed  # type: ignore[attr-defined]
+        if id(self) in victims and pushed == 6:
+            raise RuntimeError("Invalid prefix encountered while decoding stream")
+        return real_push(self, token_id)
+
+    monkeypatch.setattr(Utf8StreamDecoder, "push", push)
+    engine = make_engine(async_scheduling=scheduling)
+    if not steady:
+        engine.scheduler._start_steady_append = lambda seqs, now: None  # type: ignore[method-assign]
+    for p in prompts:
+        engine.add_request(p, GREEDY, request_id=p)
+    victims.add(id(engine.scheduler.waiting[1].seqs[0]._detokenizer))
+    final = run_to_completion(engine)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    assert final["victim"].error == "RuntimeError: Invalid prefix encountered while decoding stream"
+    assert final["victim"].outputs[0].finish_reason == "error"
+    assert len(final["victim"].outputs[0].token_ids) == 6
+    for p in ("alpha", "gamma"):
+        assert final[p].error is None
+        assert final[p].outputs[0].token_ids == expected[p]
 
 
 @SCHEDULING

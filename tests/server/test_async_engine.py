@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams, StructuredOutputParams
+from rnnserve.engine.scheduler import Scheduler
 from rnnserve.engine.sequence import Sequence
 from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.server.app import create_app
@@ -43,6 +44,8 @@ def test_a_failing_request_ends_its_own_stream_only(monkeypatch: pytest.MonkeyPa
         real_append(self, token_id, logprob)
 
     monkeypatch.setattr(Sequence, "append_token", append_token)
+    # every token through append_token: a steady batch of plain samples appends its tokens for the whole batch
+    monkeypatch.setattr(Scheduler, "_start_steady_append", lambda self, seqs, now: None)
     app = create_app(tiny_config())
     engine = app.state.engine.engine
     survivor = {"prompt": "Hello", "max_tokens": 300, "ignore_eos": True, "temperature": 0}

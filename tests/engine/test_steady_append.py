@@ -1,0 +1,204 @@
+"""A steady batch's tokens are appended for the whole batch (``SteadyAppend``) while none of them ends a sample: the
+engine must give the same tokens, texts, finish reasons, outputs, metrics and step latencies as appending them one
+by one, through ends by a stop token and by ``max_tokens``, aborts between steps, arrivals mid-batch, stop strings,
+logprobs, ``n > 1``, every output kind and seeded sampling, with async scheduling off and on."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from rnnserve.engine import llm_engine, scheduler, sequence
+from rnnserve.engine.llm_engine import LLMEngine
+from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from tests.engine.conftest import make_engine
+
+MODES = ["off", "on"]
+
+
+class FakeClock:
+    """Every clock the engine reads, ticking by one per read from :meth:`reset`: two runs that read it alike see
+    the same times."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._ticks = itertools.count(1.0)
+
+    def monotonic(self) -> float:
+        return next(self._ticks)
+
+    perf_counter = monotonic
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    for module in (llm_engine, scheduler, sequence):
+        monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
+def step_record(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
+    """What a step gave its callers: each output's fields, and the step's token count and latencies."""
+    stats = engine.last_step
+    latencies = stats.latencies
+    return (
+        [(o.request_id, o.finished, o.error, o.metrics, [
+            (c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.cumulative_logprob, c.text_delta,
+             c.new_token_ids, c.new_logprobs, c.num_tokens, c.stop_reason) for c in o.outputs
+        ]) for o in outputs],
+        stats.generated_tokens, stats.decode_batch_size, latencies.queue, latencies.first_token,
+        latencies.inter_token, latencies.started,
+    )  # fmt: skip
+
+
+def run_script(
+    async_scheduling: str, script: dict[int, list], steady: bool, clock: FakeClock
+) -> tuple[list[tuple], int]:
+    """Run ``script`` (step -> ``("add", request_id, prompt, params)`` / ``("abort", request_id)`` actions) until
+    every request ended; returns each step's record and how many steps the steady append took (with ``steady``
+    false it never starts)."""
+    clock.reset()
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    fast_steps = 0
+    appended = engine.scheduler._steady_appended
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        nonlocal fast_steps
+        fast_steps += 1
+        return appended(*args)
+
+    engine.scheduler._steady_appended = counted  # type: ignore[method-assign]
+    if not steady:
+        engine.scheduler._start_steady_append = lambda seqs, now: None  # type: ignore[method-assign]
+    records = []
+    for step in range(1000):
+        for action in script.get(step, []):
+            if action[0] == "add":
+                engine.add_request(action[2], action[3], action[1])
+            else:
+                aborted = engine.abort_request(action[1])
+                records.append(step_record(engine, [aborted] if aborted is not None else []))
+        if step > max(script) and not engine.has_unfinished_requests():
+            return records, fast_steps
+        records.append(step_record(engine, engine.step()))
+        check_pending(engine)
+    raise AssertionError("the engine did not finish")
+
+
+def check_pending(engine: LLMEngine) -> None:
+    """Between steps, a sample counts as pending exactly the token of the step in flight that has it, if any (the
+    scheduler reads it to stop at ``max_tokens``)."""
+    in_flight = {id(s) for s in engine._in_flight.seqs} if engine._in_flight is not None else set()
+    for group in engine.scheduler.running.values():
+        for seq in group.seqs:
+            assert seq.num_pending == (id(seq) in in_flight), (group.request_id, seq.num_pending)
+
+
+def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    """The greedy tokens the test model gives ``prompt`` on its own."""
+    engine = make_engine()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), "ref")
+    for _ in range(max_tokens + 10):
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0].token_ids
+    raise AssertionError("no output")
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_steady_batch_where_samples_end_leave_and_join(async_scheduling: str, fake_clock: FakeClock) -> None:
+    """One sample stops at a stop token, one at ``max_tokens``, one is aborted between steps and one joins
+    while the others decode; streams and final outputs alike."""
+    stopping = [1, 2, 3, 4, 5]
+    tokens = reference_tokens(stopping, 40)
+    stop_at = next(i for i in range(12, 40) if tokens[i] not in tokens[:i])  # its first appearance, late enough
+    stream, final = OutputKind.DELTA, OutputKind.FINAL_ONLY
+    script = {
+        0: [
+            ("add", "stop", stopping, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[tokens[stop_at]],
+                                                     output_kind=stream)),
+            ("add", "length", [9, 8, 7], SamplingParams(temperature=0, max_tokens=18, ignore_eos=True,
+                                                        output_kind=final)),
+            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                        output_kind=stream)),
+            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                                                         output_kind=final)),
+        ],
+        9: [("abort", "aborted")],
+        14: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2,
+                                                         output_kind=stream))],
+    }  # fmt: skip
+    general, none_fast = run_script(async_scheduling, script, False, fake_clock)
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock)
+    assert none_fast == 0
+    assert fast_steps > 20  # most steps of the run took the steady append
+    assert fast == general
+    finals = {o[0]: o for record in fast for o in record[0] if o[1]}
+    assert {rid: o[4][0][3] for rid, o in finals.items()} == {
+        "stop": "stop", "length": "length", "aborted": "abort", "long": "length", "joins": "length"
+    }  # fmt: skip
+    assert finals["stop"][4][0][10] == tokens[stop_at]
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_churning_workload_gives_the_same_as_appending_one_by_one(
+    async_scheduling: str, seed: int, fake_clock: FakeClock
+) -> None:
+    rng = random.Random(seed)
+    script: dict[int, list] = {}
+    live: list[str] = []
+    bursts = rng.sample(range(80), 4)  # arrivals in bursts, steady batches between them
+    for index in range(16):
+        step = rng.choice(bursts)
+        kind = rng.choice([OutputKind.DELTA, OutputKind.FINAL_ONLY, OutputKind.CUMULATIVE])
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 0.8]),
+            seed=rng.randrange(1000),
+            max_tokens=rng.randint(1, 80),
+            n=rng.choice([1, 1, 2]),
+            stop_token_ids=rng.sample(range(256), 4) if rng.random() < 0.5 else [],
+            stop=["e", "xy"] if rng.random() < 0.1 else [],
+            logprobs=2 if rng.random() < 0.1 else None,
+            ignore_eos=rng.random() < 0.5,
+            output_kind=kind,
+        )
+        request_id = f"r{index}"
+        live.append(request_id)
+        script.setdefault(step, []).append(("add", request_id, [rng.randrange(256) for _ in range(8)], params))
+    for step in rng.sample(range(10, 100), 3):
+        script.setdefault(step, []).append(("abort", rng.choice(live)))
+    general, _ = run_script(async_scheduling, script, False, fake_clock)
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock)
+    assert fast_steps > 0
+    assert fast == general
+
+
+def test_the_steady_append_leaves_a_step_with_an_end_token_or_a_limit_to_each_sample() -> None:
+    """A step whose tokens include one that ends some sample, or that takes a sample to its ``max_tokens``, is
+    not appended for the batch (nothing changes), and the next steps are not either once a sample is at its
+    limit."""
+    engine = make_engine(max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[7])
+    for index in range(3):
+        engine.add_request([1, 2, 3], params, f"r{index}")
+    engine.step()
+    seqs = [s for g in engine.scheduler.running.values() for s in g.seqs]
+    steady = sequence.SteadyAppend(seqs)
+    before = [list(s.output_token_ids) for s in seqs]
+    texts = [s.text for s in seqs]
+    assert steady.end_ids >= {7, engine.eos_token_id}
+    assert not steady.append([65, 7, 66])
+    assert [s.output_token_ids for s in seqs] == before
+    room = steady.room
+    for _ in range(room - 1):
+        assert steady.append([65, 66, 67])
+    assert not steady.append([65, 66, 67])
+    assert [len(s.output_token_ids) for s in seqs] == [s.max_tokens - 1 for s in seqs]
+    assert [s.text for s in seqs] == [text + letter * (room - 1) for text, letter in zip(texts, "ABC", strict=True)]
