@@ -349,7 +349,7 @@ class BasedLM(RecurrentLM):
             if value != wanted:
                 raise ValueError(f"{key}={value!r} is not supported (Based checkpoints use {wanted!r})")
         if hf.get("head_dim") not in (None, d_model // n_head):  # the window's softmax scale and RoPE width read it
-            raise ValueError(f"head_dim {hf['head_dim']} other than n_embd / n_head ({d_model // n_head}) is unsupported")
+            raise ValueError(f"head_dim {hf['head_dim']} other than n_embd / n_head ({d_model // n_head}) is refused")
         if hf.get("n_head_kv") not in (None, n_head):
             raise ValueError("n_head_kv != n_head is not supported")
         if flag["mlp_fc1_bias"] or flag["mlp_fc2_bias"]:
