@@ -278,6 +278,8 @@ _BASED_FLAGS = {  # the boolean GPT-2 config keys the mapping reads before the c
     "scale_attn_weights": True,
     "mlp_fc1_bias": True,
     "mlp_fc2_bias": True,
+    "prenorm": True,
+    "parallel_block": False,
 }
 
 
@@ -339,10 +341,15 @@ class BasedLM(RecurrentLM):
             "scale_attn_by_inverse_layer_idx": (flag["scale_attn_by_inverse_layer_idx"], False),
             "scale_attn_weights": (flag["scale_attn_weights"], True),
             "max_position_embeddings": (hf.get("max_position_embeddings", hf.get("n_positions", 1024)), 0),
+            "prenorm": (flag["prenorm"], True),  # false: post-norm blocks and no final norm
+            "parallel_block": (flag["parallel_block"], False),  # true: GPT-J-style parallel mixer and MLP
+            "word_embed_proj_dim": (hf.get("word_embed_proj_dim"), None),  # OPT-350m's embedding projections
         }
         for key, (value, wanted) in unsupported.items():
             if value != wanted:
                 raise ValueError(f"{key}={value!r} is not supported (Based checkpoints use {wanted!r})")
+        if hf.get("head_dim") not in (None, d_model // n_head):  # the window's softmax scale and RoPE width read it
+            raise ValueError(f"head_dim {hf['head_dim']} other than n_embd / n_head ({d_model // n_head}) is refused")
         if hf.get("n_head_kv") not in (None, n_head):
             raise ValueError("n_head_kv != n_head is not supported")
         if flag["mlp_fc1_bias"] or flag["mlp_fc2_bias"]:

@@ -130,8 +130,11 @@ def convert(src: Path) -> ConvertedCheckpoint:
         raise ConvertError(f"{path}: {TIED_HEAD} differs from transformer.wte.weight (the models tie them)")
     try:
         bias = config_bool(args["bias"], "bias")
+        causal = config_bool(args.get("is_causal", True), "is_causal")
     except ValueError as err:
         raise ConvertError(f"{path}: model_args: {err}") from err
+    if not causal:  # the authors' attention reads it: every position would see the whole sequence, later tokens too
+        raise ConvertError(f"{path}: model_args: is_causal is false (bidirectional attention), not a decoder")
     names = weight_names(model_type, bias)
     missing = sorted(set(names) - state.keys())
     unexpected = sorted(state.keys() - names.keys())

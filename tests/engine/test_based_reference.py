@@ -261,6 +261,11 @@ def test_unknown_mixer_class_is_named(tmp_path: Path) -> None:
         ({"rotary_emb_scale_base": 512}, "rotary_emb_scale_base=512"),  # xPos: the authors' rotary scales q and k
         ({"rotary_emb_interleaved": True}, "rotary_emb_interleaved=True"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+        ({"prenorm": False}, "prenorm=False"),  # post-norm blocks, no final norm
+        ({"prenorm": "false"}, "prenorm=False"),
+        ({"parallel_block": True}, "parallel_block=True"),  # mixer and MLP side by side
+        ({"word_embed_proj_dim": 32}, "word_embed_proj_dim=32"),
+        ({"head_dim": 8}, "head_dim 8"),  # the window's softmax scale and RoPE width come from it
     ],
 )
 def test_config_fields_the_authors_code_honours_are_refused_not_ignored(

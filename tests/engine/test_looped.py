@@ -254,6 +254,21 @@ def test_a_bias_that_is_no_boolean_is_refused_naming_it(tmp_path: Path) -> None:
         convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out")
 
 
+@pytest.mark.parametrize("stored", [False, "False"])
+def test_a_bidirectional_checkpoint_is_refused(tmp_path: Path, stored: object) -> None:
+    """The authors' attention reads ``config.is_causal`` (their ``Config`` defaults it to true): a checkpoint trained
+    with it false attends to later tokens too, and was converted and served as if causal."""
+    save_authors_checkpoint(tmp_path / "ckpt.pt", "lt")
+    data = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    data["model_args"]["is_causal"] = stored
+    torch.save(data, tmp_path / "ckpt.pt")
+    with pytest.raises(ConvertError, match="is_causal is false"):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out")
+    data["model_args"]["is_causal"] = True
+    torch.save(data, tmp_path / "ckpt.pt")
+    assert "is_causal" not in convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native").config
+
+
 @pytest.mark.parametrize(("field", "value"), [("n_loop", -2), ("n_head", 0), ("n_embd", 0), ("block_size", 0)])
 def test_converter_names_a_shape_that_cannot_be(tmp_path: Path, field: str, value: int) -> None:
     """n_loop -2 failed with torch's "upper bound and larger bound inconsistent with step sign" and n_head 0 with
