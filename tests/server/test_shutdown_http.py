@@ -63,6 +63,34 @@ def test_requests_past_the_drain_timeout_end_with_503() -> None:
     assert "--api-key is visible" in server.output  # the key was given on the command line
 
 
+def test_a_second_ctrl_c_ends_the_drain_with_503_events_instead_of_cutting_the_streams() -> None:
+    """Ctrl-C twice: the second ends the drain at once as its timeout would, so a running stream ends with the 503
+    error event and ``[DONE]``; uvicorn forced the exit instead, cutting every stream mid-response (a client saw an
+    incomplete chunked body) with an error logged for each."""
+    with running_server("--model", TINY, "--max-num-seqs", "2", "--drain-timeout", "120") as server:
+        events: list[str] = []
+        url = f"{server.url}/v1/completions"
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if len(events) == 2:
+                    server.proc.send_signal(signal.SIGINT)
+                    deadline = time.monotonic() + 30
+                    while "Shutting down" not in server.output:  # the first one is being handled: a drain
+                        assert time.monotonic() < deadline, server.output
+                        time.sleep(0.05)
+                    server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=30) == 0
+        time.sleep(0.2)  # the log reader catches up
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert "ASGI callable returned without completing response" not in server.output, server.output
+    assert "Traceback" not in server.output, server.output
+
+
 def test_a_body_still_arriving_when_the_drain_ends_gets_a_503() -> None:
     """A client sending its body slowly (here: part of it, then nothing) while a longer --request-read-timeout
     runs is answered with a JSON 503 when the drain ends, not held until uvicorn cancels its request with a 500
