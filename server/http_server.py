@@ -62,19 +62,6 @@ class HeadDeadline(asyncio.Protocol):
         if self._head_deadline is not None:
             self._head_deadline.cancel()
 
-    def eof_received(self) -> bool | None:
-        """The client shut down its sending side (``shutdown(SHUT_WR)``, as ``nc -N`` and some HTTP/1.0 clients
-        do). After a whole request that half-close only says no more requests come (RFC 9112, 9.6): the response
-        is sent, then the connection closes. Idle, or with part of a request, the connection closes at once.
-        (uvicorn closed it in every case: a request that was not answered at once lost its response, and its
-        generation was aborted as a disconnect.) A client that then closes its end entirely is noticed at the
-        next write (a stream's next event, or a whole response), which fails."""
-        cycle: Any = self.cycle
-        if cycle is None or cycle.response_complete or cycle.more_body:
-            return None
-        cycle.keep_alive = False  # uvicorn closes the connection once this response is sent
-        return True
-
     def partial_head(self) -> bool:
         """Whether part of a request head has arrived (and not the rest)."""
         raise NotImplementedError
