@@ -387,15 +387,27 @@ def lsrl(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``rnnserve`` program; ``argv`` defaults to the command line, whose ``serve`` first sets the serving
-    environment (:func:`reexec_with_serving_environment`). Ctrl-C exits with 130, and a reader of stdout that goes
-    away (``| head``) ends the program quietly with 141, as SIGPIPE ends other tools."""
+    environment (:func:`reexec_with_serving_environment`) and, once it stopped, ends the process at once
+    (:func:`~rnnserve.engine.llm_engine.exit_process`: its ``atexit`` handlers run, the interpreter's teardown
+    does not). Ctrl-C exits with 130, and a reader of stdout that goes away (``| head``) ends the program quietly
+    with 141, as SIGPIPE ends other tools."""
+    serving = argv is None and sys.argv[1:2] == ["serve"]
     try:
-        return run_command(argv)
+        code = run_command(argv)
     except KeyboardInterrupt:
-        return 130
+        code = 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
-        return 128 + signal.SIGPIPE
+        code = 128 + signal.SIGPIPE
+    except SystemExit as stop:  # exit_after_signal's, once uvicorn drained; argparse's (already said)
+        if not serving or not isinstance(stop.code, int | None):
+            raise
+        code = stop.code or 0
+    if serving and "torch" in sys.modules:  # torch's heap is what the teardown spends its seconds on
+        from rnnserve.engine.llm_engine import exit_process
+
+        exit_process(code)
+    return code
 
 
 def run_command(argv: list[str] | None) -> int:

@@ -51,7 +51,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from rnnserve.engine.config import EngineConfig
-from rnnserve.engine.llm_engine import EngineLoad, LLMEngine, StepStats, freeze_startup_heap, retain_freed_memory
+from rnnserve.engine.llm_engine import (
+    EngineLoad,
+    LLMEngine,
+    StepStats,
+    exit_process,
+    freeze_startup_heap,
+    retain_freed_memory,
+)
 from rnnserve.engine.model_sources import ModelLoadError
 from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -1299,7 +1306,8 @@ def run_engine_process(
 ) -> None:
     """The engine process's main: build the engine, report its :class:`EngineInfo` (or :class:`LoadFailed`) to
     each server, then run the engine loop on the commands that arrive (:class:`ServerLinks`), until every server
-    has stopped or gone. The index of each server detached as stalled is sent on ``stalls``, when given."""
+    has stopped or gone; then the process ends at once (:func:`exit_process`). The index of each server detached
+    as stalled is sent on ``stalls``, when given."""
     # Ctrl-C, or a SIGTERM to the whole group (systemd's KillMode=control-group), reaches this process too: the
     # servers drain, and this process ends when they have stopped (a SIGTERM failed every in-flight request at once)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1328,6 +1336,7 @@ def run_engine_process(
     EngineCore(engine, links.next_command, links.post, links.encoder.row, links, limits.max_compiling,
                links.encoder).run()  # fmt: skip
     links.flush_all(STOPPED_DELIVERY_SECONDS)
+    exit_process(0)  # a server (or the supervisor) waits for this process's end to end its own
 
 
 class EngineProcess:

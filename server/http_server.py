@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import signal
 import socket
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -148,9 +150,10 @@ def http_stack(implementation: str) -> str:
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones; when
-    ``drain_timeout`` ends, this fails the generations still running, so streams end with an error event and
-    ``[DONE]`` and other requests get a JSON 503, and answers requests whose bodies are still arriving with a
-    503 (``body_reads``), rather than uvicorn cancelling their tasks mid-response or with a 500. With
+    ``drain_timeout`` ends (or a second SIGINT comes), this fails the generations still running, so streams end
+    with an error event and ``[DONE]`` and other requests get a JSON 503, and answers requests whose bodies are
+    still arriving with a 503 (``body_reads``), rather than uvicorn cancelling their tasks mid-response or with a
+    500. With
     ``heartbeat``, the event loop calls it every ``heartbeat_seconds`` from startup on, draining included (a
     supervisor so sees that the loop runs)."""
 
@@ -169,6 +172,8 @@ class DrainingServer(uvicorn.Server):
         self.body_reads = body_reads or BodyReads()
         self.heartbeat = heartbeat
         self.heartbeat_seconds = heartbeat_seconds
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop, once draining
+        self._drain_ended = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -183,14 +188,29 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.engine.draining = True  # /ready answers 503 from now on
-        deadline = asyncio.get_running_loop().call_later(self.drain_timeout, self.end_drain)
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        deadline = loop.call_later(self.drain_timeout, self.end_drain)
         try:
             await super().shutdown(sockets)
         finally:
             deadline.cancel()
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's signal handler, except that a second Ctrl-C (SIGINT) while draining ends the drain at once, as
+        its timeout would (streams end with their 503 error event and ``[DONE]``); only a third forces the exit,
+        cutting what is left. (uvicorn forced it at the second: every stream was cut mid-chunk, and each left an
+        error in the log.) A second SIGTERM changes nothing, as with uvicorn."""
+        if sig == signal.SIGINT and self.should_exit and not self._drain_ended and self._loop is not None:
+            self._drain_ended = True
+            self._loop.call_soon_threadsafe(self.end_drain)  # a signal handler may run inside any callback
+            return
+        super().handle_exit(sig, frame)
+
     def end_drain(self) -> None:
-        """The drain timeout passed: generations still running fail, and bodies still arriving get a 503."""
+        """The drain timeout passed (or a second Ctrl-C came): generations still running fail, and bodies still
+        arriving get a 503."""
+        self._drain_ended = True
         self.engine.fail_in_flight(SHUTDOWN_MESSAGE)
         self.body_reads.refuse()
 

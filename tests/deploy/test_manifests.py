@@ -28,9 +28,10 @@ DEPLOY = REPO / "deploy"
 VENV_BIN = Path(sys.executable).parent
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
 KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]
-# From the end of the drain to the process's end: an idle server measured 2.4-10 s after SIGTERM, 4.3-18 s with
-# --engine-process on (2026-11-30, 2 shared cores at load 9 to 17), most of it the final garbage collections over
-# the start-up heap that freeze_startup_heap unfreezes at exit. Below it a full drain ends in SIGKILL.
+# From the end of the drain to the process's end: an idle server measured 0.3-0.8 s after SIGTERM (2026-11-30, 2
+# shared cores at load 7 to 17; thread engine, --engine-process on, --api-servers 4) since it leaves without the
+# interpreter's teardown (it took 2.4-18 s); the rest is margin for a slow engine stop. Below it a full drain ends
+# in SIGKILL.
 PROCESS_EXIT_SECONDS = 20.0
 QUANTITY_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6,
                   "G": 10**9, "T": 10**12}  # fmt: skip
