@@ -1,5 +1,6 @@
-"""Times the fused CPU kernels that evaluate ``fast_exp`` (sigmoid, SiLU, softplus, tanh, the scans' exp) for two
-builds of the extension, alternating between them, and prints each kernel's time ratio (second / first).
+"""Times the fused CPU kernels that evaluate ``fast_exp`` (sigmoid, SiLU, softplus, tanh, the scans' exp), and the
+Lattice scan (its per-slot tests for columns it keeps), for two builds of the extension, alternating between them,
+and prints each kernel's time ratio (second / first).
 
     python benchmarks/cpu_exp_kernels.py BASE.so NEW.so [--rounds 5]
 
@@ -27,6 +28,7 @@ def cases() -> dict[str, Callable[[], object]]:
     from rnnserve.kernels.diag_linear_scan import diag_log_scan
     from rnnserve.kernels.gated_act import gated_act
     from rnnserve.kernels.gated_rms_norm import gated_rms_norm
+    from rnnserve.kernels.lattice import lattice_varlen
     from rnnserve.kernels.min_rnn_step import min_rnn_scan, min_rnn_step
     from rnnserve.kernels.rg_lru import rg_lru_scan
     from rnnserve.kernels.selective_scan import selective_scan_varlen, selective_state_update
@@ -65,6 +67,13 @@ def cases() -> dict[str, Callable[[], object]]:
     first = torch.zeros(tokens, dtype=torch.bool)
     first[0] = True
     log_a, log_b = -torch.rand(tokens, dim, generator=g) * 3, torch.randn(tokens, dim, generator=g)
+    lattice_heads, lattice_dim, lattice_slots = 12, 64, 24  # 24 slots: padded to whole vectors
+    lattice_qk = [torch.randn(tokens, lattice_heads, lattice_slots, generator=g) for _ in range(2)]
+    lattice_v = torch.randn(tokens, lattice_heads, lattice_dim, generator=g)
+    lattice_gates = torch.rand(tokens, lattice_heads, generator=g)
+    lattice_pool = torch.randn(1, lattice_heads, lattice_dim, lattice_slots, generator=g)
+    lattice_pool /= lattice_pool.norm(dim=2, keepdim=True)
+    lattice_slot = torch.zeros(1, dtype=torch.long)
     return {
         "min_rnn_scan mingru 512x1536": lambda: min_rnn_scan(proj2, cu, h0, "mingru"),
         "min_rnn_scan minlstm 512x1536": lambda: min_rnn_scan(proj3, cu, h0, "minlstm"),
@@ -81,6 +90,9 @@ def cases() -> dict[str, Callable[[], object]]:
         "gated_act gelu_tanh bf16 512x1536": lambda: gated_act(act, act, "gelu_tanh"),
         "causal_conv1d silu 512x1536": lambda: causal_conv1d_varlen(conv_x, conv_w, None, cu, silu=True),
         "gated_rms_norm 512x1536": lambda: gated_rms_norm(conv_x, gz, norm_w, 4, 1e-5),
+        "lattice_varlen dec 512x12x64x24": lambda: lattice_varlen(
+            *lattice_qk, lattice_v, lattice_gates, lattice_gates, cu, lattice_pool.clone(), lattice_slot, "dec"
+        ),
     }
 
 

@@ -277,7 +277,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         # smallest positive float, which lands on the first token with mass.
         u = draw_uniform(seqs, logits.device).clamp_min_(torch.finfo(torch.float32).tiny)[:, None] * cdf[:, -1:]
         drawn = torch.searchsorted(cdf, u).squeeze(1).clamp_max(logits.shape[1] - 1)
-        greedy = _column(seqs, "greedy", logits.device, torch.float32) > 0
+        # A row without a distribution (NaN in its softmax: a NaN or +inf logit, or one that the temperature's
+        # division overflowed) takes its greedy token, the first +inf or NaN as torch.argmax ranks them; the draw
+        # found the vocabulary's last token there, whatever the logits.
+        greedy = (_column(seqs, "greedy", logits.device, torch.float32) > 0) | cdf[:, -1].isnan()
         tokens = torch.where(greedy, tokens, drawn)
     count_tokens(tokens, seqs, rows)
     wanted = [s.params.logprobs for s in seqs]

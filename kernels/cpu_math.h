@@ -95,13 +95,15 @@ __attribute__((always_inline)) inline float exp_to_limits(float x) {
 
 __attribute__((always_inline)) inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
-// x sigmoid(x); silu(-inf) is NaN, as F.silu's -inf * sigmoid(-inf) = -inf * 0 (here -inf / (1 + e^88) was -inf).
-// The select costs SwiGLU's gated_act about 1.2x (a few percent of an MLP); x / (1 + exp(-x)) with exp(inf) = inf
-// instead gives NaN for large finite -x too: -ffast-math's vector division is a reciprocal estimate and a Newton
-// step, which makes x / inf NaN.
+// x sigmoid(x); 0 below -88, where torch's x / (1 + exp(-x)) has exp(-x) = inf (x / (1 + e^88), with the clamp,
+// grew with |x|: -2 at -3.3e38, -0.006 at -1e36, turned into a large number by the up projection it gates), and
+// silu(-inf) is NaN, as F.silu's -inf * sigmoid(-inf) = -inf * 0. The selects cost SwiGLU's gated_act about 1.2x
+// (a few percent of an MLP); x / (1 + exp(-x)) with exp(inf) = inf instead gives NaN for large finite -x too:
+// -ffast-math's vector division is a reciprocal estimate and a Newton step, which makes x / inf NaN.
 __attribute__((always_inline)) inline float silu(float x) {
   const float y = x / (1.0f + fast_exp_of_finite(-x));
-  return is_negative_infinity(x) ? quiet_nan() : y;
+  const float below = is_nan(x) || is_negative_infinity(x) ? quiet_nan() : 0.0f;  // NaN: either way round the compare
+  return x < -88.0f ? below : y;
 }
 
 // log(1 + t) for t in [0, 1], inlined so that loops calling it vectorise (a libm log1pf call does not, or only

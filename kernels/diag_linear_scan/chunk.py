@@ -16,8 +16,11 @@ import triton.language as tl
 
 @triton.jit
 def _logaddexp(x, y):
+    """``log(e^x + e^y)``, shifted by the larger operand unless it is infinite: ``-inf`` (both terms 0) gives
+    ``-inf`` and ``+inf`` gives ``+inf`` (a shift by ``+inf`` made it ``inf - inf`` = NaN, where the linear-space
+    recurrence ``a h + b`` with ``b = inf`` or ``h = inf`` gives inf)."""
     top = tl.maximum(x, y)
-    shift = tl.where(top == float("-inf"), 0.0, top)
+    shift = tl.where(tl.abs(top) == float("inf"), 0.0, top)
     return shift + tl.log(tl.exp(x - shift) + tl.exp(y - shift))
 
 

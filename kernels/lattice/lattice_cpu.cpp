@@ -25,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_math.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -199,9 +200,13 @@ void scan_head(const Problem& p, int64_t bos, int64_t eos, int64_t slot, int64_t
     bool vanished = false;
     for (int64_t i = 0; i < mp; ++i) {
       const bool padding = i >= m;
-      gone[i] = p.normalize && !padding && !(sv.sq[i] > 0.0f);
-      vanished |= gone[i];
-      sv.inv_n[i] = padding || gone[i] ? 0.0f : (p.normalize ? 1.0f / std::sqrt(sv.sq[i]) : 1.0f);
+      // NaN too (an infinite v or k made the update inf - inf): the reference's where(|u| > 0, u / |u|, s) keeps
+      // the column then, and -ffast-math may compile !(x > 0) as x <= 0, false for NaN. Padding columns stay 0;
+      // their update is not finite when gamma is (inf * 0), and y = S q would read it (0 * NaN).
+      const bool not_positive = !(sv.sq[i] > 0.0f) || rnnserve::is_nan(sv.sq[i]);
+      gone[i] = padding || (p.normalize && not_positive);
+      vanished |= padding ? rnnserve::is_non_finite(sv.sq[i]) : gone[i];
+      sv.inv_n[i] = gone[i] ? 0.0f : (p.normalize ? 1.0f / std::sqrt(sv.sq[i]) : 1.0f);
     }
     float* y = p.y + row * d;
     std::fill(y, y + d, 0.0f);

@@ -545,3 +545,25 @@ def test_nan_logits_sample_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(sampler_module, "row_argmax", row_argmax_ref)
     assert fused == _generate_with_a_nan_logit(123)
     assert fused[0][0] == 123
+
+
+@pytest.mark.parametrize(
+    ("params", "special", "expected"),
+    [(SamplingParams(temperature=1.0), {5: math.inf}, 5),
+     (SamplingParams(temperature=1.0, top_p=0.9, seed=1), {2: math.inf, 6: math.inf}, 2),
+     (SamplingParams(temperature=0.5, top_k=4), {3: 3e38}, 3),
+     (SamplingParams(temperature=1.0, logprobs=2), {4: math.nan, 6: math.inf}, 4),
+     (SamplingParams(temperature=1.0, min_p=0.1), dict.fromkeys(range(VOCAB), math.nan), 0)],
+)  # fmt: skip
+def test_a_row_without_a_distribution_takes_its_greedy_token(
+    params: SamplingParams, special: dict[int, float], expected: int
+) -> None:
+    """A row whose softmax is NaN (a +inf or NaN logit, or a finite one that overflowed when divided by the
+    temperature) takes the argmax, as a greedy row does; the draw found the vocabulary's last token there. The
+    other rows of the batch draw as before."""
+    row = LOGITS.clone()
+    for token, value in special.items():
+        row[token] = value
+    seqs = [_seq(params), _seq(SamplingParams(temperature=1.0, seed=7))]
+    alone = sample(LOGITS[None].clone(), [_seq(SamplingParams(temperature=1.0, seed=7))]).token_ids[0]
+    assert sample(torch.stack([row, LOGITS]), seqs).token_ids == [expected, alone]

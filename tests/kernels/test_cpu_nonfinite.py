@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rnnserve.engine.models.lattice import orthonormal_columns
 from rnnserve.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from rnnserve.kernels.causal_conv1d.naive import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from rnnserve.kernels.cpu_extension import cpu_ops
@@ -19,6 +20,8 @@ from rnnserve.kernels.gated_act import gated_act
 from rnnserve.kernels.gated_act.naive import gated_act_ref
 from rnnserve.kernels.gated_rms_norm import gated_rms_norm
 from rnnserve.kernels.gated_rms_norm.naive import gated_rms_norm_ref
+from rnnserve.kernels.lattice import lattice_varlen
+from rnnserve.kernels.lattice.naive import lattice_varlen_ref
 from rnnserve.kernels.mamba2_decode import mamba2_mixer_step
 from rnnserve.kernels.mamba2_decode.naive import mamba2_mixer_step_ref
 from rnnserve.kernels.min_rnn_step import min_rnn_scan, min_rnn_step
@@ -265,3 +268,51 @@ def test_rg_lru_with_infinite_inputs(dtype: torch.dtype) -> None:
         h_ref, final_ref = diag_linear_scan_ref(a, b, cu, h0)
         assert_matches(h, h_ref, tolerance(dtype))
         assert_matches(final, final_ref, tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_silu_of_large_negative_numbers_is_zero(dtype: torch.dtype) -> None:
+    """F.silu is 0 below about -88 (its exp(-x) is inf there): the kernels' x / (1 + e^88), with fast_exp's clamp,
+    grew with |x| (-2 at -3.3e38), which an up projection or the gated norm's y then scaled up."""
+    g = torch.Generator().manual_seed(18)
+    gate = torch.randn(4, 100, generator=g) * 4
+    gate[:, ::7] = -torch.logspace(2, 38.5, 15)[None, :]
+    gate[0, 3], gate[1, 3] = -INF, NAN
+    gate = gate.to(dtype)
+    up = torch.randn(4, 100, generator=g).mul(1e30).to(dtype)
+    assert_matches(gated_act(gate, up, "silu"), gated_act_ref(gate, up, "silu"), tolerance(dtype))
+    z = gate[:, :64].contiguous()
+    y = up[:, :64].contiguous()
+    weight = torch.rand(64, generator=g).to(dtype) + 0.5
+    assert_matches(gated_rms_norm(y, z, weight, 4, 1e-5), gated_rms_norm_ref(y, z, weight, 4, 1e-5), tolerance(dtype))
+
+
+@pytest.mark.parametrize("variant", ["dec", "enc", "sim"])
+@pytest.mark.parametrize("forget", [False, True])
+@torch.inference_mode()
+def test_lattice_keeps_a_column_whose_update_is_not_finite(variant: str, forget: bool) -> None:
+    """An infinite v, k or step size makes a column's normalised update NaN (inf - inf); the reference's
+    ``where(|u| > 0, u / |u|, s)`` then keeps the column, as for an update that vanished. The kernel's test,
+    ``!(|u|^2 > 0)``, was compiled as ``|u|^2 <= 0`` under -ffast-math, and the NaN went into the state."""
+    gen = torch.Generator().manual_seed(19)
+    lengths, heads, d, m = [3, 9], 2, 12, 6
+    total = sum(lengths)
+    for name in ["q", "k", "v", "gamma"]:
+        inputs = {
+            "q": torch.randn(total, heads, m, generator=gen),
+            "k": torch.randn(total, heads, m, generator=gen),
+            "v": torch.randn(total, heads, d, generator=gen),
+            "gamma": torch.rand(total, heads, generator=gen),
+            "mu": torch.rand(total, heads, generator=gen) if forget else None,
+        }
+        inputs[name] = with_specials(inputs[name], 2, seed=20, values=torch.tensor([INF, -INF]))
+        pool = orthonormal_columns(5, heads, d, m, generator=gen)
+        slots, cu = torch.tensor([3, 1]), cu_seqlens_of(lengths)
+        expected_pool = pool.clone()
+        expected = lattice_varlen_ref(*inputs.values(), cu, expected_pool, slots, variant, True)
+        y = lattice_varlen(*inputs.values(), cu, pool, slots, variant, True)
+        for got, want in ((y, expected), (pool, expected_pool)):
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+            finite = want.isfinite()
+            torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)

@@ -59,6 +59,25 @@ def test_varlen_scan_without_initial_state(triton_on_cpu):
     torch.testing.assert_close(final, final_ref, rtol=2e-5, atol=2e-5)
 
 
+@torch.inference_mode()
+def test_log_scan_of_infinite_inputs_and_states(triton_on_cpu) -> None:
+    """``log b = +inf`` (a minGRU candidate that overflowed) and ``h0 = inf`` give ``h = inf`` from there on, as the
+    linear recurrence ``a h + b`` does; ``logaddexp`` shifted by the larger operand, ``+inf``, and made it NaN."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 40]
+    log_a = -torch.rand(sum(lengths), DIM, generator=gen) * 3
+    log_b = torch.randn(sum(lengths), DIM, generator=gen)
+    log_b[[1, 10, 30], [0, 5, 23]] = float("inf")
+    h0 = torch.rand(len(lengths), DIM, generator=gen)
+    h0[1, 7] = float("inf")
+    cu = cu_seqlens_of(lengths)
+    h, final = diag_log_scan(log_a, log_b, cu, h0)
+    h_ref, final_ref = diag_linear_scan_ref(log_a.exp(), log_b.exp(), cu, h0)
+    assert h_ref.isinf().sum() > 10 and not h_ref.isnan().any()
+    torch.testing.assert_close(h, h_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(final, final_ref, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("log_space", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_updates_slots_in_place(triton_on_cpu, log_space, dtype):
