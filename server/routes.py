@@ -40,7 +40,6 @@ from rnnserve.server.protocol import (
     SamplingFields,
     SessionRequest,
     TokenizeRequest,
-    check_generation_prompt,
 )
 from rnnserve.server.sessions import SessionStore, SessionTurn, StoredSession, check_session_id
 from rnnserve.server.streaming import (
@@ -396,7 +395,6 @@ class OpenAIServing:
             if req.prompt is not None:
                 text = req.prompt
             else:
-                check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
                 text = self.render(
                     req.messages or [], req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
                 )
