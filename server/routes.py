@@ -159,9 +159,10 @@ class OpenAIServing:
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
+                retryable=True,
             ) from err
         except EngineDeadError as err:
-            raise APIError(503, str(err), type="service_unavailable") from err
+            raise APIError(503, str(err), type="service_unavailable", retryable=True) from err
         except ValueError as err:  # the tokenizer rejected the text (e.g. a character outside an alphabet)
             explained = explain(UnencodablePromptError("prompt", str(err)))
             raise bad_request(str(explained), param=explained.param) from err
@@ -459,7 +460,7 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
     async def ready() -> JSONResponse:
         reason = serving.engine.not_ready_reason()
         if reason is not None:
-            return APIError(503, reason, type="service_unavailable").response()
+            return APIError(503, reason, type="service_unavailable", retryable=True).response()
         return JSONResponse({"status": "ready"})
 
     @router.get("/version")
@@ -471,7 +472,7 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
         if "ready" in request.query_params:
             return await ready()
         if not serving.engine.running:
-            return APIError(503, "engine is not running", type="service_unavailable").response()
+            return APIError(503, "engine is not running", type="service_unavailable", retryable=True).response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics")
