@@ -64,13 +64,27 @@ from rnnserve.server.sessions import (
 __all__ = ["ServerConfig", "create_app"]
 
 
+PRIVATE_NETWORK_REQUEST = "access-control-request-private-network"
+PRIVATE_NETWORK_ALLOW = "Access-Control-Allow-Private-Network"
+
+
 class CORS(CORSMiddleware):
     """Starlette's CORS, whose refused preflight (an origin, method or header not allowed) has OpenAI's error body,
-    not plain text."""
+    not plain text. A preflight that asks for Private Network Access (Chromium's
+    ``Access-Control-Request-Private-Network: true``, on a public page's calls to a loopback or private address)
+    is granted with ``Access-Control-Allow-Private-Network: true`` where it is otherwise allowed (an origin the
+    operator allowed, a method the routes take). Starlette refused every such preflight: its
+    ``allow_private_network`` is off by default, and older versions lack it."""
 
     def preflight_response(self, request_headers: Headers) -> Response:
+        private_network = PRIVATE_NETWORK_REQUEST in request_headers
+        if private_network:
+            kept = [(k, v) for k, v in request_headers.raw if k.decode("latin-1").lower() != PRIVATE_NETWORK_REQUEST]
+            request_headers = Headers(raw=kept)
         response = super().preflight_response(request_headers)
         if response.status_code != 400:
+            if private_network:
+                response.headers[PRIVATE_NETWORK_ALLOW] = "true"
             return response
         reason = bytes(response.body).decode()
         headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
