@@ -30,7 +30,13 @@ Retries: ``openai`` retries a request after a timeout, a lost connection, 408, 4
 :meth:`fork_session` are sent once: a session turn whose client timed out or lost its connection while the server
 stored its state is in the session (the server finishes the write), and a retry would add its prompt and answer
 a second time; a create or fork whose answer was lost has made a session that a retry would make again, under
-another id. Their errors, 409 ``session_busy`` and 429 included, reach the caller. ``timeout`` is httpx's: it
+another id. Their errors, 409 ``session_busy`` and 429 included, reach the caller. :meth:`delete_session` is
+retried (a lost answer, a 409 while a turn holds the session, a 503 while a server restarts), and so made
+idempotent: a retry that finds no session answers as the delete did (``"deleted": true``), since an earlier
+attempt may have deleted it and lost its answer, and the session is gone either way; a 404 to the first attempt
+raises ``openai.NotFoundError``. (Sent once instead, a lost answer would leave the caller not knowing whether
+the session still exists.) The server marks the errors a retry cannot help (a session limit, a bug) with
+``x-should-retry: false``, which ``openai`` obeys. ``timeout`` is httpx's: it
 bounds the connect and each read, so it cuts a stream that stalls, not one that keeps flowing (``rnnserve bench
 --timeout`` bounds the whole request). A stream whose connection is cut raises ``openai.APIConnectionError``, one
 that the server ends with an error event ``openai.APIError``. Needs the ``openai`` package: ``pip install
@@ -64,6 +70,7 @@ def _openai() -> Any:
 
 
 ONCE = {"max_retries": 0}  # the options of a request that must not be sent twice
+RETRY_COUNT_HEADER = "x-stainless-retry-count"  # openai's count of a request's earlier attempts, on each attempt
 
 
 def _sent_once(options: Any) -> Any:
@@ -114,6 +121,16 @@ class _Routes:
     def session_fields(session_id: str, **extra_body: Any) -> dict[str, Any]:
         """The ``extra_body`` of a completion or chat request that continues session ``session_id``."""
         return {**extra_body, "session_id": session_id}
+
+    @staticmethod
+    def deleted_on_retry(session_id: str, err: openai.NotFoundError) -> dict[str, Any]:
+        """The answer of a delete whose retry found no session (``session_not_found``): the delete's body, as
+        an earlier attempt, whose answer was lost, deleted it; ``err`` raised again when the 404 answered the
+        first attempt (or a route the server lacks)."""
+        retries = err.response.request.headers.get(RETRY_COUNT_HEADER, "0")
+        if err.code != "session_not_found" or not retries.isdigit() or int(retries) == 0:
+            raise err
+        return {"id": session_id, "object": "session", "deleted": True}
 
     def session_url(self, session_id: str, action: str = "") -> str:
         """The route of ``session_id``; ``ValueError`` for a string that is no session id: an id from elsewhere
@@ -199,7 +216,13 @@ class Client(_Routes):
         return self.openai.get(self.session_url(session_id), cast_to=object)
 
     def delete_session(self, session_id: str) -> dict[str, Any]:
-        return self.openai.delete(self.session_url(session_id), cast_to=object)
+        """Delete ``session_id`` → ``{"id", "object": "session", "deleted": True}``; ``openai.NotFoundError`` when
+        there is none. Retried as other requests are; a retry's 404 is the answer to a delete that took place
+        (see the module docstring)."""
+        try:
+            return self.openai.delete(self.session_url(session_id), cast_to=object)
+        except _openai().NotFoundError as err:
+            return self.deleted_on_retry(session_id, err)
 
     def fork_session(self, session_id: str) -> dict[str, Any]:
         """A new session with a copy of ``session_id``'s state (sent once, not retried)."""
@@ -279,7 +302,10 @@ class AsyncClient(_Routes):
         return await self.openai.get(self.session_url(session_id), cast_to=object)
 
     async def delete_session(self, session_id: str) -> dict[str, Any]:
-        return await self.openai.delete(self.session_url(session_id), cast_to=object)
+        try:
+            return await self.openai.delete(self.session_url(session_id), cast_to=object)
+        except _openai().NotFoundError as err:
+            return self.deleted_on_retry(session_id, err)
 
     async def fork_session(self, session_id: str) -> dict[str, Any]:
         url = self.session_url(session_id, "/fork")

@@ -82,6 +82,18 @@ def find_chat_template(tokenizer: Tokenizer, template_file: str | None, model_di
     return source
 
 
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: a reply either starts after a generation prompt or continues the final message, not both
+    (``add_generation_prompt`` defaults to true: continuing needs it set to false); an InvalidParameterError on
+    ``continue_final_message`` otherwise (the server's 400, the offline ``LLM.chat``'s ``ValueError``)."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidParameterError(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt to "
+            "false to continue the final message",
+        )
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, str]],
@@ -93,12 +105,14 @@ def render_chat(
     """Apply ``template`` (default: the tokenizer's, else ``DEFAULT_CHAT_TEMPLATE``) with ``template_kwargs`` as
     extra variables; a template error becomes an InvalidParameterError on ``messages``, as does a Python error the
     template meets on the request's values (``'<call>' + name`` with a number for a tool call's name, ...), which
-    Jinja raises as it is."""
+    Jinja raises as it is. Both ``add_generation_prompt`` and ``continue_final_message`` is an
+    InvalidParameterError too (:func:`check_generation_prompt`)."""
+    check_generation_prompt(add_generation_prompt, continue_final_message)
     source = template or tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     if template_kwargs and "messages" in template_kwargs:
         raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs cannot replace 'messages'")
     variables = {
-        "add_generation_prompt": add_generation_prompt and not continue_final_message,
+        "add_generation_prompt": add_generation_prompt,
         "bos_token": special_token_text(tokenizer, tokenizer.bos_token_id),
         "eos_token": special_token_text(tokenizer, tokenizer.eos_token_id),
         **(template_kwargs or {}),

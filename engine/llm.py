@@ -130,7 +130,10 @@ class LLM:
         text parts) or to each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the chat template
         the server would use (``chat_template``, a template's source, overrides it: see
         :mod:`rnnserve.engine.chat_template`), then generated like :meth:`generate`'s prompts. ``tools``
-        (OpenAI's shape) and ``chat_template_kwargs`` become template variables."""
+        (OpenAI's shape) and ``chat_template_kwargs`` become template variables. ``continue_final_message``
+        continues the last message's text (a reply begun by the caller) and needs ``add_generation_prompt=False``:
+        both true raises :class:`~rnnserve.engine.sampling_params.InvalidParameterError` (a ``ValueError``), as
+        the server answers a 400 and vLLM raises."""
         if not messages or isinstance(messages, str | Mapping):
             raise TypeError("messages: a list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], Mapping) else messages

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match, Route
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
@@ -63,17 +64,50 @@ from rnnserve.server.sessions import (
 __all__ = ["ServerConfig", "create_app"]
 
 
+PRIVATE_NETWORK_REQUEST = "access-control-request-private-network"
+PRIVATE_NETWORK_ALLOW = "Access-Control-Allow-Private-Network"
+
+
 class CORS(CORSMiddleware):
     """Starlette's CORS, whose refused preflight (an origin, method or header not allowed) has OpenAI's error body,
-    not plain text."""
+    not plain text. A preflight that asks for Private Network Access (Chromium's
+    ``Access-Control-Request-Private-Network: true``, on a public page's calls to a loopback or private address)
+    is granted with ``Access-Control-Allow-Private-Network: true`` where it is otherwise allowed (an origin the
+    operator allowed, a method the routes take). Starlette refused every such preflight: its
+    ``allow_private_network`` is off by default, and older versions lack it."""
 
     def preflight_response(self, request_headers: Headers) -> Response:
+        private_network = PRIVATE_NETWORK_REQUEST in request_headers
+        if private_network:
+            kept = [(k, v) for k, v in request_headers.raw if k.decode("latin-1").lower() != PRIVATE_NETWORK_REQUEST]
+            request_headers = Headers(raw=kept)
         response = super().preflight_response(request_headers)
         if response.status_code != 400:
+            if private_network:
+                response.headers[PRIVATE_NETWORK_ALLOW] = "true"
             return response
         reason = bytes(response.body).decode()
         headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
         return APIError(400, f"{reason} (see --allowed-origins)", code="cors_disallowed", headers=headers).response()
+
+
+def method_not_allowed(request: Request) -> APIError:
+    """The 405 for a method no route of the request's path takes, whose ``Allow`` lists the methods of every route
+    of the path (Starlette's named the first route's alone: ``GET`` for ``/v1/sessions/{id}``, which takes
+    ``DELETE`` too) and ``HEAD`` with ``GET`` (the guard answers it as a ``GET``)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    if "GET" in methods:
+        methods.add("HEAD")
+    allow = ", ".join(sorted(methods))
+    return APIError(
+        405,
+        f"method {request.method} is not allowed on {request.url.path} (it takes {allow})",
+        code="method_not_allowed",
+        headers={"Allow": allow},
+    )
 
 
 def engine_driver(
@@ -171,7 +205,9 @@ def create_app(
         return bad_request(f"invalid parameter {name}: {first.get('msg', 'invalid value')}", param=name).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 405:
+            return method_not_allowed(request).response()
         code = "not_found" if err.status_code == 404 else None
         return APIError(err.status_code, str(err.detail), code=code, headers=err.headers).response()
 

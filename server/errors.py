@@ -13,8 +13,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 logger = logging.getLogger("rnnserve.server")
 
 
+# OpenAI's SDKs retry 408, 409, 429 and 5xx answers unless this header says "false" (or "true": retry any)
+SHOULD_RETRY_HEADER = "x-should-retry"
+
+
 class APIError(Exception):
-    """An error the client should see, with its HTTP status and OpenAI error fields."""
+    """An error the client should see, with its HTTP status and OpenAI error fields. ``retryable``: the same
+    request sent again may succeed (a full queue, a busy session, a server shutting down or a failed engine
+    step); every other error's response carries ``x-should-retry: false``, so that OpenAI's SDKs do not send
+    again a request that would get the same answer (a session limit, a bug) or repeat what it did."""
 
     def __init__(
         self,
@@ -24,6 +31,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        retryable: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -32,12 +40,17 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.retryable = retryable
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def response_headers(self) -> dict[str, str]:
+        """The response's headers: ``headers`` and, unless ``retryable``, ``x-should-retry: false``."""
+        return dict(self.headers or {}) if self.retryable else {**(self.headers or {}), SHOULD_RETRY_HEADER: "false"}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.response_headers())
 
     def sse(self) -> str:
         """The error as a server-sent event (for failures after a stream has started)."""
@@ -50,11 +63,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 class InternalErrors:
     """ASGI middleware: an exception no handler took, raised before the response started, becomes OpenAI's
-    500 body as a complete response, and the connection stays open. (Starlette's last-resort handler sends its
-    500 and then raises again, and uvicorn closes the connection without a ``Connection: close``: a client
-    reusing it had its next, valid request fail.) One raised after the response started is raised again (the
-    server refuses a second response start): the response is cut short, and the connection has to close. No
-    wrapper of ``send`` tracks the start: every streamed event would pay for it."""
+    500 body as a complete response (not ``retryable``: a bug answers the request the same way again), and the
+    connection stays open. (Starlette's last-resort handler sends its 500 and then raises again, and uvicorn
+    closes the connection without a ``Connection: close``: a client reusing it had its next, valid request
+    fail.) One raised after the response started is raised again (the server refuses a second response start):
+    the response is cut short, and the connection has to close. No wrapper of ``send`` tracks the start: every
+    streamed event would pay for it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

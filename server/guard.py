@@ -60,7 +60,9 @@ class BodyReads:
 
     @staticmethod
     def _refusal() -> APIError:
-        return APIError(503, SHUTDOWN_MESSAGE, type="service_unavailable", headers={"Connection": "close"})
+        return APIError(
+            503, SHUTDOWN_MESSAGE, type="service_unavailable", headers={"Connection": "close"}, retryable=True
+        )
 
 
 def host_name(host: bytes) -> str:
@@ -125,6 +127,7 @@ class RequestGuard:
                     f"the request body did not arrive within {self.read_timeout:g} s",
                     code="request_timeout",
                     headers={"Connection": "close"},
+                    retryable=True,
                 )
             except APIError as err:
                 error = err

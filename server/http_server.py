@@ -78,7 +78,8 @@ class HeadDeadline(asyncio.Protocol):
             return
         if self.partial_head():
             message = f"the request head did not arrive within {self.read_timeout:g} s"
-            self.transport.write(raw_error_response(APIError(408, message, code="request_timeout"), "Request Timeout"))
+            error = APIError(408, message, code="request_timeout", retryable=True)
+            self.transport.write(raw_error_response(error, "Request Timeout"))
         self.transport.close()
 
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from rnnserve.engine.chat_template import content_text
+from rnnserve.engine.chat_template import check_generation_prompt, content_text
 from rnnserve.engine.sampling_params import (
     InvalidParameterError,
     OutputKind,
@@ -396,17 +396,6 @@ def with_tools(template_kwargs: dict[str, Any] | None, tools: list[Tool] | None)
     if not tools:
         return template_kwargs
     return {"tools": [tool.model_dump(exclude_none=True) for tool in tools], **(template_kwargs or {})}
-
-
-def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """vLLM's rule: a reply either starts after a generation prompt or continues the final message, not both
-    (``add_generation_prompt`` defaults to true: continuing needs it set to false)."""
-    if add_generation_prompt and continue_final_message:
-        raise InvalidParameterError(
-            "continue_final_message",
-            "continue_final_message and add_generation_prompt cannot both be true: send add_generation_prompt false "
-            "to continue the final message",
-        )
 
 
 class ChatCompletionRequest(SamplingFields):

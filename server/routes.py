@@ -40,7 +40,6 @@ from rnnserve.server.protocol import (
     SamplingFields,
     SessionRequest,
     TokenizeRequest,
-    check_generation_prompt,
 )
 from rnnserve.server.sessions import SessionStore, SessionTurn, StoredSession, check_session_id
 from rnnserve.server.streaming import (
@@ -160,9 +159,10 @@ class OpenAIServing:
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
+                retryable=True,
             ) from err
         except EngineDeadError as err:
-            raise APIError(503, str(err), type="service_unavailable") from err
+            raise APIError(503, str(err), type="service_unavailable", retryable=True) from err
         except ValueError as err:  # the tokenizer rejected the text (e.g. a character outside an alphabet)
             explained = explain(UnencodablePromptError("prompt", str(err)))
             raise bad_request(str(explained), param=explained.param) from err
@@ -396,7 +396,6 @@ class OpenAIServing:
             if req.prompt is not None:
                 text = req.prompt
             else:
-                check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
                 text = self.render(
                     req.messages or [], req.add_generation_prompt, req.continue_final_message, req.template_kwargs()
                 )
@@ -461,7 +460,7 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
     async def ready() -> JSONResponse:
         reason = serving.engine.not_ready_reason()
         if reason is not None:
-            return APIError(503, reason, type="service_unavailable").response()
+            return APIError(503, reason, type="service_unavailable", retryable=True).response()
         return JSONResponse({"status": "ready"})
 
     @router.get("/version")
@@ -473,7 +472,7 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
         if "ready" in request.query_params:
             return await ready()
         if not serving.engine.running:
-            return APIError(503, "engine is not running", type="service_unavailable").response()
+            return APIError(503, "engine is not running", type="service_unavailable", retryable=True).response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics")

@@ -122,6 +122,7 @@ def busy(session_id: str) -> APIError:
         409,
         f"session {session_id!r} is in use by another request; a session takes one request at a time",
         code="session_busy",
+        retryable=True,
     )
 
 
@@ -972,6 +973,7 @@ class SessionTurn:
                     "the request was aborted before it finished (the server is shutting down or its engine failed); "
                     "the session keeps the state it had before this request",
                     type="service_unavailable",
+                    retryable=True,
                 )
             raise APIError(500, "the engine returned no state to store in the session", type="internal_error")
         save = asyncio.to_thread(self.store.save, self.lease.session_id, out.final_state, self.stored.info.created)

@@ -41,10 +41,12 @@ def generation_error(err: Exception) -> APIError:
     if isinstance(err, InvalidParameterError):
         return bad_request(str(err), param=err.param)
     if isinstance(err, EngineDeadError):
-        return APIError(503, str(err), type="service_unavailable")
+        return APIError(503, str(err), type="service_unavailable", retryable=True)
     if not isinstance(err, RequestFailedError):
         logger.error("generation failed", exc_info=err)
-    return APIError(500, f"generation failed: {err}", type="internal_error")
+    # retryable: a failed engine step fails every request in it, whichever of them (or none: an out-of-memory
+    # error) caused it
+    return APIError(500, f"generation failed: {err}", type="internal_error", retryable=True)
 
 
 # Characters some line readers treat as line ends (Python's str.splitlines, JavaScript's old JSON.parse): written

@@ -4,7 +4,10 @@ import, delete, and the server's errors as ``openai`` exceptions."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -119,3 +122,89 @@ def test_the_api_key_comes_from_the_environment_when_not_given(url: str, monkeyp
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     with Client(url) as client:
         assert client.create_session()["object"] == "session"
+
+
+def proxy(upstream: str, lose: bytes | None = None) -> tuple[socket.socket, list[bytes]]:
+    """A proxy on a free port that sends each request on to ``upstream`` and passes the answer back (one request a
+    connection), except the first answer to a request whose line starts with ``lose``: its connection closes
+    without it, as a connection lost after the server did the work. Returns the socket and the request lines it
+    got, in order."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def serve() -> None:
+        losing = lose
+        with httpx.Client(base_url=upstream, timeout=10) as forward:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:  # the test closed the socket
+                    return
+                with conn:
+                    data = b""
+                    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                        data += chunk
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    line, *fields = head.decode("latin-1").split("\r\n")
+                    headers = {k.lower(): v for k, _, v in (f.partition(": ") for f in fields)}
+                    while len(body) < int(headers.get("content-length", 0)):
+                        body += conn.recv(65536)
+                    received.append(line.encode())
+                    method, target, _ = line.split(" ")
+                    sent = {k: v for k, v in headers.items() if k in ("authorization", "content-type")}
+                    answer = forward.request(method, target, headers=sent, content=body)
+                    if losing is not None and line.encode().startswith(losing):
+                        losing = None
+                        continue
+                    kept = "".join(f"{k}: {v}\r\n" for k, v in answer.headers.items()
+                                   if k in ("content-type", "x-should-retry", "retry-after"))  # fmt: skip
+                    conn.sendall(
+                        f"HTTP/1.1 {answer.status_code} -\r\n{kept}content-length: {len(answer.content)}\r\n"
+                        f"connection: close\r\n\r\n".encode() + answer.content
+                    )
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, received
+
+
+def test_a_delete_whose_answer_was_lost_is_not_a_404_when_retried(url: str) -> None:
+    """openai retries a request whose connection was lost: a delete that the server did, and whose answer was lost,
+    was sent again and raised the retry's 404 (``session_not_found``) for the session the call had deleted. A 404
+    to the first attempt still raises."""
+    with Client(url, api_key=API_KEY) as client:
+        session = client.create_session()["id"]
+        sock, received = proxy(url, lose=b"DELETE ")
+        lossy_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with sock, Client(lossy_url, api_key=API_KEY, max_retries=1, timeout=10) as lossy:
+            assert lossy.delete_session(session) == {"id": session, "object": "session", "deleted": True}
+            assert received == [f"DELETE /v1/sessions/{session} HTTP/1.1".encode()] * 2
+            with pytest.raises(openai.NotFoundError):
+                client.get_session(session)
+            with pytest.raises(openai.NotFoundError):
+                lossy.delete_session(session)  # no session, and the first attempt's answer says so
+        assert len(received) == 3
+
+        async def run() -> None:
+            sock, _ = proxy(url, lose=b"DELETE ")
+            again = client.create_session()["id"]
+            lossy_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            async with AsyncClient(lossy_url, api_key=API_KEY, max_retries=1, timeout=10) as lossy:
+                with sock:
+                    assert (await lossy.delete_session(again))["deleted"]
+                    with pytest.raises(openai.NotFoundError):
+                        await lossy.delete_session(again)
+
+        asyncio.run(run())
+
+
+def test_the_session_limit_is_not_retried(tmp_path: Path) -> None:
+    """The 429 of ``--max-sessions`` carries ``x-should-retry: false``: openai sent the import twice more, for the
+    same answer, after its backoff."""
+    app = create_app(tiny_config(session_dir=str(tmp_path), max_sessions=1))
+    with serve_in_thread(app) as url, Client(url) as direct:
+        state = direct.export_session(direct.create_session()["id"])
+        sock, received = proxy(url)
+        with sock, Client(f"http://127.0.0.1:{sock.getsockname()[1]}", max_retries=2, timeout=10) as client:
+            with pytest.raises(openai.RateLimitError) as err:
+                client.import_session("sess-" + "C" * 24, state)
+        assert err.value.code == "session_limit_reached" and len(received) == 1

@@ -145,6 +145,18 @@ def test_chat_reads_content_parts_as_the_server_does(llm: LLM) -> None:
         llm.chat(image, greedy)
 
 
+def test_chat_continuing_the_final_message_needs_add_generation_prompt_false(llm: LLM) -> None:
+    """With the default ``add_generation_prompt=True``, ``continue_final_message=True`` dropped the generation
+    prompt without a word; the server answers a 400 and vLLM raises."""
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    begun = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    with pytest.raises(InvalidParameterError, match="add_generation_prompt") as err:
+        llm.chat(begun, greedy, continue_final_message=True)
+    assert err.value.param == "continue_final_message" and isinstance(err.value, ValueError)
+    [continued] = llm.chat(begun, greedy, continue_final_message=True, add_generation_prompt=False)
+    assert continued.prompt == "User: Hi\nAssistant:Hel"
+
+
 def test_logprobs_beyond_the_vocabulary_give_the_whole_vocabulary() -> None:
     """lsrl:majority has 4 tokens: logprobs=5 failed the request ('selected index k out of range')."""
     small = LLM("lsrl:majority", max_num_seqs=1)

@@ -465,7 +465,25 @@ def test_generation_routes_are_in_the_schema_and_refuse_other_methods(client: Te
     for path in ("/v1/completions", "/v1/chat/completions"):
         response = client.get(path)
         assert response.status_code == 405 and response.headers["allow"] == "POST", response.text
-        assert response.json()["error"]["message"] == "Method Not Allowed"
+        assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_405_names_every_method_of_the_path(client: TestClient) -> None:
+    """A 405 had ``code: null`` and an ``Allow`` of the first route of the path alone: ``GET`` for a session,
+    which takes ``DELETE`` too, and never ``HEAD``, which every GET route answers."""
+    session = "/v1/sessions/sess-" + "A" * 24
+    for method, path, allow in (
+        ("PUT", "/v1/models", "GET, HEAD"),
+        ("POST", "/health", "GET, HEAD"),
+        ("POST", session, "DELETE, GET, HEAD"),
+        ("POST", session + "/state", "GET, HEAD, PUT"),
+        ("GET", session + "/fork", "POST"),
+        ("DELETE", "/v1/chat/completions", "POST"),
+    ):
+        response = client.request(method, path, json={} if method in ("POST", "PUT") else None)
+        assert response.status_code == 405 and response.headers["allow"] == allow, (method, path, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "method_not_allowed" and f"{method} is not allowed on {path}" in error["message"]
 
 
 def test_head_is_answered_where_get_is(client: TestClient) -> None:

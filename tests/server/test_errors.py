@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import socket
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,6 +14,7 @@ from fastapi.testclient import TestClient
 from rnnserve.engine.config import EngineConfig
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.loader import load_model
+from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.tokenizer import CharTokenizer
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
@@ -349,6 +351,43 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_usable(monke
         assert get("/health")[0] == 200
 
 
+def test_errors_a_retry_cannot_help_tell_openai_s_sdks_not_to_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI's SDKs retry 408, 409, 429 and 5xx unless the answer says ``x-should-retry: false``: the session
+    limit's 429 was sent again (twice, by default) for the same answer. A full queue, a busy session and a server
+    that is not ready may answer a retry otherwise, and carry no such header."""
+    app = create_app(tiny_config(session_dir=str(tmp_path), max_sessions=1))
+    with TestClient(app) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        no_retry = {
+            "session limit": client.post("/v1/sessions", json={}),
+            "bad parameter": client.post("/v1/completions", json={"prompt": "a", "temperature": -1}),
+            "unknown model": client.post("/v1/completions", json={"prompt": "a", "model": "gpt-17"}),
+            "unknown session": client.get("/v1/sessions/sess-" + "A" * 24),
+            "wrong method": client.put("/v1/models"),
+        }
+        assert no_retry["session limit"].json()["error"]["code"] == "session_limit_reached"
+        for name, response in no_retry.items():
+            assert response.status_code >= 400 and response.headers.get("x-should-retry") == "false", name
+
+        lease = app.state.sessions.acquire(session)
+        busy = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "session_id": session})
+        lease.release()
+        engine = app.state.engine.engine
+
+        def queue_full(*args: object, **kwargs: object) -> None:
+            raise QueueFullError("256 requests are waiting")
+
+        monkeypatch.setattr(engine, "add_request", queue_full)
+        full = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        app.state.engine.draining = True
+        not_ready = client.get("/ready")
+        app.state.engine.draining = False
+    for response, status in ((busy, 409), (full, 429), (not_ready, 503)):
+        assert response.status_code == status and "x-should-retry" not in response.headers, response.text
+
+
 def test_parameters_parsed_by_fastapi_and_an_empty_model_name_get_openai_errors(client: TestClient) -> None:
     assert_error(client.get("/dashboard/stats?since=abc"), 400, "since")
     for bad in ("nan", "inf", "1e400"):  # floats, but no point in time
@@ -385,6 +424,7 @@ def test_internal_errors_answers_500_only_before_the_response_started(started: b
     else:
         asyncio.run(call)
         assert sent[0]["status"] == 500 and json.loads(sent[1]["body"])["error"]["type"] == "internal_error"
+        assert (b"x-should-retry", b"false") in sent[0]["headers"]  # a bug answers a retry the same way
 
 
 @pytest.mark.parametrize("engine_process", ["off", "on"])

@@ -289,6 +289,30 @@ def test_a_refused_cors_preflight_has_openais_error_body() -> None:
         assert "access-control-allow-origin" not in cors.options("/v1/models", headers=other_origin).headers
 
 
+def test_a_cors_preflight_asking_for_private_network_access_is_granted_to_allowed_origins() -> None:
+    """Chrome asks, in the preflight of a public page's request to a loopback or private address, for Private
+    Network Access: Starlette refused every such preflight (400 "Disallowed CORS private-network"), so an allowed
+    page could not call a server on the user's machine."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}  # fmt: skip
+    asking = {**preflight, "Access-Control-Request-Private-Network": "true"}
+    for origins in (["https://app.example"], ["*"]):
+        with TestClient(create_app(tiny_config(allowed_origins=origins))) as cors:
+            answer = cors.options("/v1/chat/completions", headers=asking)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["access-control-allow-private-network"] == "true"
+            assert answer.headers["access-control-allow-origin"] in ("https://app.example", "*")
+            not_asking = cors.options("/v1/chat/completions", headers=preflight)
+            assert not_asking.status_code == 200 and "access-control-allow-private-network" not in not_asking.headers
+    other_origin = {**asking, "Origin": "https://evil.example"}
+    other_method = {**asking, "Access-Control-Request-Method": "PATCH"}
+    with TestClient(create_app(tiny_config(allowed_origins=["https://app.example"]))) as cors:
+        for refused in (other_origin, other_method):
+            answer = cors.options("/v1/chat/completions", headers=refused)
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "cors_disallowed"
+            assert "access-control-allow-private-network" not in answer.headers
+
+
 def test_required_tool_calls_take_tools_whose_parameters_use_defs(client: TestClient) -> None:
     """``tool_choice: "required"`` put every tool's schema under one root, where a pydantic tool's ``#/$defs/...``
     references no longer resolved: a 400 for any tool with an enum or a nested model."""
