@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
@@ -54,6 +55,7 @@ from rnnserve.server.guard import BodyReads, RequestGuard
 from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import max_state_upload_bytes, open_session_store
+from rnnserve.server.streaming import SERVER_SEND
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -69,6 +71,16 @@ class CORS(CORSMiddleware):
         reason = bytes(response.body).decode()
         headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
         return APIError(400, f"{reason} (see --allowed-origins)", code="cors_disallowed", headers=headers).response()
+
+
+class ServerApp(FastAPI):
+    """The app, which leaves the server's own ``send`` in each request's scope (:data:`SERVER_SEND`): a stream's
+    events go to it past the middlewares' wrappers of ``send`` (see :class:`EventStreamResponse`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def engine_driver(
@@ -120,7 +132,7 @@ def create_app(
         finally:
             await asyncio.to_thread(async_engine.stop)
 
-    app = FastAPI(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)
+    app = ServerApp(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)
     app.state.config = config
     app.state.engine = async_engine
     app.state.metrics = metrics
