@@ -29,6 +29,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,7 @@ def load_server_overhead() -> object:
     from the worker's checkout."""
     spec = importlib.util.spec_from_file_location("server_overhead", ROOT / "benchmarks" / "server_overhead.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["server_overhead"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
@@ -128,7 +130,10 @@ async def serve_loads(args: argparse.Namespace) -> None:
     from rnnserve.engine.llm_engine import freeze_startup_heap
     from rnnserve.server.http_server import build_server, listen_socket
 
-    app = overhead.scripted_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
+    if args.engine == "process":
+        app = overhead.scripted_process_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
+    else:
+        app = overhead.scripted_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
     config = app.state.config
     config.log_level, config.access_log = "warning", False
     server = build_server(app, config)
@@ -137,6 +142,11 @@ async def serve_loads(args: argparse.Namespace) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     driver = app.state.engine.driver
+
+    def building() -> float:
+        """The CPU seconds this process spent building outputs as the engine (none with an engine process)."""
+        return getattr(driver, "build_seconds", 0.0)
+
     freeze_startup_heap()  # as `rnnserve serve` does
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
@@ -147,18 +157,18 @@ async def serve_loads(args: argparse.Namespace) -> None:
                    str(args.output_len), "--requests-per-stream", str(args.requests_per_stream)]  # fmt: skip
         if usage == "1":
             command.append("--usage")
-        before, built = resource.getrusage(resource.RUSAGE_SELF), driver.build_seconds
+        before, built, started = resource.getrusage(resource.RUSAGE_SELF), building(), time.monotonic()
         client = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
         out, _ = await client.communicate()
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
         if client.returncode:
             raise RuntimeError("the client failed")
         tokens = args.concurrency * args.requests_per_stream * args.output_len
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - (driver.build_seconds - built)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - (building() - built)
         system = after.ru_stime - before.ru_stime
         print(json.dumps({"us_per_token": cpu / tokens * 1e6, "system_us_per_token": system / tokens * 1e6,
-                          "built_us_per_token": (driver.build_seconds - built) / tokens * 1e6,
-                          "tokens_per_event": tokens / int(out)}), flush=True)  # fmt: skip
+                          "built_us_per_token": (building() - built) / tokens * 1e6, "tokens_per_event":
+                          tokens / int(out), "tokens_per_second": tokens / wall}), flush=True)  # fmt: skip
     server.should_exit = True
     await serving
 
@@ -179,7 +189,8 @@ def worker_main(args: argparse.Namespace) -> None:
 def start_worker(checkout: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(checkout), "--port", str(port),
                "--concurrency", str(args.concurrency), "--output-len", str(args.output_len), "--step-ms",
-               str(args.step_ms), "--requests-per-stream", str(args.requests_per_stream)]  # fmt: skip
+               str(args.step_ms), "--requests-per-stream", str(args.requests_per_stream),
+               "--engine", args.engine]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
     line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -202,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per connection (default: 2)")
     parser.add_argument("--step-ms", type=float, default=25.0, help="the scripted engine's step (default: 25)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (default: 5)")
+    parser.add_argument("--engine", choices=("process", "loop"), default="process",
+                        help="the scripted engine in a process of its own, reached as --api-servers reach theirs "
+                        "(default), or in the server's event loop")
     parser.add_argument("--port", type=int, default=18100, help="the first of two ports (default: 18100)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -229,10 +243,11 @@ def main(argv: list[str] | None = None) -> None:
             proc.stdin.close()  # type: ignore[union-attr]
             proc.wait(timeout=60)
     print(f"API server CPU us per streamed token (its process, less the scripted engine's building of outputs); "
-          f"{args.concurrency} streams x {args.output_len} tokens, a step every {args.step_ms:g} ms, "
+          f"{args.concurrency} streams x {args.output_len} tokens, a step every {args.step_ms:g} ms, engine in "
+          f"{'a process of its own' if args.engine == 'process' else 'the event loop'}, "
           f"{args.rounds} rounds, medians")
     print(f"{'load':34s} {'base':>8s} {'this':>8s} {'this/base':>10s} {'sys base':>9s} {'sys this':>9s} "
-          f"{'tok/event':>10s} {'built us':>9s}")
+          f"{'tok/event':>10s} {'built us':>9s} {'tok/s base':>11s} {'tok/s this':>11s}")
     for endpoint, usage in LOADS:
         base, this = figures[(endpoint, usage, "base")], figures[(endpoint, usage, "this")]
         ratios = [t["us_per_token"] / b["us_per_token"] for b, t in zip(base, this, strict=True)]
@@ -242,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:34s} {statistics.median(f['us_per_token'] for f in base):8.2f} "
               f"{statistics.median(f['us_per_token'] for f in this):8.2f} {statistics.median(ratios):10.3f} "
               f"{statistics.median(f['system_us_per_token'] for f in base):9.2f} "
-              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f}")
+              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f} "
+              f"{statistics.median(f['tokens_per_second'] for f in base):11.0f} "
+              f"{statistics.median(f['tokens_per_second'] for f in this):11.0f}")
 
 
 if __name__ == "__main__":
