@@ -2,20 +2,27 @@
 
 Each checkout serves the real app (``create_app``) through the real HTTP stack (``build_server``: uvicorn with
 httptools and uvloop where installed) in a worker process of its own, importing from that checkout, with the
-engine replaced by a scripted driver (``server_overhead.ScriptedDriver``) that steps every ``--step-ms`` and gives
-each running request one token a step: the device is taken out, and what the worker's CPU time counts is the
-server's path from a ``RequestOutput`` arriving to its SSE bytes written (the driver's own building of the outputs
-is timed and taken off). A client process (raw sockets on uvloop, kept-alive connections) keeps ``--concurrency``
-streams of ``--output-len`` tokens going, ``--requests-per-stream`` in a row on each connection, and checks that
-every response is a 200 ending with ``[DONE]`` and carrying no error. Four loads: completions and chat, each
-with and without ``stream_options.include_usage``. The two workers take turns load by load, the order swapped
-each round, so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median
-of the paired ratios ``this / base`` and the kernel's part (system time: mostly the socket writes). The client
-shares the machine, so keep ``--step-ms`` long enough that the server keeps up (one token a chunk; the table
-says how many tokens an event carried)::
+engine replaced by a scripted one that steps every ``--step-ms`` and gives each running request one token a
+step: the device is taken out. By default (``--engine process``) the scripted engine runs in a process of its own
+(``server_overhead.run_scripted_engine``) and the server reaches it as each of ``--api-servers`` reaches the
+engine process (``ProcessDriver``: a thread writes the commands, another reads and decodes the outputs), which
+sends what ``run_engine_process`` would (rows and columns, steps merged into one output per stream while the
+server holds two unhandled): the worker's CPU time is an API server's whole part, from the engine's bytes to its
+SSE bytes written. With ``--engine loop`` the engine is ``server_overhead.ScriptedDriver`` in the event loop,
+which builds ``RequestOutput`` objects itself (timed and taken off): the server's path from an output to its
+bytes alone. A client process (raw sockets on uvloop, kept-alive connections) keeps ``--concurrency`` streams of
+``--output-len`` tokens going, ``--requests-per-stream`` in a row on each connection, and checks that every
+response is a 200 ending with ``[DONE]`` and carrying no error. Four loads: completions and chat, each with and
+without ``stream_options.include_usage``. The two workers take turns load by load, the order swapped each round,
+so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median of the
+paired ratios ``this / base``, the kernel's part (system time: mostly the socket writes), the tokens an event
+carried (above 1: the server fell behind the engine and wrote several tokens an event) and the tokens per second
+the client read. A short ``--step-ms`` (e.g. 1) has the engine step faster than a server can write: the
+saturated case, whose tokens per CPU second are what a server core delivers::
 
     git worktree add /tmp/base HEAD
     python benchmarks/sse_ab.py --base /tmp/base [--concurrency 256] [--output-len 64] [--step-ms 25] [--rounds 5]
+        [--engine process|loop]
 """
 
 from __future__ import annotations

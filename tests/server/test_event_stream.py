@@ -44,9 +44,12 @@ def receiving(body: bytes, disconnected: asyncio.Event) -> Receive:
     return receive
 
 
-async def run_with_app(test: Callable[[FastAPI], Awaitable[None]]) -> None:
-    """``test(app)`` with the app's lifespan (its engine loop) running; afterwards no request is unfinished."""
+async def run_with_app(test: Callable[[FastAPI], Awaitable[None]], middleware: type | None = None) -> None:
+    """``test(app)`` with the app's lifespan (its engine loop) running, ``middleware`` added to the app first;
+    afterwards no request is unfinished."""
     app = create_app(tiny_config())
+    if middleware is not None:
+        app.add_middleware(middleware)
     lifespan: asyncio.Queue = asyncio.Queue()
     started = asyncio.Event()
 
@@ -125,7 +128,8 @@ def test_a_streams_body_goes_to_the_servers_send_past_the_middlewares_wrappers()
 
         async def __call__(self, scope: dict, receive: Receive, send: Callable[[dict], Awaitable[None]]) -> None:
             async def watched(message: dict) -> None:
-                wrapped.append(message["type"])
+                if scope["type"] == "http":
+                    wrapped.append(message["type"])
                 await send(message)
 
             await self.app(scope, receive, watched)
@@ -134,10 +138,9 @@ def test_a_streams_body_goes_to_the_servers_send_past_the_middlewares_wrappers()
         async def send(message: dict) -> None:
             sent.append(message)
 
-        app.add_middleware(WatchSends)
         await asyncio.wait_for(app(scope(body), receiving(body, asyncio.Event()), send), 30)
 
-    asyncio.run(run_with_app(test))
+    asyncio.run(run_with_app(test, WatchSends))
     assert wrapped == ["http.response.start"]
     assert len(sent) > 2 and sent[-1]["body"].endswith(b"data: [DONE]\n\n") and sent[-1]["more_body"] is False
 
