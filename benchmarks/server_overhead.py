@@ -31,12 +31,17 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from multiprocessing.connection import Connection  # noqa: E402
 from typing import Any  # noqa: E402
 
 os.environ["RNNSERVE_CPU_KERNELS"] = "0"  # the engine is never stepped: no need to build (or rebuild) its kernels
@@ -50,13 +55,21 @@ from rnnserve.engine.llm_engine import EngineLoad, StepStats, freeze_startup_hea
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from rnnserve.server.app import ServerConfig, create_app  # noqa: E402
 from rnnserve.server.engine_core import (  # noqa: E402
+    MAX_UNHANDLED,
     AbortCommand,
     AddCommand,
     Added,
     Command,
+    EncodedStep,
     EngineInfo,
     EventHandler,
+    HandledCommand,
+    ProcessDriver,
     Stepped,
+    StopCommand,
+    Stopped,
+    receive_message,
+    send_message,
 )
 
 PRESET = "mingru-tiny"
@@ -145,6 +158,120 @@ def scripted_app(concurrency: int, step_interval: float = 0.0) -> FastAPI:
     info = bridge.driver.info
     load = EngineLoad(0, 0, concurrency, 0, 0)
     bridge.driver = ScriptedDriver(EngineInfo(**{**info.__dict__, "load": load}), step_interval)
+    return app
+
+
+@dataclass
+class ScriptedStream:
+    """What :func:`run_scripted_engine` keeps of a request: its prompt, tokens asked for and made, those made
+    since its last output, its handle once its first output crossed (its later ones are compact), its times."""
+
+    prompt: str | list[int]
+    max_tokens: int
+    metrics: RequestMetrics
+    generated: int = 0
+    unsent: int = 0
+    handle: int | None = None
+    prompt_sent: bool = False
+
+
+def run_scripted_engine(conn: Connection, load: EngineLoad, step_interval: float) -> None:
+    """An engine process that takes no time, serving the API server at the other end of ``conn`` as
+    ``run_engine_process`` does, in the messages it would send: the server's commands (adds, aborts, the
+    acknowledgements of handled steps, stop) as they come; while requests run, a step every ``step_interval``
+    seconds (0: one after the other) that gives each a token (byte ``a``); a step's outputs posted while the
+    server holds fewer than ``MAX_UNHANDLED`` unhandled, else merged with the next steps' (a stream's output then
+    carries several tokens), as rows (a stream's first and last output) and one column of compact outputs
+    (``EncodedStep``, as ``OutputEncoder`` builds them)."""
+    freeze_startup_heap()  # what it inherited from the server stays out of its collections
+    streams: dict[str, ScriptedStream] = {}
+    handles = itertools.count()
+    steps: list[StepStats] = []
+    unhandled = 0
+    next_step = time.monotonic()
+    while True:
+        timeout = None if not streams else max(0.0, next_step - time.monotonic())
+        if conn.poll(timeout):
+            for command in receive_message(conn):
+                if isinstance(command, AddCommand):
+                    now = time.monotonic()
+                    if not streams:
+                        next_step = now + step_interval
+                    max_tokens = command.params.max_tokens
+                    for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+                        streams[request_id] = ScriptedStream(prompt, max_tokens, RequestMetrics(now, now))
+                    send_message(conn, Added(command.add_id, command.request_ids, None, load))
+                elif isinstance(command, AbortCommand):
+                    for request_id in command.request_ids:
+                        streams.pop(request_id, None)
+                elif isinstance(command, HandledCommand):
+                    unhandled -= 1
+                elif isinstance(command, StopCommand):
+                    send_message(conn, Stopped("stopped"))
+                    return
+        now = time.monotonic()
+        if streams and now >= next_step:
+            for stream in streams.values():
+                if stream.generated < stream.max_tokens:
+                    stream.generated += 1
+                    stream.unsent += 1
+            steps.append(StepStats(decode_batch_size=len(streams), generated_tokens=len(streams)))
+            next_step = max(next_step + step_interval, now)
+        if steps and unhandled < MAX_UNHANDLED:
+            send_message(conn, scripted_step(streams, handles, steps, load, now))
+            unhandled += 1
+            steps = []
+
+
+def scripted_step(
+    streams: dict[str, ScriptedStream], handles: Iterator[int], steps: list[StepStats], load: EngineLoad, now: float
+) -> EncodedStep:
+    """The outputs of ``streams`` since their last ones, as an engine process sends them; forgets those that
+    finished."""
+    rows: list[tuple] = []
+    column: list[Any] = []
+    for request_id, stream in list(streams.items()):
+        count, stream.unsent = stream.unsent, 0
+        if not count:
+            continue
+        text, token_ids = "a" * count, [97] * count
+        metrics = stream.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.previous_token_time, metrics.last_token_time = metrics.last_token_time, now
+        finished = stream.generated >= stream.max_tokens
+        if stream.handle is not None and not finished:
+            column += (stream.handle, text, token_ids)
+            continue
+        prompt = None
+        if not stream.prompt_sent:
+            prompt_ids = list(stream.prompt.encode()) if isinstance(stream.prompt, str) else stream.prompt
+            prompt = (stream.prompt if isinstance(stream.prompt, str) else None, prompt_ids, None)
+            stream.prompt_sent = True
+        if finished:
+            metrics.finished_time = now
+            del streams[request_id]
+        else:
+            stream.handle = next(handles)
+        sample = (0, text, token_ids, "length" if finished else None, None, 0.0, text, token_ids, [], stream.generated,
+                  None)  # fmt: skip
+        times = dataclasses.astuple(metrics)
+        rows.append((request_id, prompt, [sample], finished, times, None, 0, None, None, stream.handle))
+    return EncodedStep(rows, steps, load, column)
+
+
+def scripted_process_app(concurrency: int, step_interval: float) -> FastAPI:
+    """The real app whose engine is :func:`run_scripted_engine` in a process of its own (forked), reached as
+    ``--api-servers`` reach theirs (``ProcessDriver``: commands written by a thread, outputs read and decoded by
+    another): what this process spends is an API server's whole part."""
+    app = scripted_app(concurrency)
+    bridge = app.state.engine
+    server_end, engine_end = multiprocessing.Pipe()
+    load = bridge.driver.info.load
+    engine = multiprocessing.get_context("fork").Process(target=run_scripted_engine, args=(engine_end, load,
+                                                                                           step_interval), daemon=True)
+    engine.start()
+    engine_end.close()
+    bridge.driver = ProcessDriver(server_end, bridge.driver.info)
     return app
 
 

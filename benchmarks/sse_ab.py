@@ -2,20 +2,27 @@
 
 Each checkout serves the real app (``create_app``) through the real HTTP stack (``build_server``: uvicorn with
 httptools and uvloop where installed) in a worker process of its own, importing from that checkout, with the
-engine replaced by a scripted driver (``server_overhead.ScriptedDriver``) that steps every ``--step-ms`` and gives
-each running request one token a step: the device is taken out, and what the worker's CPU time counts is the
-server's path from a ``RequestOutput`` arriving to its SSE bytes written (the driver's own building of the outputs
-is timed and taken off). A client process (raw sockets on uvloop, kept-alive connections) keeps ``--concurrency``
-streams of ``--output-len`` tokens going, ``--requests-per-stream`` in a row on each connection, and checks that
-every response is a 200 ending with ``[DONE]`` and carrying no error. Four loads: completions and chat, each
-with and without ``stream_options.include_usage``. The two workers take turns load by load, the order swapped
-each round, so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median
-of the paired ratios ``this / base`` and the kernel's part (system time: mostly the socket writes). The client
-shares the machine, so keep ``--step-ms`` long enough that the server keeps up (one token a chunk; the table
-says how many tokens an event carried)::
+engine replaced by a scripted one that steps every ``--step-ms`` and gives each running request one token a
+step: the device is taken out. By default (``--engine process``) the scripted engine runs in a process of its own
+(``server_overhead.run_scripted_engine``) and the server reaches it as each of ``--api-servers`` reaches the
+engine process (``ProcessDriver``: a thread writes the commands, another reads and decodes the outputs), which
+sends what ``run_engine_process`` would (rows and columns, steps merged into one output per stream while the
+server holds two unhandled): the worker's CPU time is an API server's whole part, from the engine's bytes to its
+SSE bytes written. With ``--engine loop`` the engine is ``server_overhead.ScriptedDriver`` in the event loop,
+which builds ``RequestOutput`` objects itself (timed and taken off): the server's path from an output to its
+bytes alone. A client process (raw sockets on uvloop, kept-alive connections) keeps ``--concurrency`` streams of
+``--output-len`` tokens going, ``--requests-per-stream`` in a row on each connection, and checks that every
+response is a 200 ending with ``[DONE]`` and carrying no error. Four loads: completions and chat, each with and
+without ``stream_options.include_usage``. The two workers take turns load by load, the order swapped each round,
+so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median of the
+paired ratios ``this / base``, the kernel's part (system time: mostly the socket writes), the tokens an event
+carried (above 1: the server fell behind the engine and wrote several tokens an event) and the tokens per second
+the client read. A short ``--step-ms`` (e.g. 1) has the engine step faster than a server can write: the
+saturated case, whose tokens per CPU second are what a server core delivers::
 
     git worktree add /tmp/base HEAD
     python benchmarks/sse_ab.py --base /tmp/base [--concurrency 256] [--output-len 64] [--step-ms 25] [--rounds 5]
+        [--engine process|loop]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +125,7 @@ def load_server_overhead() -> object:
     from the worker's checkout."""
     spec = importlib.util.spec_from_file_location("server_overhead", ROOT / "benchmarks" / "server_overhead.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["server_overhead"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
@@ -128,7 +137,10 @@ async def serve_loads(args: argparse.Namespace) -> None:
     from rnnserve.engine.llm_engine import freeze_startup_heap
     from rnnserve.server.http_server import build_server, listen_socket
 
-    app = overhead.scripted_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
+    if args.engine == "process":
+        app = overhead.scripted_process_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
+    else:
+        app = overhead.scripted_app(args.concurrency, args.step_ms / 1e3)  # type: ignore[attr-defined]
     config = app.state.config
     config.log_level, config.access_log = "warning", False
     server = build_server(app, config)
@@ -137,6 +149,11 @@ async def serve_loads(args: argparse.Namespace) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     driver = app.state.engine.driver
+
+    def building() -> float:
+        """The CPU seconds this process spent building outputs as the engine (none with an engine process)."""
+        return getattr(driver, "build_seconds", 0.0)
+
     freeze_startup_heap()  # as `rnnserve serve` does
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
@@ -147,18 +164,18 @@ async def serve_loads(args: argparse.Namespace) -> None:
                    str(args.output_len), "--requests-per-stream", str(args.requests_per_stream)]  # fmt: skip
         if usage == "1":
             command.append("--usage")
-        before, built = resource.getrusage(resource.RUSAGE_SELF), driver.build_seconds
+        before, built, started = resource.getrusage(resource.RUSAGE_SELF), building(), time.monotonic()
         client = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
         out, _ = await client.communicate()
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
         if client.returncode:
             raise RuntimeError("the client failed")
         tokens = args.concurrency * args.requests_per_stream * args.output_len
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - (driver.build_seconds - built)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - (building() - built)
         system = after.ru_stime - before.ru_stime
         print(json.dumps({"us_per_token": cpu / tokens * 1e6, "system_us_per_token": system / tokens * 1e6,
-                          "built_us_per_token": (driver.build_seconds - built) / tokens * 1e6,
-                          "tokens_per_event": tokens / int(out)}), flush=True)  # fmt: skip
+                          "built_us_per_token": (building() - built) / tokens * 1e6, "tokens_per_event":
+                          tokens / int(out), "tokens_per_second": tokens / wall}), flush=True)  # fmt: skip
     server.should_exit = True
     await serving
 
@@ -179,7 +196,8 @@ def worker_main(args: argparse.Namespace) -> None:
 def start_worker(checkout: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(checkout), "--port", str(port),
                "--concurrency", str(args.concurrency), "--output-len", str(args.output_len), "--step-ms",
-               str(args.step_ms), "--requests-per-stream", str(args.requests_per_stream)]  # fmt: skip
+               str(args.step_ms), "--requests-per-stream", str(args.requests_per_stream),
+               "--engine", args.engine]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
     line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -202,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per connection (default: 2)")
     parser.add_argument("--step-ms", type=float, default=25.0, help="the scripted engine's step (default: 25)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (default: 5)")
+    parser.add_argument("--engine", choices=("process", "loop"), default="process",
+                        help="the scripted engine in a process of its own, reached as --api-servers reach theirs "
+                        "(default), or in the server's event loop")
     parser.add_argument("--port", type=int, default=18100, help="the first of two ports (default: 18100)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -229,10 +250,11 @@ def main(argv: list[str] | None = None) -> None:
             proc.stdin.close()  # type: ignore[union-attr]
             proc.wait(timeout=60)
     print(f"API server CPU us per streamed token (its process, less the scripted engine's building of outputs); "
-          f"{args.concurrency} streams x {args.output_len} tokens, a step every {args.step_ms:g} ms, "
+          f"{args.concurrency} streams x {args.output_len} tokens, a step every {args.step_ms:g} ms, engine in "
+          f"{'a process of its own' if args.engine == 'process' else 'the event loop'}, "
           f"{args.rounds} rounds, medians")
     print(f"{'load':34s} {'base':>8s} {'this':>8s} {'this/base':>10s} {'sys base':>9s} {'sys this':>9s} "
-          f"{'tok/event':>10s} {'built us':>9s}")
+          f"{'tok/event':>10s} {'built us':>9s} {'tok/s base':>11s} {'tok/s this':>11s}")
     for endpoint, usage in LOADS:
         base, this = figures[(endpoint, usage, "base")], figures[(endpoint, usage, "this")]
         ratios = [t["us_per_token"] / b["us_per_token"] for b, t in zip(base, this, strict=True)]
@@ -242,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:34s} {statistics.median(f['us_per_token'] for f in base):8.2f} "
               f"{statistics.median(f['us_per_token'] for f in this):8.2f} {statistics.median(ratios):10.3f} "
               f"{statistics.median(f['system_us_per_token'] for f in base):9.2f} "
-              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f}")
+              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f} "
+              f"{statistics.median(f['tokens_per_second'] for f in base):11.0f} "
+              f"{statistics.median(f['tokens_per_second'] for f in this):11.0f}")
 
 
 if __name__ == "__main__":

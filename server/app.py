@@ -37,6 +37,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Match, Route
+from starlette.types import Receive, Scope, Send
 
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.async_engine import AsyncEngine
@@ -60,6 +61,7 @@ from rnnserve.server.sessions import (
     sweep_expired_sessions,
     sweep_interval,
 )
+from rnnserve.server.streaming import SERVER_SEND
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -108,6 +110,16 @@ def method_not_allowed(request: Request) -> APIError:
         code="method_not_allowed",
         headers={"Allow": allow},
     )
+
+
+class ServerApp(FastAPI):
+    """The app, which leaves the server's own ``send`` in each request's scope (:data:`SERVER_SEND`): a stream's
+    events go to it past the middlewares' wrappers of ``send`` (see :class:`EventStreamResponse`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def engine_driver(
@@ -167,7 +179,7 @@ def create_app(
                 sweep.cancel()
             await asyncio.to_thread(async_engine.stop)
 
-    app = FastAPI(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)
+    app = ServerApp(title="rnnserve", version=rnnserve_version(), lifespan=lifespan)
     app.state.config = config
     app.state.engine = async_engine
     app.state.metrics = metrics

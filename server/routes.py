@@ -201,7 +201,7 @@ class OpenAIServing:
             weakref.finalize(submission, turn.release_soon)  # also if the response is dropped before it starts
         stream = generation(self.tokenizer, submission, req, model, params)
         if req.stream:
-            return EventStreamResponse(stream.events(), submission)
+            return EventStreamResponse(stream)
         return JSONResponse(await until_disconnect(request, stream.collect(), submission))
 
     async def completions(self, request: Request, req: CompletionRequest) -> Response:

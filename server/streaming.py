@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -93,23 +93,29 @@ SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
 
 
 DONE_EVENT = "data: [DONE]\n\n"
+# Where the app puts the server's own ``send`` in a request's scope (``ServerApp``): a stream's body messages go
+# to it directly, past the send wrappers of the app's middleware.
+SERVER_SEND = "rnnserve.server_send"
 
 
 class EventStreamResponse(Response):
-    """Server-sent events, one body message per event; whatever ends the stream (done, error, disconnect) aborts
-    the submission's leftovers.
+    """Server-sent events, one body message per write of ``stream`` (:meth:`Generation.send_events`); whatever
+    ends the stream (done, error, disconnect) aborts the submission's leftovers.
 
     A task of its own waits for the client's disconnect and fails the submission (:func:`fail_on_disconnect`),
     whose events then end at once. (Starlette's ``StreamingResponse`` runs each response in an anyio task group
     with a second task and cancel scopes under ASGI < 2.4, as uvicorn speaks it: about 40% of the serving
     process's CPU for a one-token stream in ``benchmarks/server_overhead.py``.) The events are sent from a task of
     their own too: a token's output wakes that task, whose coroutines are this response's few, where the request's
-    task would resume (and suspend again) every middleware of the app on each token. The last event (``[DONE]``)
-    ends the body in the same write."""
+    task would resume (and suspend again) every middleware of the app on each token. The response's start goes
+    through the app's ``send`` (Starlette's middlewares wrap it to see whether a response started); its body goes
+    to the server's own ``send`` where the app left it in the scope (:data:`SERVER_SEND`): the wrappers, three
+    coroutines that look at each message's type, would run on every token. No middleware of the app may so
+    rewrite a streamed body (none does: they look at a response's start only)."""
 
-    def __init__(self, events: AsyncGenerator[str, None], submission: Submission) -> None:
-        self.events = events
-        self.submission = submission
+    def __init__(self, stream: Generation) -> None:
+        self.stream = stream
+        self.submission = stream.submission
         self.status_code = 200
         self.background = None
         self.raw_headers = list(SSE_HEADERS)
@@ -119,7 +125,8 @@ class EventStreamResponse(Response):
         watcher = loop.create_task(fail_on_disconnect(receive, self.submission))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await loop.create_task(self.send_events(send))  # cancelled with this task (a drain's end)
+            body_send = scope.get(SERVER_SEND, send)
+            await loop.create_task(self.stream.send_events(body_send))  # cancelled with this task (a drain's end)
         except OSError:  # ASGI 2.4: a send to a closed connection raises
             pass
         except asyncio.CancelledError:  # the end of a drain cancels a stream whose client stopped reading: not
@@ -127,16 +134,6 @@ class EventStreamResponse(Response):
         finally:
             watcher.cancel()
             self.submission.abort()
-            await self.events.aclose()
-
-    async def send_events(self, send: Send) -> None:
-        """Send each event as a body message; the last (``[DONE]``) ends the body."""
-        async for event in self.events:
-            done = event.endswith(DONE_EVENT)  # a chunk's JSON never ends a line: [DONE] comes last alone
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": not done})
-            if done:
-                return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 T = TypeVar("T")
@@ -316,14 +313,18 @@ class Generation(ABC):
         usage = ', "usage": null' if self.include_usage else ""
         return f"{self._chunk_head}[{choice_start}", f"{choice_end}]{usage}}}\n\n"
 
-    async def events(self) -> AsyncGenerator[str, None]:
-        """SSE events: chunks, an optional usage chunk, ``[DONE]``; an error event if generation fails.
+    async def send_events(self, send: Send) -> None:
+        """Send the SSE events as ASGI body messages: chunks, an optional usage chunk, ``[DONE]`` (in the message
+        that ends the body); an error event before it if generation fails. A ``send`` that raises (a closed
+        connection) raises here: there is nobody to tell.
 
         The chunks of outputs that are already queued go out in one write: a client (or an event loop) that
         falls behind the engine catches up with one send per batch, not one per token. Once the stream's chunks
         are plain (:attr:`plain_parts`), an output that adds text or tokens and does not finish is written from
-        those parts and its delta alone, without choice dicts (as :meth:`chunk` would write it)."""
+        those parts and its delta alone, without choice dicts (as :meth:`chunk` would write it). A coroutine that
+        sends, not an async generator of events: each token's resumption then passes through one frame less."""
         pending: list[str] = []
+        sending = False  # what raises while this is set is the send's, not the generation's
         try:
             continuous_usage = self.continuous_usage
             # With running usage the opening chunks wait for the first output, which tells the prompt's length
@@ -331,7 +332,9 @@ class Generation(ABC):
             opening = self.opening_choices()
             if not continuous_usage:
                 for choice in opening:
-                    yield self.chunk([choice])
+                    sending = True
+                    await send({"type": "http.response.body", "body": self.chunk([choice]).encode(), "more_body": True})
+                    sending = False
                 opening = []
             next_output = self.submission.next_output
             has_queued = self.submission.has_queued
@@ -344,26 +347,28 @@ class Generation(ABC):
                     sample = out.outputs[0]
                     if sample.text_delta or sample.new_token_ids:
                         pending.append(f"{parts[0]}{json_string(sample.text_delta)}{parts[1]}")
-                    if pending and not has_queued():
-                        yield "".join(pending)
-                        pending.clear()
-                    continue
-                if out.finished or continuous_usage:  # usage counts each request's last output
+                elif out.finished or continuous_usage:  # usage counts each request's last output
                     self.record(out)
-                choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]
-                if choices:
-                    pending.append(self.chunk(choices))
-                if closing := self.closing_choices():
-                    pending.append(self.chunk(closing))
+                if parts is None or out.finished:
+                    choices = [c for sample in out.outputs if (c := self.next_choice(out, sample)) is not None]
+                    if choices:
+                        pending.append(self.chunk(choices))
+                    if closing := self.closing_choices():
+                        pending.append(self.chunk(closing))
                 if pending and not has_queued():
-                    yield "".join(pending)
+                    body = "".join(pending).encode()
                     pending.clear()
+                    sending = True
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    sending = False
             if self.include_usage:
                 pending.append(self.chunk([], self.usage()))
         except Exception as err:  # a failed generation ends with an error event, never a hung stream
+            if sending:
+                raise
             pending.append(generation_error(err).sse())
         pending.append(DONE_EVENT)
-        yield "".join(pending)
+        await send({"type": "http.response.body", "body": "".join(pending).encode(), "more_body": False})
 
     async def collect(self) -> dict:
         """The whole (non-streamed) response body."""

@@ -44,9 +44,12 @@ def receiving(body: bytes, disconnected: asyncio.Event) -> Receive:
     return receive
 
 
-async def run_with_app(test: Callable[[FastAPI], Awaitable[None]]) -> None:
-    """``test(app)`` with the app's lifespan (its engine loop) running; afterwards no request is unfinished."""
+async def run_with_app(test: Callable[[FastAPI], Awaitable[None]], middleware: type | None = None) -> None:
+    """``test(app)`` with the app's lifespan (its engine loop) running, ``middleware`` added to the app first;
+    afterwards no request is unfinished."""
     app = create_app(tiny_config())
+    if middleware is not None:
+        app.add_middleware(middleware)
     lifespan: asyncio.Queue = asyncio.Queue()
     started = asyncio.Event()
 
@@ -110,6 +113,36 @@ def test_a_streams_events_are_sent_from_a_task_of_their_own() -> None:
         assert len(senders) > 2 and all(task is not request for task in senders[1:])
 
     asyncio.run(run_with_app(test))
+
+
+def test_a_streams_body_goes_to_the_servers_send_past_the_middlewares_wrappers() -> None:
+    """The response's start goes through the app's middlewares (Starlette's wrap ``send`` to see it); the events
+    go to the server's own ``send``: a wrapper of ``send`` in the app sees the start alone."""
+    body = json.dumps({"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "stream": True}).encode()
+    wrapped: list[str] = []
+    sent: list[dict] = []
+
+    class WatchSends:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: dict, receive: Receive, send: Callable[[dict], Awaitable[None]]) -> None:
+            async def watched(message: dict) -> None:
+                if scope["type"] == "http":
+                    wrapped.append(message["type"])
+                await send(message)
+
+            await self.app(scope, receive, watched)
+
+    async def test(app: FastAPI) -> None:
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope(body), receiving(body, asyncio.Event()), send), 30)
+
+    asyncio.run(run_with_app(test, WatchSends))
+    assert wrapped == ["http.response.start"]
+    assert len(sent) > 2 and sent[-1]["body"].endswith(b"data: [DONE]\n\n") and sent[-1]["more_body"] is False
 
 
 def test_a_stream_whose_send_raises_ends_quietly_and_frees_its_slot() -> None:

@@ -13,7 +13,7 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rnnserve.server.streaming import ChatStream, CompletionStream, Generation
-from tests.server.test_stream_batching import QueuedSubmission
+from tests.server.test_stream_batching import QueuedSubmission, sent_writes
 
 # Deltas a JSON writer can get wrong: quotes and backslashes, control characters, the line breaks that JSON allows
 # raw but some SSE readers split on, non-ASCII text, emoji beyond the BMP, empty text.
@@ -43,7 +43,7 @@ def written(stream: Generation) -> str:
     async def run() -> list[str]:
         submission = stream.submission
         submission.has_queued = lambda: False  # type: ignore[method-assign]
-        return [w async for w in stream.events()]
+        return await sent_writes(stream)
 
     return "".join(asyncio.run(run()))
 

@@ -9,7 +9,7 @@ from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.protocol import CompletionRequest
-from rnnserve.server.streaming import CompletionStream
+from rnnserve.server.streaming import CompletionStream, Generation
 
 
 class QueuedSubmission:
@@ -32,6 +32,18 @@ class QueuedSubmission:
         out = await self.queue.get()
         self.ended = out.finished
         return out
+
+
+async def sent_writes(stream: Generation) -> list[str]:
+    """The body of each message the stream sends (``Generation.send_events``), in order; the last ends the body."""
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await stream.send_events(send)
+    assert [m["more_body"] for m in sent] == [True] * (len(sent) - 1) + [False]
+    return [m["body"].decode() for m in sent]
 
 
 def step_output(text: str, step: int, last: bool) -> RequestOutput:
@@ -57,7 +69,7 @@ def test_queued_outputs_are_written_together_and_in_order() -> None:
     )
 
     async def writes() -> list[str]:
-        return [w async for w in stream.events()]
+        return await sent_writes(stream)
 
     written = asyncio.run(writes())
     assert len(written) == 2  # every output was queued: one write for their chunks, one for [DONE]
@@ -88,7 +100,7 @@ def test_a_choice_that_ended_is_not_streamed_again_while_its_sibling_goes_on() -
     stream = CompletionStream(ByteTokenizer(), QueuedSubmission(outputs), request, "m", params)
 
     async def writes() -> list[str]:
-        return [w async for w in stream.events()]
+        return await sent_writes(stream)
 
     events = [e for w in asyncio.run(writes()) for e in w.split("\n\n") if e and e != "data: [DONE]"]
     choices = [c for e in events for c in json.loads(e.removeprefix("data: "))["choices"]]

@@ -10,7 +10,7 @@ from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.engine.tokenizer import ByteTokenizer
 from rnnserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rnnserve.server.streaming import ChatStream, CompletionStream, Generation
-from tests.server.test_stream_batching import QueuedSubmission, step_output
+from tests.server.test_stream_batching import QueuedSubmission, sent_writes, step_output
 
 EOS = ByteTokenizer().eos_token_id
 # A step per token: EOS (ignored, no text), the two bytes of "é" (the first held back), "x", then EOS again.
@@ -25,7 +25,7 @@ def streamed_choices(stream: Generation) -> list[dict]:
     """The choices of every chunk the stream writes."""
 
     async def run() -> list[str]:
-        return [w async for w in stream.events()]
+        return await sent_writes(stream)
 
     events = [e.removeprefix("data: ") for w in asyncio.run(run()) for e in w.split("\n\n") if e]
     assert events[-1] == "[DONE]"
@@ -57,7 +57,7 @@ def test_echo_only_stream_sends_no_chunk_for_its_hidden_token() -> None:
     stream = CompletionStream(ByteTokenizer(), submission, request, "m", SamplingParams(max_tokens=1))
 
     async def run() -> list[str]:
-        return [w async for w in stream.events()]
+        return await sent_writes(stream)
 
     events = [e for w in asyncio.run(run()) for e in w.split("\n\n") if e]
     [only, done] = events
