@@ -316,7 +316,7 @@ async def run(url: str, pid: int, args: argparse.Namespace, session_dir: Path, t
     await asyncio.to_thread(sampler.sample, time.monotonic() - start)
     busy = {name: settled.get(name) for name in ("rnnserve_num_requests_running", "rnnserve_num_requests_waiting",
                                                  "rnnserve_state_slots_used", "rnnserve_state_memory_used_bytes")}
-    statuses = Counter({kind: n for kind, n in soak.outcomes.items()})
+    statuses = soak.outcomes
     five_xx = sum(n for (_, status), n in soak.statuses.items() if status >= 500)
     errors = settled.get('rnnserve_request_success_total{finished_reason="error"}', 0.0)
     print(f"{args.minutes:g} min, {sum(statuses.values())} requests, concurrency {args.concurrency}, "
