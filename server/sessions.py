@@ -469,6 +469,8 @@ class SessionStore:
         processes write to it too), else as this store counts them."""
         if self.shared:
             sizes = self._scan()
+            with self._lock:
+                self._forget_missing(sizes)
             return len(sizes), sum(sizes.values())
         with self._lock:
             return len(self._sizes), sum(self._sizes.values())
@@ -516,6 +518,7 @@ class SessionStore:
                 sizes = self._scan()
                 with self._lock:
                     self._sizes = sizes
+                    self._forget_missing(sizes)
                 yield
             finally:
                 fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
@@ -860,6 +863,13 @@ class SessionStore:
                 _, (evicted, _) = self._cache.popitem(last=False)
                 self._cache_used -= evicted.host_bytes
             self.metrics.cache_memory_used_bytes.set(self._cache_used)
+
+    def _forget_missing(self, sizes: dict[str, int]) -> None:
+        """Drop from the LRU the sessions not in ``sizes``, a scan of the folder: in a shared folder, those another
+        process deleted or expired, which this one would otherwise hold decoded (and count as used) until evicted
+        (the caller holds the lock)."""
+        for session_id in [cached for cached in self._cache if cached not in sizes]:
+            self._forget(session_id)
 
     def _forget(self, session_id: str) -> None:
         """Drop a session from the LRU (the caller holds the lock)."""

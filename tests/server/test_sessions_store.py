@@ -385,6 +385,25 @@ def test_session_files_of_other_processes_are_found_by_id(tmp_path: Path) -> Non
     assert store.num_sessions == 0 and store.info(info.id).num_tokens == 6 and store.num_sessions == 1
 
 
+def test_a_shared_folders_lru_drops_the_sessions_another_server_deleted(tmp_path: Path) -> None:
+    """With ``--api-servers`` a session one server deleted or expired stayed decoded in the others' LRUs, counted
+    in ``rnnserve_session_cache_memory_used_bytes``, until evicted: up to ``--session-cache-bytes`` of each server
+    held states of sessions that no longer exist (a soak's gauge climbed while the sessions stayed flat)."""
+    store = open_store(tmp_path, shared=True, metrics=SessionMetrics.unregistered())
+    other = open_store(tmp_path, shared=True)
+    gone, kept = store.create(), store.create()
+    for seed, info in enumerate((gone, kept)):
+        store.save(info.id, snapshot(seed), info.created)
+    used = store.metrics.cache_memory_used_bytes._value.get
+    assert list(store._cache) == [gone.id, kept.id] and used() == store._cache_used > 0
+    other.delete(gone.id)
+    assert store.stored()[0] == 1  # a scrape of the gauges scans the folder
+    assert list(store._cache) == [kept.id] and used() == store._cache_used == store._cache[kept.id][0].host_bytes
+    other.delete(kept.id)
+    new = store.create()  # so does every write
+    assert list(store._cache) == [new.id] and used() == store._cache[new.id][0].host_bytes
+
+
 def test_default_folder_is_per_model_under_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_session_dir(FINGERPRINT) == tmp_path / "rnnserve" / "sessions" / FINGERPRINT[:16]
