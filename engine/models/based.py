@@ -376,6 +376,13 @@ class BasedLM(RecurrentLM):
         if la and feature_map.get("_target_", "TaylorExp").rsplit(".", 1)[-1] != "TaylorExp":
             raise ValueError(f"feature map {feature_map.get('_target_')!r} is not supported (Based uses TaylorExp)")
         fla = str(la.get("parallel_implementation", "quadratic")).startswith("fla")
+        window_size = sw.get("window_size", 128)  # SlidingAttention's default
+        if sw and window_size is None:  # only a layer that builds the mixer reads it
+            raise ValueError(
+                f"alt_mixer_2.window_size is null for the sliding-window layers {layers['sliding_window']}: the "
+                "authors' SlidingAttention refuses a null window (it asserts), so no such model was trained; give "
+                "the window in tokens (the released models use 256)"
+            )
         head_dim = d_model // n_head
         vocab, multiple = hf.get("vocab_size", 50257), hf.get("pad_vocab_size_multiple", 1)
         return BasedConfig(
@@ -394,7 +401,7 @@ class BasedLM(RecurrentLM):
             taylor_input_dim=feature_map.get("input_dim", la.get("feature_dim", 16)),
             la_eps=la.get("eps", 1e-6 if fla else 1e-12),
             sw_heads=n_head,
-            window_size=sw.get("window_size", 128),
+            window_size=window_size,
             rotary_dim=int(hf.get("rotary_emb_fraction", 0.0) * head_dim),
             rope_theta=hf.get("rotary_emb_base", 10000.0),
             sw_qkv_bias=config_bool(hf.get("qkv_proj_bias", True), "qkv_proj_bias"),

@@ -42,6 +42,7 @@ def convert(src: Path) -> ConvertedCheckpoint:
         raise ConvertError(f"{src}: no readable config.json")
     try:
         config = BasedLM.from_hf_config(hf)
+        config.check_types()  # as the loader does: a string window_size would fail building the model
     except (KeyError, TypeError, ValueError) as err:
         raise ConvertError(f"{src / 'config.json'}: not a Based config: {err}") from err
     state, notes = training_state_dict(load_pickled_tensors(src / WEIGHTS), src / WEIGHTS)

@@ -53,6 +53,12 @@ TMLT_WEIGHTS = {
 }
 TIED_HEAD = "lm_head.weight"
 CONFIG_KEYS = ("vocab_size", "n_embd", "n_head", "n_loop", "block_size", "bias")
+# The defaults of the authors' ``Config`` dataclass (gpt.py), which their train.py builds from ``model_args``: a field
+# the checkpoint's ``model_args`` lacks had this value in the model that was trained. n_loop: the train.py that left
+# n_loop out of model_args (commit 340f627) came with ``n_loop: int = 100``; the current Config says 6, but its
+# train.py always saves n_loop.
+AUTHORS_CONFIG_DEFAULTS = {"vocab_size": 50304, "n_embd": 768, "n_head": 12, "n_loop": 100, "block_size": 1024,
+                           "bias": True, "is_causal": True}  # fmt: skip
 
 
 def _checkpoint_file(src: Path) -> Path:
@@ -117,10 +123,10 @@ def convert(src: Path) -> ConvertedCheckpoint:
             f"{path}: not a looped-transformer checkpoint (needs 'model', 'model_args' and config['model_type'] "
             f"in {MODEL_TYPES}; found model_type {model_type!r})"
         )
-    args = checkpoint["model_args"]
-    absent = [k for k in CONFIG_KEYS if k not in args]
-    if absent:
-        raise ConvertError(f"{path}: model_args lacks {absent}")
+    if not isinstance(checkpoint["model_args"], dict):
+        raise ConvertError(f"{path}: model_args is a {type(checkpoint['model_args']).__name__}, not a dict")
+    defaulted = {k: v for k, v in AUTHORS_CONFIG_DEFAULTS.items() if k not in checkpoint["model_args"]}
+    args = {**defaulted, **checkpoint["model_args"]}
     problem = shape_problem(args)
     if problem is not None:
         raise ConvertError(f"{path}: model_args: {problem}")
@@ -130,7 +136,7 @@ def convert(src: Path) -> ConvertedCheckpoint:
         raise ConvertError(f"{path}: {TIED_HEAD} differs from transformer.wte.weight (the models tie them)")
     try:
         bias = config_bool(args["bias"], "bias")
-        causal = config_bool(args.get("is_causal", True), "is_causal")
+        causal = config_bool(args["is_causal"], "is_causal")
     except ValueError as err:
         raise ConvertError(f"{path}: model_args: {err}") from err
     if not causal:  # the authors' attention reads it: every position would see the whole sequence, later tokens too
@@ -148,4 +154,6 @@ def convert(src: Path) -> ConvertedCheckpoint:
         "dropped: the optimizer state (if any), n_layer (unused by looped models), dropout (inference)",
         "prompts are token ids unless --tokenizer gives a tokenizer.json (the authors train on GPT-2 BPE)",
     ]
+    if defaulted:
+        notes.append(f"model_args lacks {sorted(defaulted)}: the authors' Config defaults, {defaulted}")
     return ConvertedCheckpoint(config, {names[k]: v for k, v in state.items()}, notes=notes)

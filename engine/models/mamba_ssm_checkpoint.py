@@ -8,7 +8,8 @@ Mamba-2; unset ``ssm_cfg`` entries take ``mamba_ssm``'s defaults), and the weigh
 ``vocab_size`` to ``pad_vocab_size_multiple``). The releases carry no tokenizer (the authors use GPT-NeoX-20B's):
 pass ``--tokenizer``, else prompts are token ids. What the native models do not compute is refused: hybrid
 attention layers, MLP blocks (``d_intermediate``), LayerNorm instead of RMSNorm, Mamba-2 without its gated norm
-or with ``d_ssm`` below the inner width.
+or with ``d_ssm`` below the inner width. ``ssm_cfg`` keys are the keyword arguments of ``mamba_ssm``'s ``Mamba`` /
+``Mamba2`` constructors; any other key is refused, as ``mamba_ssm`` itself refuses it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,43 @@ HEAD = "lm_head.weight"
 MAMBA_SSM_GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5 whatever the config says
 
 
+# ssm_cfg is passed to mamba_ssm's mixer constructor as keyword arguments (modules/mamba_simple.py ``Mamba``,
+# modules/mamba2.py ``Mamba2``): these are the keys each accepts, by what rnnserve does with them.
+SSM_CFG_KEYS = {
+    "Mamba1": {
+        "read": {"d_state", "d_conv", "expand", "dt_rank", "bias", "conv_bias"},
+        # the random initialisation and the training kernel's choice: no effect on a trained model's output
+        "ignored": {"dt_min", "dt_max", "dt_init", "dt_scale", "dt_init_floor", "use_fast_path"},
+    },
+    "Mamba2": {
+        "read": {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "D_has_hdim", "rmsnorm",
+                 "norm_before_gate", "dt_limit", "bias", "conv_bias", "process_group"},
+        # initialisation, the training kernel's path, the SSD chunk length (the same sums grouped otherwise) and
+        # tensor-parallel sequence sharding (only with a process group, which must be null here)
+        "ignored": {"conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "chunk_size",
+                    "use_mem_eff_path", "sequence_parallel"},
+    },
+}  # fmt: skip
+# Arguments mamba_ssm passes to the mixer itself: in ssm_cfg they are a "got multiple values" TypeError there.
+SSM_CFG_SET_BY_MAMBA_SSM = ("d_model", "layer_idx", "device", "dtype")
+
+
+def check_ssm_cfg_keys(cfg: dict[str, Any], layer: str) -> None:
+    """ConvertError naming the ``ssm_cfg`` keys that ``mamba_ssm``'s ``layer`` constructor would refuse: unknown ones
+    (a typo, a key of the other Mamba version, a fork's extension whose effect rnnserve cannot know) and the
+    arguments ``mamba_ssm`` sets itself."""
+    known = SSM_CFG_KEYS[layer]["read"] | SSM_CFG_KEYS[layer]["ignored"]
+    reserved = sorted(k for k in cfg if k in SSM_CFG_SET_BY_MAMBA_SSM)
+    unknown = sorted(k for k in cfg if k not in known and k not in SSM_CFG_SET_BY_MAMBA_SSM)
+    problems = []
+    if unknown:
+        problems.append(f"{unknown} not arguments of mamba_ssm's {layer} (it accepts {sorted(known)})")
+    if reserved:
+        problems.append(f"{reserved} set by mamba_ssm itself for every layer, not by ssm_cfg")
+    if problems:
+        raise ConvertError(f"ssm_cfg keys {'; keys '.join(problems)}")
+
+
 def detect(src: Path) -> bool:
     """A directory with ``pytorch_model.bin`` and a ``mamba_ssm`` config (``d_model``, ``n_layer``, no
     ``model_type``)."""
@@ -56,6 +94,8 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
         (not config_bool(ssm.get("rms_norm", True), "rms_norm"), "LayerNorm (rms_norm false)"),
         (layer not in ("Mamba1", "Mamba2"), f"the mixer layer {layer!r}"),
     ]
+    if layer in SSM_CFG_KEYS:
+        check_ssm_cfg_keys(cfg, layer)
     d_model = int(ssm["d_model"])
     common = {
         "vocab_size": vocab_size, "hidden_size": d_model, "num_hidden_layers": int(ssm["n_layer"]),
@@ -75,6 +115,7 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
             (config_bool(cfg.get("norm_before_gate", False), "ssm_cfg.norm_before_gate"), "norm_before_gate true"),
             (cfg.get("d_ssm") not in (None, d_inner), "d_ssm other than the inner width"),
             (config_bool(cfg.get("D_has_hdim", False), "ssm_cfg.D_has_hdim"), "a D per channel (D_has_hdim)"),
+            (cfg.get("process_group") is not None, "a tensor-parallel process_group"),
         ]
         low, high = cfg.get("dt_limit", (0.0, math.inf))
         hf = {**common, "model_type": "mamba2", "num_heads": d_inner // head_dim, "head_dim": head_dim,
@@ -102,6 +143,8 @@ def convert(src: Path) -> ConvertedCheckpoint:
         config = cls.from_hf_config(hf)
         if isinstance(config, Mamba2Config):  # mamba_ssm's gated norm ignores norm_epsilon; transformers' takes it
             config.gated_norm_eps = MAMBA_SSM_GATED_NORM_EPS
+    except ConvertError as err:  # a config rnnserve understands and refuses, with the reason
+        raise ConvertError(f"{src / 'config.json'}: {err}") from err
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
         raise ConvertError(f"{src / 'config.json'}: not a mamba_ssm config: {type(err).__name__}: {err}") from err
     tensors = {EMBEDDING[1] if key == EMBEDDING[0] else key: value for key, value in state.items()}

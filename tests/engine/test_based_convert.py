@@ -82,3 +82,31 @@ def test_string_booleans_in_the_authors_config_are_read_as_the_words_say(tmp_pat
     for key in ("mlp_fc1_bias", "rms_norm", "qkv_proj_bias"):
         with pytest.raises(ValueError, match=f"{key} must be true or false, got 'off'"):
             BasedLM.from_hf_config({**TINY_HF_CONFIG, key: "off"})
+
+
+def _release_with_window(path: Path, window_size: object, **changes: object) -> None:
+    _authors_release(path)
+    config = {**TINY_HF_CONFIG, **changes, "alt_mixer_2": {**TINY_HF_CONFIG["alt_mixer_2"], "window_size": window_size}}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_null_window_size_is_refused_as_the_authors_code_refuses_it(tmp_path: Path) -> None:
+    """``SlidingAttention(window_size=None)`` asserts in the authors' code, so no model with sliding-window layers
+    has a null window; convert failed with a bare TypeError (``'<' not supported between 'NoneType' and 'int'``)."""
+    _release_with_window(tmp_path / "release", None)
+    with pytest.raises(ConvertError, match=r"alt_mixer_2.window_size is null for the sliding-window layers \[2, 3\]"):
+        convert_checkpoint(tmp_path / "release", tmp_path / "out")
+    with pytest.raises(ValueError, match="window_size is null"):
+        BasedLM.from_hf_config(json.loads((tmp_path / "release" / "config.json").read_text()))
+    _release_with_window(tmp_path / "text", "16")
+    with pytest.raises(ConvertError, match="window_size must be int, got '16'"):
+        convert_checkpoint(tmp_path / "text", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_null_window_size_no_layer_uses_is_read_as_the_authors_code_reads_it(tmp_path: Path) -> None:
+    """No layer in ``alt_mixer_2_layers``: the authors never build a SlidingAttention, and the window is unread."""
+    config = {**TINY_HF_CONFIG, "alt_mixer_2_layers": [], "alt_mixer_2": {**TINY_HF_CONFIG["alt_mixer_2"],
+                                                                           "window_size": None}}  # fmt: skip
+    based = BasedLM.from_hf_config(config)
+    assert based.sliding_window_layers == [] and based.layer_kinds()[2:4] == ["conv", "linear_attention"]

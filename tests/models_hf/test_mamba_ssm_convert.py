@@ -6,6 +6,7 @@ gives ``transformers``' logits, with ``--tokenizer`` or serving token ids."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from rnnserve.engine.convert import ConvertError, convert_checkpoint, find_converter
 from rnnserve.engine.loader import load_model
 from rnnserve.engine.models.base import PrefillBatch
+from rnnserve.engine.models.mamba_ssm_checkpoint import hf_config
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.tokenizer import TokenIdTokenizer
 from tests.models_hf.hf_harness import hf_greedy, prompts
@@ -145,3 +147,58 @@ def test_mamba2s_gated_norm_keeps_mamba_ssms_eps_whatever_norm_epsilon_says(tmp_
     prompt = prompts(64, [23])[0]
     ours = model.prefill(PrefillBatch.build([prompt], [0]), StatePool(model.state_spec(), 1).tensors)[0]
     torch.testing.assert_close(ours, reference(torch.tensor([prompt])).logits[0, -1].float(), atol=1e-4, rtol=0)
+
+
+# Every keyword argument of mamba_ssm's Mamba / Mamba2 constructors that ssm_cfg may set, at the constructor's
+# default: a release that writes its ssm_cfg out in full converts to the model of an empty ssm_cfg.
+MAMBA1_SSM_CFG_DEFAULTS = {
+    "d_state": 16, "d_conv": 4, "expand": 2, "dt_rank": "auto", "dt_min": 0.001, "dt_max": 0.1, "dt_init": "random",
+    "dt_scale": 1.0, "dt_init_floor": 1e-4, "conv_bias": True, "bias": False, "use_fast_path": True,
+}
+MAMBA2_SSM_CFG_DEFAULTS = {
+    "d_state": 128, "d_conv": 4, "conv_init": None, "expand": 2, "headdim": 64, "d_ssm": None, "ngroups": 1,
+    "A_init_range": [1, 16], "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False, "dt_min": 0.001,
+    "dt_max": 0.1, "dt_init_floor": 1e-4, "dt_limit": [0.0, math.inf], "bias": False, "conv_bias": True,
+    "chunk_size": 256, "use_mem_eff_path": True, "process_group": None, "sequence_parallel": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layer", "full", "tuned"),
+    [
+        ("Mamba1", MAMBA1_SSM_CFG_DEFAULTS, {"dt_min": 0.01, "dt_init": "constant", "use_fast_path": False}),
+        ("Mamba2", MAMBA2_SSM_CFG_DEFAULTS, {"dt_min": 0.01, "A_init_range": [1, 4], "chunk_size": 64}),
+    ],
+)
+def test_every_constructor_argument_of_mamba_ssm_is_accepted(layer: str, full: dict, tuned: dict) -> None:
+    """Initialisation and kernel settings (``tuned``) have no effect on a trained model: read and left behind."""
+    release = {"d_model": 128, "n_layer": 2, "vocab_size": 64}
+    _, empty = hf_config({**release, "ssm_cfg": {"layer": layer}}, 64)
+    assert hf_config({**release, "ssm_cfg": {"layer": layer, **full}}, 64)[1] == empty
+    assert hf_config({**release, "ssm_cfg": {"layer": layer, **full, **tuned}}, 64)[1] == empty
+
+
+@pytest.mark.parametrize(
+    ("ssm_cfg", "message"),
+    [
+        ({"d_stat": 8}, r"ssm_cfg keys \['d_stat'\] not arguments of mamba_ssm's Mamba1"),
+        ({"d_state": 8, "headdim": 16}, r"\['headdim'\] not arguments of mamba_ssm's Mamba1"),  # Mamba-2's key
+        ({"layer": "Mamba2", "dt_rank": 4}, r"\['dt_rank'\] not arguments of mamba_ssm's Mamba2"),  # Mamba-1's key
+        ({"layer": "Mamba2", "headdim": 16, "layer_idx": 0}, r"\['layer_idx'\] set by mamba_ssm itself"),
+        ({"dtype": "float16"}, r"\['dtype'\] set by mamba_ssm itself"),
+        ({"layer": "Mamba2", "headdim": 16, "process_group": "nccl"}, "a tensor-parallel process_group"),
+    ],
+)
+def test_ssm_cfg_keys_mamba_ssm_would_refuse_are_refused_naming_them(
+    ssm_cfg: dict, message: str, tmp_path: Path
+) -> None:
+    """An unknown key used to be dropped without a word: a typo (``d_stat``) converted a model of the default
+    size, and a fork's key whose effect rnnserve cannot know converted to a model that is not the one trained."""
+    case = "mamba2" if ssm_cfg.get("layer") == "Mamba2" else "mamba"
+    authors_release(case, tmp_path / "release")
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**config, "ssm_cfg": ssm_cfg}))
+    with pytest.raises(ConvertError, match=message) as refused:
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert "config.json" in str(refused.value) and "not a mamba_ssm config" not in str(refused.value)
+    assert not (tmp_path / "native").exists()
