@@ -54,11 +54,11 @@ TMLT_WEIGHTS = {
 TIED_HEAD = "lm_head.weight"
 CONFIG_KEYS = ("vocab_size", "n_embd", "n_head", "n_loop", "block_size", "bias")
 # The defaults of the authors' ``Config`` dataclass (gpt.py), which their train.py builds from ``model_args``: a field
-# the checkpoint's ``model_args`` lacks had this value in the model that was trained. n_loop: the train.py that left
-# n_loop out of model_args (commit 340f627) came with ``n_loop: int = 100``; the current Config says 6, but its
-# train.py always saves n_loop.
-AUTHORS_CONFIG_DEFAULTS = {"vocab_size": 50304, "n_embd": 768, "n_head": 12, "n_loop": 100, "block_size": 1024,
-                           "bias": True, "is_causal": True}  # fmt: skip
+# the checkpoint's ``model_args`` lacks had this value in the model that was trained (the sizes are checked against
+# the weights). Not n_loop: its default changed between the authors' versions (100 beside the train.py that did not
+# save it, 6 now) and no weight's shape tells the two apart, so a checkpoint without it is refused.
+AUTHORS_CONFIG_DEFAULTS = {"vocab_size": 50304, "n_embd": 768, "n_head": 12, "block_size": 1024, "bias": True,
+                           "is_causal": True}  # fmt: skip
 
 
 def _checkpoint_file(src: Path) -> Path:
@@ -125,6 +125,11 @@ def convert(src: Path) -> ConvertedCheckpoint:
         )
     if not isinstance(checkpoint["model_args"], dict):
         raise ConvertError(f"{path}: model_args is a {type(checkpoint['model_args']).__name__}, not a dict")
+    if "n_loop" not in checkpoint["model_args"]:
+        raise ConvertError(
+            f"{path}: model_args lacks n_loop, the number of loops, whose default differs between the authors' "
+            "versions (100, later 6) and which the weights do not show: add it to model_args as the model was trained"
+        )
     defaulted = {k: v for k, v in AUTHORS_CONFIG_DEFAULTS.items() if k not in checkpoint["model_args"]}
     args = {**defaulted, **checkpoint["model_args"]}
     problem = shape_problem(args)
