@@ -413,7 +413,8 @@ class Scheduler:
 
     def _steady_appended(self, num_tokens: int, now: float) -> AppendedTokens:
         """The bookkeeping of a step whose tokens :class:`SteadyAppend` appended: each request's token times, and
-        one inter-token latency per request, the same for all (``postprocess`` would have found them so)."""
+        one inter-token latency per request, the same for all (``postprocess`` would have found them so): one value
+        and the count of requests (``TokenLatencies.same_inter_token``)."""
         latencies = TokenLatencies()
         last = self._steady_time
         if now != last:
@@ -421,7 +422,8 @@ class Scheduler:
                 metrics = group.metrics
                 metrics.previous_token_time = last
                 metrics.last_token_time = now
-            latencies.inter_token = [now - last] * len(self._steady_groups)
+            latencies.same_inter_token = now - last
+            latencies.same_inter_token_count = len(self._steady_groups)
             self._steady_time = now
         return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies)
 

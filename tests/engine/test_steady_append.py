@@ -53,7 +53,7 @@ def step_record(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
              c.new_token_ids, c.new_logprobs, c.num_tokens, c.stop_reason) for c in o.outputs
         ]) for o in outputs],
         stats.generated_tokens, stats.decode_batch_size, latencies.queue, latencies.first_token,
-        latencies.inter_token, latencies.started,
+        latencies.all_inter_token(), latencies.started,
     )  # fmt: skip
 
 
