@@ -71,11 +71,13 @@ class SchedulerOutput:
 class AppendedTokens:
     """What :meth:`Scheduler.postprocess` did: the requests with an output to read (a token their caller reads
     every step, or the end of a ``FINAL_ONLY`` request's last sample) or that failed appending, each once, in
-    order; the tokens appended to requests that go on; and the token latencies of those requests."""
+    order; the tokens appended to requests that go on; and the token latencies of those requests. ``steady``: the
+    groups are a steady batch's requests (:class:`SteadyAppend`), none of which ended."""
 
     groups: dict[SequenceGroup, None]
     num_tokens: int
     latencies: TokenLatencies
+    steady: bool = False
 
 
 class QueueFullError(RuntimeError):
@@ -425,7 +427,7 @@ class Scheduler:
             latencies.same_inter_token = now - last
             latencies.same_inter_token_count = len(self._steady_groups)
             self._steady_time = now
-        return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies)
+        return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies, steady=True)
 
     def _save_finished(self, seqs: list[Sequence]) -> None:
         """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the
