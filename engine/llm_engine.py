@@ -28,7 +28,7 @@ from rnnserve.engine.outputs import RequestMetrics, RequestOutput, TokenLatencie
 from rnnserve.engine.prefix_cache import PrefixCache, TierUsage
 from rnnserve.engine.sampler import SampledTokens, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
-from rnnserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
+from rnnserve.engine.scheduler import AppendedTokens, PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
 from rnnserve.engine.state_pool import StatePool
 from rnnserve.engine.state_snapshot import StateSnapshot, check_snapshot_tensors, model_fingerprint
@@ -195,6 +195,8 @@ class LLMEngine:
         )
         self._in_flight: LaunchedStep | None = None  # with async scheduling: the step queued before this one
         self._uncollected: dict[SequenceGroup, None] = {}  # requests with an output from steps run with collect=False
+        # whether those all go on, each with its samples (a steady batch's: collect need not look at each)
+        self._uncollected_ongoing = True
         self.last_step = StepStats()
         self.total_prefill_tokens = 0
         self._ids = itertools.count()
@@ -444,8 +446,12 @@ class LLMEngine:
         else:
             done = launched
         if done is not None:
-            self._uncollected.update(self._complete(done, stats))
-        self._uncollected.update(dict.fromkeys(launched.failed))
+            appended = self._complete(done, stats)
+            self._uncollected.update(appended.groups)
+            self._uncollected_ongoing &= appended.steady
+        if launched.failed:
+            self._uncollected.update(dict.fromkeys(launched.failed))
+            self._uncollected_ongoing = False
         self.total_prefill_tokens += stats.prefill_tokens
         stats.seconds = time.perf_counter() - start
         self.scheduler.record_step(batch, stats.seconds)
@@ -485,8 +491,12 @@ class LLMEngine:
         collection while other requests keep the engine stepping, so that no step waits for the copy; once
         none do, the collection waits for it."""
         groups, self._uncollected = self._uncollected, {}
+        ongoing, self._uncollected_ongoing = self._uncollected_ongoing, True
         ready: list[SequenceGroup] = []
         busy: bool | None = None
+        if ongoing and wanted is None:  # only steady steps' requests: each has its samples, none has a final state
+            ready = list(groups)
+            groups = {}
         for group in groups:
             if not group.seqs:  # finished, its final output built in an earlier collection
                 continue
@@ -504,6 +514,8 @@ class LLMEngine:
                     copied.synchronize()
                 group.final_state_copied = None
             ready.append(group)
+        if self._uncollected:
+            self._uncollected_ongoing = False
         if bulk is not None:
             ready = bulk(ready)
         outputs = []
@@ -547,16 +559,17 @@ class LLMEngine:
             for seq in launched.seqs:
                 seq.num_pending += 1
 
-    def _complete(self, launched: LaunchedStep, stats: StepStats) -> dict[SequenceGroup, None]:
-        """Wait for a launched step's tokens and append them; returns the requests that got a token (or failed
-        while appending it). Requests that failed while the step was launched were reported then."""
+    def _complete(self, launched: LaunchedStep, stats: StepStats) -> AppendedTokens:
+        """Wait for a launched step's tokens and append them; returns what appending did, with the requests that
+        got a token (or failed while appending it). Requests that failed while the step was launched were reported
+        then."""
         if launched.sampled is None:
-            return {}
+            return AppendedTokens({}, 0, TokenLatencies(), steady=True)
         token_ids, logprobs = launched.sampled.result()
         appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, launched.counted)
         stats.latencies = appended.latencies
         stats.generated_tokens = appended.num_tokens
-        return appended.groups
+        return appended
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits, runs, or has a token in flight (async scheduling)."""

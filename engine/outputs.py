@@ -73,12 +73,22 @@ class TokenLatencies:
     """The token latencies one engine step observed, one entry per request that got a token (for metrics, so
     they need no per-step output): ``queue`` and ``first_token`` (arrival to first scheduling, arrival to first
     token) for requests whose first token came, ``inter_token`` (the gap since the previous token) for the rest;
-    ``started``: the ids of the requests whose first token came (a server stops counting their prompts as queued)."""
+    ``started``: the ids of the requests whose first token came (a server stops counting their prompts as queued).
+
+    A steady step's requests all got their previous token at the same time, so their gaps are one value: such a
+    step has ``same_inter_token_count`` of them, each ``same_inter_token``, instead of that many entries in
+    ``inter_token`` (one value and a count to send to the API servers, and to observe, not a list per step)."""
 
     queue: list[float] = field(default_factory=list)
     first_token: list[float] = field(default_factory=list)
     inter_token: list[float] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
+    same_inter_token: float = 0.0
+    same_inter_token_count: int = 0
+
+    def all_inter_token(self) -> list[float]:
+        """Every inter-token latency of the step, one per request, as a list."""
+        return self.inter_token + [self.same_inter_token] * self.same_inter_token_count
 
 
 @dataclass(slots=True)

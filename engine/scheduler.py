@@ -71,11 +71,13 @@ class SchedulerOutput:
 class AppendedTokens:
     """What :meth:`Scheduler.postprocess` did: the requests with an output to read (a token their caller reads
     every step, or the end of a ``FINAL_ONLY`` request's last sample) or that failed appending, each once, in
-    order; the tokens appended to requests that go on; and the token latencies of those requests."""
+    order; the tokens appended to requests that go on; and the token latencies of those requests. ``steady``: the
+    groups are a steady batch's requests (:class:`SteadyAppend`), none of which ended."""
 
     groups: dict[SequenceGroup, None]
     num_tokens: int
     latencies: TokenLatencies
+    steady: bool = False
 
 
 class QueueFullError(RuntimeError):
@@ -413,7 +415,8 @@ class Scheduler:
 
     def _steady_appended(self, num_tokens: int, now: float) -> AppendedTokens:
         """The bookkeeping of a step whose tokens :class:`SteadyAppend` appended: each request's token times, and
-        one inter-token latency per request, the same for all (``postprocess`` would have found them so)."""
+        one inter-token latency per request, the same for all (``postprocess`` would have found them so): one value
+        and the count of requests (``TokenLatencies.same_inter_token``)."""
         latencies = TokenLatencies()
         last = self._steady_time
         if now != last:
@@ -421,9 +424,10 @@ class Scheduler:
                 metrics = group.metrics
                 metrics.previous_token_time = last
                 metrics.last_token_time = now
-            latencies.inter_token = [now - last] * len(self._steady_groups)
+            latencies.same_inter_token = now - last
+            latencies.same_inter_token_count = len(self._steady_groups)
             self._steady_time = now
-        return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies)
+        return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies, steady=True)
 
     def _save_finished(self, seqs: list[Sequence]) -> None:
         """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the

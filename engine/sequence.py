@@ -6,6 +6,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -297,6 +298,26 @@ class SteadyAppend:
         except Exception as err:
             raise SteadyAppendError(self.seqs.index(seq), err) from err
         return True
+
+
+def take_stream_deltas(seqs: list[Sequence], handles: list[int], column: list[Any]) -> None:
+    """:meth:`Sequence.take_delta` of each of ``seqs`` (unfinished samples whose text decodes as it goes, not
+    ``FINAL_ONLY``'s lazy text) in one pass, appended to ``column`` as ``handle, text, token_ids`` after one another
+    (``handles``: one per sample). A sample without stop strings holds no text back: its delta is all of its text
+    and tokens past what it emitted, sliced here without a call per sample."""
+    for seq, handle in zip(seqs, handles, strict=True):
+        if seq._stop_matched:  # stop strings: what may start one is held back
+            column.append(handle)
+            column += seq.take_delta()
+            continue
+        text = seq._text
+        frozen = seq._frozen_len
+        emitted = seq._emitted_text
+        seq._emitted_text = frozen + len(text)
+        tokens = seq.output_token_ids
+        start = seq._emitted_tokens
+        seq._emitted_tokens = len(tokens)
+        column += (handle, text[emitted - frozen :] if emitted >= frozen else seq.text[emitted:], tokens[start:])
 
 
 class SteadyAppendError(Exception):

@@ -64,7 +64,8 @@ from rnnserve.engine.models.base import StateSpec
 from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
-from rnnserve.engine.sequence import SequenceGroup
+from rnnserve.engine.sequence import Sequence as Sample
+from rnnserve.engine.sequence import SequenceGroup, take_stream_deltas
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.engine.tokenizer import Tokenizer
@@ -637,6 +638,10 @@ class OutputEncoder:
         self.compact: dict[str, tuple[int | None, int]] = {}  # ...of which these: (their server, their handle)
         self.columns: DeltaColumns = {}  # the compact outputs taken since the last take_columns
         self._handles = itertools.count()
+        # The requests of the previous take when all of them were compact (a steady batch's streams are the same
+        # requests every step), and, once they came twice, their samples and handles per server (StreamPlan).
+        self._all_compact: list[SequenceGroup] | None = None
+        self._plan: StreamPlan | None = None
 
     def row(self, group: SequenceGroup) -> OutputRow:
         """``group.output()`` as a row (:class:`OutputDecoder` turns it back into that output)."""
@@ -664,7 +669,19 @@ class OutputEncoder:
 
     def take_deltas(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
         """Append the compact outputs among ``groups`` (streams past their first output that have not ended: a
-        request that failed has ended too) to their servers' columns; returns the other requests, in order."""
+        request that failed has ended too) to their servers' columns; returns the other requests, in order.
+
+        When ``groups`` are the requests of the previous take, which were all compact, and none has ended since
+        (a steady batch's streams), each server's outputs are taken in one pass over its streams
+        (:class:`StreamPlan`), without looking each request up."""
+        if groups and groups == self._all_compact:
+            plan = self._plan
+            if plan is None or plan.groups is not self._all_compact:
+                plan = self._plan = StreamPlan(self._all_compact, self.compact)
+            if not any(map(FINISH_REASON, plan.seqs)):
+                plan.take(self.columns)
+                return []
+        self._all_compact = self._plan = None
         compact = self.compact
         columns = self.columns
         rest = []
@@ -683,6 +700,8 @@ class OutputEncoder:
                 column = columns[owner] = []
             column.append(handle)
             column += seq.take_delta()
+        if not rest:
+            self._all_compact = groups
         return rest
 
     def take_columns(self) -> DeltaColumns:
@@ -692,8 +711,36 @@ class OutputEncoder:
 
     def forget(self, request_ids: list[str]) -> None:
         self.sent.difference_update(request_ids)
+        self._all_compact = self._plan = None
         for request_id in request_ids:
             self.compact.pop(request_id, None)
+
+
+FINISH_REASON = operator.attrgetter("finish_reason")
+
+
+class StreamPlan:
+    """The streams of compact requests ``groups`` (each one sample), grouped by server: ``by_server`` holds each
+    server's samples and handles in the requests' order, ``seqs`` all the samples."""
+
+    def __init__(self, groups: list[SequenceGroup], compact: dict[str, tuple[int | None, int]]) -> None:
+        self.groups = groups
+        self.seqs = [group.seqs[0] for group in groups]
+        by_server: dict[int | None, tuple[list[Sample], list[int]]] = {}
+        for seq in self.seqs:
+            owner, handle = compact[seq.group.request_id]
+            seqs, handles = by_server.setdefault(owner, ([], []))
+            seqs.append(seq)
+            handles.append(handle)
+        self.by_server = list(by_server.items())
+
+    def take(self, columns: DeltaColumns) -> None:
+        """Append each stream's delta to its server's column (none of them has ended)."""
+        for owner, (seqs, handles) in self.by_server:
+            column = columns.get(owner)
+            if column is None:
+                column = columns[owner] = []
+            take_stream_deltas(seqs, handles, column)
 
 
 @dataclass(slots=True)

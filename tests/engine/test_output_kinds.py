@@ -97,7 +97,7 @@ def test_steps_report_token_latencies_without_outputs() -> None:
         engine.step()
         queue += engine.last_step.latencies.queue
         first += engine.last_step.latencies.first_token
-        inter += engine.last_step.latencies.inter_token
+        inter += engine.last_step.latencies.all_inter_token()
     assert len(queue) == len(first) == 5 and len(inter) == 5 * 6
     assert all(q >= 0 for q in queue) and all(f >= q for f, q in zip(first, queue, strict=True))
     assert all(gap > 0 for gap in inter)

@@ -53,7 +53,7 @@ def step_record(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
              c.new_token_ids, c.new_logprobs, c.num_tokens, c.stop_reason) for c in o.outputs
         ]) for o in outputs],
         stats.generated_tokens, stats.decode_batch_size, latencies.queue, latencies.first_token,
-        latencies.inter_token, latencies.started,
+        latencies.all_inter_token(), latencies.started,
     )  # fmt: skip
 
 
@@ -202,3 +202,33 @@ def test_the_steady_append_leaves_a_step_with_an_end_token_or_a_limit_to_each_sa
     assert not steady.append([65, 66, 67])
     assert [len(s.output_token_ids) for s in seqs] == [s.max_tokens - 1 for s in seqs]
     assert [s.text for s in seqs] == [text + letter * (room - 1) for text, letter in zip(texts, "ABC", strict=True)]
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_collect_takes_a_steady_batchs_requests_as_they_are_and_still_gets_their_ends(async_scheduling: str) -> None:
+    """Outputs collected every other step: while only steady steps (nothing ended) ran since the last collection,
+    the engine takes their requests without checking each; a step where samples end is collected the usual way,
+    so every stream's deltas add up to its tokens and each ends once."""
+    engine = make_engine(max_num_seqs=4, async_scheduling=async_scheduling)
+    for index, max_tokens in enumerate([9, 14, 14]):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=OutputKind.DELTA)
+        engine.add_request([1, 2, 3 + index], params, f"r{index}")
+    tokens: dict[str, list[int]] = {}
+    ends: list[str] = []
+    as_they_are = 0
+    for step in itertools.count():
+        if not engine.has_unfinished_requests():
+            break
+        engine.step(collect=False)
+        if step % 2:
+            as_they_are += engine._uncollected_ongoing and engine.has_uncollected_outputs
+            for out in engine.collect_outputs():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+                ends += [out.request_id] * out.finished
+    for out in engine.collect_outputs():
+        tokens.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+        ends += [out.request_id] * out.finished
+    assert as_they_are >= 2
+    assert sorted(ends) == ["r0", "r1", "r2"]
+    assert {rid: len(ids) for rid, ids in tokens.items()} == {"r0": 9, "r1": 14, "r2": 14}
+    assert tokens["r0"] == reference_tokens([1, 2, 3], 9)

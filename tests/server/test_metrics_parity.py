@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
+from rnnserve.engine.outputs import TokenLatencies
 from rnnserve.engine.prefix_cache import TierUsage
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.app import create_app
@@ -179,3 +180,40 @@ def test_shared_step_histogram_counts_a_batch_as_one_observe_per_value() -> None
     for name, expected in want.items():
         if "_created" not in name:
             assert got[name] == pytest.approx(expected, rel=1e-12), name
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_steady_steps_latencies_as_one_value_and_a_count_give_the_page_of_the_list(shared: bool) -> None:
+    """A steady step's inter-token latencies cross as one value and a count (``TokenLatencies.same_inter_token``):
+    observed so, the page is the one of the list of them, sum included to the last bit, in the single-process
+    histogram and in the API servers' shared one."""
+    pages = []
+    for repeated in (False, True):
+        registry = CollectorRegistry()
+        if shared:
+            histogram = Histogram("x_seconds", "Doc.", ["model_name"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+            observer: StepHistogram | SharedStepHistogram = SharedStepHistogram(histogram.labels(model_name="m"))
+        else:
+            observer = StepHistogram("x_seconds", "Doc.", TOKEN_LATENCY_BUCKETS, "m", registry)
+        for value, count in [(0.0123456789, 256), (0.0005, 3), (0.1, 0), (7.0, 1), (0.0123456789, 255)]:
+            if repeated:
+                observer.observe_repeated(value, count)
+            else:
+                observer.observe_many([value] * count)
+        pages.append({k: v for k, v in series(generate_latest(registry).decode()).items() if "_created" not in k})
+    assert pages[0] == pages[1]
+
+
+def test_a_steady_step_observes_its_inter_token_latencies() -> None:
+    """``observe_step`` of a steady step's stats (one value and a count) gives the inter-token histogram of the
+    same step with one entry per request."""
+    pages = []
+    for latencies in (TokenLatencies(inter_token=[0.02] * 200 + [0.5]),
+                      TokenLatencies(inter_token=[0.5], same_inter_token=0.02, same_inter_token_count=200)):
+        metrics = ServerMetrics(TINY, 2048)
+        metrics.observe_step(StepStats(latencies=latencies))
+        page = series(metrics.render().decode())
+        pages.append({k: v for k, v in page.items() if k.startswith("rnnserve_inter_token_latency_seconds_")
+                      and "_created" not in k})
+    assert pages[0] == pages[1]
+    assert pages[1][f"rnnserve_inter_token_latency_seconds_count{{{LABEL}}}"] == 201

@@ -12,8 +12,11 @@ import multiprocessing
 import pickle
 from multiprocessing.connection import Connection
 
+import pytest
+
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.server import engine_core
 from rnnserve.server.engine_core import (
     AbortCommand,
     Aborted,
@@ -181,3 +184,37 @@ def test_a_server_that_leaves_mid_stream_takes_its_columns_with_it() -> None:
     harness.decoders[1] = OutputDecoder()  # it is gone, with what it kept
     harness.run()
     harness.check({"stays": 0, "goes": 1, "goes too": 1})
+
+
+def test_a_steady_batch_of_streams_is_taken_in_one_pass_per_server_with_the_same_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Streams of two servers that step together (one holding text back for a stop string) are taken in one pass
+    per server (``StreamPlan``) while the same requests progress step after step; a stream that ends, one aborted
+    and one that joins send the take back to the per-request path, and it resumes: every output is the reference's."""
+    passes = 0
+    take = engine_core.StreamPlan.take
+
+    def counted(plan: engine_core.StreamPlan, columns: dict) -> None:
+        nonlocal passes
+        passes += 1
+        take(plan, columns)
+
+    monkeypatch.setattr(engine_core.StreamPlan, "take", counted)
+    harness = Harness(2)
+    owners = {"s0-a": 0, "s1-a": 1, "s0-b": 0, "s1-b": 1, "s1-c": 1}
+    harness.add(0, "s0-a", "The cat", stream(30))
+    harness.add(1, "s1-a", "Hello", stream(24))
+    harness.add(0, "s0-b", "abc", stream(30, stop=["e "]))
+    harness.add(1, "s1-b", "Hi", stream(12))
+    for _ in range(8):
+        harness.step()
+    before_abort = passes
+    assert before_abort >= 4
+    harness.abort(0, "s0-a")
+    for _ in range(3):
+        harness.step()
+    harness.add(1, "s1-c", "Once", stream(10))
+    harness.run()
+    harness.check(owners)
+    assert passes > before_abort + 8
