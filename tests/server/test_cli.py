@@ -203,16 +203,10 @@ def test_serve_reexecs_only_when_the_environment_changes(monkeypatch: pytest.Mon
 def test_a_ctrl_c_pending_across_the_restart_ends_serve_with_130() -> None:
     """A Ctrl-C that came while ``serve`` restarted itself with its environment (here: pending, blocked, from
     before it started) ends it with 130 once it runs, instead of vanishing or staying blocked while it serves."""
-
-    def pending_ctrl_c() -> None:
-        ctrl_c_by_default()
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-        os.kill(os.getpid(), signal.SIGINT)
-
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
-    proc = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=pending_ctrl_c)  # fmt: skip
+    args = ["-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
+    proc = subprocess.Popen(with_ctrl_c_by_default(args, pending=True), cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -267,10 +261,23 @@ def test_serve_logs_startup_and_drains_on_sigterm(monkeypatch: pytest.MonkeyPatc
         assert not any(alive(child) for child in children)
 
 
-def ctrl_c_by_default() -> None:
-    """In a child before it runs: SIGINT's default action, as in a terminal's foreground, whatever this process
-    inherited (a shell starts a background job, such as a CI run, with SIGINT ignored, and Python keeps that)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Runs the Python command in its arguments with SIGINT's default action, as in a terminal's foreground, whatever this
+# process inherited (a shell starts a background job, such as a CI run, with SIGINT ignored, and Python keeps that),
+# and with "pending" first, a Ctrl-C pending and blocked. A small process that execs, not a preexec_fn: that forks the
+# whole test process, which the kernel's overcommit check refuses once the test process has reserved enough memory.
+CTRL_C_BY_DEFAULT = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    "if sys.argv[1] == 'pending':\n"
+    "    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+def with_ctrl_c_by_default(args: list[str], pending: bool = False) -> list[str]:
+    """The command that runs ``python args`` with SIGINT's default action (:data:`CTRL_C_BY_DEFAULT`)."""
+    return [sys.executable, "-c", CTRL_C_BY_DEFAULT, "pending" if pending else "now", *args]
 
 
 def torch_is_loading(pid: int, _: str) -> bool:
@@ -289,10 +296,10 @@ def model_is_loading(_: int, log: str) -> bool:
 def test_ctrl_c_while_serve_starts_exits_quietly_with_130(moment: Callable[[int, str], bool]) -> None:
     """Ctrl-C while torch loaded (before ``main`` ran, a KeyboardInterrupt traceback) or while the model loads
     (the exit was 0) ends ``rnnserve serve`` with 130 and no traceback."""
-    command = [sys.executable, "-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
+    args = ["-m", "rnnserve.server.cli", "serve", "--model", TINY, "--port", str(free_port())]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=ctrl_c_by_default)  # fmt: skip
+    proc = subprocess.Popen(with_ctrl_c_by_default(args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
