@@ -9,7 +9,9 @@ Mamba-2; unset ``ssm_cfg`` entries take ``mamba_ssm``'s defaults), and the weigh
 pass ``--tokenizer``, else prompts are token ids. What the native models do not compute is refused: hybrid
 attention layers, MLP blocks (``d_intermediate``), LayerNorm instead of RMSNorm, Mamba-2 without its gated norm
 or with ``d_ssm`` below the inner width. ``ssm_cfg`` keys are the keyword arguments of ``mamba_ssm``'s ``Mamba`` /
-``Mamba2`` constructors; any other key is refused, as ``mamba_ssm`` itself refuses it.
+``Mamba2`` constructors; any other key is refused, as ``mamba_ssm`` itself refuses it. The top-level keys are
+``MambaConfig``'s fields (:data:`TOP_LEVEL_KEYS`); any other is refused too (``MambaConfig(**config)`` raises on it),
+so a fork's extension (``bidirectional``) or a typo (``rms_nrom``) is never converted as the plain model.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rnnserve.engine.models.mamba2 import Mamba2Config, Mamba2LM
 WEIGHTS = "pytorch_model.bin"
 EMBEDDING = ("backbone.embedding.weight", "backbone.embeddings.weight")  # mamba_ssm's name, the native one
 HEAD = "lm_head.weight"
+LAYER_NORM_BIASES = (".norm.bias", "norm_f.bias")  # nn.LayerNorm's; mamba_ssm's RMSNorm has no bias
 MAMBA_SSM_GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5 whatever the config says
 
 
@@ -56,6 +59,33 @@ SSM_CFG_KEYS = {
 }  # fmt: skip
 # Arguments mamba_ssm passes to the mixer itself: in ssm_cfg they are a "got multiple values" TypeError there.
 SSM_CFG_SET_BY_MAMBA_SSM = ("d_model", "layer_idx", "device", "dtype")
+# config.json's keys: the fields of mamba_ssm's MambaConfig (models/config_mamba.py), which from_pretrained builds
+# with MambaConfig(**config) and so refuses any other key; plus the two keyword arguments mamba_ssm 1.0's
+# MambaLMHeadModel(**config) also passed on: norm_epsilon (the block and final norms' eps, read) and
+# initializer_cfg (initialisation only, left behind).
+TOP_LEVEL_KEYS = {
+    "read": {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "rms_norm",
+             "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings", "norm_epsilon"},
+    # attn_cfg configures attention layers (only read with attn_layer_idx, which is refused); fused_add_norm picks
+    # Triton's fused residual add + norm, the same sums as the unfused path
+    "ignored": {"attn_cfg", "fused_add_norm", "initializer_cfg"},
+}  # fmt: skip
+
+
+def check_top_level_keys(config: dict[str, Any]) -> None:
+    """ConvertError naming the ``config.json`` keys that are not ``mamba_ssm``'s (see :data:`TOP_LEVEL_KEYS`)."""
+    known = TOP_LEVEL_KEYS["read"] | TOP_LEVEL_KEYS["ignored"]
+    unknown = sorted(k for k in config if k not in known)
+    if unknown:
+        raise ConvertError(
+            f"keys {unknown} are not fields of mamba_ssm's MambaConfig (it has {sorted(known)}): a fork's extension "
+            "or a typo, whose effect on the model rnnserve cannot know"
+        )
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple``, as ``MambaLMHeadModel`` sizes its embedding."""
+    return vocab_size + (-vocab_size % multiple)
 
 
 def check_ssm_cfg_keys(cfg: dict[str, Any], layer: str) -> None:
@@ -84,16 +114,36 @@ def detect(src: Path) -> bool:
     )  # fmt: skip
 
 
-def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | type[Mamba2LM], dict[str, Any]]:
-    """The architecture and the ``transformers``-style config a ``mamba_ssm`` config describes."""
+def hf_config(
+    ssm: dict[str, Any], vocab_size: int, layer_norm_biases: bool = False
+) -> tuple[type[MambaLM] | type[Mamba2LM], dict[str, Any]]:
+    """The architecture and the ``transformers``-style config a ``mamba_ssm`` config describes, for weights whose
+    embedding has ``vocab_size`` rows (and, with ``layer_norm_biases``, whose block norms have biases: LayerNorm)."""
+    check_top_level_keys(ssm)
     cfg = dict(ssm.get("ssm_cfg") or {})
     layer = cfg.pop("layer", "Mamba1")
+    multiple = ssm.get("pad_vocab_size_multiple")
+    # absent: 8 in MambaConfig, 1 in mamba_ssm 1.0 (its MambaLMHeadModel's default); either padding is the release's
+    paddings = {padded_vocab_size(int(ssm["vocab_size"]), m) for m in ((1, 8) if multiple is None else (multiple,))}
+    if vocab_size not in paddings:
+        shown = "absent (1 or 8)" if multiple is None else multiple
+        raise ConvertError(
+            f"the embedding has {vocab_size} rows, but vocab_size {ssm['vocab_size']} padded to "
+            f"pad_vocab_size_multiple {shown} is {' or '.join(map(str, sorted(paddings)))}: the config is not the "
+            "weights' model"
+        )
+    config_bool(ssm.get("fused_add_norm", True), "fused_add_norm")  # a kernel choice, but a boolean in mamba_ssm
+    rms_norm = ssm.get("rms_norm")
     refused = [
-        (bool(ssm.get("attn_layer_idx")), "attention layers (attn_layer_idx)"),
-        (bool(ssm.get("d_intermediate", 0)), "MLP blocks (d_intermediate > 0)"),
-        (not config_bool(ssm.get("rms_norm", True), "rms_norm"), "LayerNorm (rms_norm false)"),
-        (layer not in ("Mamba1", "Mamba2"), f"the mixer layer {layer!r}"),
-    ]
+        (bool(ssm.get("attn_layer_idx")), f"attention layers (attn_layer_idx {ssm.get('attn_layer_idx')!r})"),
+        (bool(ssm.get("d_intermediate", 0)), f"MLP blocks (d_intermediate {ssm.get('d_intermediate')!r})"),
+        (rms_norm is not None and not config_bool(rms_norm, "rms_norm"), f"LayerNorm (rms_norm {rms_norm!r})"),
+        # mamba_ssm 1.0 built LayerNorm when config.json had no rms_norm, later versions RMSNorm: the biases tell
+        (rms_norm is None and layer_norm_biases, "LayerNorm (rms_norm absent, as in mamba_ssm 1.0, whose default is "
+         "LayerNorm, and the norms have biases)"),
+        (layer not in ("Mamba1", "Mamba2"), f"the mixer layer {layer!r} (ssm_cfg.layer; mamba_ssm has Mamba1 and "
+         "Mamba2)"),
+    ]  # fmt: skip
     if layer in SSM_CFG_KEYS:
         check_ssm_cfg_keys(cfg, layer)
     d_model = int(ssm["d_model"])
@@ -111,11 +161,15 @@ def hf_config(ssm: dict[str, Any], vocab_size: int) -> tuple[type[MambaLM] | typ
         head_dim = cfg.get("headdim", 64)
         refused += [
             (not config_bool(cfg.get("rmsnorm", True), "ssm_cfg.rmsnorm"),
-             "Mamba-2 without its gated RMSNorm (rmsnorm false)"),
-            (config_bool(cfg.get("norm_before_gate", False), "ssm_cfg.norm_before_gate"), "norm_before_gate true"),
-            (cfg.get("d_ssm") not in (None, d_inner), "d_ssm other than the inner width"),
-            (config_bool(cfg.get("D_has_hdim", False), "ssm_cfg.D_has_hdim"), "a D per channel (D_has_hdim)"),
-            (cfg.get("process_group") is not None, "a tensor-parallel process_group"),
+             f"Mamba-2 without its gated RMSNorm (ssm_cfg.rmsnorm {cfg.get('rmsnorm')!r})"),
+            (config_bool(cfg.get("norm_before_gate", False), "ssm_cfg.norm_before_gate"),
+             f"the norm before the gate (ssm_cfg.norm_before_gate {cfg.get('norm_before_gate')!r})"),
+            (cfg.get("d_ssm") not in (None, d_inner),
+             f"an SSM narrower than the inner width {d_inner} (ssm_cfg.d_ssm {cfg.get('d_ssm')!r})"),
+            (config_bool(cfg.get("D_has_hdim", False), "ssm_cfg.D_has_hdim"),
+             f"a D per channel (ssm_cfg.D_has_hdim {cfg.get('D_has_hdim')!r})"),
+            (cfg.get("process_group") is not None,
+             f"a tensor-parallel process_group (ssm_cfg.process_group {cfg.get('process_group')!r})"),
         ]
         low, high = cfg.get("dt_limit", (0.0, math.inf))
         hf = {**common, "model_type": "mamba2", "num_heads": d_inner // head_dim, "head_dim": head_dim,
@@ -139,7 +193,8 @@ def convert(src: Path) -> ConvertedCheckpoint:
     if EMBEDDING[0] not in state:
         raise ConvertError(f"{src / WEIGHTS}: no {EMBEDDING[0]} (names start with {sorted(state)[:3]})")
     try:
-        cls, hf = hf_config(ssm, int(state[EMBEDDING[0]].shape[0]))
+        biases = any(key.endswith(LAYER_NORM_BIASES) for key in state)
+        cls, hf = hf_config(ssm, int(state[EMBEDDING[0]].shape[0]), biases)
         config = cls.from_hf_config(hf)
         if isinstance(config, Mamba2Config):  # mamba_ssm's gated norm ignores norm_epsilon; transformers' takes it
             config.gated_norm_eps = MAMBA_SSM_GATED_NORM_EPS

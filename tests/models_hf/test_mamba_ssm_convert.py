@@ -202,3 +202,67 @@ def test_ssm_cfg_keys_mamba_ssm_would_refuse_are_refused_naming_them(
         convert_checkpoint(tmp_path / "release", tmp_path / "native")
     assert "config.json" in str(refused.value) and "not a mamba_ssm config" not in str(refused.value)
     assert not (tmp_path / "native").exists()
+
+
+MAMBA2_SSM_CFG = {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": 2}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bidirectional": True}, r"keys \['bidirectional'\] are not fields of mamba_ssm's MambaConfig"),  # a fork
+        ({"rms_nrom": False}, r"keys \['rms_nrom'\] are not fields"),  # a typo: RMSNorm was converted
+        ({"attn_layer_idx": [1], "attn_cfg": {"num_heads": 4}}, r"attention layers \(attn_layer_idx \[1\]\)"),
+        ({"d_intermediate": 64}, r"MLP blocks \(d_intermediate 64\)"),
+        ({"rms_norm": False}, r"LayerNorm \(rms_norm False\)"),
+        ({"pad_vocab_size_multiple": 7}, "the embedding has 64 rows, but vocab_size 60 padded to "
+                                         "pad_vocab_size_multiple 7 is 63"),
+        ({"vocab_size": 50}, "vocab_size 50 padded to pad_vocab_size_multiple 16 is 64"),  # 50 -> 64: accepted
+        ({"vocab_size": 40}, "vocab_size 40 padded to pad_vocab_size_multiple 16 is 48"),
+        ({"fused_add_norm": "fast"}, "fused_add_norm must be true or false, got 'fast'"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "layer": "Mamba3"}}, r"the mixer layer 'Mamba3' \(ssm_cfg.layer"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "d_ssm": 32}}, "narrower than the inner width 64 \\(ssm_cfg.d_ssm 32\\)"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "norm_before_gate": True}}, "ssm_cfg.norm_before_gate True"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "rmsnorm": "false"}}, "ssm_cfg.rmsnorm 'false'"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "D_has_hdim": True}}, "ssm_cfg.D_has_hdim True"),
+    ],
+)
+def test_each_config_key_mamba_ssm_reads_is_honoured_or_refused_naming_key_and_value(
+    change: dict, message: str, tmp_path: Path
+) -> None:
+    """Every top-level key of a release is one of ``MambaConfig``'s fields (``MambaConfig(**config)`` refuses any
+    other): an unknown key used to be dropped, converting a fork's bidirectional model or a typo as the plain model."""
+    authors_release("mamba2", tmp_path / "release")
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**config, **change}))
+    if change == {"vocab_size": 50}:
+        assert convert_checkpoint(tmp_path / "release", tmp_path / "native").config["vocab_size"] == 64
+        return
+    with pytest.raises(ConvertError, match=message) as refused:
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
+    assert "config.json" in str(refused.value)
+    assert not (tmp_path / "native").exists()
+
+
+def test_keys_mamba_ssm_ignores_and_an_absent_padding_convert(tmp_path: Path) -> None:
+    """``attn_cfg`` without attention layers, ``fused_add_norm`` (a kernel choice), mamba_ssm 1.0's
+    ``initializer_cfg``, and no ``pad_vocab_size_multiple`` (8 in MambaConfig, 1 in mamba_ssm 1.0)."""
+    authors_release("mamba", tmp_path / "release")
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    del config["pad_vocab_size_multiple"]
+    config |= {"attn_cfg": {"num_heads": 4}, "fused_add_norm": False, "initializer_cfg": {"initializer_range": 0.1}}
+    (tmp_path / "release" / "config.json").write_text(json.dumps(config))
+    assert convert_checkpoint(tmp_path / "release", tmp_path / "native").config["vocab_size"] == 64
+
+
+def test_layer_norm_of_mamba_ssm_1_without_rms_norm_in_the_config_is_refused_naming_it(tmp_path: Path) -> None:
+    """mamba_ssm 1.0 built LayerNorm when config.json had no ``rms_norm`` (later versions RMSNorm): the norms'
+    biases tell them apart."""
+    authors_release("mamba", tmp_path / "release", lambda state: {
+        **state, **{k.replace(".weight", ".bias"): torch.zeros_like(v) for k, v in state.items()
+                    if k.endswith(("norm.weight", "norm_f.weight"))}})  # fmt: skip
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    del config["rms_norm"]
+    (tmp_path / "release" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match="LayerNorm \\(rms_norm absent, as in mamba_ssm 1.0"):
+        convert_checkpoint(tmp_path / "release", tmp_path / "native")
