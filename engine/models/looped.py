@@ -12,6 +12,12 @@ and PyTorch's default eps (fp32 epsilon; statistics in fp32). Per loop ``t``:
       n = norm(x);  x = x + attn(q=n, k=n, v=x)      # the value input is the un-normalized x, as released
       x = x + mlp(x)                                  # no norm before the MLP
 
+  With ``prenorm_block`` (the authors' earlier ``LoopedGPT``, ``model.py`` at commit 340f627, whose attention had
+  one fused ``c_attn`` projection for q, k and v)::
+
+      x = x + attn(q=n, k=n, v=n)  with n = norm(x)   # q, k and v all from the norm
+      x = x + mlp(norm(x))
+
 * ``tmlt`` (timestep-modulated): ``[gate_attn, gate_mlp, scale_attn, scale_mlp](t)`` come from a DiT-style
   embedding of ``t`` (256 sinusoidal frequencies, cos then sin, max period 10000, Linear-SiLU-Linear), then
   SiLU and one Linear; they depend only on ``t``, so :meth:`TimestepModulatedLoopedTransformer.refresh_modulation`
@@ -72,7 +78,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 @dataclass
 class LoopedConfig(ModelConfig):
-    """The authors' ``model_args`` that shape the model (``n_layer`` and ``dropout`` play no part in serving)."""
+    """The authors' ``model_args`` that shape the model (``n_layer`` and ``dropout`` play no part in serving), and
+    ``prenorm_block``: the plain ``lt`` block of the authors' earlier code (values and MLP input normalised)."""
 
     vocab_size: int = 50304
     n_embd: int = 768
@@ -80,6 +87,7 @@ class LoopedConfig(ModelConfig):
     n_loop: int = 24
     block_size: int = 1024
     bias: bool = False
+    prenorm_block: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -161,10 +169,10 @@ class LoopedTransformer(RecurrentLM):
 
     def _loop(self, x: torch.Tensor, t: int, attend: Attend) -> torch.Tensor:
         """Loop ``t`` of the block on rows ``x [R, d]``; ``attend(q, k, v, t)`` is loop ``t``'s attention."""
-        b = self.block
+        b, prenorm = self.block, self.config.prenorm_block
         n = _norm(x)
-        x = x + linear(b.o, attend(linear(b.q, n), linear(b.k, n), linear(b.v, x), t))
-        return x + b.mlp(x)
+        x = x + linear(b.o, attend(linear(b.q, n), linear(b.k, n), linear(b.v, n if prenorm else x), t))
+        return x + b.mlp(_norm(x) if prenorm else x)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.embed(input_ids) + self.pos_embed(positions)
@@ -210,6 +218,8 @@ class TimestepModulatedLoopedTransformer(LoopedTransformer):
     unquantized_linears = ("timestep_in", "timestep_out", "modulation")  # run once, into modulation_table
 
     def __init__(self, config: LoopedConfig) -> None:
+        if config.prenorm_block:  # a plain-lt setting: tmlt's block normalises both inputs in every version
+            raise ValueError("prenorm_block is a setting of the plain looped transformer (lt), not of tmlt")
         super().__init__(config)
         d = config.n_embd
         self.timestep_in = nn.Linear(TIMESTEP_FREQUENCIES, d)

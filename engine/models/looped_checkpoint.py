@@ -5,8 +5,13 @@ The source is ``ckpt.pt`` (or the training ``out_dir`` holding it): a dict with 
 keys start with ``_orig_mod.`` when training ran under ``torch.compile``), ``model_args`` (``n_loop, n_layer,
 n_head, n_embd, block_size, bias, vocab_size, dropout``), ``config`` (the training script's settings, with
 ``model_type`` ``"lt"`` or ``"tmlt"``), ``iter_num``, ``best_val_loss`` and usually ``optimizer``. Only the
-weights and the model shape are kept. The authors train on GPT-2 BPE but ship no tokenizer: without
-``--tokenizer`` the converted model serves token-id prompts (config ``"tokenizer": "token_ids"``).
+weights and the model shape are kept.
+
+The authors' earlier ``model.py`` (commit 340f627) projected q, k and v with one fused ``c_attn`` (``[3 d, d]``, split
+into q, k, v in that order along its output) and its plain ``lt`` block was pre-norm (``x += attn(norm(x))``,
+``x += mlp(norm(x))``); ``tmlt`` computed what it computes now. A checkpoint with ``c_attn`` is split into ``q, k,
+v`` exactly, and an ``lt`` one converts with ``prenorm_block``. The authors train on GPT-2 BPE but ship no tokenizer:
+without ``--tokenizer`` the converted model serves token-id prompts (config ``"tokenizer": "token_ids"``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ TMLT_WEIGHTS = {
     "adaLN_modulation.1.bias": "modulation.bias",
 }
 TIED_HEAD = "lm_head.weight"
+FUSED_QKV = "transformer.attn.c_attn"  # the authors' earlier fused projection: rows q, then k, then v
 CONFIG_KEYS = ("vocab_size", "n_embd", "n_head", "n_loop", "block_size", "bias")
 # The defaults of the authors' ``Config`` dataclass (gpt.py), which their train.py builds from ``model_args``: a field
 # the checkpoint's ``model_args`` lacks had this value in the model that was trained (the sizes are checked against
@@ -113,6 +119,25 @@ def weight_names(model_type: str, bias: bool) -> dict[str, str]:
     return names
 
 
+def split_fused_qkv(state: dict[str, torch.Tensor], n_embd: int, path: Path) -> dict[str, torch.Tensor]:
+    """``state`` with the fused ``c_attn`` weight (and bias) replaced by ``q, k, v`` as the authors' forward
+    splits its output (``c_attn(x).split(n_embd, dim=2)``): rows ``[0, d)`` are q, ``[d, 2d)`` k, ``[2d, 3d)`` v."""
+    state = dict(state)
+    for kind in ("weight", "bias"):
+        fused = state.pop(f"{FUSED_QKV}.{kind}", None)
+        if fused is None:
+            continue
+        if fused.shape[0] != 3 * n_embd or (kind == "weight" and tuple(fused.shape) != (3 * n_embd, n_embd)):
+            expected = (3 * n_embd, n_embd) if kind == "weight" else (3 * n_embd,)
+            raise ConvertError(
+                f"{path}: {FUSED_QKV}.{kind} has shape {tuple(fused.shape)}, the fused q, k, v projection of width "
+                f"n_embd {n_embd} is {expected}"
+            )
+        for name, part in zip("qkv", fused.split(n_embd, dim=0), strict=True):
+            state[f"transformer.attn.{name}.{kind}"] = part.clone()
+    return state
+
+
 def convert(src: Path) -> ConvertedCheckpoint:
     """Read the authors' checkpoint and map it to the ``lt`` / ``tmlt`` architecture."""
     path = _checkpoint_file(src)
@@ -146,12 +171,27 @@ def convert(src: Path) -> ConvertedCheckpoint:
         raise ConvertError(f"{path}: model_args: {err}") from err
     if not causal:  # the authors' attention reads it: every position would see the whole sequence, later tokens too
         raise ConvertError(f"{path}: model_args: is_causal is false (bidirectional attention), not a decoder")
+    fused = f"{FUSED_QKV}.weight" in state
+    separate = ("transformer.attn.q.", "transformer.attn.k.", "transformer.attn.v.")
+    if fused and any(k.startswith(separate) for k in state):
+        raise ConvertError(
+            f"{path}: holds both the fused {FUSED_QKV} projection (the authors' earlier model.py) and separate "
+            "q, k, v projections (the current one): not a model of either version"
+        )
+    if fused:
+        state = split_fused_qkv(state, args["n_embd"], path)
     names = weight_names(model_type, bias)
     missing = sorted(set(names) - state.keys())
     unexpected = sorted(state.keys() - names.keys())
     if missing or unexpected:
-        raise ConvertError(f"{path}: {model_type} checkpoint with missing weights {missing}, unexpected {unexpected}")
+        raise ConvertError(
+            f"{path}: {model_type} checkpoint with missing weights {missing}, unexpected {unexpected}; the layouts "
+            f"supported are the authors' model.py with separate transformer.attn.q/k/v, or its earlier fused "
+            f"{FUSED_QKV} (with biases when model_args bias is true)"
+        )
     config = {"architecture": model_type, **{k: args[k] for k in CONFIG_KEYS}, "bias": bias, "tokenizer": "token_ids"}
+    if fused and model_type == "lt":
+        config["prenorm_block"] = True
     notes = [
         f"{model_type}: {args['n_loop']} loops of one block, width {args['n_embd']}, {args['n_head']} heads, "
         f"block_size {args['block_size']} (the longest sequence, prompt + generated tokens)",
@@ -159,6 +199,10 @@ def convert(src: Path) -> ConvertedCheckpoint:
         "dropped: the optimizer state (if any), n_layer (unused by looped models), dropout (inference)",
         "prompts are token ids unless --tokenizer gives a tokenizer.json (the authors train on GPT-2 BPE)",
     ]
+    if fused:
+        block = ("; its lt block is pre-norm (q, k, v and the MLP input normalised): prenorm_block"
+                 if model_type == "lt" else "")
+        notes.append(f"fused {FUSED_QKV} of the authors' earlier model.py split into q, k, v{block}")
     if defaulted:
         notes.append(f"model_args lacks {sorted(defaulted)}: the authors' Config defaults, {defaulted}")
     return ConvertedCheckpoint(config, {names[k]: v for k, v in state.items()}, notes=notes)

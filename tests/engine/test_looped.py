@@ -114,6 +114,54 @@ def authors_greedy(sd: dict, model_type: str, args: dict, prompt: list[int], ste
     return tokens[len(prompt):]
 
 
+def earlier_authors_forward(sd: dict[str, torch.Tensor], args: dict, idx: list[int]) -> torch.Tensor:
+    """Logits ``[T, V]`` of the authors' earlier ``LoopedGPT`` (model.py at 340f627): one fused ``c_attn`` whose
+    output splits into q, k, v, and a pre-norm block ``x += attn(norm1(x)); x += mlp(norm2(x))`` (weightless
+    norms)."""
+    d, heads = args["n_embd"], args["n_head"]
+
+    def lin(name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, sd[f"{name}.weight"], sd.get(f"{name}.bias"))
+
+    def attn(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (part.view(1, -1, heads, d // heads).transpose(1, 2)
+                   for part in lin("transformer.attn.c_attn", x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return lin("transformer.attn.c_proj", y.transpose(1, 2).reshape(1, -1, d))
+
+    x = sd["transformer.wte.weight"][torch.tensor([idx])] + sd["transformer.wpe.weight"][torch.arange(len(idx))]
+    for _ in range(args["n_loop"]):
+        x = x + attn(F.rms_norm(x, (d,)))
+        x = x + lin("transformer.mlp.c_proj", F.gelu(lin("transformer.mlp.c_fc", F.rms_norm(x, (d,)))))
+    x = F.rms_norm(x, (d,), sd["transformer.ln_f.weight"])
+    return F.linear(x, sd["lm_head.weight"])[0]
+
+
+def fuse_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same weights in the earlier layout: ``transformer.attn.c_attn`` = q, k, v stacked along the output."""
+    fused = {k: t for k, t in sd.items() if not k.startswith(("transformer.attn.q.", "transformer.attn.k.",
+                                                               "transformer.attn.v."))}
+    for kind in ("weight", "bias"):
+        if f"transformer.attn.q.{kind}" in sd:
+            fused[f"transformer.attn.c_attn.{kind}"] = torch.cat([sd[f"transformer.attn.{p}.{kind}"] for p in "qkv"])
+    return fused
+
+
+def fuse_qkv_inverse(sd: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
+    """q, k, v of a fused ``c_attn`` as the authors' forward splits its output (for the current forward pass)."""
+    fused = {kind: sd[f"transformer.attn.c_attn.{kind}"] for kind in ("weight", "bias")
+             if f"transformer.attn.c_attn.{kind}" in sd}
+    return {f"transformer.attn.{p}.{kind}": part for kind, tensor in fused.items()
+            for p, part in zip("qkv", tensor.split(args["n_embd"]), strict=True)}
+
+
+def rewrite_model(path: Path, change) -> None:  # type: ignore[no-untyped-def]
+    """Replace the ``model`` entry of the ``ckpt.pt`` at ``path`` by ``change(state dict without _orig_mod.)``."""
+    data = torch.load(path, weights_only=True)
+    data["model"] = change({k.removeprefix("_orig_mod."): t for k, t in data["model"].items()})
+    torch.save(data, path)
+
+
 # ---- conversion and exactness ------------------------------------------------------------------------------
 
 
@@ -473,3 +521,58 @@ def test_cuda_graph_decode_equals_eager_and_the_reference_path(architecture: str
                 reference = model.decode(decode, pools["reference"].tensors)
             torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(eager, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("model_type", ["lt", "tmlt"])
+def test_a_fused_c_attn_checkpoint_of_the_earlier_code_serves_that_codes_forward(
+    model_type: str, bias: bool, tmp_path: Path
+) -> None:
+    """The authors' earlier model.py projected q, k, v with one ``c_attn``: such a checkpoint was refused as
+    "missing weights [q, k, v], unexpected [c_attn]". It is split into q, k, v; its plain ``lt`` block (pre-norm,
+    values from the norm, a norm before the MLP) converts with ``prenorm_block``, its ``tmlt`` computes as now."""
+    args = {**MODEL_ARGS, "bias": bias}
+    sd = fuse_qkv(save_authors_checkpoint(tmp_path / "ckpt.pt", model_type, args, seed=2))
+    rewrite_model(tmp_path / "ckpt.pt", lambda _: sd)
+    checkpoint = convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native")
+    assert checkpoint.config.get("prenorm_block", False) is (model_type == "lt")
+    assert any("c_attn" in note for note in checkpoint.notes)
+    llm = LLM(str(tmp_path / "native"), device="cpu", max_num_seqs=3, max_num_batched_tokens=16)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 6, 21)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = list(prompt)
+        for _ in range(8):
+            logits = (earlier_authors_forward(sd, args, tokens) if model_type == "lt"
+                      else authors_forward({**sd, **fuse_qkv_inverse(sd, args)}, model_type, args, tokens))
+            tokens.append(int(logits[-1].argmax()))
+        assert out.outputs[0].token_ids == tokens[len(prompt):]
+
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda sd: {**sd, "transformer.attn.c_attn.weight": sd["transformer.attn.c_attn.weight"][:64]},
+         r"c_attn.weight has shape \(64, 32\), the fused q, k, v projection of width n_embd 32 is \(96, 32\)"),
+        (lambda sd: {**sd, "transformer.attn.q.weight": sd["transformer.attn.c_attn.weight"][:32]},
+         "both the fused transformer.attn.c_attn projection .* and separate q, k, v projections"),
+        (lambda sd: {k.replace("c_attn", "qkv_proj"): t for k, t in sd.items()},
+         r"unexpected \['transformer.attn.qkv_proj.bias', .*supported are .*transformer.attn.q/k/v, or .*c_attn"),
+    ],
+)
+def test_a_layout_neither_version_wrote_is_refused_saying_what_it_found_and_what_is_supported(
+    change, message: str, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    sd = fuse_qkv(save_authors_checkpoint(tmp_path / "ckpt.pt", "lt"))
+    rewrite_model(tmp_path / "ckpt.pt", lambda _: change(sd))
+    with pytest.raises(ConvertError, match=message):
+        convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+
+
+def test_prenorm_block_is_refused_for_tmlt() -> None:
+    with pytest.raises(ValueError, match="prenorm_block is a setting of the plain looped transformer"):
+        MODEL_REGISTRY["tmlt"](LoopedConfig(n_embd=8, n_head=2, n_loop=1, block_size=4, vocab_size=5,
+                                            prenorm_block=True))
