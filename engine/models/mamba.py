@@ -251,11 +251,17 @@ class MambaLM(MixerStackLM):
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Mamba uses silu)")
         d_model = hf["hidden_size"]
         dt_rank = hf.get("time_step_rank", "auto")
+        d_inner = int(hf.get("expand", 2) * d_model)  # transformers derives intermediate_size from expand, always
+        if hf.get("intermediate_size") not in (None, d_inner):
+            raise ValueError(
+                f"intermediate_size {hf['intermediate_size']} disagrees with expand {hf.get('expand', 2)} x "
+                f"hidden_size {d_model} = {d_inner}, which transformers uses in its place"
+            )
         return MambaConfig(
             vocab_size=hf["vocab_size"],
             d_model=d_model,
             n_layers=hf["num_hidden_layers"],
-            d_inner=hf.get("intermediate_size") or int(hf.get("expand", 2) * d_model),
+            d_inner=d_inner,
             d_state=hf.get("state_size", 16),
             d_conv=hf.get("conv_kernel", 4),
             dt_rank=math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank),

@@ -206,6 +206,10 @@ class Mamba2LM(MixerStackLM):
         heads, head_dim = hf["num_heads"], hf["head_dim"]
         if int(hf.get("expand", 2) * hf["hidden_size"]) != heads * head_dim:
             raise ValueError("expand * hidden_size must equal num_heads * head_dim")
+        # transformers 4's field, written from mamba_ssm's ssm_cfg["rmsnorm"] by its conversion script; transformers
+        # always builds the gated norm, so a model trained without it would be served as another one
+        if not config_bool(hf.get("rms_norm", True), "rms_norm"):
+            raise ValueError(f"rms_norm {hf['rms_norm']!r}: a Mamba-2 without its gated RMSNorm is not supported")
         low, high = hf.get("time_step_limit", (0.0, math.inf))
         return Mamba2Config(
             vocab_size=hf["vocab_size"],

@@ -201,7 +201,7 @@ def test_text_the_tokenizer_maps_past_the_models_vocabulary_is_a_parameter_error
     ("change", "expected"),
     [
         ({"layer_norm_epsilon": "1e-5"}, "norm_eps must be float"),  # loaded, then failed every request
-        ({"hidden_size": -16}, "cannot build the model"),
+        ({"hidden_size": -16, "intermediate_size": -32}, "cannot build the model"),
         ({"num_hidden_layers": "2"}, "must be int"),
         ({"use_conv_bias": "yes"}, "use_conv_bias must be true or false, got 'yes'"),
         ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false, got 0"),
@@ -235,3 +235,22 @@ def test_broken_tokenizer_files_are_load_errors_naming_them(checkpoint: Path, na
 def test_an_eos_token_id_that_is_no_token_id_is_a_load_error(checkpoint: Path, eos: object) -> None:
     (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     assert "eos_token_id must be a token id or a list of them" in load_error(checkpoint)
+
+
+def test_an_intermediate_size_transformers_would_replace_is_refused_naming_it(checkpoint: Path) -> None:
+    """transformers' Mamba derives ``intermediate_size`` from ``expand`` and ignores config.json's value."""
+    settings = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**settings, "intermediate_size": 48}))
+    assert "intermediate_size 48 disagrees with expand 2 x hidden_size 16 = 32" in load_error(checkpoint)
+
+
+def test_a_mamba2_config_without_the_gated_norm_is_refused_naming_it() -> None:
+    """``rms_norm`` false (transformers 4's field, from mamba_ssm's ``rmsnorm``): transformers builds the gated norm
+    anyway, so the model would be served as another one."""
+    from rnnserve.engine.models.mamba2 import Mamba2LM
+
+    config = {"model_type": "mamba2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
+              "head_dim": 16, "n_groups": 1}
+    assert Mamba2LM.from_hf_config({**config, "rms_norm": True}).n_heads == 4
+    with pytest.raises(ValueError, match="rms_norm False: a Mamba-2 without its gated RMSNorm"):
+        Mamba2LM.from_hf_config({**config, "rms_norm": False})

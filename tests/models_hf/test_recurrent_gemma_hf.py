@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,24 @@ def test_scaled_rope_is_refused_under_either_name(key: str, type_key: str) -> No
     with pytest.raises(ValueError, match="rope_type 'linear' is not supported"):
         RecurrentGemmaLM.from_hf_config(config)
     assert RecurrentGemmaLM.from_hf_config({**config, key: {type_key: "default"}}).rope_theta == 10000.0
+
+
+def test_sliding_window_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """``sliding_window`` is the config's alias of ``attention_window_size`` (``attribute_map``): a config.json
+    naming the window so was served with the default window of 2048 instead of the trained one."""
+    assert transformers.RecurrentGemmaConfig(**{**BASE, "sliding_window": 7}).attention_window_size == 7
+    reference = build(CASES["griffin-conv3-bias-attention-first"])
+    path = hf_harness.save_hf(reference, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = config.pop("attention_window_size")
+    (path / "config.json").write_text(json.dumps(config))
+    hf_harness.check_prefill_logits(reference, path)
+
+
+def test_a_head_dim_transformers_would_overwrite_is_refused_naming_it() -> None:
+    """transformers computes ``head_dim = hidden_size / num_attention_heads`` whatever config.json says."""
+    from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaLM
+
+    assert RecurrentGemmaLM.from_hf_config({**BASE, "head_dim": 8}).head_dim == 8
+    with pytest.raises(ValueError, match=r"head_dim 16 other than hidden_size / num_attention_heads \(8\)"):
+        RecurrentGemmaLM.from_hf_config({**BASE, "head_dim": 16})
