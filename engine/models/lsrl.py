@@ -49,6 +49,35 @@ HEAD_SHARPNESS = 100.0
 logger = logging.getLogger(__name__)
 
 
+# The keys of each op in config.json's ``ops`` (what :meth:`LSRLModel.from_path` writes), all read.
+OP_KEYS = {
+    "linear": {"type", "in_dim", "out_dim", "nnz"},
+    "relu": {"type", "in_dim", "out_dim"},
+    "multi": {"type", "in_dim", "out_dim"},
+    "linstate": {"type", "in_dim", "out_dim", "dim", "a_nnz", "b_nnz", "persistent"},
+}
+
+
+def op_spec_problem(index: int, spec: Any) -> str | None:
+    """Why ``spec`` cannot be op ``index`` of a served program (an unknown type, a key the op does not have, an output
+    width its computation does not give), naming it; ``None`` if it can."""
+    if not isinstance(spec, dict):
+        return f"LSRL op {index} is a {type(spec).__name__}, not a dict"
+    kind = spec.get("type")
+    if kind not in OP_KEYS:
+        return f"unknown LSRL op type {kind!r} (op {index}; known: {sorted(OP_KEYS)})"
+    keys = set(spec)
+    if keys != OP_KEYS[kind]:
+        return (f"LSRL op {index} ({kind}) has keys {sorted(keys - OP_KEYS[kind])} it does not read and lacks "
+                f"{sorted(OP_KEYS[kind] - keys)}; a {kind} op has {sorted(OP_KEYS[kind])}")
+    width = {"relu": spec["in_dim"], "multi": spec["in_dim"] // 2, "linstate": spec.get("dim")}.get(kind)
+    if kind == "multi" and spec["in_dim"] % 2:
+        return f"LSRL op {index} (multi) multiplies two halves of its input, whose in_dim {spec['in_dim']} is odd"
+    if width is not None and spec["out_dim"] != width:
+        return f"LSRL op {index} ({kind}) outputs {width} numbers, but its out_dim is {spec['out_dim']}"
+    return None
+
+
 @dataclass
 class LSRLConfig(ModelConfig):
     vocab_size: int = 2
@@ -185,18 +214,19 @@ class LSRLModel(RecurrentLM):
         self.token_values = nn.Parameter(torch.zeros(config.vocab_size, dtype=FLOAT), requires_grad=False)
         layers: list[nn.Module] = []
         width = config.input_dim
-        for spec in config.ops:
-            kind = spec.get("type")
+        for index, spec in enumerate(config.ops):
+            problem = op_spec_problem(index, spec)
+            if problem is not None:
+                raise ValueError(problem)
+            kind = spec["type"]
             if kind == "linear":
                 layers.append(LinearLayer(spec))
             elif kind == "relu":
                 layers.append(ReLULayer())
             elif kind == "multi":
                 layers.append(MultiLayer())
-            elif kind == "linstate":
-                layers.append(LinStateLayer(spec))
             else:
-                raise ValueError(f"unknown LSRL op type {kind!r}")
+                layers.append(LinStateLayer(spec))
             if spec["in_dim"] != width:
                 raise ValueError(f"LSRL op {len(layers) - 1} ({kind}) takes {spec['in_dim']} inputs, gets {width}")
             width = spec["out_dim"]

@@ -3,7 +3,8 @@
 Each malformed case below used to load: an index outside its matrix or a persistent list outside the state made
 every request fail (a 500 per request over HTTP), indices out of order or a persistent list that misses a column
 ``A`` reads gave wrong tokens without an error, non-finite weights served garbage, and an alphabet that disagrees
-with the vocabulary gave a tokenizer that could not encode the model's own tokens."""
+with the vocabulary gave a tokenizer that could not encode the model's own tokens; an op key no layer reads was
+dropped without a word."""
 
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ MALFORMED = {
     "repeated symbol": (lambda c: c.update(alphabet=["0", "0"]), None, "alphabet"),
     "empty symbol": (lambda c: c.update(alphabet=["0", ""]), None, "alphabet"),
     "no alphabet": (lambda c: c.pop("alphabet"), None, "alphabet"),
+    # an op key the layer does not read (a later compiler's, a typo) was dropped: the program served without it
+    "op key no layer reads": (_op(1, activation="gelu"), None, r"op 1 \(linear\) has keys \['activation'\] it does"),
+    "linstate key missing": (lambda c: c["ops"][0].pop("a_nnz"), None, r"op 0 \(linstate\) .* lacks \['a_nnz'\]"),
+    "linstate out_dim other than dim": (_op(0, out_dim=3), None, r"op 0 \(linstate\) outputs 2 numbers, but its out"),
 }
 
 
