@@ -165,7 +165,7 @@ def hf_config(
             (config_bool(cfg.get("norm_before_gate", False), "ssm_cfg.norm_before_gate"),
              f"the norm before the gate (ssm_cfg.norm_before_gate {cfg.get('norm_before_gate')!r})"),
             (cfg.get("d_ssm") not in (None, d_inner),
-             f"an SSM narrower than the inner width {d_inner} (ssm_cfg.d_ssm {cfg.get('d_ssm')!r})"),
+             f"an SSM width other than the inner width {d_inner} (ssm_cfg.d_ssm {cfg.get('d_ssm')!r})"),
             (config_bool(cfg.get("D_has_hdim", False), "ssm_cfg.D_has_hdim"),
              f"a D per channel (ssm_cfg.D_has_hdim {cfg.get('D_has_hdim')!r})"),
             (cfg.get("process_group") is not None,

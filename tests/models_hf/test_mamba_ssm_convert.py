@@ -221,7 +221,7 @@ MAMBA2_SSM_CFG = {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": 2}
         ({"vocab_size": 40}, "vocab_size 40 padded to pad_vocab_size_multiple 16 is 48"),
         ({"fused_add_norm": "fast"}, "fused_add_norm must be true or false, got 'fast'"),
         ({"ssm_cfg": {**MAMBA2_SSM_CFG, "layer": "Mamba3"}}, r"the mixer layer 'Mamba3' \(ssm_cfg.layer"),
-        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "d_ssm": 32}}, "narrower than the inner width 64 \\(ssm_cfg.d_ssm 32\\)"),
+        ({"ssm_cfg": {**MAMBA2_SSM_CFG, "d_ssm": 32}}, r"other than the inner width 64 \(ssm_cfg.d_ssm 32\)"),
         ({"ssm_cfg": {**MAMBA2_SSM_CFG, "norm_before_gate": True}}, "ssm_cfg.norm_before_gate True"),
         ({"ssm_cfg": {**MAMBA2_SSM_CFG, "rmsnorm": "false"}}, "ssm_cfg.rmsnorm 'false'"),
         ({"ssm_cfg": {**MAMBA2_SSM_CFG, "D_has_hdim": True}}, "ssm_cfg.D_has_hdim True"),
