@@ -86,7 +86,6 @@ class ByteTokenizer(Tokenizer):
 
     def __init__(self) -> None:
         self.eos_token_id = 256
-        self._special_text = {256 + i: s for i, s in enumerate(self.SPECIALS)}
 
     @property
     def vocab_size(self) -> int:

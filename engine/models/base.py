@@ -173,10 +173,6 @@ class PrefillBatch:
             logit_rows=long_tensor(logit_rows, device),
         )
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.lengths)
-
 
 @dataclass(frozen=True)
 class DecodeBatch:
