@@ -115,6 +115,7 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | Non
 
 
 def bucket_delta(new: list[tuple[float, float]], old: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Histogram bucket counts ``(le, count)`` of ``new`` minus those of ``old`` (the observations between them)."""
     previous = dict(old)
     return [(le, count - previous.get(le, 0.0)) for le, count in new]
 

@@ -58,6 +58,7 @@ class APIError(Exception):
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error`` with ``message``, naming ``param`` and ``code`` when given."""
     return APIError(400, message, param=param, code=code)
 
 
