@@ -154,6 +154,7 @@ class StatsHistory:
         return chosen
 
     def sample(self, now: float | None = None) -> None:
+        """Snapshot the metrics and, from the second snapshot on, add the dashboard point it makes."""
         snap = take_snapshot(self.metrics, now)
         if self.snapshots:
             self.points.append(make_point(snap, self.base(snap.t, RATE_WINDOW), self.base(snap.t, LATENCY_WINDOW)))
