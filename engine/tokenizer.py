@@ -29,6 +29,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The size of the id range, ``0 .. vocab_size - 1`` (a model's vocabulary may be padded beyond it)."""
         raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:

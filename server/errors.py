@@ -43,6 +43,7 @@ class APIError(Exception):
         self.retryable = retryable
 
     def body(self) -> dict:
+        """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response_headers(self) -> dict[str, str]:
@@ -50,6 +51,7 @@ class APIError(Exception):
         return dict(self.headers or {}) if self.retryable else {**(self.headers or {}), SHOULD_RETRY_HEADER: "false"}
 
     def response(self) -> JSONResponse:
+        """The error as a JSON response with its status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.response_headers())
 
     def sse(self) -> str:
