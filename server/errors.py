@@ -42,7 +42,7 @@ class APIError(Exception):
         self.headers = headers
         self.retryable = retryable
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, dict[str, str | None]]:
         """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
