@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import datetime
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -479,10 +478,6 @@ def llama_decode_rates(
 
 # ---------------------------------------------------------------------------------------------------------------
 # rnnserve offline
-
-
-def quantize_available() -> bool:
-    return importlib.util.find_spec("rnnserve.engine.quantize") is not None
 
 
 def make_engine(model_dir: Path, pair: Pair, max_num_seqs: int) -> LLMEngine:
@@ -1216,12 +1211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     pairs = [PAIRS[name] for name in args.dtypes]
-    notes = []
-    if any(p.quantize for p in pairs) and not quantize_available():
-        pairs = [p for p in pairs if not p.quantize]
-        notes.append(
-            "int8 vs Q8_0 skipped: this rnnserve has no `--quantize int8` implementation (rnnserve.engine.quantize)"
-        )
     llama = ensure_llama_cpp(args.cache_dir, args.llama_cpp_python, args.threads)
     work = args.cache_dir / "models" / f"{args.preset}-seed{args.seed}"
     print(f"exporting random:{args.preset} and converting it to GGUF in {work} ...", flush=True)
@@ -1229,8 +1218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ggufs = gguf_files(llama, exported, work.with_name(work.name + "-gguf"), args.threads)
     report = Report(args.out, [])
     report.add(header(args, llama, exported, pairs))
-    for note in notes:
-        report.add(f"Note: {note}.")
     slots = max([*args.batches, *args.streams])
     engines = {pair.name: make_engine(exported.rnnserve_dir, pair, slots) for pair in pairs}
     logs = Path(tempfile.mkdtemp(prefix="cpu-peers-"))

@@ -114,6 +114,7 @@ def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | N
 
 
 def base_url(url: str) -> str:
+    """The server root of ``url``: without a trailing slash or ``/v1``."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
@@ -237,6 +238,9 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def send_one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    """Send one streamed completion request and time it: time to first token, each inter-token gap,
+    latency and token counts; a request that failed, or whose stream ended before ``[DONE]``, is ``ok=False``
+    with the reason in ``error``."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last: float | None = None
@@ -454,6 +458,8 @@ def meets_objectives(result: RequestResult, objectives: dict[str, float]) -> boo
 
 
 def report(config: BenchConfig, model: str, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """The figures of one run: counts, failure causes, throughputs, goodput (with ``--goodput``), and TTFT,
+    inter-token, time-per-output-token and end-to-end latency statistics in ms over the successful requests."""
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
@@ -489,6 +495,7 @@ def failure_cause(error: str) -> str:
 
 
 def format_report(figures: dict[str, Any]) -> str:
+    """The text report of one run's :func:`report` figures, one figure a line."""
     lines = [
         f"{'model':<28}{figures['model']}",
         f"{'successful requests':<28}{figures['completed']}",
@@ -515,6 +522,7 @@ def format_report(figures: dict[str, Any]) -> str:
 
 
 def positive_int(text: str) -> int:
+    """An argparse type: an integer of 1 or more."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -522,6 +530,7 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
@@ -546,6 +555,7 @@ def objective(text: str) -> tuple[str, float]:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``rnnserve bench``."""
     parser.add_argument(
         "--url",
         default="http://127.0.0.1:8000",
@@ -635,6 +645,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """``rnnserve bench``: run the load (or, with ``--compare``, alternate it between two servers), print the
+    report and write it as JSON with ``--json``; 1 when the server is unreachable or any request failed."""
     config = BenchConfig(
         url=args.url,
         model=args.model,
@@ -723,6 +735,8 @@ async def compare(config: BenchConfig, other_url: str, rounds: int) -> dict[str,
 
 
 def format_comparison(figures: dict[str, Any]) -> str:
+    """The text report of :func:`compare`: each figure's medians for both servers and their ratio, then
+    each side's failure causes."""
     lines = [f"base  {figures['base_url']}", f"other {figures['other_url']}",
              f"{figures['rounds']} alternating rounds each; medians", "",
              f"{'':<32}{'base':>12}{'other':>12}{'other/base':>12}"]

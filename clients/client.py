@@ -195,6 +195,7 @@ class Client(_Routes):
         return self._probe("/ready")
 
     def version(self) -> str:
+        """The server's rnnserve version (``/version``)."""
         return self.openai.get(self.url("/version"), cast_to=object)["version"]
 
     def metrics(self) -> str:
@@ -202,9 +203,11 @@ class Client(_Routes):
         return self.openai.get(self.url("/metrics"), cast_to=str)
 
     def tokenize(self, text: str, model: str | None = None) -> list[int]:
+        """``text``'s token ids under ``model``'s tokenizer (default: the server's first model)."""
         return self.openai.post(self.url("/tokenize"), body=self.body(model, prompt=text), cast_to=object)["tokens"]
 
     def detokenize(self, tokens: list[int], model: str | None = None) -> str:
+        """The text of ``tokens`` under ``model``'s tokenizer (default: the server's first model)."""
         body = self.body(model, tokens=tokens)
         return self.openai.post(self.url("/detokenize"), body=body, cast_to=object)["prompt"]
 
@@ -213,6 +216,7 @@ class Client(_Routes):
         return self.openai.post(self.url("/v1/sessions"), body=self.body(model), cast_to=object, options=ONCE)
 
     def get_session(self, session_id: str) -> dict[str, Any]:
+        """``session_id``'s description (``/v1/sessions/{id}``); ``openai.NotFoundError`` when there is none."""
         return self.openai.get(self.session_url(session_id), cast_to=object)
 
     def delete_session(self, session_id: str) -> dict[str, Any]:

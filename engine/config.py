@@ -37,6 +37,7 @@ def parse_bytes(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
+    """An argparse type: an integer of 1 or more."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -44,6 +45,7 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of 0 or more."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")

@@ -33,6 +33,7 @@ def hf_cache_dir() -> Path:
 
 
 def looks_like_repo_id(name: str) -> bool:
+    """Whether ``name`` has the form of a Hugging Face repo id (``org/name[@revision]``), not of a path."""
     return bool(REPO_ID.match(name)) and not name.startswith((".", "/", "~"))
 
 

@@ -32,13 +32,6 @@ MODEL_SOURCES: dict[str, ModelSource | str] = {
 }
 
 
-def register_model_source(prefix: str, source: ModelSource | str) -> None:
-    """Make ``<prefix>:<name>`` loadable by ``source(name, device, dtype)`` (or a ``"module:function"``)."""
-    if prefix in MODEL_SOURCES:
-        raise ValueError(f"model source {prefix!r} registered twice")
-    MODEL_SOURCES[prefix] = source
-
-
 def model_source(prefix: str) -> ModelSource | None:
     """The source registered for ``prefix``, imported on first use; ``None`` when there is none."""
     source = MODEL_SOURCES.get(prefix)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnserve.kernels import int4_linear as int4
-from rnnserve.kernels.int8_linear import ACTIVATION_DTYPES, dequantize, int8_linear
+from rnnserve.kernels.int8_linear import ACTIVATION_DTYPES, int8_linear
 
 INT8_MAX = 127
 INT4_MIN = -8
@@ -58,10 +58,6 @@ class Int8Linear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fp32 weight this layer multiplies by: ``weight * scale[:, None]``."""
-        return dequantize(self.weight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight, self.scale, self.bias)
@@ -99,10 +95,6 @@ class Int4Linear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fp32 weight ``[N, K]`` this layer multiplies by."""
-        return int4.dequantize(self.weight, self.scale, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int4.int4_linear(x, self.weight, self.scale, self.bias)

@@ -29,6 +29,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The size of the id range, ``0 .. vocab_size - 1`` (a model's vocabulary may be padded beyond it)."""
         raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
@@ -86,7 +87,6 @@ class ByteTokenizer(Tokenizer):
 
     def __init__(self) -> None:
         self.eos_token_id = 256
-        self._special_text = {256 + i: s for i, s in enumerate(self.SPECIALS)}
 
     @property
     def vocab_size(self) -> int:

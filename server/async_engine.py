@@ -191,7 +191,6 @@ class AsyncEngine:
         self._consumers: dict[str, Submission] = {}
         self._adds: dict[int, tuple[asyncio.Future[None], SamplingParams, int]] = {}
         self._add_ids = itertools.count()
-        self._started = False
         self._stopping = False
         self._accepting = False
         metrics.set_pool(self.info.num_slots, self.info.bytes_per_slot)
@@ -213,7 +212,6 @@ class AsyncEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._accepting = True
-        self._started = True
         self.driver.start(loop, self._handle)
 
     def stop(self, timeout: float = 10.0) -> None:

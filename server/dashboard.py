@@ -115,6 +115,7 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | Non
 
 
 def bucket_delta(new: list[tuple[float, float]], old: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Histogram bucket counts ``(le, count)`` of ``new`` minus those of ``old`` (the observations between them)."""
     previous = dict(old)
     return [(le, count - previous.get(le, 0.0)) for le, count in new]
 
@@ -153,6 +154,7 @@ class StatsHistory:
         return chosen
 
     def sample(self, now: float | None = None) -> None:
+        """Snapshot the metrics and, from the second snapshot on, add the dashboard point it makes."""
         snap = take_snapshot(self.metrics, now)
         if self.snapshots:
             self.points.append(make_point(snap, self.base(snap.t, RATE_WINDOW), self.base(snap.t, LATENCY_WINDOW)))

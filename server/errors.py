@@ -42,7 +42,8 @@ class APIError(Exception):
         self.headers = headers
         self.retryable = retryable
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response_headers(self) -> dict[str, str]:
@@ -50,6 +51,7 @@ class APIError(Exception):
         return dict(self.headers or {}) if self.retryable else {**(self.headers or {}), SHOULD_RETRY_HEADER: "false"}
 
     def response(self) -> JSONResponse:
+        """The error as a JSON response with its status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.response_headers())
 
     def sse(self) -> str:
@@ -58,6 +60,7 @@ class APIError(Exception):
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error`` with ``message``, naming ``param`` and ``code`` when given."""
     return APIError(400, message, param=param, code=code)
 
 

@@ -74,6 +74,7 @@ def host_name(host: bytes) -> str:
 
 
 def is_ip_address(name: str) -> bool:
+    """Whether ``name`` is an IPv4 or IPv6 address (not a host name)."""
     try:
         ipaddress.ip_address(name)
     except ValueError:

@@ -205,6 +205,7 @@ class OpenAIServing:
         return JSONResponse(await until_disconnect(request, stream.collect(), submission))
 
     async def completions(self, request: Request, req: CompletionRequest) -> Response:
+        """``POST /v1/completions``: a new generation, or the next turn of ``session_id``'s session."""
         model = self.check_model(req.model)
         params = client_input(req.to_sampling_params)
         prompts: list[str | list[int]] = client_input(req.prompts)
@@ -219,6 +220,8 @@ class OpenAIServing:
         return await self.generate(request, CompletionStream, req, model, [prompt], params, turn)
 
     async def chat_completions(self, request: Request, req: ChatCompletionRequest) -> Response:
+        """``POST /v1/chat/completions``: the messages rendered with the chat template, or the next turn of
+        ``session_id``'s session."""
         model = self.check_model(req.model)
         params = client_input(lambda: req.to_sampling_params(self.config.chat_default_max_tokens))
         if req.session_id is None:
@@ -339,6 +342,7 @@ class OpenAIServing:
         return JSONResponse(info.to_json(model))
 
     async def get_session(self, session_id: str) -> JSONResponse:
+        """``GET /v1/sessions/{id}``: the session's description."""
         store = self.session_store()
         info = await asyncio.to_thread(store.info, check_session_id(session_id))
         return JSONResponse(info.to_json(self.model_names[0]))
@@ -378,6 +382,7 @@ class OpenAIServing:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """``messages`` as prompt text, through the chat template."""
         return render_chat(
             self.tokenizer,
             [m.template_fields() for m in messages],
@@ -388,6 +393,7 @@ class OpenAIServing:
         )
 
     def tokenize(self, req: TokenizeRequest) -> JSONResponse:
+        """``POST /tokenize``: the token ids of a prompt, or of chat messages rendered with the template."""
         self.check_model(req.model)
         client_input(req.check_unserved_fields)
         if (req.prompt is None) == (req.messages is None):
@@ -423,6 +429,8 @@ class OpenAIServing:
         })
 
     def detokenize(self, req: DetokenizeRequest) -> JSONResponse:
+        """``POST /detokenize``: the text of token ids; ids outside the vocabulary, or that the tokenizer cannot
+        decode, are a 400."""
         self.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:

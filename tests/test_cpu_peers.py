@@ -227,8 +227,6 @@ def test_step_bytes_count_a_tied_head_once_and_skip_an_embedding_only_looked_up(
     model = cpu_peers.make_engine(exported.rnnserve_dir, cpu_peers.PAIRS["fp32"], max_num_seqs=2).model
     assert model.lm_head.weight is model.backbone.embeddings.weight
     assert cpu_peers.step_bytes(model) == 4 * exported.parameters
-    if not cpu_peers.quantize_available():
-        pytest.skip("no rnnserve.engine.quantize")
     int8 = cpu_peers.make_engine(exported.rnnserve_dir, cpu_peers.PAIRS["int8"], max_num_seqs=2).model
     tensors = {t.data_ptr(): t for t in (*int8.parameters(), *int8.buffers())}
     embedding = int8.backbone.embeddings.weight

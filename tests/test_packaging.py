@@ -66,3 +66,34 @@ def test_the_gpu_wheels_cover_the_serving_stack() -> None:
             if requirement.marker is None or requirement.marker.evaluate(environment):
                 todo.append(requirement.name)
     assert needed <= stack, f"missing from SERVING_STACK: {sorted(needed - stack)}"
+
+
+def test_the_tests_module_level_imports_are_declared() -> None:
+    """Every third-party package a test module imports at its top is a runtime dependency or a test extra
+    (one installed only as another package's dependency may go away with it; a package imported inside a test
+    that skips without it need not be declared)."""
+    import ast
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {canonicalize_name(Requirement(r).name)
+                for r in [*project["dependencies"], *project["optional-dependencies"]["test"]]}  # fmt: skip
+    ours = {"rnnserve", "tests", "scripts", "benchmarks", *FOLDERS.values()}
+    distributions = metadata.packages_distributions()
+    undeclared = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for top in {module.split(".")[0] for module in modules} - ours - set(sys.stdlib_module_names):
+                names = {canonicalize_name(d) for d in distributions.get(top, [top])}
+                if not names & declared:
+                    undeclared[top] = str(path.relative_to(ROOT))
+    assert not undeclared, f"imported by tests, not declared in pyproject.toml: {undeclared}"

@@ -148,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``rnnserve lsrl`` command line: ``compile`` and ``run``."""
     parser = argparse.ArgumentParser(prog="rnnserve lsrl", description="Compile and run LSRL programs.")
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile PROGRAM.py into a checkpoint directory")

@@ -38,14 +38,17 @@ def f_bump(x: Node, lower: Any, upper: Any, mu: float = DEFAULT_MU) -> Node:
 
 
 def f_not(x: Node) -> Node:
+    """Logical not of a 0/1 value: ``1 - x``."""
     return 1.0 - x
 
 
 def f_and(x: Node, y: Node, mu: float = DEFAULT_MU) -> Node:
+    """Logical and of two 0/1 values (each thresholded with :func:`f_step`)."""
     return ReLU(f_step(x, mu) + f_step(y, mu) - 1.0)
 
 
 def f_or(x: Node, y: Node, mu: float = DEFAULT_MU) -> Node:
+    """Logical or of two 0/1 values: :func:`f_step` of ``x + y``."""
     return f_step(x + y, mu)
 
 

@@ -69,6 +69,7 @@ def as_vector(value: Any, size: int) -> torch.Tensor:
 
 
 def zeros(rows: int, cols: int) -> torch.Tensor:
+    """An all-zero ``[rows, cols]`` sparse matrix."""
     return from_coo(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=DTYPE), (rows, cols))
 
 
@@ -79,6 +80,7 @@ def diagonal(values: torch.Tensor) -> torch.Tensor:
 
 
 def identity(n: int, scale: float = 1.0) -> torch.Tensor:
+    """The ``[n, n]`` identity times ``scale``, sparse."""
     return diagonal(torch.full((n,), scale, dtype=DTYPE))
 
 
@@ -154,6 +156,7 @@ def used_columns(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def is_identity(matrix: torch.Tensor) -> bool:
+    """Whether ``matrix`` is exactly the identity (square, ones on the diagonal and nothing else)."""
     n, m = matrix.shape
     if n != m or matrix._nnz() != n:
         return False

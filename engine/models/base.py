@@ -100,6 +100,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """The config of a ``config.json``'s values; raises ``ValueError`` on keys this config does not have."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known - {"architecture", "tokenizer"})
         if unknown:
@@ -173,10 +174,6 @@ class PrefillBatch:
             logit_rows=long_tensor(logit_rows, device),
         )
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.lengths)
-
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -196,6 +193,7 @@ class DecodeBatch:
         positions: Sequence[int],
         device: torch.device | str = "cpu",
     ) -> DecodeBatch:
+        """A batch from host lists, as int64 tensors on ``device``."""
         return cls(long_tensor(token_ids, device), long_tensor(slots, device), long_tensor(positions, device))
 
 
@@ -226,12 +224,16 @@ class RecurrentLM(nn.Module):
         self.config = config
 
     def state_spec(self) -> list[StateSpec]:
+        """The state one sequence carries: one :class:`StateSpec` per tensor (the pool allocates each per slot)."""
         raise NotImplementedError
 
     def prefill(self, batch: PrefillBatch, state: StateTensors) -> torch.Tensor:
+        """Continue each sequence of ``batch`` from its slot's state, write the final state back, and return its
+        last token's logits ``[B, V]``."""
         raise NotImplementedError
 
     def decode(self, batch: DecodeBatch, state: StateTensors) -> torch.Tensor:
+        """Advance each sequence of ``batch`` by one token, in place in its slot's state; returns ``[B, V]`` logits."""
         raise NotImplementedError
 
     @property

@@ -29,6 +29,7 @@ def mingru_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def mingru_log_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """minGRU's step coefficients in log space, ``(log a, log b)`` in fp32, for the log-space scan."""
     k, candidate = proj.float().chunk(2, dim=-1)
     return -F.softplus(k), -F.softplus(-k) + log_g(candidate)
 
@@ -46,6 +47,8 @@ def minlstm_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def minlstm_log_coefficients(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """minLSTM's normalised gates in log space, ``(log f', log(i' * g(h~)))`` in fp32, for the
+    log-space scan."""
     f, i, candidate = proj.float().chunk(3, dim=-1)
     diff = _gate_diff(f, i)
     return -F.softplus(diff), -F.softplus(-diff) + log_g(candidate)
