@@ -21,9 +21,10 @@ expiring one takes its lease.
 
 The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``. Several server
 processes may share a folder (``--api-servers``; ``shared``): a lease then also holds a lock on one byte of the
-folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write re-counts the folder's
-sessions under a lock of the whole file before it checks the limits, so that they hold for all processes
-together.
+folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write, a delete or an expiry
+re-counts the folder's sessions under a lock of the whole file (a write before it checks the limits, so that they
+hold for all processes together) and sets the stored-session gauges, which all the processes share, to that count.
+A scrape reads no folder: a store keeps the gauges as its sessions change.
 """
 
 from __future__ import annotations
