@@ -325,11 +325,16 @@ async def run(url: str, pid: int, args: argparse.Namespace, session_dir: Path, t
         print(f"  {kind:20s} x {n}")
     print("  statuses:", ", ".join(f"{kind} {status}: {n}" for (kind, status), n in sorted(soak.statuses.items())))
     print(f"5xx: {five_xx}; problems: {len(soak.problems)}; engine errors: {errors:g}; settled: {busy}")
+    rejected = settled.get("rnnserve_request_rejected_total", 0.0)
+    # one count per 429 answered: those the clients read, and some of those whose clients left before the status
+    miscounted = not soak.rejected_seen <= rejected <= soak.rejected_seen + soak.left_unanswered
+    print(f"429 queue_full: {soak.rejected_seen} read by clients, {soak.left_unanswered} clients left before a status; "
+          f"rnnserve_request_rejected_total {rejected:g}{' (MISCOUNTED)' if miscounted else ''}")
     for line in soak.problems[:10]:
         print("  problem:", line)
     grew = sampler.report(warm_up=min(120.0, args.minutes * 30))
     leaked = any(value != 0 for value in busy.values())
-    return int(five_xx > 0 or soak.problems != [] or errors > 0 or leaked or grew)
+    return int(five_xx > 0 or soak.problems != [] or errors > 0 or leaked or grew or miscounted)
 
 
 def wait_until_listening(url: str, server: subprocess.Popen, timeout: float = 1800.0) -> None:

@@ -57,9 +57,10 @@ from rnnserve.server.metrics import ServerMetrics
 from rnnserve.server.routes import OpenAIServing, add_api_routes
 from rnnserve.server.sessions import (
     max_state_upload_bytes,
+    needs_sweep,
     open_session_store,
-    sweep_expired_sessions,
     sweep_interval,
+    sweep_sessions,
 )
 from rnnserve.server.streaming import SERVER_SEND
 
@@ -161,17 +162,15 @@ def create_app(
     except BaseException:
         driver.stop(10.0)
         raise
-    if sessions is not None:
-        metrics.watch_sessions(sessions)
     async_engine = AsyncEngine(driver, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start(asyncio.get_running_loop())
         sweep = None
-        if sessions is not None and sessions.idle_ttl is not None:
+        if sessions is not None and needs_sweep(sessions):
             interval = sweep_interval(sessions.idle_ttl)
-            sweep = asyncio.create_task(sweep_expired_sessions(sessions, interval), name="rnnserve-session-sweep")
+            sweep = asyncio.create_task(sweep_sessions(sessions, interval), name="rnnserve-session-sweep")
         try:
             yield
         finally:

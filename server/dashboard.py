@@ -1,10 +1,11 @@
 """The live dashboard: ``GET /dashboard`` (a static page, no external network) and ``GET /dashboard/stats``
 (JSON time series computed from the server's own Prometheus registry).
 
-A sampler reads the registry once a second while the app runs and keeps the last five minutes: throughput and
-error rates over the trailing ``RATE_WINDOW`` seconds, latency percentiles over the trailing
-``LATENCY_WINDOW`` seconds (interpolated in the histogram buckets as PromQL's ``histogram_quantile`` does), and
-the load gauges. A request costs a slice of that history; ``?since=T`` returns only the points after ``T``.
+A sampler reads the registry once a second while the app runs (in a thread: a collection reads files) and keeps
+the last five minutes: throughput and error rates over the trailing ``RATE_WINDOW`` seconds, latency percentiles
+over the trailing ``LATENCY_WINDOW`` seconds (interpolated in the histogram buckets as PromQL's
+``histogram_quantile`` does), and the load gauges. A request costs a slice of that history; ``?since=T``
+returns only the points after ``T``.
 """
 
 from __future__ import annotations
@@ -155,7 +156,10 @@ class StatsHistory:
 
     def sample(self, now: float | None = None) -> None:
         """Snapshot the metrics and, from the second snapshot on, add the dashboard point it makes."""
-        snap = take_snapshot(self.metrics, now)
+        self.add(take_snapshot(self.metrics, now))
+
+    def add(self, snap: Snapshot) -> None:
+        """Keep a snapshot and the point it makes with the earlier ones (on the event loop, which reads them)."""
         if self.snapshots:
             self.points.append(make_point(snap, self.base(snap.t, RATE_WINDOW), self.base(snap.t, LATENCY_WINDOW)))
         self.snapshots.append(snap)
@@ -175,8 +179,8 @@ def dashboard_router(metrics: ServerMetrics) -> APIRouter:
     script = (STATIC / "dashboard.js").read_bytes()
 
     async def sampler() -> None:
-        while True:
-            history.sample()
+        while True:  # a collection reads /proc (and, with several API servers, their shared files): off the loop
+            history.add(await asyncio.to_thread(take_snapshot, metrics))
             await asyncio.sleep(SAMPLE_INTERVAL)
 
     @asynccontextmanager

@@ -23,7 +23,6 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -35,9 +34,6 @@ from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import SamplingParams
 from rnnserve.server.config import MULTIPROCESS_DIR_ENV
-
-if TYPE_CHECKING:
-    from rnnserve.server.sessions import SessionStore
 
 logger = logging.getLogger("rnnserve.metrics")
 
@@ -278,11 +274,15 @@ STORED_SESSION_GAUGES = (
 
 
 class SessionMetrics:
-    """What the session store does (counters) and its host-memory LRU (gauges). With several API servers the
-    counters are summed over them, and so are the LRU's gauges (each server has an LRU of its own: ``livesum``)."""
+    """What the session store does (counters), its host-memory LRU (gauges) and, once a store watches them
+    (:meth:`watch_store`), what it stores. With several API servers the counters are summed over them, and so are
+    the LRU's gauges (each server has an LRU of its own: ``livesum``); the stored-session gauges are the value the
+    last server to change the shared folder set (``mostrecent``), so a scrape reads no folder."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
         self.model_name = model_name
+        self._registry = registry
+        self._stored: tuple[Gauge, Gauge] | None = None
 
         def counter(name: str, documentation: str) -> Counter:
             return Counter(name, documentation, ["model_name"], registry=registry).labels(model_name=model_name)
@@ -322,30 +322,22 @@ class SessionMetrics:
         """The counter of one session operation."""
         return self._operations.labels(model_name=self.model_name, operation=operation)
 
-
-class StoredSessionGauges:
-    """The gauges of the stored sessions and their limits, read from the store when the registry is collected:
-    with several API servers the scraped one counts the shared folder, so every one reports all sessions."""
-
-    def __init__(self, model_name: str, store: SessionStore, registry: CollectorRegistry) -> None:
-        self.model_name = model_name
-        self.store = store
-        registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return [GaugeMetricFamily(name, doc, labels=["model_name"]) for name, doc in STORED_SESSION_GAUGES]
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            count, nbytes = self.store.stored()
-        except OSError as err:  # the folder cannot be read: the session routes answer for it
-            logger.warning("cannot count the stored sessions: %s", err)
+    def watch_store(self, max_sessions: int, max_bytes: int) -> None:
+        """Export the stored-session gauges and their limits (a server with ``--no-sessions`` has none); a store
+        then keeps them up to date with :meth:`set_stored`. Idempotent."""
+        if self._stored is not None:
             return
-        values = (count, nbytes, self.store.max_sessions, self.store.max_bytes)
-        for (name, doc), value in zip(STORED_SESSION_GAUGES, values, strict=True):
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+        gauges = [Gauge(name, documentation, ["model_name"], registry=self._registry, multiprocess_mode="mostrecent")
+                  .labels(model_name=self.model_name) for name, documentation in STORED_SESSION_GAUGES]  # fmt: skip
+        gauges[2].set(max_sessions)
+        gauges[3].set(max_bytes)
+        self._stored = (gauges[0], gauges[1])
+
+    def set_stored(self, sessions: int, nbytes: int) -> None:
+        """The sessions stored now and their files' bytes (no-op until :meth:`watch_store`)."""
+        if self._stored is not None:
+            self._stored[0].set(sessions)
+            self._stored[1].set(nbytes)
 
 
 class ServerMetrics:
@@ -435,10 +427,6 @@ class ServerMetrics:
         self.sessions = SessionMetrics(model_name, self._own)
         for reason in FINISH_REASONS:
             self.request_success(reason)
-
-    def watch_sessions(self, store: SessionStore) -> None:
-        """Export the gauges of ``store``'s stored sessions (absent with ``--no-sessions``)."""
-        StoredSessionGauges(self.model_name, store, self.registry)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         gauge = Gauge(name, documentation, ["model_name"], registry=self._own, multiprocess_mode="mostrecent")

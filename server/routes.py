@@ -485,7 +485,9 @@ def add_api_routes(router: APIRouter, serving: OpenAIServing) -> None:
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # in a thread: a collection reads /proc for the processes' series (and, with several API servers, the
+        # shared metrics' files), which would stall every stream of this server while it lasted
+        return Response(await asyncio.to_thread(serving.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:

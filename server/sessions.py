@@ -21,9 +21,10 @@ expiring one takes its lease.
 
 The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``. Several server
 processes may share a folder (``--api-servers``; ``shared``): a lease then also holds a lock on one byte of the
-folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write re-counts the folder's
-sessions under a lock of the whole file before it checks the limits, so that they hold for all processes
-together.
+folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write, a delete or an expiry
+re-counts the folder's sessions under a lock of the whole file (a write before it checks the limits, so that they
+hold for all processes together) and sets the stored-session gauges, which all the processes share, to that count.
+A scrape reads no folder: a store keeps the gauges as its sessions change.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ TOKEN_ID_BYTES = 8
 LISTED_TOKEN_ID_BYTES = 36  # a token id held in a Python list: its slot (8 B) and the int object (28 B)
 LEASE_FILE = ".leases"  # shared folders: byte 0 locks writes, byte 1 + hash(id) a session's lease
 MAX_SWEEP_INTERVAL = 60.0  # seconds between sweeps for expired sessions, at most
+REFRESH_INTERVAL = 10.0  # seconds between recounts of a shared folder without an expiry
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -388,6 +390,34 @@ def metadata_int(session_id: str, metadata: dict[str, str], key: str, what: str)
     return int(value)
 
 
+class SessionSizes:
+    """The stored sessions' file sizes by id, with their total kept as they change: the limits and the gauges read
+    it per write, and summing 10k sizes each time is what a counter avoids."""
+
+    def __init__(self, sizes: dict[str, int] | None = None) -> None:
+        self._sizes = dict(sizes or {})
+        self.total = sum(self._sizes.values())
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sizes
+
+    def get(self, session_id: str) -> int | None:
+        return self._sizes.get(session_id)
+
+    def items(self) -> list[tuple[str, int]]:
+        return list(self._sizes.items())
+
+    def set(self, session_id: str, size: int) -> None:
+        self.total += size - self._sizes.get(session_id, 0)
+        self._sizes[session_id] = size
+
+    def pop(self, session_id: str) -> None:
+        self.total -= self._sizes.pop(session_id, 0)
+
+
 class SessionLease:
     """The right to run one request on a session; :meth:`release` (idempotent) gives it back."""
 
@@ -426,9 +456,11 @@ class SessionStore:
         self.clock = clock
         self.metrics = metrics if metrics is not None else SessionMetrics.unregistered()
         self.metrics.cache_memory_total_bytes.set(cache_bytes)
+        self.metrics.watch_store(max_sessions, max_bytes)
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()  # shared folders: one write at a time in this process, too
-        self._sizes: dict[str, int] = {}
+        self._write_lock = threading.RLock()  # shared folders: one write at a time in this process, too
+        self._write_depth = 0  # how many _writing blocks the thread holding _write_lock is in
+        self._sizes = SessionSizes()
         self._cache: OrderedDict[str, tuple[StoredSession, FileVersion]] = OrderedDict()
         self._cache_used = 0
         self._leases: dict[str, SessionLease] = {}
@@ -437,9 +469,12 @@ class SessionStore:
             if shared:  # the lease file needs the folder
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self._lease_fd = os.open(self.directory / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+                self.refresh()
             else:
                 prepare_session_folder(directory)
-            self._sizes = self._scan()
+                with self._lock:
+                    self._sizes = SessionSizes(self._scan())
+                    self._changed()
         except OSError as err:
             raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
         logger.info("sessions: %d stored in %s (%d bytes)", self.num_sessions, directory, self.stored_bytes)
@@ -464,21 +499,26 @@ class SessionStore:
     def num_sessions(self) -> int:
         return len(self._sizes)
 
-    def stored(self) -> tuple[int, int]:
-        """The sessions stored and their files' bytes: of the folder as it is now when it is shared (other
-        processes write to it too), else as this store counts them."""
-        if self.shared:
-            sizes = self._scan()
-            with self._lock:
-                self._forget_missing(sizes)
-            return len(sizes), sum(sizes.values())
-        with self._lock:
-            return len(self._sizes), sum(self._sizes.values())
-
     @property
     def stored_bytes(self) -> int:
-        with self._lock:
-            return sum(self._sizes.values())
+        return self._sizes.total
+
+    def refresh(self) -> None:
+        """Count a shared folder afresh (what other processes, or anyone behind the servers' back, changed), drop
+        from the LRU the sessions no longer there and update the gauges; a no-op for a folder of one process,
+        whose count is kept as it changes."""
+        with self._writing():
+            pass
+
+    def _changed(self) -> None:
+        """After a change of the count (under ``_lock``): the gauges follow it, for a folder of one process; a
+        shared folder's count is published only under its write lock, where it is the folder's as it is."""
+        if not self.shared:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Set the stored-session gauges to this store's count (under ``_lock``)."""
+        self.metrics.set_stored(len(self._sizes), self._sizes.total)
 
     def path(self, session_id: str) -> Path:
         return self.directory / f"{check_session_id(session_id)}{FILE_SUFFIX}"
@@ -507,21 +547,33 @@ class SessionStore:
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        """A write's check of the limits and the write itself, alone among the processes sharing the folder, with
-        the sessions counted afresh (others may have written since)."""
+        """A change of a shared folder (a write with its check of the limits, a delete, an expiry), alone among
+        the processes sharing it, with the sessions counted afresh (others may have written since) and the count
+        published to the gauges at its end, still alone: the last one published is the folder's as it is. Blocks
+        nest (an expiry within a write's): the outermost one locks, counts and publishes."""
         if self._lease_fd is None:
             yield
             return
         with self._write_lock:
-            fcntl.lockf(self._lease_fd, fcntl.LOCK_EX, 1, 0)
+            outermost = self._write_depth == 0
+            if outermost:
+                fcntl.lockf(self._lease_fd, fcntl.LOCK_EX, 1, 0)
+            self._write_depth += 1
             try:
-                sizes = self._scan()
-                with self._lock:
-                    self._sizes = sizes
-                    self._forget_missing(sizes)
+                if outermost:
+                    sizes = self._scan()
+                    with self._lock:
+                        self._sizes = SessionSizes(sizes)
+                        self._forget_missing(sizes)
                 yield
             finally:
-                fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
+                self._write_depth -= 1
+                if outermost:
+                    try:
+                        with self._lock:
+                            self._publish()
+                    finally:
+                        fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
 
     @contextmanager
     def _leased(self, session_id: str) -> Iterator[None]:
@@ -619,16 +671,18 @@ class SessionStore:
         """Remove the session; 404 if there is none (or it expired), 409 while a request uses it."""
         with self._leased(session_id):
             self._expire_if_idle(session_id, leased=True)
-            try:
-                self.path(session_id).unlink()
-            except FileNotFoundError:
-                raise self._missing(session_id) from None
-            except OSError as err:  # e.g. a directory in its place
-                raise APIError(500, f"cannot delete session {session_id!r}: {err.strerror or err}",
-                               type="internal_error", code="session_write_failed") from None  # fmt: skip
-            with self._lock:
-                self._sizes.pop(session_id, None)
-                self._forget(session_id)
+            with self._writing():
+                try:
+                    self.path(session_id).unlink()
+                except FileNotFoundError:
+                    raise self._missing(session_id) from None
+                except OSError as err:  # e.g. a directory in its place
+                    raise APIError(500, f"cannot delete session {session_id!r}: {err.strerror or err}",
+                                   type="internal_error", code="session_write_failed") from None  # fmt: skip
+                with self._lock:
+                    self._sizes.pop(session_id)
+                    self._forget(session_id)
+                    self._changed()
         self.metrics.operation("delete").inc()
 
     # --- idle expiry ----------------------------------------------------------------------------------
@@ -637,6 +691,11 @@ class SessionStore:
         """Delete every session unused for ``idle_ttl`` seconds that no request holds; how many it deleted."""
         if self.idle_ttl is None or not self.directory.exists():
             return 0
+        with self._writing():  # a shared folder: counted and published once, not once per expired session
+            return self._expire_listed()
+
+    def _expire_listed(self) -> int:
+        """:meth:`expire_idle`'s pass over the folder."""
         expired = 0
         for entry in os.scandir(self.directory):
             session_id = entry.name.removesuffix(FILE_SUFFIX)
@@ -703,18 +762,20 @@ class SessionStore:
     def _remove_if_idle(self, session_id: str) -> bool:
         """Delete the session if it is (still) idle; the caller holds its lease. Whether it did."""
         path = self.path(session_id)
-        try:
-            if not self._idle(path.stat()):
+        with self._writing():
+            try:
+                if not self._idle(path.stat()):
+                    return False
+                path.unlink()
+            except FileNotFoundError:
                 return False
-            path.unlink()
-        except FileNotFoundError:
-            return False
-        except OSError as err:
-            logger.warning("cannot delete expired session %s: %s", session_id, err.strerror or err)
-            return False
-        with self._lock:
-            self._sizes.pop(session_id, None)
-            self._forget(session_id)
+            except OSError as err:
+                logger.warning("cannot delete expired session %s: %s", session_id, err.strerror or err)
+                return False
+            with self._lock:
+                self._sizes.pop(session_id)
+                self._forget(session_id)
+                self._changed()
         self.metrics.expired.inc()
         logger.info("session %s expired: unused for %gs (--session-ttl)", session_id, self.idle_ttl)
         return True
@@ -730,22 +791,26 @@ class SessionStore:
                 self.expire_idle()
                 sizes = self._scan()
                 with self._lock:  # sessions in use keep their count (a write of theirs may not be on disk yet)
-                    self._sizes = {**sizes, **{i: n for i, n in self._sizes.items() if i in self._leases}}
+                    leased = {i: n for i, n in self._sizes.items() if i in self._leases}
+                    self._sizes = SessionSizes({**sizes, **leased})
+                    self._changed()
             with self._lock:
                 refused = self._over_limits(session_id, new, len(data))
                 if refused is not None:
                     self.metrics.rejected.inc()
                     raise limit_reached(refused)
                 previous = self._sizes.get(session_id)
-                self._sizes[session_id] = len(data)  # reserved now, so concurrent writers see it
+                self._sizes.set(session_id, len(data))  # reserved now, so concurrent writers see it
+                self._changed()
             try:
                 version = self._write(self.path(session_id), data)
             except OSError as err:
                 with self._lock:
                     if previous is None:
-                        self._sizes.pop(session_id, None)
+                        self._sizes.pop(session_id)
                     else:
-                        self._sizes[session_id] = previous
+                        self._sizes.set(session_id, previous)
+                    self._changed()
                 logger.error("cannot write session %s: %s", session_id, err)
                 raise APIError(
                     500,
@@ -764,7 +829,7 @@ class SessionStore:
         previous = self._sizes.get(session_id)
         if new and previous is None and len(self._sizes) >= self.max_sessions:
             return f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
-        if sum(self._sizes.values()) - (previous or 0) + size > self.max_bytes:
+        if self._sizes.total - (previous or 0) + size > self.max_bytes:
             return (
                 f"storing this session ({size} bytes) would pass the {self.max_bytes}-byte limit on stored sessions "
                 "(--max-session-bytes); delete some first"
@@ -843,12 +908,14 @@ class SessionStore:
     def _found(self, session_id: str, size: int) -> None:
         """A file on disk: counted from now on (also one copied in while the server runs)."""
         with self._lock:
-            self._sizes[session_id] = size
+            self._sizes.set(session_id, size)
+            self._changed()
 
     def _missing(self, session_id: str) -> APIError:
         with self._lock:
-            self._sizes.pop(session_id, None)
+            self._sizes.pop(session_id)
             self._forget(session_id)
+            self._changed()
         return not_found(session_id)
 
     def _remember(self, stored: StoredSession, version: FileVersion) -> None:
@@ -933,17 +1000,26 @@ def open_session_store(config: ServerConfig, engine: EngineInfo, metrics: Sessio
     )
 
 
-def sweep_interval(idle_ttl: float) -> float:
-    """Seconds between two sweeps for expired sessions: a quarter of the expiry, at most a minute (a session
-    named by a request is checked then anyway; the sweep frees the room of those no one names again)."""
-    return min(idle_ttl / 4, MAX_SWEEP_INTERVAL)
+def sweep_interval(idle_ttl: float | None) -> float:
+    """Seconds between two sweeps of the folder: for expired sessions a quarter of the expiry, at most a minute
+    (a session named by a request is checked then anyway; the sweep frees the room of those no one names again);
+    without an expiry (a shared folder's recount) :data:`REFRESH_INTERVAL`."""
+    return REFRESH_INTERVAL if idle_ttl is None else min(idle_ttl / 4, MAX_SWEEP_INTERVAL)
 
 
-async def sweep_expired_sessions(store: SessionStore, interval: float) -> None:
-    """Delete expired sessions now and then every ``interval`` seconds, off the event loop, until cancelled."""
+def needs_sweep(store: SessionStore) -> bool:
+    """Whether the store's folder is swept now and then: for expired sessions, or to recount a shared folder."""
+    return store.idle_ttl is not None or store.shared
+
+
+async def sweep_sessions(store: SessionStore, interval: float) -> None:
+    """Now and then every ``interval`` seconds, off the event loop, until cancelled: delete expired sessions
+    (with an expiry) and recount a shared folder (:meth:`SessionStore.refresh`: the gauges and the LRU follow
+    what other processes changed even when this one writes nothing)."""
+    sweep = store.expire_idle if store.idle_ttl is not None else store.refresh
     while True:
         try:
-            await asyncio.to_thread(store.expire_idle)
+            await asyncio.to_thread(sweep)
         except OSError as err:  # e.g. the folder became unreadable: try again next time
             logger.warning("cannot sweep the session folder %s: %s", store.directory, err.strerror or err)
         await asyncio.sleep(interval)

@@ -84,6 +84,11 @@ class Storm:
     outcomes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     session_ids: list[str] = field(default_factory=list)
+    # Requests answered 429 queue_full as their clients read it, and requests whose client left before it read a
+    # status line (the server may have answered them 429 all the same): what rnnserve_request_rejected_total is
+    # checked against.
+    rejected_seen: int = 0
+    left_unanswered: int = 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -100,6 +105,7 @@ class Storm:
         queue is an answer too); False for a 429, whose body the caller must not check further."""
         if response.status_code == 429:
             busy = "retry-after" in response.headers and "queue_full" in response.text
+            self.rejected_seen += busy
             self.expect(f"{kind}-429", busy, response.text)
             return False
         return True
@@ -250,6 +256,10 @@ class Storm:
             head = b""
         writer.close()
         status = re.match(rb"HTTP/1.1 (\d+)", head)
+        if status is None:
+            self.left_unanswered += 1
+        elif status.group(1) == b"429":
+            self.rejected_seen += 1
         self.expect("cut", status is None or int(status.group(1)) < 500, head.decode(errors="replace"))
 
     async def cut_before_first_byte(self, http: httpx.AsyncClient, rng: random.Random) -> None:
@@ -262,6 +272,7 @@ class Storm:
                 "n": rng.choice([1, 1, 2]), "logprobs": rng.choice([None, 2])}  # fmt: skip
         wanted = rng.randint(1, 8)
         async with http.stream("POST", "/v1/completions", json=body) as r:
+            self.rejected_seen += r.status_code == 429
             self.expect("cut-mid-stream", r.status_code == 200, str(r.status_code))
             seen = 0
             async for _ in r.aiter_lines():
@@ -295,8 +306,11 @@ class Storm:
         body = {"prompt": rng.choice(PROMPTS), "max_tokens": 4000, "ignore_eos": True,
                 "stream": rng.random() < 0.5}  # fmt: skip
 
+        status: list[int] = []
+
         async def read_all() -> None:
             async with http.stream("POST", "/v1/completions", json=body) as r:
+                status.append(r.status_code)
                 async for _ in r.aiter_bytes():
                     pass
 
@@ -304,4 +318,6 @@ class Storm:
             await asyncio.wait_for(read_all(), rng.uniform(0.01, 0.1))
         except TimeoutError:
             pass
+        self.rejected_seen += status == [429]
+        self.left_unanswered += not status
         self.outcomes["client-timeout"] += 1

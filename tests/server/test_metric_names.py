@@ -32,7 +32,6 @@ def exposition() -> str:
     with tempfile.TemporaryDirectory() as folder:
         codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
         store = SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, metrics=metrics.sessions)
-        metrics.watch_sessions(store)
         store.create()
         return metrics.render().decode()
 
@@ -71,16 +70,18 @@ def test_promtool_flags_only_the_deprecated_alias() -> None:
 
 
 def test_the_session_gauges_count_a_shared_folder_as_it_is() -> None:
-    """With several API servers the scraped one reports the sessions the others stored too."""
+    """With several API servers the scraped one reports the sessions the others stored too: each server sets the
+    shared gauges (one prometheus-client value in multiprocess mode, one ``SessionMetrics`` here) after each change
+    of the folder, with the folder counted under its write lock, and a scrape reads no folder."""
     with tempfile.TemporaryDirectory() as folder:
         codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
-        scraped, other = (SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, shared=True) for _ in range(2))
         metrics = ServerMetrics("m", 64)
-        metrics.watch_sessions(scraped)
+        scraped, other = (SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, shared=True,
+                                       metrics=metrics.sessions) for _ in range(2))  # fmt: skip
         first = scraped.create()
         other.create()
         other.create()
-        other.delete(first.id)
+        other.delete(first.id)  # the deleting server counted the folder as it is: scraped's own count is stale
         text = metrics.render().decode()
         size = sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
     assert 'rnnserve_sessions{model_name="m"} 2.0' in text

@@ -3,9 +3,11 @@ the 429 counter, process metrics, the state-usage ratio, and the periodic throug
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import re
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -217,3 +219,29 @@ def test_a_steady_step_observes_its_inter_token_latencies() -> None:
                       and "_created" not in k})
     assert pages[0] == pages[1]
     assert pages[1][f"rnnserve_inter_token_latency_seconds_count{{{LABEL}}}"] == 201
+
+
+def test_a_scrape_and_the_dashboards_sampler_collect_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection reads /proc (the processes' series) and, with several API servers, the shared metrics' files:
+    on the event loop it stalled every stream of the server for as long, and the dashboard's sampler collected
+    there once a second."""
+    app = create_app(tiny_config())
+    registry = app.state.metrics.registry
+    real_collect = registry.collect
+    on_loop: list[bool] = []
+
+    def collect():  # type: ignore[no-untyped-def]
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real_collect()
+
+    monkeypatch.setattr(registry, "collect", collect)
+    with TestClient(app) as client:
+        assert client.get("/metrics").status_code == 200
+        deadline = time.monotonic() + 30
+        while len(on_loop) < 2 and time.monotonic() < deadline:  # the sampler's first sample, and the scrape
+            time.sleep(0.05)
+    assert len(on_loop) >= 2 and not any(on_loop)
