@@ -260,21 +260,33 @@ EOS_POSITION = 40  # where the model gives EOS (the requests that ignore it go o
 
 
 def utf8_model(engine: LLMEngine) -> None:
-    """Make the engine's model decode multi-byte UTF-8 text: the token at position ``p`` is ``TEXT_BYTES[p % 9]``,
-    EOS at :data:`EOS_POSITION` (the model's states are computed as before)."""
-    model = engine.runner.model
-    decode = model.decode
+    """Make the engine's model write multi-byte UTF-8 text: the token at position ``p`` is ``TEXT_BYTES[p % 9]``
+    (after a prompt, and in a decode when the token fed at ``p - 1`` is the text's too, else ``X``), EOS at
+    :data:`EOS_POSITION` (the model's states are computed as before)."""
+    model, runner = engine.runner.model, engine.runner
+    decode, prefill = model.decode, runner.prefill
+    text = torch.tensor(TEXT_BYTES)
+
+    def text_prefill(chunks):  # type: ignore[no-untyped-def]
+        logits = prefill(chunks)
+        with torch.inference_mode():
+            for chunk, rows in zip(chunks, logits, strict=True):
+                rows[-1] = -10.0
+                rows[-1, TEXT_BYTES[chunk.end % len(TEXT_BYTES)]] = 10.0
+        return logits
 
     def text_decode(batch, state):  # type: ignore[no-untyped-def]
         logits = decode(batch, state)
         following = batch.positions + 1
-        tokens = torch.tensor(TEXT_BYTES)[following % len(TEXT_BYTES)]
+        fed_text = batch.input_ids == text[batch.positions % len(TEXT_BYTES)]
+        tokens = torch.where(fed_text, text[following % len(TEXT_BYTES)], ord("X"))
         tokens = torch.where(following == EOS_POSITION, engine.eos_token_id, tokens)
         chosen = torch.full_like(logits, -10.0)
         chosen[torch.arange(len(tokens)), tokens] = 10.0
         return chosen
 
     model.decode = text_decode
+    runner.prefill = text_prefill
 
 
 @pytest.mark.parametrize("async_scheduling", MODES)
