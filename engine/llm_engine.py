@@ -26,7 +26,7 @@ from rnnserve.engine.model_runner import ModelRunner
 from rnnserve.engine.models.base import RecurrentLM, StateSpec
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput, TokenLatencies, TokenLogprob
 from rnnserve.engine.prefix_cache import PrefixCache, TierUsage
-from rnnserve.engine.sampler import SampledTokens, sample
+from rnnserve.engine.sampler import SampledTokens, all_argmax_only, sample
 from rnnserve.engine.sampling_params import InvalidParameterError, SamplingParams
 from rnnserve.engine.scheduler import AppendedTokens, PrefillChunk, Scheduler, SchedulerOutput
 from rnnserve.engine.sequence import Sequence, SequenceGroup
@@ -186,7 +186,8 @@ class LLMEngine:
         decoded_prompt_tokens = self.config.decoded_prompt_tokens
         if decoded_prompt_tokens is None:
             decoded_prompt_tokens = DECODED_PROMPT_TOKENS if self.runner.graphs is not None else 0
-        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache, decoded_prompt_tokens)
+        self.scheduler = Scheduler(self.pool, model.vocab_size, self.config, self.prefix_cache, decoded_prompt_tokens,
+                                   self.runner.settle_fed)  # fmt: skip
         self.max_model_len, self.max_prompt_tokens = self._length_limits()
         self.model_fingerprint = model_fingerprint(model, self.pool.specs)
         self.grammars = GrammarCompiler(tokenizer, model.vocab_size)
@@ -194,6 +195,7 @@ class LLMEngine:
             self.config.async_scheduling == "auto" and device.type == "cuda"
         )
         self._in_flight: LaunchedStep | None = None  # with async scheduling: the step queued before this one
+        self._argmax_batch: list[Sequence] | None = None  # the latest batch sampled, when all by argmax alone
         self._uncollected: dict[SequenceGroup, None] = {}  # requests with an output from steps run with collect=False
         # whether those all go on, each with its samples (a steady batch's: collect need not look at each)
         self._uncollected_ongoing = True
@@ -518,6 +520,8 @@ class LLMEngine:
             self._uncollected_ongoing = False
         if bulk is not None:
             ready = bulk(ready)
+        if ready:  # their outputs carry their metrics
+            self.scheduler.settle_token_times()
         outputs = []
         for group in ready:
             try:
@@ -642,8 +646,10 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], failed: list[SequenceGroup]) -> SampledTokens:
         """Sample the whole batch; if that raises, sample row by row (waiting for each) and fail only the
         requests whose rows raise (added to ``failed``)."""
+        if seqs != self._argmax_batch:  # a steady batch's samples are checked once
+            self._argmax_batch = list(seqs) if all_argmax_only(seqs) else None
         try:
-            return sample(logits, seqs)
+            return sample(logits, seqs, self._argmax_batch is not None)
         except Exception:  # noqa: BLE001
             logger.warning("batched sampling failed; retrying row by row to isolate the request", exc_info=True)
         token_ids: list[int] = []

@@ -33,6 +33,13 @@ class ModelRunner:
         # of the same samples (a steady batch) reuses them, each position one further.
         self._decoding: list[Sequence] | None = None
         self._decode_slots = self._decode_positions = torch.empty(0, dtype=torch.long)
+        # A steady batch's bookkeeping, kept for the batch until something else comes: the decodes that fed each
+        # of ``_unfed``'s samples one more token than its ``num_fed`` says (settle_fed), and its latest sampled
+        # tokens (rows of ``_sampled_slots``), which its next decode reads as they are, not yet in ``last_tokens``.
+        self._unfed: list[Sequence] = []
+        self._num_unfed = 0
+        self._sampled: torch.Tensor | None = None
+        self._sampled_slots = self._decode_slots
         self.graphs: CUDAGraphDecodeRunner | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = CUDAGraphDecodeRunner(model, pool.tensors, pool.scratch_slot, pool.num_slots)
@@ -57,10 +64,16 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], prompts: list[PrefillChunk] | None = None) -> torch.Tensor:
         """Advance each sample's slot by its latest sampled token (read on the device), and each one-token
         prompt chunk's first slot by that prompt token; logits ``[len(seqs) + len(prompts), V]`` in that order
-        (valid until the next decode call). Counts the samples' tokens as fed (``Sequence.num_fed``)."""
-        if not prompts and seqs == self._decoding:  # each sample's slot as before, one token further
+        (valid until the next decode call). Counts the samples' tokens as fed (``Sequence.num_fed``; a steady
+        batch's once for the batch, see :meth:`settle_fed`)."""
+        decoding = self._decoding
+        steady = not prompts and seqs == decoding
+        if steady:  # each sample's slot as before, one token further, its input the token sampled last
             slots, positions = self._decode_slots, self._decode_positions.add_(1)
+            tokens = self._sampled if self._sampled is not None else self.last_tokens[slots]
         else:
+            self.settle_fed()
+            self._keep_sampled()
             prompts = prompts or []
             slot_ids: list[int] = [s.slot for s in seqs] + [c.group.seqs[0].slot for c in prompts]  # type: ignore[misc]
             slots = long_tensor(slot_ids, self.device)
@@ -68,16 +81,39 @@ class ModelRunner:
             position_ids = [len(s.group.prompt_token_ids) + s.num_fed for s in seqs] + [c.start for c in prompts]
             positions = long_tensor(position_ids, self.device)
             if prompts:  # the prompt token takes the place of a sampled one
-                tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
-                self.last_tokens[slots[len(seqs) :]] = long_tensor(tokens, self.device)
+                prompt_tokens = [c.group.prompt_token_ids[c.start] for c in prompts]
+                self.last_tokens[slots[len(seqs) :]] = long_tensor(prompt_tokens, self.device)
+            tokens = self.last_tokens[slots]
         self._decoding = None  # until the model call returned (a call that raised fed nothing)
-        batch = DecodeBatch(self.last_tokens[slots], slots, positions)
+        batch = DecodeBatch(tokens, slots, positions)
         logits = self.graphs(batch) if self.graphs is not None else self.model.decode(batch, self.pool.tensors)
-        for seq in seqs:
-            seq.num_fed += 1
-        if not prompts:
-            self._decoding, self._decode_slots, self._decode_positions = list(seqs), slots, positions
+        if steady:
+            if not self._num_unfed:
+                self._unfed = decoding  # type: ignore[assignment]
+            self._num_unfed += 1
+            self._decoding = decoding
+        else:
+            for seq in seqs:
+                seq.num_fed += 1
+            if not prompts:
+                self._decoding, self._decode_slots, self._decode_positions = list(seqs), slots, positions
         return logits
+
+    def settle_fed(self) -> None:
+        """Count the tokens a steady batch's decodes fed in its samples' ``num_fed`` (each decode of the same samples
+        counts once for the batch): run before reading ``num_fed``."""
+        if self._num_unfed:
+            count, self._num_unfed = self._num_unfed, 0
+            for seq in self._unfed:
+                seq.num_fed += count
+            self._unfed = []
+
+    def _keep_sampled(self) -> None:
+        """Write the steady batch's latest sampled tokens into ``last_tokens`` (before another batch's decode reads
+        it or other tokens are written there)."""
+        if self._sampled is not None:
+            self.last_tokens[self._sampled_slots] = self._sampled
+            self._sampled = None
 
     def slot_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
         """The samples' slots as a tensor on the device (the latest decode's when it decoded just them)."""
@@ -87,5 +123,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def record_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Keep each slot's newly sampled token on the device for its next decode step."""
+        """Keep each slot's newly sampled token on the device for its next decode step. The tokens of the latest
+        decode's samples (``slots`` its slot tensor, from :meth:`slot_tensor`) are kept as they are: a decode of
+        the same samples reads them so, and any other decode or write puts them in ``last_tokens`` first."""
+        if slots is self._decode_slots and self._decoding is not None:  # replaces the batch's previous tokens
+            self._sampled, self._sampled_slots = tokens, slots
+            return
+        self._keep_sampled()
         self.last_tokens[slots] = tokens

@@ -256,11 +256,19 @@ def count_tokens(tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) ->
 _argmax_only = attrgetter("argmax_only")
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+def all_argmax_only(seqs: list[Sequence]) -> bool:
+    """Whether every sample of ``seqs`` samples by a plain argmax (``Sequence.argmax_only``)."""
+    return all(map(_argmax_only, seqs))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax_only: bool | None = None) -> SampledTokens:
     """Sample one token per row of ``logits [N, V]`` (fp32, or fp64 for fp64 models) for the matching ``seqs``,
-    without waiting for the device."""
+    without waiting for the device. ``argmax_only``: :func:`all_argmax_only` of ``seqs`` where the caller knows it
+    (``None``: checked here)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if all(map(_argmax_only, seqs)):  # the usual greedy batch: one pass over the samples, one kernel
+    if argmax_only is None:
+        argmax_only = all_argmax_only(seqs)
+    if argmax_only:  # the usual greedy batch: one pass over the samples, one kernel
         return SampledTokens(row_argmax(logits), [None] * len(seqs))
     unbiased = logits
     logits = apply_logit_bias(logits, seqs)

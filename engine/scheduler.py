@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rnnserve.engine.config import EngineConfig
@@ -96,8 +97,11 @@ class Scheduler:
         config: EngineConfig,
         prefix_cache: PrefixCache | None = None,
         decoded_prompt_tokens: int = 0,
+        settle_fed: Callable[[], None] | None = None,
     ) -> None:
         self.pool = pool
+        # brings the samples' ``num_fed`` up to date (the runner counts a steady batch's fed tokens per batch)
+        self.settle_fed = settle_fed or (lambda: None)
         self.prefix_cache = prefix_cache
         self.prefix_cache_interval = config.prefix_cache_interval
         self.vocab_size = vocab_size
@@ -118,11 +122,15 @@ class Scheduler:
         self._steady: list[Sequence] | None = None
         self._steady_schedules = 0
         # While the steady batch stays: its appending done for the whole batch, the requests of its samples (each
-        # once) and theirs that read every step, and when they all got their latest token.
+        # once) and theirs that read every step, and when they all got their latest token and the one before.
+        # Those two times reach the requests' metrics only when something reads them (settle_token_times):
+        # ``_times_unsettled`` while the metrics lag.
         self._steady_append: SteadyAppend | None = None
         self._steady_groups: list[SequenceGroup] = []
         self._steady_readers: dict[SequenceGroup, None] = {}
         self._steady_time = 0.0
+        self._steady_previous_time = 0.0
+        self._times_unsettled = False
 
     @property
     def num_waiting(self) -> int:
@@ -194,7 +202,7 @@ class Scheduler:
                     if left < fewest_left:
                         fewest_left = left
         self._steady = decode if decode and not prompts and not admits else None
-        self._steady_append = None
+        self._end_steady_append()
         self._steady_schedules = fewest_left - 1
         if admits:
             admitted: list[SequenceGroup] = []
@@ -356,6 +364,7 @@ class Scheduler:
                     return self._steady_appended(len(seqs), now)
             except SteadyAppendError as stopped:
                 done, raised = stopped.index, stopped.error
+        self.settle_token_times()  # the loop below reads and writes them
         latencies = TokenLatencies()
         inter_token = latencies.inter_token
         groups: dict[SequenceGroup, None] = {}
@@ -414,20 +423,37 @@ class Scheduler:
         self._steady_time = now
 
     def _steady_appended(self, num_tokens: int, now: float) -> AppendedTokens:
-        """The bookkeeping of a step whose tokens :class:`SteadyAppend` appended: each request's token times, and
-        one inter-token latency per request, the same for all (``postprocess`` would have found them so): one value
-        and the count of requests (``TokenLatencies.same_inter_token``)."""
+        """The bookkeeping of a step whose tokens :class:`SteadyAppend` appended: the batch's token times (its
+        requests' metrics take them when read: :meth:`settle_token_times`), and one inter-token latency per request,
+        the same for all (``postprocess`` would have found them so): one value and the count of requests
+        (``TokenLatencies.same_inter_token``)."""
         latencies = TokenLatencies()
         last = self._steady_time
         if now != last:
-            for group in self._steady_groups:
-                metrics = group.metrics
-                metrics.previous_token_time = last
-                metrics.last_token_time = now
+            self._steady_previous_time, self._steady_time = last, now
+            self._times_unsettled = True
             latencies.same_inter_token = now - last
             latencies.same_inter_token_count = len(self._steady_groups)
-            self._steady_time = now
         return AppendedTokens(self._steady_readers.copy(), num_tokens, latencies, steady=True)
+
+    def settle_token_times(self) -> None:
+        """Write the steady batch's latest token times into its requests' metrics (``last_token_time`` and
+        ``previous_token_time``): its steps keep them once for the whole batch, and a request's metrics lag until
+        this runs. The scheduler runs it before it reads them or the batch ends; a caller runs it before reading a
+        request's metrics or building its output (``LLMEngine.collect``, ``abort_request``)."""
+        if not self._times_unsettled:
+            return
+        self._times_unsettled = False
+        last, previous = self._steady_time, self._steady_previous_time
+        for group in self._steady_groups:
+            metrics = group.metrics
+            metrics.previous_token_time = previous
+            metrics.last_token_time = last
+
+    def _end_steady_append(self) -> None:
+        """Stop appending for the whole batch (its samples change): its requests' metrics take their times."""
+        self.settle_token_times()
+        self._steady_append = None
 
     def _save_finished(self, seqs: list[Sequence]) -> None:
         """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the
@@ -436,6 +462,7 @@ class Scheduler:
         with this sample (which then feeds it the last token too), every output token; the copies are queued
         behind that step."""
         snapshots: list[tuple[list[int], int]] = []
+        self.settle_fed()
         for seq in seqs:
             if seq.finish_reason not in ("stop", "length") or seq.slot is None:
                 continue
@@ -453,7 +480,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         """Free a finished sample's slot at once; drop the request when all its samples are done."""
-        self._steady = self._steady_append = None
+        self._steady = None
+        self._end_steady_append()
         if seq.slot is not None:
             self.pool.free([seq.slot])
             seq.slot = None
@@ -478,7 +506,8 @@ class Scheduler:
         return group
 
     def _remove(self, group: SequenceGroup, reason: str) -> None:
-        self._steady = self._steady_append = None
+        self._steady = None
+        self._end_steady_append()
         if self.running.pop(group.request_id, None) is None and group in self.waiting:
             self.waiting.remove(group)
         self.pool.free([s.slot for s in group.seqs if s.slot is not None])

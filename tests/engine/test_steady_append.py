@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
+import torch
 
 from rnnserve.engine import llm_engine, scheduler, sequence
 from rnnserve.engine.llm_engine import LLMEngine
@@ -44,27 +46,46 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 
 def step_record(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
-    """What a step gave its callers: each output's fields, and the step's token count and latencies."""
+    """What a step gave its callers: each output's fields (a final state's tokens, consumed and pending), and the
+    step's token count and latencies."""
     stats = engine.last_step
     latencies = stats.latencies
     return (
         [(o.request_id, o.finished, o.error, o.metrics, [
             (c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.cumulative_logprob, c.text_delta,
              c.new_token_ids, c.new_logprobs, c.num_tokens, c.stop_reason) for c in o.outputs
-        ]) for o in outputs],
+        ], (o.final_state.token_ids, o.final_state.pending_token_ids) if o.final_state is not None else None)
+         for o in outputs],
         stats.generated_tokens, stats.decode_batch_size, latencies.queue, latencies.first_token,
         latencies.all_inter_token(), latencies.started,
     )  # fmt: skip
 
 
 def run_script(
-    async_scheduling: str, script: dict[int, list], steady: bool, clock: FakeClock
+    async_scheduling: str,
+    script: dict[int, list],
+    steady: bool,
+    clock: FakeClock,
+    model: Callable[[LLMEngine], None] | None = None,
 ) -> tuple[list[tuple], int]:
-    """Run ``script`` (step -> ``("add", request_id, prompt, params)`` / ``("abort", request_id)`` actions) until
+    """Run ``script`` (step -> ``("add", request_id, prompt, params[, add_request's keywords])`` / ``("abort",
+    request_id)`` actions) until
     every request ended; returns each step's record and how many steps the steady append took (with ``steady``
-    false it never starts)."""
+    false it never starts, nor does the runner's decode of a steady batch: each decode builds its inputs and counts
+    each sample's fed token). ``model`` changes the engine's model first."""
     clock.reset()
     engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    if model is not None:
+        model(engine)
+    if not steady:
+        decode = engine.runner.decode
+
+        def decode_anew(*args):  # type: ignore[no-untyped-def]
+            logits = decode(*args)
+            engine.runner._decoding = None  # the next decode is not the same batch's
+            return logits
+
+        engine.runner.decode = decode_anew  # type: ignore[method-assign]
     fast_steps = 0
     appended = engine.scheduler._steady_appended
 
@@ -80,7 +101,7 @@ def run_script(
     for step in range(1000):
         for action in script.get(step, []):
             if action[0] == "add":
-                engine.add_request(action[2], action[3], action[1])
+                engine.add_request(action[2], action[3], action[1], **(action[4] if len(action) > 4 else {}))
             else:
                 aborted = engine.abort_request(action[1])
                 records.append(step_record(engine, [aborted] if aborted is not None else []))
@@ -232,3 +253,79 @@ def test_collect_takes_a_steady_batchs_requests_as_they_are_and_still_gets_their
     assert sorted(ends) == ["r0", "r1", "r2"]
     assert {rid: len(ids) for rid, ids in tokens.items()} == {"r0": 9, "r1": 14, "r2": 14}
     assert tokens["r0"] == reference_tokens([1, 2, 3], 9)
+
+
+TEXT_BYTES = list("añb€c✓ ".encode())  # characters of one, two and three bytes
+EOS_POSITION = 40  # where the model gives EOS (the requests that ignore it go on)
+
+
+def utf8_model(engine: LLMEngine) -> None:
+    """Make the engine's model write multi-byte UTF-8 text: the token at position ``p`` is ``TEXT_BYTES[p % 9]``
+    (after a prompt, and in a decode when the token fed at ``p - 1`` is the text's too, else ``X``), EOS at
+    :data:`EOS_POSITION` (the model's states are computed as before)."""
+    model, runner = engine.runner.model, engine.runner
+    decode, prefill = model.decode, runner.prefill
+    text = torch.tensor(TEXT_BYTES)
+
+    def text_prefill(chunks):  # type: ignore[no-untyped-def]
+        logits = prefill(chunks)
+        with torch.inference_mode():
+            for chunk, rows in zip(chunks, logits, strict=True):
+                rows[-1] = -10.0
+                rows[-1, TEXT_BYTES[chunk.end % len(TEXT_BYTES)]] = 10.0
+        return logits
+
+    def text_decode(batch, state):  # type: ignore[no-untyped-def]
+        logits = decode(batch, state)
+        following = batch.positions + 1
+        fed_text = batch.input_ids == text[batch.positions % len(TEXT_BYTES)]
+        tokens = torch.where(fed_text, text[following % len(TEXT_BYTES)], ord("X"))
+        tokens = torch.where(following == EOS_POSITION, engine.eos_token_id, tokens)
+        chosen = torch.full_like(logits, -10.0)
+        chosen[torch.arange(len(tokens)), tokens] = 10.0
+        return chosen
+
+    model.decode = text_decode
+    runner.prefill = text_prefill
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_steady_batch_per_batch_bookkeeping_gives_the_general_paths_outputs(
+    async_scheduling: str, fake_clock: FakeClock
+) -> None:
+    """What a steady batch keeps per batch (its requests' token times, the tokens its decodes fed, its latest
+    sampled tokens as its next decode's input) gives each request what the general path gives: a sample that ends
+    at EOS, one at ``max_tokens``, one aborted between steps, one that joins mid-batch with ``n`` = 2, one with a
+    stop string, over multi-byte UTF-8 text; the final states (from ``num_fed``) and metrics alike."""
+    stream, final = OutputKind.DELTA, OutputKind.FINAL_ONLY
+    script = {
+        0: [
+            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=final),
+             {"return_state": True}),
+            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                                                           output_kind=stream), {"return_state": True}),
+            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                        output_kind=stream)),
+            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
+                                                         output_kind=final), {"return_state": True}),
+        ],
+        9: [("abort", "aborted")],
+        14: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2,
+                                                         output_kind=stream))],
+        45: [("add", "stop", [5, 6], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["€c"],
+                                                    output_kind=stream))],
+    }  # fmt: skip
+    general, none_fast = run_script(async_scheduling, script, False, fake_clock, utf8_model)
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock, utf8_model)
+    assert none_fast == 0
+    assert fast_steps > 30
+    assert fast == general
+    finals = {o[0]: o for record in fast for o in record[0] if o[1]}
+    assert {rid: o[4][0][3] for rid, o in finals.items()} == {
+        "eos": "stop", "length": "length", "aborted": "abort", "long": "length", "joins": "length", "stop": "stop"
+    }  # fmt: skip
+    assert "€" in finals["long"][4][0][1] and "✓" in finals["long"][4][0][1]
+    assert finals["stop"][4][0][10] == "€c"
+    assert len(finals["eos"][4][0][2]) == EOS_POSITION - 2  # positions 3 (after the prompt) to EOS's
+    consumed, pending = finals["long"][5]
+    assert len(consumed) + len(pending) == 3 + 70
