@@ -15,6 +15,8 @@ from rnnserve.server.cli import build_parser
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 CELL = r"(?:[^|\\]|\\.)*"  # a table cell's text, where \| is a | of the text
 ROW = re.compile(rf"^\| (`-{CELL}) \| ({CELL}) \|", re.M)
+# A command line of another subcommand than serve, up to the end of its code span, a comment or a table cell.
+COMMAND_LINE = re.compile(r"rnnserve (lsrl (?:compile|run)|generate|bench|convert)\b([^`\n#|]*)")
 HELP_DEFAULT = re.compile(r"\(default: (.*)\)$", re.S)
 
 
@@ -121,4 +123,18 @@ def test_help_defaults_are_the_applied_ones(command: str) -> None:
         value = action.type(text) if action.type is parse_bytes else float(text)
         if value != action.default:
             wrong.append(f"{flag}: help says {text}, the parser applies {action.default}")
+    assert not wrong, wrong
+
+
+def test_command_lines_in_the_docs_use_their_commands_flags() -> None:
+    """``rnnserve bench --x``, ``rnnserve generate --x`` and the others, in any doc's text or examples, name flags of
+    that command (``tests/server/test_cli_docs.py`` checks ``rnnserve serve``'s)."""
+    flags = {command.removeprefix("rnnserve "): set(options(parser)) for command, parser in commands().items()}
+    repo = DOC.parents[1]
+    wrong = []
+    for doc in [repo / "README.md", repo / "CONTRIBUTING.md", *sorted(DOC.parent.glob("*.md"))]:
+        for command, rest in COMMAND_LINE.findall(doc.read_text()):
+            known = flags["lsrl" if command.startswith("lsrl") else command]
+            named = re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", rest)
+            wrong += [f"{doc.name}: rnnserve {command} {flag}" for flag in named if flag not in known]
     assert not wrong, wrong
