@@ -1,13 +1,16 @@
 """The docs against the repository, for what can be checked without running anything: links between the docs (files
 and heading anchors, as GitHub renders them) resolve, and every environment variable the code reads is documented
-in docs/cli.md."""
+in docs/cli.md, and every ``random:`` preset in docs/models.md."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
 import pytest
+
+from rnnserve.engine.loader import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -89,3 +92,11 @@ def test_every_variable_the_code_reads_is_documented() -> None:
     assert {"RNNSERVE_API_KEY", "GOMP_SPINCOUNT", "RNNSERVE_CPU_KERNELS"} <= set(read)  # the search finds them
     undocumented = set(read) - documented_variables() - GENERAL_VARIABLES
     assert not undocumented, f"docs/cli.md does not document {({name: sorted(read[name]) for name in undocumented})}"
+
+
+def test_every_random_preset_is_named_in_models_md() -> None:
+    """``--model random:<preset>`` takes each preset: docs/models.md names it (``mamba-130m``, ``random:...``, or a
+    pattern such as ``*-tiny``)."""
+    spans = {span.removeprefix("random:") for span in re.findall(r"`([^`\n]+)`", (REPO / "docs/models.md").read_text())}
+    unnamed = sorted(name for name in PRESETS if not any(fnmatch.fnmatchcase(name, span) for span in spans))
+    assert not unnamed, f"presets docs/models.md does not name: {unnamed}"
