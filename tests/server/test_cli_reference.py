@@ -20,18 +20,25 @@ COMMAND_LINE = re.compile(r"rnnserve (lsrl (?:compile|run)|generate|bench|conver
 HELP_DEFAULT = re.compile(r"\(default: (.*)\)$", re.S)
 
 
-def commands() -> dict[str, argparse.ArgumentParser]:
-    """Every command with flags, by its name as the doc's headings write it (``rnnserve lsrl`` stands for its
-    subcommands, which the doc lists together)."""
-    (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    parsers = {f"rnnserve {name}": parser for name, parser in subcommands.choices.items() if name != "lsrl"}
-    (lsrl,) = [a for a in build_lsrl_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    merged = argparse.ArgumentParser(add_help=False)
-    for parser in lsrl.choices.values():
-        for action in parser._actions:
-            if not any(o in merged._option_string_actions for o in action.option_strings):
-                merged._add_action(action)
-    return {**parsers, "rnnserve lsrl": merged}
+def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """A parser's flags (``--help`` aside), each with its action."""
+    return {o: a for a in parser._actions if not isinstance(a, argparse._HelpAction) for o in a.option_strings}
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A parser's subcommands by name."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def commands() -> dict[str, dict[str, argparse.Action]]:
+    """Every command's flags (``--help`` aside) with their actions, by the command's name as the doc's headings
+    write it (``rnnserve lsrl`` stands for its subcommands, which the doc lists together)."""
+    flags = {f"rnnserve {name}": options(parser) for name, parser in subcommands(build_parser()).items()}
+    flags["rnnserve lsrl"] = {}
+    for parser in subcommands(build_lsrl_parser()).values():
+        flags["rnnserve lsrl"] |= options(parser)
+    return flags
 
 
 def doc_sections() -> dict[str, str]:
@@ -43,11 +50,6 @@ def doc_sections() -> dict[str, str]:
 def documented_rows(section: str) -> list[tuple[list[str], str]]:
     """Each flag row of a section's tables: the flags its first cell names, and its Default cell."""
     return [(re.findall(r"`(--?[a-z][a-z0-9-]*)", flags), default.strip()) for flags, default in ROW.findall(section)]
-
-
-def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """A parser's flags (``--help`` aside), each with its action."""
-    return {o: a for a in parser._actions if not isinstance(a, argparse._HelpAction) for o in a.option_strings}
 
 
 def expected_default(action: argparse.Action) -> str | None:
@@ -81,7 +83,7 @@ def test_every_flag_is_listed_once(command: str) -> None:
     listed = [flag for flags, _ in documented_rows(section) for flag in flags]
     duplicated = sorted({flag for flag in listed if listed.count(flag) > 1})
     assert not duplicated, f"{command}: listed twice: {duplicated}"
-    actual = set(options(commands()[command]))
+    actual = set(commands()[command])
     assert set(listed) == actual, (
         f"{command}: the doc lists flags the command lacks {sorted(set(listed) - actual)}, "
         f"and lacks {sorted(actual - set(listed))}"
@@ -90,7 +92,7 @@ def test_every_flag_is_listed_once(command: str) -> None:
 
 @pytest.mark.parametrize("command", sorted(commands()))
 def test_documented_defaults_are_the_parsers(command: str) -> None:
-    flags = options(commands()[command])
+    flags = commands()[command]
     wrong = []
     for names, default in documented_rows(doc_sections()[command]):
         if len(names) != 1 and not (len(names) == 2 and flags[names[0]] is flags[names[1]]):
@@ -104,7 +106,7 @@ def test_documented_defaults_are_the_parsers(command: str) -> None:
 def test_generate_shares_the_engine_flags_with_serve() -> None:
     """``generate``'s row of engine flags, whose defaults the serve section gives, are serve's flags with serve's
     defaults."""
-    serve, generate = options(commands()["rnnserve serve"]), options(commands()["rnnserve generate"])
+    serve, generate = commands()["rnnserve serve"], commands()["rnnserve generate"]
     (shared,) = [names for names, _ in documented_rows(doc_sections()["rnnserve generate"]) if len(names) > 1]
     assert set(shared) <= set(serve), sorted(set(shared) - set(serve))
     for flag in shared:
@@ -115,7 +117,7 @@ def test_generate_shares_the_engine_flags_with_serve() -> None:
 def test_help_defaults_are_the_applied_ones(command: str) -> None:
     """A ``(default: N)`` written by hand in a flag's help (a number or a byte size) is the value it gets."""
     wrong = []
-    for flag, action in options(commands()[command]).items():
+    for flag, action in commands()[command].items():
         help_default = HELP_DEFAULT.search(action.help or "")
         if help_default is None or not isinstance(action.default, int | float) or isinstance(action.default, bool):
             continue
@@ -129,7 +131,7 @@ def test_help_defaults_are_the_applied_ones(command: str) -> None:
 def test_command_lines_in_the_docs_use_their_commands_flags() -> None:
     """``rnnserve bench --x``, ``rnnserve generate --x`` and the others, in any doc's text or examples, name flags of
     that command (``tests/server/test_cli_docs.py`` checks ``rnnserve serve``'s)."""
-    flags = {command.removeprefix("rnnserve "): set(options(parser)) for command, parser in commands().items()}
+    flags = {command.removeprefix("rnnserve "): set(actions) for command, actions in commands().items()}
     repo = DOC.parents[1]
     wrong = []
     for doc in [repo / "README.md", repo / "CONTRIBUTING.md", *sorted(DOC.parent.glob("*.md"))]:
