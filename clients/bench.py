@@ -614,11 +614,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=positive_float, default=600.0,
-        help="per-request timeout in seconds, from sending it to its stream's end"
+        help="per-request timeout in seconds, from sending it to its stream's end (default: 600)"
     )
     parser.add_argument(
         "--prompts", choices=["auto", "text", "ids"], default="auto",
-        help="text (calibrated words), ids (random token ids) or auto: text when a tokenizer is at hand",
+        help="text (calibrated words), ids (random token ids) or auto: text when a tokenizer is at hand "
+        "(default: auto)",
     )
     parser.add_argument(
         "--tokenizer", default=None, metavar="FILE", help="a local tokenizer.json to calibrate text prompts"
