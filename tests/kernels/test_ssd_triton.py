@@ -37,7 +37,7 @@ SMALL_TILED, SMALL_TILED_LENGTHS = {**TILED, "chunk_size": 32}, [35, 1, 20]
 
 
 # 16-bit x, B and C widen to fp32 exactly, and their one product in the 16-bit dtype (C . B^T) has products
-# exact in fp32 and fp32 sums (bf16 through tests/kernels/interpreter_dot.py, as on a GPU); the rest runs in fp32,
+# exact in fp32 and fp32 sums (bf16 through tests/kernels/interpreter_bf16.py, as on a GPU); the rest runs in fp32,
 # so every dtype equals the fp32 reference up to summation order. (The interpreter runs the "tf32" dots of
 # 16-bit inputs in full fp32: the GPU's tf32 roundings are checked in tests/gpu.)
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""The interpreter's ``tl.dot`` on bf16 operands: wrong in Triton 3.9 (the bit patterns multiplied as integers),
-and as a GPU computes it (operands widened exactly, fp32 accumulation) under ``gpu_bf16_dot``, the patch the
-kernel tests run with."""
+"""The interpreter's ``tl.dot`` on bf16 operands and integer -> bf16 casts: wrong in Triton 3.9 (bit patterns
+multiplied as integers; integers stored as bit patterns), and as a GPU computes them under the patches the kernel
+tests run with (``tests/kernels/interpreter_bf16.py``): operands widened exactly with fp32 accumulation, integers
+rounded to the nearest bf16."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from tests.kernels.interpreter_dot import gpu_bf16_dot  # noqa: E402
+from tests.kernels.interpreter_bf16 import gpu_bf16_dot, gpu_integer_to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -52,8 +53,8 @@ def test_unpatched_interpreter_multiplies_bf16_bit_patterns() -> None:
     a, b, acc = _operands(16, 16, 32, torch.bfloat16)
     out = _interpreted_dot(a, b, acc)
     if torch.allclose(out, torch.addmm(acc, a.float(), b.float()), rtol=1e-5, atol=1e-5):
-        pytest.fail(f"Triton {triton.__version__}'s interpreter computes bf16 tl.dot correctly now: drop "
-                    "tests/kernels/interpreter_dot.py (gpu_bf16_dot), this test and the note in docs/kernels.md")
+        pytest.fail(f"Triton {triton.__version__}'s interpreter computes bf16 tl.dot correctly now: drop gpu_bf16_dot "
+                    "from tests/kernels/interpreter_bf16.py, this test and the note in docs/kernels.md")
     bits = (acc.double() + _bit_patterns(a) @ _bit_patterns(b)).float()
     torch.testing.assert_close(out, bits, rtol=1e-6, atol=0,
                                msg="the interpreter's bf16 tl.dot is wrong in a way other than the known one")
@@ -110,7 +111,54 @@ def test_other_dots_are_the_interpreters(dtype: torch.dtype) -> None:
 
 
 def test_kernel_fixture_applies_the_patch(triton_on_cpu) -> None:
-    """Kernel tests that take ``triton_on_cpu`` run with the patch; it is gone after the context."""
+    """Kernel tests that take ``triton_on_cpu`` run with both patches."""
     a, b, acc = _operands(16, 16, 16, torch.bfloat16, seed=5)
     torch.testing.assert_close(_interpreted_dot(a, b, acc), torch.addmm(acc, a.float(), b.float()),
                                rtol=1e-6, atol=1e-6)
+    integers = torch.arange(-128, 128, dtype=torch.int8)
+    assert torch.equal(_interpreted_bf16_cast(integers), integers.bfloat16())
+
+
+@triton.jit
+def _to_bf16_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """``dst = src.to(bf16)`` for ``n`` values (stored as they are: no other cast on the way)."""
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask).to(tl.bfloat16), mask=mask)
+
+
+def _interpreted_bf16_cast(integers: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(integers.numel(), dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](integers, out, integers.numel(), triton.next_power_of_2(integers.numel()))
+    return out
+
+
+def test_unpatched_interpreter_keeps_integers_as_bf16_bit_patterns() -> None:
+    """The bug the cast patch is for (int8_linear converts its int8 weights to bf16 for tl.dot): -3 becomes 0xFFFD
+    (a NaN), 1 becomes 0x0001 (2^-133). If a Triton upgrade fixed it, this says so."""
+    integers = torch.arange(-128, 128, dtype=torch.int8)
+    out = _interpreted_bf16_cast(integers)
+    if torch.equal(out, integers.bfloat16()):
+        pytest.fail(f"Triton {triton.__version__}'s interpreter casts integers to bf16 correctly now: drop "
+                    "gpu_integer_to_bf16 from tests/kernels/interpreter_bf16.py, this test and the note in "
+                    "docs/kernels.md")
+    assert torch.equal(out.view(torch.int16), integers.to(torch.int16)), (
+        "the interpreter's integer -> bf16 cast is wrong in a way other than the known one")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_patched_integer_casts_round_to_the_nearest_bf16(dtype: torch.dtype) -> None:
+    """Every int8 / uint8 value (exact in bf16), and wider integers that bf16 rounds, ties to even among them
+    (257 -> 256, 259 -> 260, -385 -> -384), equal torch's conversion."""
+    info = torch.iinfo(dtype)
+    integers = torch.arange(max(info.min, -128), min(info.max, 255) + 1)
+    if info.bits > 8:
+        ties = torch.tensor([257, 259, 383, 385, -385, -(2**14) - 64, 2**14 + 192, info.max, info.min])
+        # Within 2^24, where torch's conversion (through fp32) rounds once.
+        wide = torch.randint(max(info.min, -(2**24)), min(info.max, 2**24), (200,),
+                             generator=torch.Generator().manual_seed(6))
+        integers = torch.cat([integers, ties, wide])
+    integers = integers.to(dtype)
+    with gpu_integer_to_bf16():
+        out = _interpreted_bf16_cast(integers)
+    assert torch.equal(out, integers.bfloat16())
