@@ -100,10 +100,10 @@ def test_triton_prefill_bf16_equals_reference(triton_on_cpu, ring_dtype: torch.d
     starts = torch.tensor([0, 3, 20, 0, 5, 100])
     g = torch.Generator().manual_seed(10)
     rings = [torch.randn(len(seqs), WINDOW, 2, dim, generator=g).to(torch.bfloat16).to(ring_dtype) for _ in range(2)]
+    bound = 2**-7 * max(v.float().abs().max(), rings[1].float().abs().max()) + 1e-5
     expected_rings = [r.clone() for r in rings]
     expected = sliding_window_prefill_naive(q, k, v, cu, starts, *expected_rings, dim**-0.5)
     got = sliding_window_prefill(q, k, v, cu, starts, *rings, dim**-0.5)
-    bound = 2**-7 * max(v.float().abs().max(), rings[1].float().abs().max()) + 1e-5
     torch.testing.assert_close(got, expected, atol=bound, rtol=0)
     for a, b in zip(rings, expected_rings, strict=True):
         assert torch.equal(a, b)
