@@ -86,6 +86,29 @@ def test_triton_prefill_equals_reference(triton_on_cpu, dtype: torch.dtype, dim:
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("ring_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "dim"), [(4, 16), (2, 24)])
+def test_triton_prefill_bf16_equals_reference(triton_on_cpu, ring_dtype: torch.dtype, heads: int, dim: int) -> None:
+    """bf16 activations (both products are bf16 tl.dots, the interpreter's patched as tests/kernels/interpreter_bf16.py
+    says): ragged chunks continuing rings from several positions, query heads two to a key/value head and one each,
+    a head dim padded to 32. ``q . k`` has exact products and fp32 sums; the one rounding off the fp32 reference is the
+    probabilities' to bf16 for ``p @ v``, under one bf16 unit of the last place each (2^-7 relative: the
+    interpreter truncates, a GPU rounds to nearest, half that), so an output, a weighted mean of values, is within
+    2^-7 max |v| of the reference."""
+    seqs = _sequences([1, 4, 9, 40, 70, 2], heads=heads, dim=dim, dtype=torch.bfloat16, seed=9)
+    (q, k, v), cu = _pack(seqs)
+    starts = torch.tensor([0, 3, 20, 0, 5, 100])
+    g = torch.Generator().manual_seed(10)
+    rings = [torch.randn(len(seqs), WINDOW, 2, dim, generator=g).to(torch.bfloat16).to(ring_dtype) for _ in range(2)]
+    bound = 2**-7 * max(v.float().abs().max(), rings[1].float().abs().max()) + 1e-5
+    expected_rings = [r.clone() for r in rings]
+    expected = sliding_window_prefill_naive(q, k, v, cu, starts, *expected_rings, dim**-0.5)
+    got = sliding_window_prefill(q, k, v, cu, starts, *rings, dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=bound, rtol=0)
+    for a, b in zip(rings, expected_rings, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("window", [8, 5])
 def test_triton_decode_equals_reference(triton_on_cpu, window: int) -> None:
     g = torch.Generator().manual_seed(4)
