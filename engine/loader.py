@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -76,7 +77,7 @@ def build_random(preset: str, device: torch.device, dtype: torch.dtype | None, s
     return _finish(model, device, dtype), ByteTokenizer()
 
 
-def read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file holding an object; :class:`ModelLoadError` naming the file for anything else."""
     if not path.is_file():  # a directory, or a FIFO that would block the read
         raise ModelLoadError(f"{path}: not a regular file")
@@ -160,7 +161,7 @@ def hf_architecture(model_type: str) -> type[RecurrentLM]:
     raise ModelLoadError(f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(known)}")
 
 
-def hf_eos_token_ids(path: Path, config: dict) -> list[int]:
+def hf_eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:
     """The ids ``transformers``' ``generate`` stops at: generation_config.json's eos, else config.json's (an id or
     a list of them: instruction-tuned models often end a turn with a second one)."""
     generation_path = path / "generation_config.json"
@@ -172,7 +173,7 @@ def hf_eos_token_ids(path: Path, config: dict) -> list[int]:
     return ids
 
 
-def load_hf_checkpoint(path: Path, config: dict, device: torch.device, dtype: torch.dtype | None) -> Loaded:
+def load_hf_checkpoint(path: Path, config: dict[str, Any], device: torch.device, dtype: torch.dtype | None) -> Loaded:
     """Load a Hugging Face checkpoint (config.json with ``model_type``, safetensors, tokenizer.json)."""
     cls = hf_architecture(str(config["model_type"]))
     model_config = _parse_config(path / "config.json", lambda: cls.from_hf_config(config))
@@ -381,7 +382,7 @@ def _holds_meta_tensor(model: torch.nn.Module) -> bool:
     return any(meta(value) for module in model.modules() for value in vars(module).values())
 
 
-def check_native_weights(config: dict, weights: dict[str, torch.Tensor], where: Path) -> None:
+def check_native_weights(config: dict[str, Any], weights: dict[str, torch.Tensor], where: Path) -> None:
     """``config.json`` values and tensors of a native checkpoint are a model of its architecture (names, shapes,
     dtypes, ties; checked on the meta device): what ``rnnserve convert`` checks before it writes them."""
     architecture = config.get("architecture")

@@ -11,7 +11,7 @@ import signal
 import socket
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,6 +22,10 @@ from rnnserve.server.config import ServerConfig
 from rnnserve.server.engine_core import SHUTDOWN_MESSAGE
 from rnnserve.server.errors import APIError
 from rnnserve.server.guard import BodyReads
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.h11_impl import RequestResponseCycle as H11Cycle
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers; h11's default limit, applied to httptools as well
 DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
@@ -47,7 +51,7 @@ class HeadDeadline(asyncio.Protocol):
     # uvicorn's protocols have these:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
-    cycle: object | None
+    cycle: H11Cycle | HttpToolsCycle | None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -71,7 +75,7 @@ class HeadDeadline(asyncio.Protocol):
             self._head_deadline.cancel()
         self._head_deadline = self.loop.call_later(self.read_timeout, self._head_timed_out, self.cycle)
 
-    def _head_timed_out(self, cycle: Any) -> None:
+    def _head_timed_out(self, cycle: H11Cycle | HttpToolsCycle | None) -> None:
         """Close the connection if no request has started since ``cycle`` (the one current when armed) ended."""
         started = self.cycle is not cycle or (cycle is not None and not cycle.response_complete)
         if started or self.transport.is_closing():

@@ -68,24 +68,22 @@ def test_the_gpu_wheels_cover_the_serving_stack() -> None:
     assert needed <= stack, f"missing from SERVING_STACK: {sorted(needed - stack)}"
 
 
-def test_the_tests_module_level_imports_are_declared() -> None:
-    """Every third-party package a test module imports at its top is a runtime dependency or a test extra
-    (one installed only as another package's dependency may go away with it; a package imported inside a test
-    that skips without it need not be declared)."""
+def _undeclared_imports(folders: list[str], requirements: list[str], *, module_level_only: bool) -> dict[str, str]:
+    """The third-party top-level modules the Python files under ``folders`` import that no distribution named in
+    ``requirements`` provides, each with one file importing it."""
     import ast
     from importlib import metadata
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {canonicalize_name(Requirement(r).name)
-                for r in [*project["dependencies"], *project["optional-dependencies"]["test"]]}  # fmt: skip
+    declared = {canonicalize_name(Requirement(r).name) for r in requirements}
     ours = {"rnnserve", "tests", "scripts", "benchmarks", *FOLDERS.values()}
     distributions = metadata.packages_distributions()
     undeclared = {}
-    for path in sorted((ROOT / "tests").rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+    for path in sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body if module_level_only else ast.walk(tree):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -95,5 +93,26 @@ def test_the_tests_module_level_imports_are_declared() -> None:
             for top in {module.split(".")[0] for module in modules} - ours - set(sys.stdlib_module_names):
                 names = {canonicalize_name(d) for d in distributions.get(top, [top])}
                 if not names & declared:
-                    undeclared[top] = str(path.relative_to(ROOT))
+                    undeclared.setdefault(top, str(path.relative_to(ROOT)))
+    return undeclared
+
+
+def test_the_tests_module_level_imports_are_declared() -> None:
+    """Every third-party package a test module imports at its top is a runtime dependency or a test extra
+    (one installed only as another package's dependency may go away with it; a package imported inside a test
+    that skips without it need not be declared)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    undeclared = _undeclared_imports(["tests"], requirements, module_level_only=True)
     assert not undeclared, f"imported by tests, not declared in pyproject.toml: {undeclared}"
+
+
+def test_the_package_imports_are_declared() -> None:
+    """Every third-party package the installed code imports, at module level or inside a function, is a runtime
+    dependency or one of the optional extras (triton, client); not the test extra, which users do not install.
+    A package that only arrives as another's dependency (starlette under fastapi) may change or go away with it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [r for name, group in project["optional-dependencies"].items() if name != "test" for r in group]
+    undeclared = _undeclared_imports(["rnnserve", *FOLDERS.values()], [*project["dependencies"], *extras],
+                                     module_level_only=False)  # fmt: skip
+    assert not undeclared, f"imported by the rnnserve package, not declared in pyproject.toml: {undeclared}"

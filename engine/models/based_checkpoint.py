@@ -9,7 +9,6 @@ describes (names and shapes) before anything is written.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,7 +19,7 @@ from rnnserve.engine.convert import (
     read_config,
     training_state_dict,
 )
-from rnnserve.engine.models.based import BasedLM
+from rnnserve.engine.models.based import BasedConfig, BasedLM
 
 WEIGHTS = "pytorch_model.bin"
 TIED = ("transformer.embeddings.word_embeddings.weight", "lm_head.weight")
@@ -72,7 +71,7 @@ def convert(src: Path) -> ConvertedCheckpoint:
     )
 
 
-def _check_against_model(config: Any, tensors: dict[str, torch.Tensor], source: Path) -> None:
+def _check_against_model(config: BasedConfig, tensors: dict[str, torch.Tensor], source: Path) -> None:
     """Every parameter present with its shape (a tied one under either name), nothing unexpected."""
     with torch.device("meta"):
         model = BasedLM(config)

@@ -64,7 +64,13 @@ class MambaConfig(ModelConfig):
     residual_in_fp32: bool = True
 
 
-def _version_key(t: torch.Tensor | None) -> tuple | None:
+VersionKey = tuple[int, int, torch.device]
+"""A tensor's storage address, version counter and device (:func:`_version_key`)."""
+FP32Params = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""``(A, D, dt_bias, conv weight, conv bias)`` in fp32 (:meth:`MambaMixer._fp32_params`)."""
+
+
+def _version_key(t: torch.Tensor | None) -> VersionKey | None:
     """Identifies a tensor's current contents: storage, version counter (-1 for inference tensors), device.
 
     Inference tensors are asked first: reading their ``_version`` raises, and a caught C++ error with its
@@ -100,8 +106,8 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(c.d_inner, c.d_state))
         self.D = nn.Parameter(torch.empty(c.d_inner))
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.use_bias)
-        self._fp32_key: tuple | None = None
-        self._fp32_cache: tuple = ()
+        self._fp32_key: tuple[VersionKey | None, ...] | None = None
+        self._fp32_cache: FP32Params | None = None
         self.register_load_state_dict_post_hook(self._forget_derived)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,7 +119,7 @@ class MambaMixer(nn.Module):
             dt, B, C = (weightless_rms_norm(t, c.mixer_rms_eps) for t in (dt, B, C))
         return matmul_t(dt, self.dt_proj.weight), B, C
 
-    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _fp32_params(self) -> FP32Params:
         """``(A = -exp(A_log), D, dt_bias, conv weight [Di, K], conv bias)`` in fp32 and contiguous, as the
         kernels read them; recomputed only when a parameter changes (decode would convert them every step).
 
@@ -123,16 +129,17 @@ class MambaMixer(nn.Module):
         sources = (params["A_log"], params["D"], self._modules["dt_proj"]._parameters["bias"], conv["weight"],
                    conv["bias"])
         key = tuple(_version_key(p) for p in sources)
-        if self._fp32_key != key:
-            self._fp32_cache = (
+        cache = self._fp32_cache
+        if cache is None or self._fp32_key != key:
+            cache = (
                 -torch.exp(self.A_log.detach().float()),
                 self.D.detach().float().contiguous(),
                 self.dt_proj.bias.detach().float().contiguous(),
                 self.conv1d.weight.detach()[:, 0, :].float().contiguous(),
                 None if self.conv1d.bias is None else self.conv1d.bias.detach().float().contiguous(),
             )
-            self._fp32_key = key
-        return self._fp32_cache
+            self._fp32_cache, self._fp32_key = cache, key
+        return cache
 
     def _forget_derived(self, *_: Any) -> None:
         self._fp32_key = None

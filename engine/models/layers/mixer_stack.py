@@ -7,7 +7,7 @@ fused with the next norm (:func:`rnnserve.kernels.residual_rms_norm.residual_rms
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,15 +19,27 @@ from rnnserve.engine.models.layers.slots import slot_index
 from rnnserve.kernels.residual_rms_norm import residual_rms_norm
 
 
+class MixerStackConfig(Protocol):
+    """What the stack reads of its model's config, a :class:`~rnnserve.engine.models.base.ModelConfig`
+    (``MambaConfig``, ``Mamba2Config``) whose other fields its mixer reads."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    norm_eps: float
+    tie_embeddings: bool
+    residual_in_fp32: bool
+
+
 class MixerBlock(nn.Module):
-    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
+    def __init__(self, config: MixerStackConfig, mixer: type[nn.Module]) -> None:
         super().__init__()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = mixer(config)
 
 
 class MixerBackbone(nn.Module):
-    def __init__(self, config: Any, mixer: type[nn.Module]) -> None:
+    def __init__(self, config: MixerStackConfig, mixer: type[nn.Module]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(MixerBlock(config, mixer) for _ in range(config.n_layers))
@@ -42,13 +54,12 @@ class MixerStackLM(RecurrentLM):
     them back to their slots in place: ``prefill(h, cu_seqlens, slot_ids, conv_pool, ssm_pool) -> out`` on
     packed normed rows (the Triton kernels address the slots themselves: no gathered copies of the states),
     and ``decode(h, slot_ids, slots, conv_pool, ssm_pool) -> out`` for one token per sequence (``slots``:
-    :func:`~rnnserve.engine.models.layers.slots.slot_index`). The config provides ``vocab_size``, ``d_model``,
-    ``n_layers``, ``norm_eps``, ``tie_embeddings`` and ``residual_in_fp32``.
+    :func:`~rnnserve.engine.models.layers.slots.slot_index`). The config is a :class:`MixerStackConfig`.
     """
 
     mixer: type[nn.Module]
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: MixerStackConfig) -> None:
         super().__init__(config)
         self.backbone = MixerBackbone(config, self.mixer)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
