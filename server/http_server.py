@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers; h11's default limit, applied to httptools as well
 DRAIN_GRACE_SECONDS = 5.0  # after failing the last generations, how long their responses may take to finish
+LINGER_SECONDS = 2.0  # after an error that ends a connection, how long what the client still sends is read and dropped
 
 
 def raw_error_response(error: APIError, reason: str) -> bytes:
@@ -48,6 +49,7 @@ class HeadDeadline(asyncio.Protocol):
 
     read_timeout = 30.0
     _head_deadline: asyncio.TimerHandle | None = None
+    _lingering: asyncio.TimerHandle | None = None
     # uvicorn's protocols have these:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
@@ -63,8 +65,31 @@ class HeadDeadline(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        for timer in (self._head_deadline, self._lingering):
+            if timer is not None:
+                timer.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is None:  # after an answer that ends the connection, input is dropped
+            super().data_received(data)  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (or a head too large): a 400 in OpenAI's error format,
+        then a lingering close."""
+        self.answer_and_close(raw_error_response(APIError(400, msg, code="invalid_http_request"), "Bad Request"))
+
+    def answer_and_close(self, response: bytes) -> None:
+        """Send ``response``, then the end of the stream, and read and drop what the client still sends until it
+        closes or ``LINGER_SECONDS`` pass. Closing at once with the client's bytes unread would make the kernel
+        reset the connection, which can destroy the answer before the client has read it."""
+        if self.transport.is_closing() or self._lingering is not None:
+            return
+        self.transport.write(response)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def partial_head(self) -> bool:
         """Whether part of a request head has arrived (and not the rest)."""
@@ -78,13 +103,14 @@ class HeadDeadline(asyncio.Protocol):
     def _head_timed_out(self, cycle: H11Cycle | HttpToolsCycle | None) -> None:
         """Close the connection if no request has started since ``cycle`` (the one current when armed) ended."""
         started = self.cycle is not cycle or (cycle is not None and not cycle.response_complete)
-        if started or self.transport.is_closing():
+        if started or self.transport.is_closing() or self._lingering is not None:
             return
         if self.partial_head():
             message = f"the request head did not arrive within {self.read_timeout:g} s"
             error = APIError(408, message, code="request_timeout", retryable=True)
-            self.transport.write(raw_error_response(error, "Request Timeout"))
-        self.transport.close()
+            self.answer_and_close(raw_error_response(error, "Request Timeout"))
+        else:
+            self.transport.close()
 
 
 class H11HeadDeadline(HeadDeadline, H11Protocol):
@@ -115,7 +141,7 @@ def httptools_protocol() -> type[HeadDeadline] | None:
             if self._awaiting_head:
                 self._head_bytes += len(data)
             super().data_received(data)
-            if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES:
                 self.send_400_response("Request head too large.")
 
         def on_message_begin(self) -> None:

@@ -214,3 +214,33 @@ def test_request_heads_are_bounded(server: ServerProcess) -> None:
             answer = read_until_closed(sock, time.monotonic() + 15)
         assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_an_error_that_ends_a_connection_is_not_lost_to_a_reset(server: ServerProcess) -> None:
+    """After the 400 for a head too large the server ends its side and reads on (a lingering close): the client,
+    still sending the rest of its request, reads the whole answer in OpenAI's error format and then the end of the
+    stream. A server that closed with the client's bytes unread would reset the connection, and a reset can
+    destroy the answer before the client reads it; here the sends after the answer would fail with a reset."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Filler: {'v' * 20000}".encode())
+        answer = b""
+        sock.settimeout(15)
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < content_length(answer):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        for _ in range(5):  # each send after a reset's arrival would raise
+            sock.sendall(b"v" * 4096)
+            time.sleep(0.05)
+        sock.shutdown(socket.SHUT_WR)
+        rest = read_until_closed(sock, time.monotonic() + 15)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+    assert rest == b""
+
+
+def content_length(response: bytes) -> int:
+    """The Content-Length of a response head (0 until the head is whole)."""
+    head = response.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    return next((int(line.split(":")[1]) for line in head.split("\r\n") if line.startswith("content-length:")), 0)
