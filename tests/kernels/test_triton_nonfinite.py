@@ -5,9 +5,12 @@ weight and state in turn; these are the cases where a kernel differed."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from tests.kernels import test_mamba2_decode_triton as mamba2_cases
 from tests.kernels import test_mamba_decode_triton as mamba1_cases
 
 
@@ -48,3 +51,26 @@ def test_mamba_stack_rounds_the_conv_output_before_its_silu(triton_on_cpu, monke
                                             args["slot_ids"])
     assert_same_nonfinite(args["ssm_pool"], ref_pools["ssm_pool"], 1e-2)
     assert_same_nonfinite(out, expected, 3e-2)
+
+
+@pytest.mark.parametrize("dt_limits", [(0.0, math.inf), (1e-3, 0.05)])
+@torch.inference_mode()
+def test_mamba2_stack_keeps_a_nan_step_size(triton_on_cpu, monkeypatch, dt_limits) -> None:
+    """A NaN in one head's ``dt_bias``: torch's clamp keeps the NaN step size, so the head's state and (through
+    the group norm) the output are NaN. The stack's ``tl.maximum`` / ``tl.minimum`` took NaN as the lower bound,
+    and the head kept its state and gave finite outputs."""
+    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
+
+    monkeypatch.setattr(mamba2_cases, "LAYERS", 1)
+    args = mamba2_cases.stack_args(torch.float32, 2, True)
+    args["layers"][0][4][1] = float("nan")
+    g = torch.Generator().manual_seed(9)
+    normed, stream = (torch.randn(2, mamba2_cases.D_MODEL, generator=g) for _ in range(2))
+    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
+    eps = 1e-5
+    out = mamba2_decode_stack_triton(normed, stream, args["norm_weights"], eps, args["layers"], args["conv_pool"],
+                                     args["ssm_pool"], args["slot_ids"], mamba2_cases.GROUPS, eps, dt_limits)
+    expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
+                                            ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
+    assert_same_nonfinite(args["ssm_pool"], ref_pools["ssm_pool"], 1e-4)
+    assert_same_nonfinite(out, expected, 1e-4)
