@@ -167,7 +167,7 @@ def _mamba2_ssm_kernel(
     tl.store(state_ptrs, s, mask=ok)
     y = tl.sum(s * C[None, :], axis=1) + D * x
     z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    gated = tl.where(chan_ok, y * z * tl.sigmoid(z), 0.0)
+    gated = tl.where(chan_ok, y * (z * tl.sigmoid(z)), 0.0)  # y silu(z): y z overflows first
     tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
     parts = tl.num_programs(1) * tl.num_programs(2)
     tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))

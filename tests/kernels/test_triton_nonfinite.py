@@ -14,11 +14,11 @@ from tests.kernels import test_mamba2_decode_triton as mamba2_cases
 from tests.kernels import test_mamba_decode_triton as mamba1_cases
 
 
-def assert_same_nonfinite(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """NaN exactly where the reference has NaN (some), the same infinities, the finite values within ``tol`` of
-    the largest finite reference value (if any)."""
+def assert_same_nonfinite(got: torch.Tensor, expected: torch.Tensor, tol: float, has_nan: bool = True) -> None:
+    """NaN exactly where the reference has NaN (some, if ``has_nan``), the same infinities, the finite values
+    within ``tol`` of the largest finite reference value (if any)."""
     got, expected = got.double(), expected.double()
-    assert expected.isnan().any(), "the case never reaches a NaN: it tests nothing"
+    assert expected.isnan().any() == has_nan, "the case does not reach the reference's NaN it was written for"
     assert torch.equal(got.isnan(), expected.isnan()), (
         f"NaN at {int(got.isnan().sum())} positions, the reference at {int(expected.isnan().sum())}"
     )
@@ -74,3 +74,25 @@ def test_mamba2_stack_keeps_a_nan_step_size(triton_on_cpu, monkeypatch, dt_limit
                                             ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
     assert_same_nonfinite(args["ssm_pool"], ref_pools["ssm_pool"], 1e-4)
     assert_same_nonfinite(out, expected, 1e-4)
+
+
+@torch.inference_mode()
+def test_mamba2_stack_gates_y_by_silu_z_in_the_references_order(triton_on_cpu, monkeypatch) -> None:
+    """An in_proj weight of 1e30 in a z row (channel 21) and in a C row: ``y`` and ``z`` of ~1e30. The reference
+    gates ``y * silu(z)``; the stack computed ``(y * z) * sigmoid(z)``, whose ``y * z`` overflowed to inf, and the
+    group norm (``inf * rsqrt(inf)``) made the output NaN where the reference's is finite."""
+    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
+
+    monkeypatch.setattr(mamba2_cases, "LAYERS", 1)
+    args = mamba2_cases.stack_args(torch.float32, 2, True)
+    args["layers"][0][0][21, 13] = 1e30
+    args["layers"][0][0][295, 24] = 1e30
+    g = torch.Generator().manual_seed(99)
+    normed, stream = (torch.randn(2, mamba2_cases.D_MODEL, generator=g) for _ in range(2))
+    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
+    eps, dt_limits = 1e-5, (0.0, math.inf)
+    out = mamba2_decode_stack_triton(normed, stream, args["norm_weights"], eps, args["layers"], args["conv_pool"],
+                                     args["ssm_pool"], args["slot_ids"], mamba2_cases.GROUPS, eps, dt_limits)
+    expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
+                                            ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
+    assert_same_nonfinite(out, expected, 1e-4, has_nan=False)
