@@ -158,13 +158,16 @@ def _mamba2_ssm_kernel(
     B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
     C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * heads + head).to(tl.float32) + dt_bias
-    dt = tl.minimum(tl.maximum(softplus_f32(dt), dt_min), dt_max)
+    # torch's clamp keeps a NaN step size; tl.maximum / tl.minimum drop NaN unless told (a max.NaN, the same one
+    # instruction on sm_90), which made the head's state and output finite where the op-by-op step has NaN.
+    dt = tl.maximum(softplus_f32(dt), dt_min, propagate_nan=tl.PropagateNan.ALL)
+    dt = tl.minimum(dt, dt_max, propagate_nan=tl.PropagateNan.ALL)
     decay = tl.exp(A * dt)
     s = decay * s + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, s, mask=ok)
     y = tl.sum(s * C[None, :], axis=1) + D * x
     z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    gated = tl.where(chan_ok, y * z * tl.sigmoid(z), 0.0)
+    gated = tl.where(chan_ok, y * (z * tl.sigmoid(z)), 0.0)  # y silu(z): y z overflows first
     tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
     parts = tl.num_programs(1) * tl.num_programs(2)
     tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))

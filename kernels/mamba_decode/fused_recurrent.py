@@ -341,7 +341,10 @@ def _mamba_in_proj_kernel(
             wx_first = x_proj_columns(x_proj_w_ptr, 0, outs, is_x, d_inner, n_proj, BE)
         xc = conv_update(projected, tail_ptrs, window, shifted, conv_w, conv_b, is_x, row_ok, HAS_CONV_BIAS, K,
                          BKC)
-        xc = (xc * tl.sigmoid(xc)).to(wdtype)  # the conv's output in the activations' dtype
+        # The conv's output, then its SiLU, each in the activations' dtype (a conv output past the dtype's range
+        # is ±inf before the SiLU, and silu(-inf) is NaN, as in the op-by-op step).
+        xc = xc.to(wdtype).to(tl.float32)
+        xc = (xc * tl.sigmoid(xc)).to(wdtype)
         tl.store(xc_ptr + rows[:, None] * d_inner + outs[None, :], xc, mask=row_ok[:, None])
         xc = xc.to(tl.float32)
         store_x_proj_partial(xc, wx_first, 0, pid, rows, row_ok, partial_ptr, batch, n_proj, BE)
