@@ -4,6 +4,7 @@ alone. Run in fresh interpreters: it changes the allocator of the whole process.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -11,6 +12,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from rnnserve.engine import LLM
 
 SCRIPT = """
 import json, sys
@@ -52,3 +56,24 @@ def test_a_freed_block_stays_with_the_process() -> None:
 def test_a_malloc_the_environment_tunes_is_left_alone() -> None:
     tuned = run("retain", MALLOC_TRIM_THRESHOLD_="1000000")
     assert tuned["applied"] is False and tuned["released_mb"] > 48
+
+
+def brk_heap() -> range:
+    """The addresses of this process's brk heap (glibc's main arena)."""
+    with open("/proc/self/maps") as maps:
+        line = next(line for line in maps if line.rstrip().endswith("[heap]"))
+    start, end = (int(address, 16) for address in line.split()[0].split("-"))
+    return range(start, end)
+
+
+@glibc_linux
+def test_an_llm_built_in_the_test_process_leaves_its_malloc_and_collector_alone() -> None:
+    """The suite's own process, which builds hundreds of engines, keeps glibc's malloc and the garbage collector as
+    they were (tests/conftest.py): a large block is still a mapping of its own, not carved from the brk heap, which
+    grew with every engine's prefix-cache tier until forking the test process failed; and no engine alive then is
+    frozen out of the collector's reach."""
+    frozen = gc.get_freeze_count()
+    LLM("random:mingru-tiny", max_num_seqs=1)
+    block = torch.empty(64 * 2**20 // 4)
+    assert block.data_ptr() not in brk_heap()
+    assert gc.get_freeze_count() == frozen
