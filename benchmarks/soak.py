@@ -17,7 +17,7 @@ engine error, or growth: RSS over 5% in the second half, or more fds, threads, s
 than in the middle.
 
 Usage: ``python benchmarks/soak.py [--minutes 10] [--model PATH|NAME] [--concurrency 8] [--api-servers N]
-[--session-ttl 20] [--port P]``.
+[--session-ttl 20] [--port P] [--samples-json PATH]``.
 """
 
 from __future__ import annotations
@@ -328,6 +328,8 @@ async def run(url: str, pid: int, args: argparse.Namespace, session_dir: Path, t
     for line in soak.problems[:10]:
         print("  problem:", line)
     grew = sampler.report(warm_up=min(120.0, args.minutes * 30))
+    if args.samples_json:
+        Path(args.samples_json).write_text(json.dumps({"processes": sampler.names, "samples": sampler.samples}))
     leaked = any(value != 0 for value in busy.values())
     return int(five_xx > 0 or soak.problems != [] or errors > 0 or leaked or grew)
 
@@ -354,6 +356,7 @@ def main() -> int:
     parser.add_argument("--session-ttl", type=float, default=20.0, help="small, so that the expiry sweep runs")
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--port", type=int, default=None, help="default: a free one")
+    parser.add_argument("--samples-json", default=None, help="write every sample here (the growth curves)")
     args = parser.parse_args()
     port = args.port or free_port()
     work = Path(tempfile.mkdtemp(prefix="rnnserve-soak-"))
