@@ -13,11 +13,12 @@ RSS, open fds and threads; the ``/dev/shm`` files they hold, the entries of the 
 temp folder; and the server's load, memory, session and error metrics. At the end, with the load stopped and the server
 settled, it prints them at the start (after the warm-up), the middle and the end, and their growth over the
 run's second half. Exit status 1 on any 5xx, unanswered well-formed request, slot or request still in use,
-engine error, or growth: RSS over 5% in the second half, or more fds, threads, shm or temp entries at the end
-than in the middle.
+engine error, or growth: RSS over 5% in the second half, or more fds, shm or temp entries at the end than in the
+middle, or more threads than the event loop's executor may start.
 
 Usage: ``python benchmarks/soak.py [--minutes 10] [--model PATH|NAME] [--concurrency 8] [--api-servers N]
-[--session-ttl 20] [--port P]``.
+[--session-ttl 20] [--port P] [--prefix-cache-memory BYTES] [--samples-json PATH]
+[--probe-dir DIR [--probe-tracemalloc]]``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     {"type": "function", "function": {"name": "time"}}]  # fmt: skip
 # Sampled per process at the start (after the warm-up), the middle and the end of the run.
 PROCESS_FIGURES = ("rss_mib", "fds", "threads")
+# The event loop's default executor (asyncio.to_thread: session files) starts its workers, up to this many, when a
+# peak needs them, late in a run too: so many threads more than at the start are that, not a leak.
+EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
+PROBE = ROOT / "benchmarks" / "soak_probe"  # --probe-dir: each server process counts its objects (sitecustomize)
 # The server's metrics sampled, without their model_name label.
 SAMPLED_METRICS = (
     "rnnserve_num_requests_running", "rnnserve_num_requests_waiting", "rnnserve_state_slots_used",
@@ -295,7 +300,7 @@ class Sampler:
             for figure in PROCESS_FIGURES:
                 a, b, c = (s["processes"][pid][figure] for s in (first, middle, last))
                 print(f"  {name:62s} {figure:8s} {a:9.1f} {b:9.1f} {c:9.1f} {c - b:+9.1f}")
-                limit = 0.05 * b if figure == "rss_mib" else 0
+                limit = {"rss_mib": 0.05 * b, "threads": max(0, EXECUTOR_THREADS - (b - a))}.get(figure, 0)
                 grew |= c - b > limit
         for figure in ("shm", "session_files", "temp_entries"):
             a, b, c = first[figure], middle[figure], last[figure]
@@ -333,6 +338,8 @@ async def run(url: str, pid: int, args: argparse.Namespace, session_dir: Path, t
     for line in soak.problems[:10]:
         print("  problem:", line)
     grew = sampler.report(warm_up=min(120.0, args.minutes * 30))
+    if args.samples_json:
+        Path(args.samples_json).write_text(json.dumps({"processes": sampler.names, "samples": sampler.samples}))
     leaked = any(value != 0 for value in busy.values())
     return int(five_xx > 0 or soak.problems != [] or errors > 0 or leaked or grew or miscounted)
 
@@ -359,6 +366,13 @@ def main() -> int:
     parser.add_argument("--session-ttl", type=float, default=20.0, help="small, so that the expiry sweep runs")
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--port", type=int, default=None, help="default: a free one")
+    parser.add_argument("--prefix-cache-memory", default=None, help="the server's budget (default: its own, 1GiB): "
+                        "a small one fills within the warm-up, so its filling is not taken for growth")
+    parser.add_argument("--probe-dir", default=None, help="each server process writes its objects by type here "
+                        "every 150 s (benchmarks/soak_probe)")
+    parser.add_argument("--probe-tracemalloc", action="store_true", help="with --probe-dir: tracemalloc snapshots too "
+                        "(slower; diff them with tracemalloc.Snapshot.load(...).compare_to)")
+    parser.add_argument("--samples-json", default=None, help="write every sample here (the growth curves)")
     args = parser.parse_args()
     port = args.port or free_port()
     work = Path(tempfile.mkdtemp(prefix="rnnserve-soak-"))
@@ -369,9 +383,16 @@ def main() -> int:
                "--api-servers", str(args.api_servers)]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
+    if args.prefix_cache_memory:
+        command += ["--prefix-cache-memory", args.prefix_cache_memory]
     log_path = work / "server.log"
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
     env = {**os.environ, "TMPDIR": str(temp_dir)}
+    if args.probe_dir:
+        Path(args.probe_dir).mkdir(parents=True, exist_ok=True)
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH")])),
+                   SOAK_PROBE_DIR=str(Path(args.probe_dir).resolve()),
+                   SOAK_PROBE_TRACEMALLOC=str(int(args.probe_tracemalloc)))  # fmt: skip
     server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

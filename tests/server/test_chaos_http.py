@@ -9,18 +9,23 @@ warm-up round. The storm itself is in ``chaos.py``."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
+from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.server.app import create_app
 from rnnserve.server.background import serve_in_thread
+from rnnserve.server.engine_core import EngineCore, EngineInfo, ProcessDriver, ServerLinks
 from tests.server.chaos import (
     GREEDY,
     Storm,
@@ -127,3 +132,107 @@ def test_a_storm_leaks_no_task_thread_request_or_lease_in_the_server_process(in_
     assert bridge.engine.pool.num_used == 0 and not bridge.engine.has_unfinished_requests()
     assert app.state.sessions._leases == {}
     assert app.state.body_reads._reads == set()
+
+
+@dataclass
+class TwoServers:
+    """Two API servers' apps, each on a socket of its own, and the engine loop behind them (:class:`ServerLinks`
+    over pipes, as in an engine process) on a thread of this process: every map either side keeps per request
+    can be looked at."""
+
+    engine: LLMEngine
+    links: ServerLinks
+    core: EngineCore
+    apps: list[FastAPI]
+    urls: list[str]
+
+
+@pytest.fixture
+def two_servers(tmp_path: Path) -> Iterator[TwoServers]:
+    config = tiny_config(api_servers=2, max_num_seqs=SLOTS, max_waiting=8, max_prompt_tokens=None,
+                         max_body_bytes=1 << 20, session_dir=str(tmp_path / "sessions"))  # fmt: skip
+    engine = LLMEngine.from_config(config.engine)
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    links = ServerLinks([engine_end for _, engine_end in pipes])
+    core = EngineCore(engine, links.next_command, links.post, links.encoder.row, links, encoder=links.encoder)
+    loop = threading.Thread(target=core.run, name="test-engine-loop", daemon=True)
+    loop.start()
+    info = EngineInfo.of(engine)
+    apps = [create_app(config, driver=ProcessDriver(server_end, info)) for server_end, _ in pipes]
+    with ExitStack() as servers:
+        urls = []
+        for app in apps:
+            debug_tasks_route(app)
+            urls.append(servers.enter_context(serve_in_thread(app)))
+        yield TwoServers(engine, links, core, apps, urls)
+    loop.join(30)
+    assert not loop.is_alive()
+
+
+class BurstyStorm(Storm):
+    """The storm beside bursts that fill the waiting queue: its stream cuts may meet a 429 too."""
+
+    def expect(self, kind: str, ok: bool, detail: str) -> None:
+        super().expect(kind, ok or (kind == "cut-mid-stream" and detail == "429"), detail)
+
+
+async def burst(url: str, count: int) -> list[int]:
+    """``count`` long completions at once (more than the slots and the waiting queue hold): some get 429."""
+    body = {"prompt": "The ", "max_tokens": 32, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=count)) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(count)))
+    return [r.status_code for r in answers]
+
+
+def rejected_and_cut(url: str) -> None:
+    """Requests refused before they reach the engine (400s) and after it took them (n > 1 cut mid-stream)."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for body in ({"prompt": "a", "temperature": -1}, {"prompt": "a", "n": 1000}, {"prompt": []}):
+            assert http.post("/v1/completions", json=body).status_code == 400
+        body = {"prompt": "The ", "max_tokens": 500, "ignore_eos": True, "stream": True, "n": 2}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+
+
+def test_two_api_servers_leave_nothing_behind_in_the_engine_loop_or_either_server(two_servers: TwoServers) -> None:
+    """Every map either side of the pipes keeps per request is empty once a mixed load settled: the engine's
+    requests, slots, owners and encoder streams, and each server's consumers, adds, decoder streams, session
+    leases, body reads and event-loop tasks."""
+    urls = two_servers.urls
+    tasks = [httpx.get(f"{url}/debug/tasks", timeout=30).json() for url in urls]
+
+    async def load() -> list[list[int]]:
+        storms = [BurstyStorm(url, seed=20 + i, clients=6, actions=8) for i, url in enumerate(urls)]
+        statuses = await asyncio.gather(*(burst(url, 24) for url in urls), *(storm.run() for storm in storms))
+        for storm in storms:
+            assert storm.problems == [], storm.problems
+            storm.delete_sessions()
+            assert storm.problems == [], storm.problems
+        return statuses[:2]
+
+    bursts = asyncio.run(load())
+    assert all(set(statuses) <= {200, 429} for statuses in bursts), bursts
+    assert 429 in bursts[0] + bursts[1]
+    for url in urls:
+        rejected_and_cut(url)
+    for url in urls:
+        metrics = wait_until_idle(url)
+        assert busy_gauges(metrics) == {}
+        assert (metrics["rnnserve_sessions"], metrics["rnnserve_session_cache_memory_used_bytes"]) == (0, 0)
+    for url, before in zip(urls, tasks, strict=True):
+        assert httpx.get(f"{url}/debug/tasks", timeout=30).json() == before
+    engine, links = two_servers.engine, two_servers.links
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    assert (engine.scheduler.running, list(engine.scheduler.waiting), engine._uncollected) == ({}, [], {})
+    assert two_servers.core.compiling == []
+    assert links.owners == {}
+    assert (links.encoder.sent, links.encoder.compact, links.encoder.columns) == (set(), {}, {})
+    assert list(links.received) == [] and set(links.unhandled.values()) == {0}
+    for app in two_servers.apps:
+        bridge = app.state.engine
+        assert (bridge._consumers, bridge._adds, bridge.queued_bytes) == ({}, {}, 0)
+        assert (bridge.driver.decoder.known, bridge.driver.decoder.streams) == ({}, {})
+        assert app.state.sessions._leases == {}
+        assert app.state.body_reads._reads == set()
+    assert all(not app.state.sessions._cache for app in two_servers.apps)
