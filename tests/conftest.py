@@ -60,7 +60,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     :data:`UNCOLLECTED_BYTES` since the last one. Tests that wrap an engine's own methods on it (a counter around
     ``engine.scheduler._steady_appended``) leave the engine in a reference cycle, freed by a full collection only,
     which this process, with millions of objects, runs rarely; meanwhile each held its prefix-cache tier, 1 GiB of
-    address space. Their mappings lay side by side and merged: one of 11 GiB late in a full run (see
+    address space. Their mappings lay side by side and merged: one of 11 GiB in tests/engine in a full run (see
     :func:`no_serving_tuning_in_the_test_process` for why that size matters)."""
     global _collected_at
     result = yield
