@@ -63,7 +63,7 @@ def exported_samples() -> dict[str, tuple[str, frozenset[str]]]:
     metrics.set_load(EngineLoad(1, 0, 4, 1, 8, [TierUsage("device", 10, 20, 3), TierUsage("host", 1, 2, 1)]))
     with tempfile.TemporaryDirectory() as folder:
         codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
-        metrics.watch_sessions(SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, metrics=metrics.sessions))
+        SessionStore(Path(folder), codec, 10, 1 << 20, 1 << 20, metrics=metrics.sessions).create()
         text = metrics.render().decode()
     samples: dict[str, tuple[str, frozenset[str]]] = {}
     for family in text_string_to_metric_families(text):

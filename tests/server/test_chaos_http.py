@@ -219,7 +219,10 @@ def test_two_api_servers_leave_nothing_behind_in_the_engine_loop_or_either_serve
     for url in urls:
         metrics = wait_until_idle(url)
         assert busy_gauges(metrics) == {}
-        assert (metrics["rnnserve_sessions"], metrics["rnnserve_session_cache_memory_used_bytes"]) == (0, 0)
+        # Each app has its own registry here (no multiprocess folder), so its ``rnnserve_sessions`` is the shared
+        # folder's count when it last changed it; the sessions it keeps in memory are its own.
+        assert metrics["rnnserve_session_cache_memory_used_bytes"] == 0
+    assert min(wait_until_idle(url)["rnnserve_sessions"] for url in urls) == 0
     for url, before in zip(urls, tasks, strict=True):
         assert httpx.get(f"{url}/debug/tasks", timeout=30).json() == before
     engine, links = two_servers.engine, two_servers.links
