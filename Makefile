@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test serve test lint gpu-test gpu-bench gpu-wheels cpu-peers clean default-model
+.PHONY: install install-test serve test lint gpu-test gpu-bench gpu-check gpu-wheels cpu-peers clean default-model
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ gpu-test:
 # Table 1 beside them. The HTTP rows need fastapi/uvicorn/pydantic importable (carry wheels on GPU machines).
 gpu-bench:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
+
+# A machine lent for minutes: the wheels from .gpu-wheels, the gpu-marked tests, gpu-bench for issue 14's models and
+# a batch-1 sweep of the decode stacks, each part time-limited, logs in $$OUT (scripts/gpu_check.sh).
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 # The serving stack as wheels for a CUDA image that has torch and Triton but not the web stack (Python 3.12,
 # x86-64 by default), at the versions installed here: carry GPU_WHEELS to that machine, then

@@ -13,7 +13,7 @@ measured here) and the largest difference of the logits from the op-by-op step's
 default marked. ``--smoke`` runs the two defaults on the tiny presets in fp32 on CPU (Triton interpreter, eager, no
 dependent launch).
 
-    python benchmarks/decode_tune.py
+    python benchmarks/decode_tune.py [--models mamba-370m] [--batches 1] [--steps 100]
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
 """
 
@@ -26,13 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks.decode import copy_bandwidth, seconds_per_step, weight_bytes  # noqa: E402
-from benchmarks.tune import device_name, tuning_device  # noqa: E402
+from benchmarks.tune import device_name, tuning_options  # noqa: E402
 from rnnserve.engine.loader import build_random  # noqa: E402
 from rnnserve.engine.models.base import DecodeBatch  # noqa: E402
 from rnnserve.engine.state_pool import StatePool  # noqa: E402
@@ -169,9 +170,16 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
 
 
 def main() -> None:
-    smoke, device = tuning_device(__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", help="random: presets (default: mamba-370m mamba2-370m; smoke: the "
+                        "tiny ones)")
+    parser.add_argument("--batches", nargs="+", type=int, help="batch sizes (default: 1 2 4 8; smoke: 1)")
+    parser.add_argument("--steps", type=int, help="timed steps per choice (default: 50; smoke: 1)")
+    options, device = tuning_options(parser)
+    smoke = options.smoke
     presets, dtype, batches, steps = (["mamba-tiny", "mamba2-tiny"], torch.float32, [1], 1) if smoke else (
         ["mamba-370m", "mamba2-370m"], torch.bfloat16, [1, 2, 4, 8], 50)
+    presets, batches, steps = options.models or presets, options.batches or batches, options.steps or steps
     choices = [DEFAULT, MAMBA2_DEFAULT] if smoke else CHOICES
     peak = copy_bandwidth(device, 1 << 24 if smoke else 1 << 30)
     print(f"{device_name(device)}: decode step, {str(dtype).removeprefix('torch.')}; per choice "

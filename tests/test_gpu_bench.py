@@ -66,10 +66,10 @@ def test_gpu_bench_smoke_with_the_prefix_cache():
     assert len(rates) == 2 and rates[0] > 0, rows  # the offline row and the streamed one
 
 
-def _tune_smoke(script: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def _tune_smoke(script: str, *options: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     """Run ``benchmarks/<script>.py --smoke`` under the interpreter; its result and its table's rows, split."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke"],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *options],
                             capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, [line.split() for line in result.stdout.splitlines()[1:]]
@@ -112,6 +112,12 @@ def test_decode_tune_smoke_times_the_op_by_op_step_and_each_choice():
     assert all(float(row[-1]) < 1e-4 for row in rows), result.stdout  # the stack's logits == the op-by-op step's
 
 
+def test_decode_tune_runs_the_models_and_batches_asked_for():
+    result, rows = _tune_smoke("decode_tune", "--models", "mamba2-tiny", "--batches", "2", "--steps", "2")
+    assert sorted((row[0], row[1], row[2]) for row in rows) == [("mamba2-tiny", "b=2", "default"),
+                                                                ("mamba2-tiny", "b=2", "op")], result.stdout
+
+
 def test_api_servers_bench_compares_one_and_two_server_processes():
     # ~0.4 s timed: /proc counts CPU time in 10 ms ticks, and a shorter run can read 0 for a busy engine.
     result = subprocess.run(
@@ -125,3 +131,20 @@ def test_api_servers_bench_compares_one_and_two_server_processes():
     assert set(table) == {"1", "2"}, result.stdout
     assert float(table["2"][0]) > 0 and table["1"][1] == "1.00x", result.stdout
     assert len(table["2"][6].split(" + ")) == 2 and float(table["2"][7]) > 0, result.stdout  # each process's cores
+
+
+def test_gpu_check_script_runs_each_part_to_its_log(tmp_path: Path):
+    # Without a GPU every part must get as far as the device check: the script's flags all parse, the tests
+    # collect (and skip), and each part's status and log reach $OUT.
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "TESTS_S": "600", "BENCH_S": "300",
+           "TUNE_S": "300"}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                            timeout=1500, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tune.log", "device.txt", "gpu-bench.log",
+                                                          "gpu-tests.log"]
+    assert "gpu-tests: exit 0 " in result.stdout and " skipped" in (tmp_path / "gpu-tests.log").read_text()
+    for part in ("gpu-bench", "decode-tune"):
+        assert f"{part}: exit 2 " in result.stdout, result.stdout
+        log = (tmp_path / f"{part}.log").read_text()
+        assert "error: no CUDA device" in log and "unrecognized arguments" not in log, log
