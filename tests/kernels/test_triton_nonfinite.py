@@ -143,3 +143,29 @@ def test_ssd_prefill_keeps_a_nan_step_size_under_a_dt_limit(triton_on_cpu) -> No
     y_ref, final_ref = ssd_scan_ref(x, discretize_dt(dt, dt_bias, True, dt_limit), A, B, C, cu, D, h0)
     assert_same_nonfinite(y, y_ref, 1e-4)
     assert_same_nonfinite(final, final_ref, 1e-4)
+
+
+@torch.inference_mode()
+def test_based_prefill_keeps_a_nan_value_from_earlier_tokens(triton_on_cpu) -> None:
+    """A NaN in one token's ``v`` (sequence 1 of 3, the 6th of its 16-token chunk): the reference's recurrence
+    makes that token's and the later tokens' outputs NaN in those channels, the earlier ones stay finite, and so
+    does every other sequence. The chunk kernel's ``a @ v`` multiplied the masked (zero) weights of the later
+    token by NaN, which made the earlier rows of the chunk NaN too."""
+    from rnnserve.kernels.based.chunk import based_chunk_triton
+    from rnnserve.kernels.based.naive import based_recurrent_naive
+    from tests.kernels.kernel_cases import cu_seqlens_of
+
+    lengths, heads, f, dv = [3, 20, 5], 2, 4, 8
+    total, features = sum(lengths), 1 + f + f * f
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(total, heads, f, generator=g) for _ in range(2))
+    v = torch.randn(total, heads, dv, generator=g)
+    state = (torch.randn(len(lengths), heads, features, dv, generator=g),
+             torch.rand(len(lengths), heads, features, generator=g) * 5 + 1)
+    v[lengths[0] + 5, 1, 3] = float("nan")
+    cu = cu_seqlens_of(lengths)
+    out, s_final, z_final = based_chunk_triton(q, k, v, cu, state, 0.5, 1e-6)
+    expected, s_ref, z_ref = based_recurrent_naive(q, k, v, cu, state, 0.5, 1e-6)
+    assert_same_nonfinite(out, expected, 1e-4)
+    assert_same_nonfinite(s_final, s_ref, 1e-4)
+    assert_same_nonfinite(z_final, z_ref, 1e-4, has_nan=False)
