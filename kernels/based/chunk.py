@@ -75,7 +75,12 @@ def _based_chunk_kernel(
         # The chunk itself: phi(q_i) . phi(k_j) = 1 + s + s^2 / 2 for j <= i.
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         a = tl.where(causal & mask_t[None, :], 1.0 + s + 0.5 * s * s, 0.0)
-        num = _mm(a, v) + s0[None, :] + sqrt_scale * _mm(q, s1)
+        # a v over finite values only: a NaN or infinite v_j would give 0 * v_j = NaN in the rows before it (the
+        # reference's recurrence never lets a token see a later one). Row i's weights a_ij (j <= i) are positive,
+        # so the non-finite values reach it as their running sum (NaN, or the infinities' sum).
+        finite = tl.abs(v) < float("inf")
+        num = _mm(a, tl.where(finite, v, 0.0)) + tl.cumsum(tl.where(finite, 0.0, v), axis=0)
+        num += s0[None, :] + sqrt_scale * _mm(q, s1)
         den = tl.sum(a, axis=1) + z0 + sqrt_scale * tl.sum(q * z1[None, :], axis=1)
         den += quad_scale * tl.sum(_mm(q, z2) * q, axis=1)
         # Quadratic features of the carried state, one block S2[a] = rows (a, 0..f-1) at a time:

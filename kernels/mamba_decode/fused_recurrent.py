@@ -429,7 +429,8 @@ def _mamba_ssm_kernel(
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, h, mask=ok)
     y = tl.sum(h * C[None, :], axis=1) + x * D
-    tl.store(y_ptr + b * d_inner + chans, (y * z * tl.sigmoid(z)).to(wdtype), mask=chan_ok)
+    # y silu(z), the reference's order: (y z) sigmoid(z) overflows where y silu(z) does not (y, -z near 1e30).
+    tl.store(y_ptr + b * d_inner + chans, (y * (z * tl.sigmoid(z))).to(wdtype), mask=chan_ok)
     if AHEAD:  # the next layer's in_proj, after this program's own work
         prefetch_share(ahead_ptr, n_ahead, b * tl.num_programs(1) + tl.program_id(1),
                        tl.num_programs(0) * tl.num_programs(1), AHEAD_REQUESTS)

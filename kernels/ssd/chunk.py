@@ -62,7 +62,9 @@ def _ssd_chunk_cumsum_kernel(
     if DT_SOFTPLUS:
         dt = softplus_f32(dt)
     if DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        # torch's clamp keeps a NaN step size; tl.maximum / tl.minimum drop NaN unless told.
+        dt = tl.maximum(dt, dt_min, propagate_nan=tl.PropagateNan.ALL)
+        dt = tl.minimum(dt, dt_max, propagate_nan=tl.PropagateNan.ALL)
     dt = tl.where(mask, dt, 0.0)
     # The discretised dt, read by the chunk-state and output kernels.
     tl.store(dt_out_ptr + (start + offs_l[:, None]) * heads + offs_h[None, :], dt, mask=mask)

@@ -96,3 +96,76 @@ def test_mamba2_stack_gates_y_by_silu_z_in_the_references_order(triton_on_cpu, m
     expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
                                             ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
     assert_same_nonfinite(out, expected, 1e-4, has_nan=False)
+
+
+@torch.inference_mode()
+def test_mamba_stack_gates_y_by_silu_z_in_the_references_order(triton_on_cpu, monkeypatch) -> None:
+    """Channel 7's state rows of 1e30 and an in_proj bias of -1e30 on its ``z`` row: ``y`` ~ 1e30 and
+    ``z`` = -1e30. The reference gates ``y * silu(z)`` = ``y * -0`` (0); the stack computed ``(y * z) * sigmoid(z)``,
+    whose ``y * z`` overflowed, and ``inf * 0`` was NaN in that channel and, through out_proj, in every output."""
+    from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
+
+    monkeypatch.setattr(mamba1_cases, "LAYERS", 1)
+    args = mamba1_cases.stack_args(torch.float32, 2, True, torch.float32)
+    args["layers"][0][1][mamba1_cases.D_INNER + 7] = -1e30
+    args["ssm_pool"][args["slot_ids"], 0, 7] = 1e30
+    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
+    out = mamba_decode_stack_triton(args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"],
+                                    args["conv_pool"], args["ssm_pool"], args["slot_ids"])
+    expected = mamba1_cases.reference_stack(args["normed"], args["stream"], args["norm_weights"], args["eps"],
+                                            args["layers"], ref_pools["conv_pool"], ref_pools["ssm_pool"],
+                                            args["slot_ids"])
+    assert_same_nonfinite(out, expected, 1e-4, has_nan=False)
+
+
+@torch.inference_mode()
+def test_ssd_prefill_keeps_a_nan_step_size_under_a_dt_limit(triton_on_cpu) -> None:
+    """A NaN in one token's ``dt`` (sequence 1 of 3, head 2) with a ``dt_limit``: torch's clamp keeps it, so that
+    head's outputs from the token on and its final state are NaN, and no other sequence's. The chunked prefill's
+    ``tl.maximum`` / ``tl.minimum`` took NaN as the lower bound: a step of ``dt_min``, all finite."""
+    from rnnserve.kernels.ssd.chunk import ssd_scan_varlen_triton
+    from rnnserve.kernels.ssd.naive import discretize_dt, ssd_scan_ref
+    from tests.kernels.kernel_cases import cu_seqlens_of
+
+    lengths, heads, head_dim, groups, d_state = [5, 20, 3], 4, 16, 2, 16
+    total = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(total, heads, head_dim, generator=g)
+    dt = torch.randn(total, heads, generator=g)
+    A = -torch.rand(heads, generator=g) - 0.1
+    B, C = (torch.randn(total, groups, d_state, generator=g) for _ in range(2))
+    D, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    h0 = torch.randn(len(lengths), heads, head_dim, d_state, generator=g)
+    dt[lengths[0] + 9, 2] = float("nan")
+    cu, dt_limit = cu_seqlens_of(lengths), (1e-3, 0.5)
+    y, final = ssd_scan_varlen_triton(x, dt, A, B, C, cu, D, h0, dt_bias=dt_bias, dt_softplus=True,
+                                      dt_limit=dt_limit, chunk_size=16, block_m=16, block_k=16)
+    y_ref, final_ref = ssd_scan_ref(x, discretize_dt(dt, dt_bias, True, dt_limit), A, B, C, cu, D, h0)
+    assert_same_nonfinite(y, y_ref, 1e-4)
+    assert_same_nonfinite(final, final_ref, 1e-4)
+
+
+@torch.inference_mode()
+def test_based_prefill_keeps_a_nan_value_from_earlier_tokens(triton_on_cpu) -> None:
+    """A NaN in one token's ``v`` (sequence 1 of 3, the 6th of its 16-token chunk): the reference's recurrence
+    makes that token's and the later tokens' outputs NaN in those channels, the earlier ones stay finite, and so
+    does every other sequence. The chunk kernel's ``a @ v`` multiplied the masked (zero) weights of the later
+    token by NaN, which made the earlier rows of the chunk NaN too."""
+    from rnnserve.kernels.based.chunk import based_chunk_triton
+    from rnnserve.kernels.based.naive import based_recurrent_naive
+    from tests.kernels.kernel_cases import cu_seqlens_of
+
+    lengths, heads, f, dv = [3, 20, 5], 2, 4, 8
+    total, features = sum(lengths), 1 + f + f * f
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(total, heads, f, generator=g) for _ in range(2))
+    v = torch.randn(total, heads, dv, generator=g)
+    state = (torch.randn(len(lengths), heads, features, dv, generator=g),
+             torch.rand(len(lengths), heads, features, generator=g) * 5 + 1)
+    v[lengths[0] + 5, 1, 3] = float("nan")
+    cu = cu_seqlens_of(lengths)
+    out, s_final, z_final = based_chunk_triton(q, k, v, cu, state, 0.5, 1e-6)
+    expected, s_ref, z_ref = based_recurrent_naive(q, k, v, cu, state, 0.5, 1e-6)
+    assert_same_nonfinite(out, expected, 1e-4)
+    assert_same_nonfinite(s_final, s_ref, 1e-4)
+    assert_same_nonfinite(z_final, z_ref, 1e-4, has_nan=False)
