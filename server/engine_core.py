@@ -442,8 +442,11 @@ class EngineCore:
             self.post(Added(dropped.command.add_id, dropped.command.request_ids, error, self._load()))
 
     def _add(self, command: AddCommand, grammar: CompiledGrammar | None = None) -> None:
-        """Add the command's requests, all or none (``grammar``: their structured output, compiled)."""
-        error: Exception | None = None
+        """Add the command's requests, all or none (``grammar``: their structured output, compiled).
+
+        The error is posted from its ``except`` block, whose end unbinds it: kept in a local of this frame, which
+        its traceback holds, it made a cycle that kept the failed request (``add_request``'s frame) alive until a
+        full collection."""
         added: list[str] = []
         try:
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
@@ -458,10 +461,11 @@ class EngineCore:
                 )
                 added.append(request_id)
         except Exception as err:  # all or none: roll back the prompts already added, report the error
-            error = err
             for request_id in added:
                 self.engine.abort_request(request_id)
-        self.post(Added(command.add_id, command.request_ids, error, self._load()))
+            self.post(Added(command.add_id, command.request_ids, err, self._load()))
+            return
+        self.post(Added(command.add_id, command.request_ids, None, self._load()))
 
     def _step(self) -> bool:
         """One engine step, its outputs posted now or (while their server holds :data:`MAX_UNHANDLED` unhandled)
