@@ -28,7 +28,10 @@ class Sequence:
         self.params: SamplingParams = group.params
         self.index = index
         self.slot: int | None = None
-        self.output_token_ids: list[int] = []
+        # The generated tokens (read through ``output_token_ids``): a steady batch of lazy samples keeps its latest
+        # steps' tokens for the whole batch (``_appender``, a SteadyAppend) until something reads them.
+        self._output: list[int] = []
+        self._appender: SteadyAppend | None = None
         self.num_pending = 0  # tokens sampled on the device and not yet appended (at most one: async scheduling)
         self.num_fed = 0  # output tokens the slot's state has consumed, or will once the queued steps ran
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
@@ -73,6 +76,14 @@ class Sequence:
             and self.params.logprobs is None and not self.params.biases_logits
             and group.grammar is None
         )  # fmt: skip
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (those a steady batch appended for the whole batch put in first)."""
+        appender = self._appender
+        if appender is not None and appender.steps:
+            appender.settle()
+        return self._output
 
     @property
     def finished(self) -> bool:
@@ -259,7 +270,11 @@ class SteadyAppend:
     plain (no logprobs, stop strings or grammar, not finished). While no token of a step is an end token of
     the batch and no sample reaches its ``max_tokens``, appending a step's tokens is appending each token and,
     for a sample that decodes as it goes (not ``FINAL_ONLY``), its text: :meth:`append` does just that, with
-    both checks made once for the batch; any other step is left to ``append_token``."""
+    both checks made once for the batch; any other step is left to ``append_token``.
+
+    A batch whose samples all decode their text lazily (``FINAL_ONLY``) does not even append each token: it keeps
+    each step's token list (``steps``) and puts them into the samples' lists (:meth:`settle`) when one is read
+    (``Sequence.output_token_ids``, which every reader goes through) or the batch ends (:meth:`end`)."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.seqs = seqs
@@ -267,6 +282,27 @@ class SteadyAppend:
         self.lazy = all(s._lazy_text for s in seqs)  # no text to decode per token
         self.end_ids = frozenset().union(*(s.end_ids for s in seqs))
         self.room = min(s.max_tokens - len(s.output_token_ids) for s in seqs)  # before the limit, the fewest left
+        self.steps: list[list[int]] = []  # a lazy batch's steps' tokens (in the samples' order), not in the lists yet
+        if self.lazy:
+            for seq in seqs:
+                seq._appender = self
+
+    def settle(self) -> None:
+        """Append the tokens of the steps kept for the batch to each sample's list."""
+        steps, self.steps = self.steps, []
+        if len(steps) == 1:
+            for output, token in zip(self.outputs, steps[0], strict=True):
+                output.append(token)
+        elif steps:
+            for output, tokens in zip(self.outputs, zip(*steps, strict=True), strict=True):
+                output += tokens
+
+    def end(self) -> None:
+        """The batch ends (its samples change): its samples' lists take their tokens and leave it."""
+        self.settle()
+        if self.lazy:
+            for seq in self.seqs:
+                seq._appender = None
 
     @staticmethod
     def plain(seq: Sequence) -> bool:
@@ -282,8 +318,7 @@ class SteadyAppend:
             return False
         self.room -= 1
         if self.lazy:
-            for output, token in zip(self.outputs, token_ids, strict=True):
-                output.append(token)
+            self.steps.append(token_ids)
             return True
         seq = self.seqs[0]
         try:

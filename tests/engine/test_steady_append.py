@@ -329,3 +329,52 @@ def test_a_steady_batch_per_batch_bookkeeping_gives_the_general_paths_outputs(
     assert len(finals["eos"][4][0][2]) == EOS_POSITION - 2  # positions 3 (after the prompt) to EOS's
     consumed, pending = finals["long"][5]
     assert len(consumed) + len(pending) == 3 + 70
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_final_only_batch_keeps_its_tokens_for_the_batch_until_they_are_read(
+    async_scheduling: str, fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steady batch of ``FINAL_ONLY`` samples keeps each step's tokens for the whole batch (``SteadyAppend.steps``)
+    and puts them into the samples' lists when one is read: whatever reads them (the sampler's ``min_tokens`` check
+    of a sample that has one, the final state of a sample that returns it, an abort's output, the scheduler's pass
+    over the samples, a sample's end) gets what the general path gives, as do the outputs and metrics."""
+    final = OutputKind.FINAL_ONLY
+    script = {
+        0: [
+            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=final),
+             {"return_state": True}),
+            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                                                           output_kind=final), {"return_state": True}),
+            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                        output_kind=final)),
+            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
+                                                         output_kind=final), {"return_state": True}),
+        ],
+        12: [("abort", "aborted")],
+        # min_tokens past EOS's position: the sampler reads its token count every step (EOS is banned there)
+        30: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=50, min_tokens=45, n=2,
+                                                         output_kind=final))],
+    }  # fmt: skip
+    kept: list[int] = []  # how many steps each settling of a batch put into its samples' lists
+    settle = sequence.SteadyAppend.settle
+
+    def counted_settle(self):  # type: ignore[no-untyped-def]
+        kept.append(len(self.steps))
+        settle(self)
+
+    monkeypatch.setattr(sequence.SteadyAppend, "settle", counted_settle)
+    general, none_fast = run_script(async_scheduling, script, False, fake_clock, utf8_model)
+    assert none_fast == 0 and not any(kept)
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock, utf8_model)
+    assert fast_steps > 40
+    assert max(kept) > 5  # steps kept for the batch, then read at once
+    assert fast == general
+    finals = {o[0]: o for record in fast for o in record[0] if o[1]}
+    assert {rid: o[4][0][3] for rid, o in finals.items()} == {
+        "eos": "stop", "length": "length", "aborted": "abort", "long": "length", "joins": "length"
+    }  # fmt: skip
+    assert len(finals["aborted"][4][0][2]) > 8
+    assert [len(c[2]) for c in finals["joins"][4]] == [50, 50] and "X" in finals["joins"][4][0][1]
+    consumed, pending = finals["long"][5]
+    assert len(consumed) + len(pending) == 3 + 70
