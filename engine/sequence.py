@@ -18,6 +18,9 @@ from rnnserve.engine.structured_output import CompiledGrammar, GrammarState
 from rnnserve.engine.tokenizer import Tokenizer
 
 TEXT_TAIL_CHARS = 4096  # characters a sample's text string grows by (past its longest stop string) between freezes
+# the most steps a steady batch keeps for the batch (SteadyAppend.steps) before it settles them: settling is a pass
+# over the samples, and one over thousands of steps at once would stall the batch's streams for milliseconds
+MAX_KEPT_STEPS = 64
 
 
 class Sequence:
@@ -330,7 +333,7 @@ class SteadyAppend:
             seq._output += tokens
             text = "".join(pieces)
             if taken:
-                seq._emitted_text += len("".join(pieces[:taken]))
+                seq._emitted_text += len(text) if taken == len(pieces) else len("".join(pieces[:taken]))
                 seq._emitted_tokens += taken
             seq._text += text
             if len(seq._text) > TEXT_TAIL_CHARS + seq._stop_reach:
@@ -366,6 +369,8 @@ class SteadyAppend:
         if self.room <= 1 or not self.end_ids.isdisjoint(token_ids):
             return False
         self.room -= 1
+        if len(self.steps) >= MAX_KEPT_STEPS:  # before this step's: the stream plan took the others already
+            self.settle()
         if self.lazy:
             self.steps.append(token_ids)
             return True
