@@ -361,7 +361,11 @@ class LLMEngine:
             group.initial_state = context.tensors
             group.num_prefilled = group.num_cached_tokens = num_consumed
         group.seqs = [Sequence(group, i, self.tokenizer) for i in range(params.n)]
-        self.scheduler.add(group)
+        try:
+            self.scheduler.add(group)
+        except BaseException:  # refused (a full queue: a 429): its samples point back at it, a cycle to break
+            group.release_samples()
+            raise
         return request_id
 
     def _check_token_params(self, params: SamplingParams) -> None:

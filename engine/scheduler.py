@@ -451,9 +451,12 @@ class Scheduler:
             metrics.last_token_time = last
 
     def _end_steady_append(self) -> None:
-        """Stop appending for the whole batch (its samples change): its requests' metrics take their times."""
+        """Stop appending for the whole batch (its samples change): its requests' metrics take their times, its
+        samples' lists their tokens."""
         self.settle_token_times()
-        self._steady_append = None
+        if self._steady_append is not None:
+            self._steady_append.end()
+            self._steady_append = None
 
     def _save_finished(self, seqs: list[Sequence]) -> None:
         """Before samples that finished with ``stop`` or ``length`` free their slots: store their states in the

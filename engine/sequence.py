@@ -6,7 +6,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -18,6 +18,9 @@ from rnnserve.engine.structured_output import CompiledGrammar, GrammarState
 from rnnserve.engine.tokenizer import Tokenizer
 
 TEXT_TAIL_CHARS = 4096  # characters a sample's text string grows by (past its longest stop string) between freezes
+# the most steps a steady batch keeps for the batch (SteadyAppend.steps) before it settles them: settling is a pass
+# over the samples, and one over thousands of steps at once would stall the batch's streams for milliseconds
+MAX_KEPT_STEPS = 64
 
 
 class Sequence:
@@ -28,7 +31,11 @@ class Sequence:
         self.params: SamplingParams = group.params
         self.index = index
         self.slot: int | None = None
-        self.output_token_ids: list[int] = []
+        # The generated tokens (read through ``output_token_ids``): a steady batch of lazy samples, or of streams,
+        # keeps its latest steps' tokens (and texts) for the whole batch (``_appender``, a SteadyAppend) until
+        # something reads them (_settle).
+        self._output: list[int] = []
+        self._appender: SteadyAppend | None = None
         self.num_pending = 0  # tokens sampled on the device and not yet appended (at most one: async scheduling)
         self.num_fed = 0  # output tokens the slot's state has consumed, or will once the queued steps ran
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
@@ -75,12 +82,28 @@ class Sequence:
         )  # fmt: skip
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (those a steady batch appended for the whole batch put in first)."""
+        appender = self._appender
+        if appender is not None and appender.steps:
+            appender.settle()
+        return self._output
+
+    def _settle(self) -> None:
+        """Put the tokens and texts a steady batch keeps for the whole batch into its samples (this one's among
+        them): every method that reads the text or the emitted positions runs it first."""
+        appender = self._appender
+        if appender is not None and appender.steps:
+            appender.settle()
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def text(self) -> str:
         """The sample's text so far (a stop string and what follows it cut off)."""
+        self._settle()
         if self._lazy_text:
             self._decode_pending()
         return "".join(self._frozen) + self._text if self._frozen else self._text
@@ -217,6 +240,7 @@ class Sequence:
     def take_delta(self) -> tuple[str, list[int]]:
         """The text and the tokens the sample added since the previous take (text held back where a stop string
         may start), marked as taken: what a ``DELTA`` output of a sample without logprobs needs."""
+        self._settle()
         if self._lazy_text:
             self._decode_pending()
         emitted, frozen = self._emitted_text, self._frozen_len
@@ -259,7 +283,14 @@ class SteadyAppend:
     plain (no logprobs, stop strings or grammar, not finished). While no token of a step is an end token of
     the batch and no sample reaches its ``max_tokens``, appending a step's tokens is appending each token and,
     for a sample that decodes as it goes (not ``FINAL_ONLY``), its text: :meth:`append` does just that, with
-    both checks made once for the batch; any other step is left to ``append_token``."""
+    both checks made once for the batch; any other step is left to ``append_token``.
+
+    A batch whose samples all decode their text lazily (``FINAL_ONLY``) does not even append each token: it keeps
+    each step's token list (``steps``) and puts them into the samples' lists (:meth:`settle`) when one is read
+    (``Sequence.output_token_ids``, which every reader goes through) or the batch ends (:meth:`end`). A batch of
+    streams keeps each step's texts too (``texts``: what each sample's decoder gave), settled with the tokens
+    whenever a sample's text, tokens or emitted positions are read (``Sequence._settle``); meanwhile the stream
+    plan of the engine process takes the kept steps' outputs as they are (:meth:`take_kept`)."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.seqs = seqs
@@ -267,6 +298,63 @@ class SteadyAppend:
         self.lazy = all(s._lazy_text for s in seqs)  # no text to decode per token
         self.end_ids = frozenset().union(*(s.end_ids for s in seqs))
         self.room = min(s.max_tokens - len(s.output_token_ids) for s in seqs)  # before the limit, the fewest left
+        self.streaming = not any(s._lazy_text for s in seqs)  # every sample a stream (plain: no stop strings)
+        # the kept steps' tokens and (streams) texts, in the samples' order, not in the samples yet
+        self.steps: list[list[int]] = []
+        self.texts: list[list[str]] = []
+        self.pushes = [s._detokenizer.push for s in seqs] if self.streaming else []
+        # Streams: how many of the kept steps :meth:`take_kept` took, and whether every sample had emitted all it
+        # held before the first kept step (its emitted positions at its end): only then are the kept steps' texts
+        # and tokens its delta.
+        self.taken = 0
+        self.emitted_all = False
+        if self.lazy or self.streaming:
+            for seq in seqs:
+                seq._appender = self
+
+    def settle(self) -> None:
+        """Append the tokens of the steps kept for the batch to each sample's list, and (streams) their texts to
+        its text, its emitted positions past what :meth:`take_kept` took."""
+        steps, self.steps = self.steps, []
+        if not self.streaming:
+            if len(steps) == 1:
+                for output, token in zip(self.outputs, steps[0], strict=True):
+                    output.append(token)
+            elif steps:
+                for output, tokens in zip(self.outputs, zip(*steps, strict=True), strict=True):
+                    output += tokens
+            return
+        texts, self.texts = self.texts, []
+        taken, self.taken = self.taken, 0
+        self.emitted_all = self.emitted_all and taken == len(steps)  # else some kept text was never emitted
+        if not steps:
+            return
+        for seq, tokens, pieces in zip(self.seqs, zip(*steps, strict=True), zip(*texts, strict=True), strict=True):
+            seq._output += tokens
+            text = "".join(pieces)
+            if taken:
+                seq._emitted_text += len(text) if taken == len(pieces) else len("".join(pieces[:taken]))
+                seq._emitted_tokens += taken
+            seq._text += text
+            if len(seq._text) > TEXT_TAIL_CHARS + seq._stop_reach:
+                seq._freeze()
+
+    def take_kept(self) -> tuple[list[str], list[list[int]]]:
+        """Streams whose samples had all emitted what they held (``emitted_all``): each sample's delta, its text and
+        its tokens, of the kept steps not taken yet (what ``Sequence.take_delta`` would give, without settling),
+        marked as taken."""
+        start, self.taken = self.taken, len(self.steps)
+        if len(self.steps) - start == 1:
+            return self.texts[-1], [[token] for token in self.steps[-1]]
+        texts = ["".join(pieces) for pieces in zip(*self.texts[start:], strict=True)]
+        return texts, [list(tokens) for tokens in zip(*self.steps[start:], strict=True)]
+
+    def end(self) -> None:
+        """The batch ends (its samples change): its samples take their tokens and texts and leave it."""
+        self.settle()
+        if self.lazy or self.streaming:
+            for seq in self.seqs:
+                seq._appender = None
 
     @staticmethod
     def plain(seq: Sequence) -> bool:
@@ -281,9 +369,20 @@ class SteadyAppend:
         if self.room <= 1 or not self.end_ids.isdisjoint(token_ids):
             return False
         self.room -= 1
+        if len(self.steps) >= MAX_KEPT_STEPS:  # before this step's: the stream plan took the others already
+            self.settle()
         if self.lazy:
-            for output, token in zip(self.outputs, token_ids, strict=True):
-                output.append(token)
+            self.steps.append(token_ids)
+            return True
+        if self.streaming:
+            texts: list[str] = []
+            try:
+                for push, token in zip(self.pushes, token_ids, strict=True):
+                    texts.append(push(token))
+            except Exception as err:
+                self._append_failed(token_ids, texts, err)
+            self.steps.append(token_ids)
+            self.texts.append(texts)
             return True
         seq = self.seqs[0]
         try:
@@ -299,6 +398,19 @@ class SteadyAppend:
             raise SteadyAppendError(self.seqs.index(seq), err) from err
         return True
 
+    def _append_failed(self, token_ids: list[int], texts: list[str], error: Exception) -> NoReturn:
+        """A stream's decoder raised on its token: the samples before it take their tokens and texts, it its token
+        (as ``append_token`` leaves it), the others nothing; :class:`SteadyAppendError` says which."""
+        self.settle()
+        index = len(texts)
+        for seq, token, text in zip(self.seqs, token_ids, texts, strict=False):  # the first len(texts)
+            seq._output.append(token)
+            seq._text += text
+            if len(seq._text) > TEXT_TAIL_CHARS + seq._stop_reach:
+                seq._freeze()
+        self.seqs[index]._output.append(token_ids[index])
+        raise SteadyAppendError(index, error) from error
+
 
 def take_stream_deltas(seqs: list[Sequence], handles: list[int], column: list[Any]) -> None:
     """:meth:`Sequence.take_delta` of each of ``seqs`` (unfinished samples whose text decodes as it goes, not
@@ -306,6 +418,9 @@ def take_stream_deltas(seqs: list[Sequence], handles: list[int], column: list[An
     (``handles``: one per sample). A sample without stop strings holds no text back: its delta is all of its text
     and tokens past what it emitted, sliced here without a call per sample."""
     for seq, handle in zip(seqs, handles, strict=True):
+        appender = seq._appender
+        if appender is not None and appender.steps:  # a steady batch's kept steps go into its samples first
+            appender.settle()
         if seq._stop_matched:  # stop strings: what may start one is held back
             column.append(handle)
             column += seq.take_delta()
@@ -314,7 +429,7 @@ def take_stream_deltas(seqs: list[Sequence], handles: list[int], column: list[An
         frozen = seq._frozen_len
         emitted = seq._emitted_text
         seq._emitted_text = frozen + len(text)
-        tokens = seq.output_token_ids
+        tokens = seq._output  # settled above
         start = seq._emitted_tokens
         seq._emitted_tokens = len(tokens)
         column += (handle, text[emitted - frozen :] if emitted >= frozen else seq.text[emitted:], tokens[start:])

@@ -65,7 +65,7 @@ from rnnserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.engine.sequence import Sequence as Sample
-from rnnserve.engine.sequence import SequenceGroup, take_stream_deltas
+from rnnserve.engine.sequence import SequenceGroup, SteadyAppend, take_stream_deltas
 from rnnserve.engine.state_snapshot import StateSnapshot
 from rnnserve.engine.structured_output import CompiledGrammar
 from rnnserve.engine.tokenizer import Tokenizer
@@ -442,8 +442,11 @@ class EngineCore:
             self.post(Added(dropped.command.add_id, dropped.command.request_ids, error, self._load()))
 
     def _add(self, command: AddCommand, grammar: CompiledGrammar | None = None) -> None:
-        """Add the command's requests, all or none (``grammar``: their structured output, compiled)."""
-        error: Exception | None = None
+        """Add the command's requests, all or none (``grammar``: their structured output, compiled).
+
+        The error is posted from its ``except`` block, whose end unbinds it: kept in a local of this frame, which
+        its traceback holds, it made a cycle that kept the failed request (``add_request``'s frame) alive until a
+        full collection."""
         added: list[str] = []
         try:
             for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
@@ -458,10 +461,11 @@ class EngineCore:
                 )
                 added.append(request_id)
         except Exception as err:  # all or none: roll back the prompts already added, report the error
-            error = err
             for request_id in added:
                 self.engine.abort_request(request_id)
-        self.post(Added(command.add_id, command.request_ids, error, self._load()))
+            self.post(Added(command.add_id, command.request_ids, err, self._load()))
+            return
+        self.post(Added(command.add_id, command.request_ids, None, self._load()))
 
     def _step(self) -> bool:
         """One engine step, its outputs posted now or (while their server holds :data:`MAX_UNHANDLED` unhandled)
@@ -721,26 +725,59 @@ FINISH_REASON = operator.attrgetter("finish_reason")
 
 class StreamPlan:
     """The streams of compact requests ``groups`` (each one sample), grouped by server: ``by_server`` holds each
-    server's samples and handles in the requests' order, ``seqs`` all the samples."""
+    server's samples, handles and the samples' positions in ``seqs`` (all the samples, in the requests' order).
+
+    When the samples are a steady batch's, in its order, that keeps its steps' tokens and texts for the batch
+    (``SteadyAppend.streaming``), their deltas are those steps' (``SteadyAppend.take_kept``), taken without a pass
+    over the samples once every sample has emitted what it held (the first take after the batch settled takes each
+    sample's delta, which makes it so); the samples' emitted positions move when the batch settles."""
 
     def __init__(self, groups: list[SequenceGroup], compact: dict[str, tuple[int | None, int]]) -> None:
         self.groups = groups
         self.seqs = [group.seqs[0] for group in groups]
-        by_server: dict[int | None, tuple[list[Sample], list[int]]] = {}
-        for seq in self.seqs:
+        by_server: dict[int | None, tuple[list[Sample], list[int], list[int]]] = {}
+        for position, seq in enumerate(self.seqs):
             owner, handle = compact[seq.group.request_id]
-            seqs, handles = by_server.setdefault(owner, ([], []))
+            seqs, handles, positions = by_server.setdefault(owner, ([], [], []))
             seqs.append(seq)
             handles.append(handle)
+            positions.append(position)
         self.by_server = list(by_server.items())
+        self._batch: SteadyAppend | None = None  # the steady batch whose samples are ``seqs``, in their order
 
     def take(self, columns: DeltaColumns) -> None:
         """Append each stream's delta to its server's column (none of them has ended)."""
-        for owner, (seqs, handles) in self.by_server:
+        batch = self.seqs[0]._appender
+        if batch is not None and batch is not self._batch and batch.streaming and batch.seqs == self.seqs:
+            self._batch = batch
+        if batch is not None and batch is self._batch and batch.steps:
+            if batch.emitted_all:
+                self._take_kept(batch, columns)
+                return
+            batch.settle()
+        for owner, (seqs, handles, _) in self.by_server:
             column = columns.get(owner)
             if column is None:
                 column = columns[owner] = []
             take_stream_deltas(seqs, handles, column)
+        if batch is not None and batch is self._batch:
+            batch.emitted_all = True  # each of its samples, just now
+
+    def _take_kept(self, batch: SteadyAppend, columns: DeltaColumns) -> None:
+        """The deltas of the steps ``batch`` kept, as ``handle, text, token_ids`` into each server's column."""
+        texts, tokens = batch.take_kept()
+        for owner, (_, handles, positions) in self.by_server:
+            if len(positions) != len(texts):  # several servers: this one's samples
+                texts_of, tokens_of = [texts[i] for i in positions], [tokens[i] for i in positions]
+            else:
+                texts_of, tokens_of = texts, tokens
+            outputs: list[Any] = [None] * (3 * len(handles))
+            outputs[0::3], outputs[1::3], outputs[2::3] = handles, texts_of, tokens_of
+            column = columns.get(owner)
+            if column is None:
+                columns[owner] = outputs
+            else:
+                column += outputs
 
 
 @dataclass(slots=True)

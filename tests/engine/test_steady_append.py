@@ -16,6 +16,7 @@ from rnnserve.engine import llm_engine, scheduler, sequence
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.server.engine_core import OutputDecoder, OutputEncoder
 from tests.engine.conftest import make_engine
 
 MODES = ["off", "on"]
@@ -67,12 +68,15 @@ def run_script(
     steady: bool,
     clock: FakeClock,
     model: Callable[[LLMEngine], None] | None = None,
+    encoded: bool = False,
 ) -> tuple[list[tuple], int]:
     """Run ``script`` (step -> ``("add", request_id, prompt, params[, add_request's keywords])`` / ``("abort",
     request_id)`` actions) until
     every request ended; returns each step's record and how many steps the steady append took (with ``steady``
     false it never starts, nor does the runner's decode of a steady batch: each decode builds its inputs and counts
-    each sample's fed token). ``model`` changes the engine's model first."""
+    each sample's fed token). ``model`` changes the engine's model first. ``encoded``: the outputs are collected as
+    the engine process does (``OutputEncoder``'s rows and stream columns, decoded by an ``OutputDecoder``), and
+    every third step is left to the next collection (two steps' outputs taken at once)."""
     clock.reset()
     engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     if model is not None:
@@ -97,6 +101,17 @@ def run_script(
     engine.scheduler._steady_appended = counted  # type: ignore[method-assign]
     if not steady:
         engine.scheduler._start_steady_append = lambda seqs, now: None  # type: ignore[method-assign]
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+
+    def step_outputs(step: int) -> list[RequestOutput]:
+        if not encoded:
+            return engine.step()
+        engine.step(collect=False)
+        if step % 3 == 1 and engine.has_unfinished_requests():
+            return []
+        rows = engine.collect(encoder.row, None, encoder.take_deltas)
+        return decoder.decode(rows, encoder.take_columns().get(None, []))
+
     records = []
     for step in range(1000):
         for action in script.get(step, []):
@@ -104,10 +119,12 @@ def run_script(
                 engine.add_request(action[2], action[3], action[1], **(action[4] if len(action) > 4 else {}))
             else:
                 aborted = engine.abort_request(action[1])
+                encoder.forget([action[1]])
+                decoder.forget([action[1]])
                 records.append(step_record(engine, [aborted] if aborted is not None else []))
         if step > max(script) and not engine.has_unfinished_requests():
             return records, fast_steps
-        records.append(step_record(engine, engine.step()))
+        records.append(step_record(engine, step_outputs(step)))
         check_pending(engine)
     raise AssertionError("the engine did not finish")
 
@@ -327,5 +344,111 @@ def test_a_steady_batch_per_batch_bookkeeping_gives_the_general_paths_outputs(
     assert "€" in finals["long"][4][0][1] and "✓" in finals["long"][4][0][1]
     assert finals["stop"][4][0][10] == "€c"
     assert len(finals["eos"][4][0][2]) == EOS_POSITION - 2  # positions 3 (after the prompt) to EOS's
+    consumed, pending = finals["long"][5]
+    assert len(consumed) + len(pending) == 3 + 70
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_final_only_batch_keeps_its_tokens_for_the_batch_until_they_are_read(
+    async_scheduling: str, fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steady batch of ``FINAL_ONLY`` samples keeps each step's tokens for the whole batch (``SteadyAppend.steps``)
+    and puts them into the samples' lists when one is read: whatever reads them (the sampler's ``min_tokens`` check
+    of a sample that has one, the final state of a sample that returns it, an abort's output, the scheduler's pass
+    over the samples, a sample's end) gets what the general path gives, as do the outputs and metrics."""
+    final = OutputKind.FINAL_ONLY
+    script = {
+        0: [
+            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=final),
+             {"return_state": True}),
+            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                                                           output_kind=final), {"return_state": True}),
+            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                        output_kind=final)),
+            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
+                                                         output_kind=final), {"return_state": True}),
+        ],
+        12: [("abort", "aborted")],
+        # min_tokens past EOS's position: the sampler reads its token count every step (EOS is banned there)
+        30: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=50, min_tokens=45, n=2,
+                                                         output_kind=final))],
+    }  # fmt: skip
+    kept: list[int] = []  # how many steps each settling of a batch put into its samples' lists
+    settle = sequence.SteadyAppend.settle
+
+    def counted_settle(self):  # type: ignore[no-untyped-def]
+        kept.append(len(self.steps))
+        settle(self)
+
+    monkeypatch.setattr(sequence.SteadyAppend, "settle", counted_settle)
+    general, none_fast = run_script(async_scheduling, script, False, fake_clock, utf8_model)
+    assert none_fast == 0 and not any(kept)
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock, utf8_model)
+    assert fast_steps > 40
+    assert max(kept) > 5  # steps kept for the batch, then read at once
+    assert fast == general
+    finals = {o[0]: o for record in fast for o in record[0] if o[1]}
+    assert {rid: o[4][0][3] for rid, o in finals.items()} == {
+        "eos": "stop", "length": "length", "aborted": "abort", "long": "length", "joins": "length"
+    }  # fmt: skip
+    assert len(finals["aborted"][4][0][2]) > 8
+    assert [len(c[2]) for c in finals["joins"][4]] == [50, 50] and "X" in finals["joins"][4][0][1]
+    consumed, pending = finals["long"][5]
+    assert len(consumed) + len(pending) == 3 + 70
+
+
+@pytest.mark.parametrize("encoded", [False, True])
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_batch_of_streams_keeps_its_steps_texts_for_the_batch(
+    async_scheduling: str, encoded: bool, fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steady batch of streams keeps each step's tokens and texts (what each sample's decoder gave, multi-byte
+    characters included) for the whole batch; the engine process's stream plan takes the kept steps as the streams'
+    deltas (one step, or two when a collection was skipped), and whatever reads a sample (an output's row, the
+    ``min_tokens`` check, a final state, an abort, an end) settles them first: every output is the general path's."""
+    stream = OutputKind.DELTA
+    script = {
+        0: [
+            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=stream),
+             {"return_state": True}),
+            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                                                           output_kind=stream), {"return_state": True}),
+            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                        output_kind=stream)),
+            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
+                                                         output_kind=stream), {"return_state": True}),
+        ],
+        10: [("abort", "aborted")],
+        44: [("add", "cumulative", [5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                          output_kind=OutputKind.CUMULATIVE))],
+        # min_tokens past EOS's position (40): the sampler reads its token count every step
+        56: [("add", "min", [100] * 30, SamplingParams(temperature=0, max_tokens=20, min_tokens=15,
+                                                       output_kind=stream))],
+    }  # fmt: skip
+    kept: list[int] = []  # how many kept steps each take of the stream plan took
+    take_kept = sequence.SteadyAppend.take_kept
+
+    def counted_take(self):  # type: ignore[no-untyped-def]
+        kept.append(len(self.steps) - self.taken)
+        return take_kept(self)
+
+    monkeypatch.setattr(sequence.SteadyAppend, "take_kept", counted_take)
+    general, none_fast = run_script(async_scheduling, script, False, fake_clock, utf8_model, encoded)
+    assert none_fast == 0 and not kept
+    fast, fast_steps = run_script(async_scheduling, script, True, fake_clock, utf8_model, encoded)
+    assert fast_steps > 40
+    if encoded:  # the plan took kept steps, one and two at a time
+        assert {1, 2} <= set(kept)
+    assert fast == general
+    finals = {o[0]: o for record in fast for o in record[0] if o[1]}
+    assert {rid: o[4][0][3] for rid, o in finals.items()} == {
+        "eos": "stop", "length": "length", "aborted": "abort", "long": "length", "cumulative": "length",
+        "min": "length",
+    }  # fmt: skip
+    texts = {}
+    for record in fast:
+        for output in record[0]:
+            texts[output[0]] = texts.get(output[0], "") + output[4][0][6]
+    assert "€" in texts["long"] and "✓" in texts["long"] and len(texts["long"]) < 70
     consumed, pending = finals["long"][5]
     assert len(consumed) + len(pending) == 3 + 70

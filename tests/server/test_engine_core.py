@@ -3,9 +3,11 @@ into the next one, nothing lost or repeated, whatever pace the server keeps; gra
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -242,3 +244,31 @@ def test_the_grammar_queue_is_bounded_counted_as_waiting_and_freed_by_an_abort(m
 def latest_load(core: CoreThread):  # type: ignore[no-untyped-def]
     """The load of the latest event that carries one."""
     return next(e.load for e in reversed(list(core.events)) if isinstance(e, Added | LoadChanged | Stepped))
+
+
+def test_a_refused_add_frees_its_requests_without_a_garbage_collection() -> None:
+    """An add refused with a 429 (its second request finds the waiting queue full): the request added first is
+    rolled back, and neither request outlives the posted answer. Two cycles held the refused request until a full
+    collection, which a serving process almost never runs: its samples point back at it, and the error, kept in a
+    local of ``_add``'s frame, which its traceback holds, held ``add_request``'s frame."""
+    engine = make_engine(max_num_seqs=1, max_waiting=1)
+    groups: list[weakref.ref] = []
+    add = engine.scheduler.add
+
+    def tracked_add(group):  # type: ignore[no-untyped-def]
+        groups.append(weakref.ref(group))
+        add(group)
+
+    engine.scheduler.add = tracked_add  # type: ignore[method-assign]
+    engine.add_request("x", PARAMS, "running")
+    errors: list[type] = []
+    core = EngineCore(engine, lambda block: None, lambda event: errors.append(type(event.error)))  # type: ignore[union-attr]
+    gc.collect()
+    gc.disable()
+    try:
+        core._add(AddCommand(1, ["first", "refused"], ["a", "b"], PARAMS, 0.0))
+        assert errors == [QueueFullError]
+        assert len(groups) == 3 and groups[0]() is not None  # "running" is still queued
+        assert [ref() for ref in groups[1:]] == [None, None]
+    finally:
+        gc.enable()
