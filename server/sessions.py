@@ -447,6 +447,7 @@ class FolderCount:
         return cls(sessions, nbytes) if sessions >= 0 and nbytes >= 0 else None
 
     def write(self, fd: int) -> None:
+        """Keep the count in the lease file ``fd`` (its first bytes; the locks on its bytes are another matter)."""
         os.pwrite(fd, FOLDER_COUNT.pack(self.sessions, self.nbytes), 0)
 
 
