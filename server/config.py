@@ -70,8 +70,8 @@ class ServerConfig:
     )
     allowed_hosts: list[str] = option(
         [], "Host header values accepted, others get 400 (/health, /ready and /metrics answer any); '*' accepts "
-        "any; the list replaces the default: localhost, 127.0.0.1, ::1 and --host, and any IP address when "
-        "--host is 0.0.0.0 or ::", metavar="HOST",
+        "any; the list replaces the default: localhost, 127.0.0.1, ::1, testserver (Starlette's TestClient) and "
+        "--host, and any IP address when --host is 0.0.0.0 or ::", metavar="HOST",
     )
     allowed_origins: list[str] = option(
         [], "web origins (scheme://host[:port]) whose pages may call the API from a browser (CORS); '*' allows "

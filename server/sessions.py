@@ -22,9 +22,14 @@ expiring one takes its lease.
 The store is thread-safe: its methods that touch the disk are called with ``asyncio.to_thread``. Several server
 processes may share a folder (``--api-servers``; ``shared``): a lease then also holds a lock on one byte of the
 folder's ``.leases`` file (``fcntl.lockf``, so a process that dies lets go), and a write, a delete or an expiry
-re-counts the folder's sessions under a lock of the whole file (a write before it checks the limits, so that they
-hold for all processes together) and sets the stored-session gauges, which all the processes share, to that count.
-A scrape reads no folder: a store keeps the gauges as its sessions change.
+holds the lock of byte 0, the folder's write lock: under it the process reads the folder's count (sessions and
+bytes, which the lease file's first 16 bytes hold), checks the limits against it (so that they hold for all
+processes together), changes the folder, moves the count by what it changed (a file created or replaced and its
+size, one deleted) and sets the stored-session gauges, which all the processes share, to it. What no server counts
+(files copied in or removed behind their back, a count a killed server did not update) is found by a recount of the
+folder: at start-up, by the sweep (:func:`sweep_sessions`) and by a write that reaches a limit. A store of one
+process counts its sessions by id as they change, checking what a read finds on disk. A scrape reads no folder: a
+store keeps the gauges as its sessions change.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -78,8 +83,9 @@ MAX_HEADER_BYTES = 1 << 20
 TOKEN_ID_BYTES = 8
 LISTED_TOKEN_ID_BYTES = 36  # a token id held in a Python list: its slot (8 B) and the int object (28 B)
 LEASE_FILE = ".leases"  # shared folders: byte 0 locks writes, byte 1 + hash(id) a session's lease
+FOLDER_COUNT = struct.Struct("<qq")  # shared folders: the lease file's first bytes, sessions and bytes stored
 MAX_SWEEP_INTERVAL = 60.0  # seconds between sweeps for expired sessions, at most
-REFRESH_INTERVAL = 10.0  # seconds between recounts of a shared folder without an expiry
+REFRESH_INTERVAL = 10.0  # seconds between recounts of a shared folder without an expiry (with one: the sweep's)
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -418,6 +424,43 @@ class SessionSizes:
         self.total -= self._sizes.pop(session_id, 0)
 
 
+@dataclass
+class FolderCount:
+    """A shared folder's sessions and their files' bytes, which its servers keep in its lease file: each moves it
+    by what it changes, under the folder's write lock."""
+
+    sessions: int = 0
+    nbytes: int = 0
+
+    def change(self, before: int | None, after: int | None) -> None:
+        """One session's file went from ``before`` bytes to ``after`` (``None``: no file)."""
+        self.sessions += (after is not None) - (before is not None)
+        self.nbytes += (after or 0) - (before or 0)
+
+    @classmethod
+    def read(cls, fd: int) -> FolderCount | None:
+        """The count the lease file ``fd`` holds; ``None`` if none (a new file, or one a failed update emptied)."""
+        data = os.pread(fd, FOLDER_COUNT.size, 0)
+        if len(data) != FOLDER_COUNT.size:
+            return None
+        sessions, nbytes = FOLDER_COUNT.unpack(data)
+        return cls(sessions, nbytes) if sessions >= 0 and nbytes >= 0 else None
+
+    def write(self, fd: int) -> None:
+        """Keep the count in the lease file ``fd`` (its first bytes; the locks on its bytes are another matter)."""
+        os.pwrite(fd, FOLDER_COUNT.pack(self.sessions, self.nbytes), 0)
+
+
+def stored_size(path: Path) -> int | None:
+    """The size of the session file at ``path`` as a count of the folder has it (a regular file; ``None`` for no
+    file or something else at the path)."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
 class SessionLease:
     """The right to run one request on a session; :meth:`release` (idempotent) gives it back."""
 
@@ -460,7 +503,10 @@ class SessionStore:
         self._lock = threading.Lock()
         self._write_lock = threading.RLock()  # shared folders: one write at a time in this process, too
         self._write_depth = 0  # how many _writing blocks the thread holding _write_lock is in
-        self._sizes = SessionSizes()
+        self._sizes = SessionSizes()  # a folder of one process: its sessions' sizes by id
+        self._in_flight: set[str] = set()  # ... and those whose file it is writing now (counted at their new size)
+        self._folder = FolderCount()  # a shared folder: its count, as this store last read or changed it
+        self._folder_on_disk: FolderCount | None = None  # ... and what its lease file held then
         self._cache: OrderedDict[str, tuple[StoredSession, FileVersion]] = OrderedDict()
         self._cache_used = 0
         self._leases: dict[str, SessionLease] = {}
@@ -474,7 +520,7 @@ class SessionStore:
                 prepare_session_folder(directory)
                 with self._lock:
                     self._sizes = SessionSizes(self._scan())
-                    self._changed()
+                    self._publish()
         except OSError as err:
             raise ValueError(f"cannot use the session folder {directory}: {err.strerror or err}") from err
         logger.info("sessions: %d stored in %s (%d bytes)", self.num_sessions, directory, self.stored_bytes)
@@ -497,28 +543,32 @@ class SessionStore:
 
     @property
     def num_sessions(self) -> int:
-        return len(self._sizes)
+        """The sessions stored: as this store counts them, or a shared folder's when this store last changed or
+        counted it."""
+        return self._folder.sessions if self.shared else len(self._sizes)
 
     @property
     def stored_bytes(self) -> int:
-        return self._sizes.total
+        """The bytes of their files, the same way."""
+        return self._folder.nbytes if self.shared else self._sizes.total
 
     def refresh(self) -> None:
-        """Count a shared folder afresh (what other processes, or anyone behind the servers' back, changed), drop
-        from the LRU the sessions no longer there and update the gauges; a no-op for a folder of one process,
-        whose count is kept as it changes."""
-        with self._writing():
+        """Count a shared folder afresh (what no server of it counted: files copied in or removed behind their
+        back, a count a killed server did not update), drop from the LRU the sessions no longer there and update
+        the gauges; a no-op for a folder of one process, whose count is kept as it changes."""
+        with self._writing(recount=True):
             pass
 
-    def _changed(self) -> None:
-        """After a change of the count (under ``_lock``): the gauges follow it, for a folder of one process; a
-        shared folder's count is published only under its write lock, where it is the folder's as it is."""
-        if not self.shared:
-            self._publish()
+    def sweep(self) -> int:
+        """The periodic sweep (:func:`sweep_sessions`): :meth:`refresh`, and :meth:`expire_idle` with an expiry;
+        how many sessions expired."""
+        with self._writing(recount=True):
+            return self.expire_idle()
 
     def _publish(self) -> None:
-        """Set the stored-session gauges to this store's count (under ``_lock``)."""
-        self.metrics.set_stored(len(self._sizes), self._sizes.total)
+        """Set the stored-session gauges to this store's count (under ``_lock``, or a shared folder's write
+        lock)."""
+        self.metrics.set_stored(self.num_sessions, self.stored_bytes)
 
     def path(self, session_id: str) -> Path:
         return self.directory / f"{check_session_id(session_id)}{FILE_SUFFIX}"
@@ -546,11 +596,12 @@ class SessionStore:
                     fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, lease_byte(lease.session_id))
 
     @contextmanager
-    def _writing(self) -> Iterator[None]:
+    def _writing(self, recount: bool = False) -> Iterator[None]:
         """A change of a shared folder (a write with its check of the limits, a delete, an expiry), alone among
-        the processes sharing it, with the sessions counted afresh (others may have written since) and the count
-        published to the gauges at its end, still alone: the last one published is the folder's as it is. Blocks
-        nest (an expiry within a write's): the outermost one locks, counts and publishes."""
+        the processes sharing it, with the folder's count as they left it (``recount`` or none kept: counted
+        afresh), which the change moves (:meth:`_counted`); at its end, still alone, the count is kept for the
+        others and published to the gauges: the last one published is the folder's as it is. Blocks nest (an
+        expiry within a write's): the outermost one locks, reads, keeps and publishes."""
         if self._lease_fd is None:
             yield
             return
@@ -558,22 +609,64 @@ class SessionStore:
             outermost = self._write_depth == 0
             if outermost:
                 fcntl.lockf(self._lease_fd, fcntl.LOCK_EX, 1, 0)
+                try:
+                    self._folder_on_disk = None if recount else self._read_folder_count()
+                    if self._folder_on_disk is None:
+                        self._recount()
+                    else:
+                        self._folder = replace(self._folder_on_disk)
+                except BaseException:  # e.g. the folder cannot be listed: nothing changed, nothing to keep
+                    fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
+                    raise
             self._write_depth += 1
             try:
-                if outermost:
-                    sizes = self._scan()
-                    with self._lock:
-                        self._sizes = SessionSizes(sizes)
-                        self._forget_missing(sizes)
                 yield
             finally:
                 self._write_depth -= 1
                 if outermost:
                     try:
-                        with self._lock:
-                            self._publish()
+                        self._keep_folder_count()
                     finally:
                         fcntl.lockf(self._lease_fd, fcntl.LOCK_UN, 1, 0)
+
+    def _read_folder_count(self) -> FolderCount | None:
+        """The count the shared folder's lease file holds (under its write lock); ``None`` if it holds none."""
+        assert self._lease_fd is not None
+        try:
+            return FolderCount.read(self._lease_fd)
+        except OSError as err:
+            logger.warning("cannot read the session count of %s, counting anew: %s", self.directory, err)
+            return None
+
+    def _recount(self) -> None:
+        """Count the shared folder afresh (under its write lock) and drop from the LRU what is gone."""
+        sizes = self._scan()
+        with self._lock:
+            self._forget_missing(sizes)
+        self._folder = FolderCount(len(sizes), sum(sizes.values()))
+
+    def _keep_folder_count(self) -> None:
+        """At the end of a change of the shared folder (under its write lock): write its count to the lease file
+        if it moved, and publish it. If the file cannot be written it is emptied, so that the next change
+        recounts (a stale count would hold for every server)."""
+        assert self._lease_fd is not None
+        if self._folder != self._folder_on_disk:
+            try:
+                self._folder.write(self._lease_fd)
+                self._folder_on_disk = replace(self._folder)
+            except OSError as err:
+                logger.error("cannot keep the session count of %s (the next change recounts): %s", self.directory, err)
+                with suppress(OSError):
+                    os.ftruncate(self._lease_fd, 0)
+        self._publish()
+
+    def _counted(self, session_id: str, before: int | None, after: int | None) -> None:
+        """A shared folder's session file changed (under its write lock) from ``before`` bytes to ``after``
+        (``None``: no file): the count follows; gone, the session leaves the LRU."""
+        self._folder.change(before, after)
+        if after is None:
+            with self._lock:
+                self._forget(session_id)
 
     @contextmanager
     def _leased(self, session_id: str) -> Iterator[None]:
@@ -612,7 +705,7 @@ class SessionStore:
             if len(head) == HEADER_LENGTH_BYTES:
                 (length,) = struct.unpack("<Q", head)
                 head += file.read(min(length, MAX_HEADER_BYTES))
-        self._found(session_id, size)
+            self._found(session_id, file)
         metadata, _ = self.codec.read_header(session_id, head, size)
         num_tokens = metadata_int(session_id, metadata, "num_tokens", "the metadata's token count")
         created = self.codec.timestamp(session_id, metadata, "created")
@@ -672,17 +765,16 @@ class SessionStore:
         with self._leased(session_id):
             self._expire_if_idle(session_id, leased=True)
             with self._writing():
+                path = self.path(session_id)
                 try:
-                    self.path(session_id).unlink()
+                    size = stored_size(path) if self.shared else None
+                    path.unlink()
                 except FileNotFoundError:
                     raise self._missing(session_id) from None
                 except OSError as err:  # e.g. a directory in its place
                     raise APIError(500, f"cannot delete session {session_id!r}: {err.strerror or err}",
                                    type="internal_error", code="session_write_failed") from None  # fmt: skip
-                with self._lock:
-                    self._sizes.pop(session_id)
-                    self._forget(session_id)
-                    self._changed()
+                self._removed(session_id, size)
         self.metrics.operation("delete").inc()
 
     # --- idle expiry ----------------------------------------------------------------------------------
@@ -764,7 +856,8 @@ class SessionStore:
         path = self.path(session_id)
         with self._writing():
             try:
-                if not self._idle(path.stat()):
+                status = path.stat()
+                if not self._idle(status):
                     return False
                 path.unlink()
             except FileNotFoundError:
@@ -772,10 +865,7 @@ class SessionStore:
             except OSError as err:
                 logger.warning("cannot delete expired session %s: %s", session_id, err.strerror or err)
                 return False
-            with self._lock:
-                self._sizes.pop(session_id)
-                self._forget(session_id)
-                self._changed()
+            self._removed(session_id, status.st_size)  # a regular file: an idle one
         self.metrics.expired.inc()
         logger.info("session %s expired: unused for %gs (--session-ttl)", session_id, self.idle_ttl)
         return True
@@ -784,57 +874,94 @@ class SessionStore:
         self, session_id: str, snapshot: StateSnapshot | None, created: int, updated: int, new: bool
     ) -> SessionInfo:
         data = self.codec.encode(snapshot, created, updated)
-        with self._writing():
-            with self._lock:
-                at_limit = self._over_limits(session_id, new, len(data)) is not None
-            if at_limit:  # expired sessions, and files removed behind the server's back, still counted
-                self.expire_idle()
-                sizes = self._scan()
-                with self._lock:  # sessions in use keep their count (a write of theirs may not be on disk yet)
-                    leased = {i: n for i, n in self._sizes.items() if i in self._leases}
-                    self._sizes = SessionSizes({**sizes, **leased})
-                    self._changed()
-            with self._lock:
-                refused = self._over_limits(session_id, new, len(data))
-                if refused is not None:
-                    self.metrics.rejected.inc()
-                    raise limit_reached(refused)
-                previous = self._sizes.get(session_id)
-                self._sizes.set(session_id, len(data))  # reserved now, so concurrent writers see it
-                self._changed()
-            try:
-                version = self._write(self.path(session_id), data)
-            except OSError as err:
-                with self._lock:
-                    if previous is None:
-                        self._sizes.pop(session_id)
-                    else:
-                        self._sizes.set(session_id, previous)
-                    self._changed()
-                logger.error("cannot write session %s: %s", session_id, err)
-                raise APIError(
-                    500,
-                    f"cannot store session {session_id!r}: {err.strerror or err}",
-                    type="internal_error",
-                    code="session_write_failed",
-                ) from err
+        store = self._store_shared if self.shared else self._store_alone
+        version = store(session_id, data, new)
         num_tokens = len(snapshot.token_ids) + len(snapshot.pending_token_ids) if snapshot is not None else 0
         info = SessionInfo(session_id, created, updated, num_tokens, len(data))
         self._remember(StoredSession(info, snapshot), version)
         return info
 
-    def _over_limits(self, session_id: str, new: bool, size: int) -> str | None:
-        """Why storing ``size`` bytes as ``session_id`` would pass ``--max-sessions`` or ``--max-session-bytes``
-        (under ``_lock``), else ``None``."""
-        previous = self._sizes.get(session_id)
-        if new and previous is None and len(self._sizes) >= self.max_sessions:
+    def _store_shared(self, session_id: str, data: bytes, new: bool) -> FileVersion:
+        """Write a session of a shared folder, alone among its servers: its limits checked against the folder's
+        count (recounted, with expired sessions deleted, if they are reached), which then moves by the file's
+        change."""
+        path = self.path(session_id)
+        with self._writing():
+            previous = stored_size(path)
+            refused = self._over_limits(new, previous, len(data))
+            if refused is not None:  # expired sessions, and files removed behind the servers' back, still counted
+                self.expire_idle()
+                self._recount()
+                previous = stored_size(path)
+                refused = self._over_limits(new, previous, len(data))
+            if refused is not None:
+                self.metrics.rejected.inc()
+                raise limit_reached(refused)
+            version = self._write_or_fail(session_id, data)
+            self._counted(session_id, previous, len(data))
+        return version
+
+    def _store_alone(self, session_id: str, data: bytes, new: bool) -> FileVersion:
+        """Write a session of a folder of one process. Its place is reserved (counted at the new size) before
+        the file is written, so that writes of other sessions at the same time see it, and given back if the
+        write fails."""
+        with self._lock:
+            at_limit = self._over_limits(new, self._sizes.get(session_id), len(data)) is not None
+        if at_limit:  # expired sessions, and files removed behind the server's back, still counted
+            self.expire_idle()
+            sizes = self._scan()
+            with self._lock:  # the writes in flight keep their places: their files may not be there yet
+                writing = {i: n for i, n in self._sizes.items() if i in self._in_flight}
+                self._sizes = SessionSizes({**sizes, **writing})
+                self._publish()
+        with self._lock:
+            previous = self._sizes.get(session_id)
+            refused = self._over_limits(new, previous, len(data))
+            if refused is not None:
+                self.metrics.rejected.inc()
+                raise limit_reached(refused)
+            self._sizes.set(session_id, len(data))
+            self._in_flight.add(session_id)
+        written = False
+        try:
+            version = self._write_or_fail(session_id, data)
+            written = True
+        finally:
+            with self._lock:
+                self._in_flight.discard(session_id)
+                if not written:
+                    if previous is None:
+                        self._sizes.pop(session_id)
+                    else:
+                        self._sizes.set(session_id, previous)
+                self._publish()
+        return version
+
+    def _over_limits(self, new: bool, previous: int | None, size: int) -> str | None:
+        """Why storing ``size`` bytes as a session whose file has ``previous`` bytes (``None``: none) would pass
+        ``--max-sessions`` (``new``: a session made now) or ``--max-session-bytes``, else ``None`` (under
+        ``_lock``, or a shared folder's write lock)."""
+        if new and previous is None and self.num_sessions >= self.max_sessions:
             return f"the server stores at most {self.max_sessions} sessions (--max-sessions); delete some first"
-        if self._sizes.total - (previous or 0) + size > self.max_bytes:
+        if self.stored_bytes - (previous or 0) + size > self.max_bytes:
             return (
                 f"storing this session ({size} bytes) would pass the {self.max_bytes}-byte limit on stored sessions "
                 "(--max-session-bytes); delete some first"
             )
         return None
+
+    def _write_or_fail(self, session_id: str, data: bytes) -> FileVersion:
+        """:meth:`_write` of a session's file; a 500 ``session_write_failed`` if it fails."""
+        try:
+            return self._write(self.path(session_id), data)
+        except OSError as err:
+            logger.error("cannot write session %s: %s", session_id, err)
+            raise APIError(
+                500,
+                f"cannot store session {session_id!r}: {err.strerror or err}",
+                type="internal_error",
+                code="session_write_failed",
+            ) from err
 
     def _write(self, path: Path, data: bytes) -> FileVersion:
         """Atomically replace ``path`` with ``data``: durable once this returns. Returns the new file's version."""
@@ -865,7 +992,7 @@ class SessionStore:
         with self._open(session_id) as file:
             version = FileVersion.of(os.fstat(file.fileno()))
             data = file.read()
-        self._found(session_id, len(data))
+            self._found(session_id, file)
         return data, version
 
     @contextmanager
@@ -905,18 +1032,42 @@ class SessionStore:
             self._cache.move_to_end(session_id)
         return entry[0]
 
-    def _found(self, session_id: str, size: int) -> None:
-        """A file on disk: counted from now on (also one copied in while the server runs)."""
+    def _found(self, session_id: str, file: BinaryIO) -> None:
+        """A session's file that was read, still open: counted at its size from now on (also one copied in while
+        the server runs), unless this store is writing the session or the file was deleted or replaced since it
+        was opened, which whoever did it counted. A shared folder's count is kept by its writers, not its
+        readers."""
+        if self.shared:
+            return
         with self._lock:
-            self._sizes.set(session_id, size)
-            self._changed()
+            if session_id in self._in_flight:
+                return
+            status = os.fstat(file.fileno())
+            if status.st_nlink > 0 and self._sizes.get(session_id) != status.st_size:
+                self._sizes.set(session_id, status.st_size)
+                self._publish()
 
     def _missing(self, session_id: str) -> APIError:
+        """The 404 of a session whose file was not found: no longer counted, unless this store is writing it or
+        its file is there by now (written since), or in the LRU."""
+        with self._lock:
+            self._forget(session_id)
+            if not self.shared and session_id in self._sizes and session_id not in self._in_flight:
+                if not os.path.isfile(self.path(session_id)):
+                    self._sizes.pop(session_id)
+                    self._publish()
+        return not_found(session_id)
+
+    def _removed(self, session_id: str, size: int | None) -> None:
+        """The session's file of ``size`` bytes was deleted (a shared folder's write lock held): no longer
+        counted, or in the LRU."""
+        if self.shared:
+            self._counted(session_id, size, None)
+            return
         with self._lock:
             self._sizes.pop(session_id)
             self._forget(session_id)
-            self._changed()
-        return not_found(session_id)
+            self._publish()
 
     def _remember(self, stored: StoredSession, version: FileVersion) -> None:
         """Keep a decoded session in the LRU, evicting the least recently used beyond ``cache_bytes``."""
@@ -1013,15 +1164,17 @@ def needs_sweep(store: SessionStore) -> bool:
 
 
 async def sweep_sessions(store: SessionStore, interval: float) -> None:
-    """Now and then every ``interval`` seconds, off the event loop, until cancelled: delete expired sessions
-    (with an expiry) and recount a shared folder (:meth:`SessionStore.refresh`: the gauges and the LRU follow
-    what other processes changed even when this one writes nothing)."""
-    sweep = store.expire_idle if store.idle_ttl is not None else store.refresh
+    """Now and then every ``interval`` seconds, off the event loop, until cancelled: :meth:`SessionStore.sweep`,
+    which deletes expired sessions (with an expiry) and recounts a shared folder (the count and the gauges take in
+    what no server counted, and the LRU drops the sessions other processes deleted, also while this one writes
+    nothing). A sweep that fails is logged, and the next one tries again."""
     while True:
         try:
-            await asyncio.to_thread(sweep)
+            await asyncio.to_thread(store.sweep)
         except OSError as err:  # e.g. the folder became unreadable: try again next time
             logger.warning("cannot sweep the session folder %s: %s", store.directory, err.strerror or err)
+        except Exception:  # a bug: logged, and the next sweep tries again (no one awaits this task)
+            logger.exception("the sweep of the session folder %s failed", store.directory)
         await asyncio.sleep(interval)
 
 

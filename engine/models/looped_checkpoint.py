@@ -127,8 +127,8 @@ def split_fused_qkv(state: dict[str, torch.Tensor], n_embd: int, path: Path) -> 
         fused = state.pop(f"{FUSED_QKV}.{kind}", None)
         if fused is None:
             continue
-        if fused.shape[0] != 3 * n_embd or (kind == "weight" and tuple(fused.shape) != (3 * n_embd, n_embd)):
-            expected = (3 * n_embd, n_embd) if kind == "weight" else (3 * n_embd,)
+        expected = (3 * n_embd, n_embd) if kind == "weight" else (3 * n_embd,)
+        if tuple(fused.shape) != expected:
             raise ConvertError(
                 f"{path}: {FUSED_QKV}.{kind} has shape {tuple(fused.shape)}, the fused q, k, v projection of width "
                 f"n_embd {n_embd} is {expected}"

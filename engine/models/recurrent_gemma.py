@@ -238,12 +238,9 @@ class RecurrentGemmaLM(RecurrentLM):
         if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation {hf['hidden_activation']!r} is not supported")
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hidden // heads  # transformers computes it so and overwrites a head_dim in config.json
-        if hf.get("head_dim") not in (None, head_dim):
-            raise ValueError(
-                f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads ({head_dim}), which "
-                "transformers' RecurrentGemma uses in its place"
-            )
+        # transformers computes hidden_size / num_attention_heads, then sets the config's keys over it: a head_dim
+        # in config.json is the one its attention (q, k, v widths, RoPE width) takes
+        head_dim = hf.get("head_dim") or hidden // heads
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # rope_scaling: transformers 4's name
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -259,8 +256,8 @@ class RecurrentGemmaLM(RecurrentLM):
             head_dim=head_dim,
             lru_width=hf.get("lru_width") or hidden,
             conv_width=hf.get("conv1d_width", 4),
-            # sliding_window: the config's attribute_map alias, which transformers reads as attention_window_size
-            window=hf.get("attention_window_size", hf.get("sliding_window", 2048)),
+            # sliding_window: the config's attribute_map alias of attention_window_size, set after it (it wins)
+            window=hf.get("sliding_window", hf.get("attention_window_size", 2048)),
             block_types=list(hf.get("block_types", ["recurrent", "recurrent", "attention"])),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             rotary_dim=int(head_dim * partial),

@@ -556,6 +556,8 @@ def test_a_fused_c_attn_checkpoint_of_the_earlier_code_serves_that_codes_forward
     [
         (lambda sd: {**sd, "transformer.attn.c_attn.weight": sd["transformer.attn.c_attn.weight"][:64]},
          r"c_attn.weight has shape \(64, 32\), the fused q, k, v projection of width n_embd 32 is \(96, 32\)"),
+        (lambda sd: {**sd, "transformer.attn.c_attn.bias": torch.zeros(96, 2)},  # named block.q.bias once
+         r"c_attn.bias has shape \(96, 2\), the fused q, k, v projection of width n_embd 32 is \(96,\)"),
         (lambda sd: {**sd, "transformer.attn.q.weight": sd["transformer.attn.c_attn.weight"][:32]},
          "both the fused transformer.attn.c_attn projection .* and separate q, k, v projections"),
         (lambda sd: {k.replace("c_attn", "qkv_proj"): t for k, t in sd.items()},

@@ -83,7 +83,11 @@ def test_scaled_rope_is_refused_under_either_name(key: str, type_key: str) -> No
 def test_sliding_window_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
     """``sliding_window`` is the config's alias of ``attention_window_size`` (``attribute_map``): a config.json
     naming the window so was served with the default window of 2048 instead of the trained one."""
-    assert transformers.RecurrentGemmaConfig(**{**BASE, "sliding_window": 7}).attention_window_size == 7
+    from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaLM
+
+    both = {**BASE, "sliding_window": 7}  # with attention_window_size 16: the alias is set last, and wins
+    assert transformers.RecurrentGemmaConfig(**both).attention_window_size == 7
+    assert RecurrentGemmaLM.from_hf_config(both).window == 7
     reference = build(CASES["griffin-conv3-bias-attention-first"])
     path = hf_harness.save_hf(reference, tmp_path)
     config = json.loads((path / "config.json").read_text())
@@ -92,10 +96,10 @@ def test_sliding_window_is_read_as_transformers_reads_it(tmp_path: Path) -> None
     hf_harness.check_prefill_logits(reference, path)
 
 
-def test_a_head_dim_transformers_would_overwrite_is_refused_naming_it() -> None:
-    """transformers computes ``head_dim = hidden_size / num_attention_heads`` whatever config.json says."""
-    from rnnserve.engine.models.recurrent_gemma import RecurrentGemmaLM
-
-    assert RecurrentGemmaLM.from_hf_config({**BASE, "head_dim": 8}).head_dim == 8
-    with pytest.raises(ValueError, match=r"head_dim 16 other than hidden_size / num_attention_heads \(8\)"):
-        RecurrentGemmaLM.from_hf_config({**BASE, "head_dim": 16})
+def test_a_head_dim_other_than_hidden_size_over_heads_is_served_as_transformers_serves_it(tmp_path: Path) -> None:
+    """transformers computes ``head_dim = hidden_size / num_attention_heads`` and then sets config.json's keys over
+    it: its attention is as wide as config.json's ``head_dim`` says (a config with ``head_dim`` 16 of 32 / 4 was
+    refused, as if transformers overwrote it)."""
+    reference = build({"head_dim": 16})
+    assert reference.model.layers[2].temporal_block.q_proj.weight.shape == (4 * 16, 32)
+    hf_harness.check_prefill_logits(reference, hf_harness.save_hf(reference, tmp_path))

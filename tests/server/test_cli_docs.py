@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from rnnserve.server.cli import build_parser
+from rnnserve.server.config import LOOPBACK_HOSTS
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
@@ -72,3 +73,17 @@ def test_documented_serve_command_lines_use_serve_flags() -> None:
         for command in SERVE_COMMAND.findall(path.read_text()):
             unknown = set(FLAG.findall(command)) - serve
             assert not unknown, f"{path.name}: `rnnserve serve{command}` uses {sorted(unknown)}"
+
+
+def test_allowed_hosts_help_and_docs_name_the_default_hosts() -> None:
+    """``--allowed-hosts``' help, its row in docs/cli.md and the limits of docs/api.md name every host of the
+    default list (they left out ``testserver``, which it holds for Starlette's TestClient)."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    (action,) = [a for a in commands.choices["serve"]._actions if "--allowed-hosts" in a.option_strings]
+    cli_doc = (REPO / "docs" / "cli.md").read_text()
+    (row,) = [line for line in cli_doc.splitlines() if line.startswith("| `--allowed-hosts")]
+    (limit,) = [line for line in (REPO / "docs" / "api.md").read_text().splitlines() if "`--allowed-hosts` |" in line]
+    for where, text in (("the help", action.help or ""), ("docs/cli.md", row), ("docs/api.md", limit)):
+        missing = [host for host in LOOPBACK_HOSTS if host not in text]
+        assert not missing, f"{where} does not name {missing} among --allowed-hosts' defaults"

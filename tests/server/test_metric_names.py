@@ -72,7 +72,7 @@ def test_promtool_flags_only_the_deprecated_alias() -> None:
 def test_the_session_gauges_count_a_shared_folder_as_it_is() -> None:
     """With several API servers the scraped one reports the sessions the others stored too: each server sets the
     shared gauges (one prometheus-client value in multiprocess mode, one ``SessionMetrics`` here) after each change
-    of the folder, with the folder counted under its write lock, and a scrape reads no folder."""
+    of the folder, to the count the servers keep under its write lock, and a scrape reads no folder."""
     with tempfile.TemporaryDirectory() as folder:
         codec = SessionCodec("ab" * 32, [StateSpec("h", (2,), torch.float32)], vocab_size=10)
         metrics = ServerMetrics("m", 64)
