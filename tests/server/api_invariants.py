@@ -98,7 +98,7 @@ class Case:
         return f"case seed={self.seed} {self.path} {json.dumps(self.body, ensure_ascii=False)}"
 
 
-def random_case(seed: int, vocab: Vocabulary, sessions: bool = False) -> Case:
+def random_case(seed: int, vocab: Vocabulary) -> Case:
     """A valid request drawn from ``seed``: completions or chat, over the sampling, stopping, logprobs, echo,
     structured output and streaming fields."""
     rng = random.Random(seed)
@@ -199,6 +199,7 @@ class Choice:
     top_logprobs: list[dict[str, float] | list | None] | None = None
     text_offset: list[int] | None = None
     prompt_logprobs: list | None = None
+    token_bytes: list[list[int]] | None = None  # chat's
 
 
 @dataclass
@@ -225,6 +226,7 @@ def chat_logprobs(choice: Choice, logprobs: dict | None) -> None:
     choice.token_logprobs = (choice.token_logprobs or []) + [e["logprob"] for e in content]
     choice.top_logprobs = (choice.top_logprobs or []) + [[(t["token"], t["logprob"]) for t in e["top_logprobs"]]
                                                          for e in content]  # fmt: skip
+    choice.token_bytes = (choice.token_bytes or []) + [e["bytes"] for e in content]
 
 
 def completion_logprobs(choice: Choice, logprobs: dict | None) -> None:
@@ -274,6 +276,8 @@ def read_stream(events: list[dict], chat: bool, continuous: bool) -> Answer:
         if continuous:
             usage = event["usage"]
         for raw in event["choices"]:
+            if chat and raw["index"] not in choices and raw["delta"] != {"role": "assistant", "content": ""}:
+                problems.append(f"choice {raw['index']} opens with {raw['delta']}, not the role alone")
             choice = choices.setdefault(raw["index"], Choice(raw["index"]))
             if choice.finish_reason is not None:
                 problems.append(f"choice {raw['index']} has a chunk after its finish_reason: {raw}")
@@ -445,6 +449,7 @@ def check_answer(case: Case, answer: Answer, oracle: Oracle) -> list[str]:
             if count < body.get("min_tokens", 0) and choice.finish_reason != "length":
                 found.append(f"{where}: {count} tokens < min_tokens {body['min_tokens']}")
             found += check_logprobs(case, choice, count, oracle.vocab, where)
+        found += check_token_texts(case, choice, oracle.vocab, where)
         if choice.finish_reason == "length" and choice.stop_reason is not None:
             found.append(f"{where}: stop_reason {choice.stop_reason!r} with finish_reason length")
         if isinstance(choice.stop_reason, str) and choice.stop_reason not in stops:
@@ -525,6 +530,24 @@ def check_logprobs(case: Case, choice: Choice, count: int, vocabulary: Vocabular
         if offsets and (offsets[0] != 0 or offsets[-1] > len(choice.text) and choice.finish_reason == "length"):
             found.append(f"{where}: text_offset {offsets} does not fit the text {choice.text!r}")
     return found
+
+
+def check_token_texts(case: Case, choice: Choice, vocabulary: Vocabulary, where: str) -> list[str]:
+    """An answer cut by ``max_tokens`` is its tokens' text: chat's token bytes decode to it; a completion's
+    token strings make it up, each at its ``text_offset`` (where no token is a split character's byte)."""
+    if choice.finish_reason != "length" or choice.tokens is None or case.body.get("echo"):
+        return []
+    specials = {vocabulary.texts.get(vocabulary.eos_token_id, None)} if vocabulary.eos_token_id is not None else set()
+    if case.body.get("skip_special_tokens", True) and specials & set(choice.tokens):
+        return []
+    if choice.token_bytes is not None:
+        decoded = b"".join(bytes(b) for b in choice.token_bytes).decode("utf-8", "replace")
+        return [] if decoded == choice.text else [f"{where}: token bytes decode to {decoded!r}, text {choice.text!r}"]
+    if "\ufffd" in choice.text or "\ufffd" in "".join(choice.tokens):
+        return []
+    found = differences("".join(choice.tokens), choice.text, f"{where} tokens joined vs text")
+    offsets = [sum(len(t) for t in choice.tokens[:i]) for i in range(len(choice.tokens))]
+    return found + differences(choice.text_offset, offsets, f"{where} text_offset vs the tokens' lengths")
 
 
 def check_prompt_logprobs(case: Case, entries: list | None, prompt_ids: list[int], where: str) -> list[str]:
@@ -612,21 +635,34 @@ def derived_checks(client: TestClient, case: Case, answer: Answer, oracle: Oracl
         checks.append(lambda stream: chat_as_completion(client, case, answer, oracle))
     if body.get("temperature") == 0 and "response_format" not in body:
         checks.append(lambda stream: top_k_one_is_greedy(client, case, answer, stream))
+    if not case.chat:
+        checks.append(lambda stream: prefill_matches_decode(client, case, oracle, stream))
     streamable = not (case.chat and "prompt_logprobs" in body)
     return [v for check in checks for v in check(streamable and rng.random() < 0.5)]
 
 
 def stop_string_cut(client: TestClient, case: Case, first: Choice, rng: random.Random, stream: bool) -> list[str]:
-    """A stop string taken from the answer's text ends the same answer at its first match."""
+    """A stop string taken from the answer's text ends the same answer at its first match; with ``min_tokens``
+    (where the text's characters can be placed in tokens), at its first match that ends after the first
+    ``min_tokens`` tokens (as vLLM counts them)."""
     start = rng.randrange(len(first.text))
     stop = first.text[start : start + rng.randint(1, 3)]
     include = rng.random() < 0.5
-    cut = ask(client, case, stream, stop=[stop], include_stop_str_in_output=include, n=1).choices[0]
+    min_tokens = 0
+    placed = first.text_offset is not None and "\ufffd" not in first.text and first.finish_reason == "length"
+    if placed and rng.random() < 0.5:
+        min_tokens = rng.randint(1, len(first.text_offset or []))
+    cut = ask(client, case, stream, stop=[stop], include_stop_str_in_output=include, n=1, min_tokens=min_tokens or None)
     at = first.text.find(stop)
-    expected = first.text[: at + len(stop) if include else at]
-    found = differences((cut.text, cut.finish_reason, cut.stop_reason), (expected, "stop", stop), f"stop {stop!r}")
-    if first.tokens is not None and cut.tokens is not None and cut.tokens != first.tokens[: len(cut.tokens)]:
-        found.append(f"stop {stop!r}: tokens {cut.tokens} are not a prefix of {first.tokens}")
+    while min_tokens and at != -1 and sum(o < at + len(stop) for o in first.text_offset or []) <= min_tokens:
+        at = first.text.find(stop, at + 1)
+    end = at + len(stop) if include else at
+    expected = (first.text, "length", None) if at == -1 else (first.text[:end], "stop", stop)
+    what = f"stop {stop!r} min_tokens {min_tokens}"
+    choice = cut.choices[0]
+    found = differences((choice.text, choice.finish_reason, choice.stop_reason), expected, what)
+    if first.tokens is not None and choice.tokens is not None and choice.tokens != first.tokens[: len(choice.tokens)]:
+        found.append(f"{what}: tokens {choice.tokens} are not a prefix of {first.tokens}")
     return found
 
 
@@ -698,6 +734,29 @@ def top_k_one_is_greedy(client: TestClient, case: Case, answer: Answer, stream: 
     return same_answers(answer, sampled, "top_k=1 vs greedy", usage=not stream)
 
 
+def prefill_matches_decode(client: TestClient, case: Case, oracle: Oracle, stream: bool) -> list[str]:
+    """The logprobs of the generated tokens (decode steps) of the case's first prompt, without what shapes the
+    distribution, are the prompt logprobs (prefill) of the prompt followed by them."""
+    shaping = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+               "response_format", "min_tokens", "echo", "prompt_logprobs")  # fmt: skip
+    prompt = prompts_of(case.body)[0]
+    changes = {**dict.fromkeys(shaping), "max_tokens": max(case.body["max_tokens"], 1)}
+    first = ask(client, case, stream, **changes, prompt=prompt, n=1, logprobs=3).choices[0]
+    by_text = {oracle.vocab.texts[i]: i for i in oracle.vocab.plain_ids()}
+    generated = [by_text.get(t) for t in first.tokens or []]
+    if None in generated:
+        return []
+    prompt = oracle.prompt_ids(prompt)
+    body = {"prompt": prompt + generated, "max_tokens": 1, "prompt_logprobs": 1}
+    entries = post(client, COMPLETIONS, body)["choices"][0]["prompt_logprobs"][len(prompt) :]
+    found = []
+    for i, (token_id, entry) in enumerate(zip(generated, entries, strict=True)):
+        best = min(entry.values(), key=lambda e: e["rank"])["logprob"]
+        decoded = (first.token_logprobs[i], max(dict(first.top_logprobs[i]).values()))  # type: ignore[index, arg-type]
+        found += differences(decoded, (entry[str(token_id)]["logprob"], best), f"decode vs prefill token {i}")
+    return found
+
+
 def echoed(client: TestClient, case: Case, answer: Answer, oracle: Oracle, stream: bool) -> list[str]:
     """With ``echo`` each choice's text is the prompt's followed by the same generated text, its logprobs the
     prompt's tokens' followed by the same generated ones."""
@@ -746,9 +805,9 @@ def check_session(client: TestClient, seed: int, vocab: Vocabulary) -> list[str]
     first = answers[0][0].choices[0]
     history = Case(seed, COMPLETIONS, {**params, "prompt": turns[0]})
     whole = post(client, "/tokenize", {"prompt": turns[0]})["tokens"]
-    generated = [t for t in (first.tokens or [])]
-    ids = [next((i for i, v in vocab.texts.items() if v == t), None) for t in generated]
-    if all(i is not None for i in ids) and len(set(vocab.texts.values())) == len(vocab.texts):
+    by_text = {vocab.texts[i]: i for i in vocab.plain_ids()}
+    ids = [by_text.get(t) for t in first.tokens or []]
+    if None not in ids:
         prompt = whole + ids + post(client, "/tokenize", {"prompt": turns[1]})["tokens"]
         replay = ask(client, history, prompt=prompt)
         second = answers[0][1].choices[0]
