@@ -865,8 +865,8 @@ def served(model: str | None, **options: Any) -> Iterator[TestClient]:
     from rnnserve.server.app import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory(prefix="rnnserve-invariants-") as sessions:
-        config = ServerConfig.build(model=model, max_num_seqs=16, max_body_bytes=65536, api_key=None,
-                                    session_dir=sessions, **options)  # fmt: skip
+        config = ServerConfig.build(**{"model": model, "max_num_seqs": 16, "max_body_bytes": 65536, "api_key": None,
+                                       "session_dir": sessions, **options})  # fmt: skip
         with TestClient(create_app(config)) as client:
             yield client
 

@@ -26,7 +26,9 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=["random:mingru-tiny", "default", "hf", "random:mamba-tiny"])
 def model_client(request: pytest.FixtureRequest, hf_checkpoint: Path) -> Iterator[tuple[str, TestClient]]:
     model = {"default": None, "hf": str(hf_checkpoint)}.get(request.param, request.param)
-    with served(model) as client:
+    # Mamba on a pool smaller than the busy batch, with short prefill chunks: queued and chunked requests too.
+    options = {"max_num_seqs": 3, "max_num_batched_tokens": 16} if request.param == "random:mamba-tiny" else {}
+    with served(model, **options) as client:
         yield request.param, client
 
 
