@@ -438,13 +438,20 @@ class CompletionStream(Generation):
     def echoed_offsets(self, out: RequestOutput) -> tuple[str, list[int]] | None:
         """The echoed prompt's text and where each of its tokens starts in it, from the tokenizer's own alignment
         of the text (a Metaspace tokenizer's ``▁`` before the first word, special tokens typed in the prompt:
-        counting the tokens' bytes put every offset after them too far); ``None`` where the tokenizer has no
-        alignment that gives the prompt's tokens."""
+        counting the tokens' bytes put every offset after them too far), else from the tokens' bytes, decoded
+        on their own as the echoed text is (a prompt that ends inside a character ends with its replacement
+        character, and the generated tokens start after it). ``None`` without ``echo`` and ``logprobs``."""
         if not self.req.echo or self.params.logprobs is None:
             return None
         text = self.prompt_text(out)
         starts = self.tokenizer.char_offsets(text, out.prompt_token_ids)
-        return None if starts is None else (text, starts)
+        if starts is None:
+            utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            offset, starts = 0, []
+            for token_id in out.prompt_token_ids:
+                starts.append(min(offset, len(text)))
+                offset += len(utf8.decode(self.piece_bytes(token_id)))
+        return text, starts
 
     def echoed_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
         """The prompt's tokens and logprobs that ``echo`` with ``logprobs`` puts before the generated ones."""
