@@ -59,6 +59,8 @@ STATE_MEDIA_TYPE = "application/octet-stream"
 SESSION_MARKER = "rnnserve-session-continues-here"
 
 logger = logging.getLogger("rnnserve.server")
+LOGGED_NAMES = 20  # unknown field names a request's warning lists
+LOGGED_NAME_CHARS = 100  # characters of each (escaped)
 
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
@@ -71,8 +73,16 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         raise from_validation_error(err) from err
     unknown = parsed.unknown_fields()
     if unknown:
-        logger.warning("%s: ignoring fields this server does not know: %s", request.url.path, ", ".join(unknown))
+        logger.warning("%s: ignoring fields this server does not know: %s", request.url.path, loggable_names(unknown))
     return parsed
+
+
+def loggable_names(names: list[str]) -> str:
+    """Client-chosen names for one log line: each escaped (a newline or a terminal escape in a name cannot forge a
+    line or colour the log) and cut to :data:`LOGGED_NAME_CHARS`, at most :data:`LOGGED_NAMES` of them."""
+    shown = [name.encode("unicode_escape").decode("ascii")[:LOGGED_NAME_CHARS] for name in names[:LOGGED_NAMES]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" (and {more} more)" if more else "")
 
 
 def client_input(build: Callable[[], Any]) -> Any:
