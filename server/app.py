@@ -159,10 +159,11 @@ def create_app(
     metrics = ServerMetrics(config.model_names[0], driver.info.max_model_len)
     try:
         sessions = open_session_store(config, driver.info, metrics.sessions) if config.sessions else None
+        async_engine = AsyncEngine(driver, metrics, config.max_queued_bytes)
+        serving = OpenAIServing(config, async_engine, metrics, sessions)  # raises for a bad chat template
     except BaseException:
         driver.stop(10.0)
         raise
-    async_engine = AsyncEngine(driver, metrics, config.max_queued_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -222,6 +223,6 @@ def create_app(
         code = "not_found" if err.status_code == 404 else None
         return APIError(err.status_code, str(err.detail), code=code, headers=err.headers).response()
 
-    add_api_routes(app.router, OpenAIServing(config, async_engine, metrics, sessions))
+    add_api_routes(app.router, serving)
     app.include_router(dashboard_router(metrics))
     return app

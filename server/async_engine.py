@@ -177,7 +177,8 @@ class Submission:
 class AsyncEngine:
     """The server's handle on its engine, which runs where ``driver`` runs it (a thread of this process or a
     process of its own, see :mod:`rnnserve.server.engine_core`). ``info`` describes the engine; ``engine`` is
-    the live :class:`LLMEngine` when it is in this process, else ``None``. Public methods run on the event loop."""
+    the live :class:`LLMEngine` when it is in this process (until :meth:`stop`), else ``None``. Public methods
+    run on the event loop."""
 
     def __init__(self, driver: EngineDriver, metrics: ServerMetrics, max_queued_bytes: int | None = None) -> None:
         self.driver = driver
@@ -219,6 +220,7 @@ class AsyncEngine:
         call it off the event loop."""
         self._stopping = True
         self.driver.stop(timeout)
+        self.engine = None  # as the driver lets go of it (see ThreadDriver.stop)
 
     async def submit(
         self,

@@ -550,6 +550,10 @@ class EngineThread:
         self._closed = True
         self._jobs.put(None)
 
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the thread to end after :meth:`close`: until then it holds its last job."""
+        self._thread.join(timeout)
+
 
 EventHandler = Callable[[Event], None]
 
@@ -580,10 +584,11 @@ def acknowledging(handle: EventHandler, send: Callable[[Command], None]) -> Even
 
 
 class ThreadDriver:
-    """Runs the engine loop on an :class:`EngineThread` of this process; ``engine`` is the live engine."""
+    """Runs the engine loop on an :class:`EngineThread` of this process; ``engine`` is the live engine (``None``
+    once stopped)."""
 
     def __init__(self, engine: LLMEngine, thread: EngineThread | None = None, limits: LoopLimits | None = None) -> None:
-        self.engine = engine
+        self.engine: LLMEngine | None = engine
         self.info = EngineInfo.of(engine)
         self.thread = thread or EngineThread()
         self.limits = limits or LoopLimits()
@@ -595,6 +600,8 @@ class ThreadDriver:
         return self._done is not None and not self._done.done()
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: EventHandler) -> None:
+        if self.engine is None:
+            raise RuntimeError("the engine was stopped")
         post = post_to(loop, acknowledging(handle, self.send))
         core = EngineCore(self.engine, self._next_command, post, max_compiling=self.limits.max_compiling)
         self._done = self.thread.submit(core.run)
@@ -609,11 +616,16 @@ class ThreadDriver:
         self.commands.put(command)
 
     def stop(self, timeout: float) -> None:
-        """Stop the loop and wait for it (bounded), then end the thread."""
+        """Stop the loop and wait for it (bounded), then end the thread and let go of the engine: an app's routes
+        outlive its server in FastAPI's caches of endpoint callables (thousands of entries, process-wide), and
+        through them its driver, which kept the engine (weights, state pool, prefix-cache tier) alive."""
         self.send(StopCommand())
         if self._done is not None:
             wait([self._done], timeout)
         self.thread.close()
+        if self._done is None or self._done.done():
+            self.thread.join(timeout)  # nothing left to run: it ends at once
+        self.engine = None
 
 
 metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))

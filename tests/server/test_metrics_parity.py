@@ -135,8 +135,12 @@ def test_stat_logger_logs_throughput_every_interval_while_busy(caplog: pytest.Lo
 
 
 def test_access_log_is_off_unless_asked() -> None:
-    assert not build_server(create_app(tiny_config()), tiny_config()).config.access_log
-    assert build_server(create_app(tiny_config()), tiny_config(access_log=True)).config.access_log
+    app = create_app(tiny_config())
+    try:
+        assert not build_server(app, tiny_config()).config.access_log
+        assert build_server(app, tiny_config(access_log=True)).config.access_log
+    finally:
+        app.state.engine.stop()  # never served: no lifespan stops its engine
 
 
 def test_step_histogram_exposes_what_a_prometheus_histogram_does() -> None:
