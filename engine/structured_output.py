@@ -13,8 +13,10 @@ would sample its end-of-text token next.
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -30,6 +32,17 @@ COMPACT_JSON = {"item_separator": ", ", "key_separator": ": "}
 # and most then failed anyway (past ~65,000 symbols llguidance panics): a schema of 8000 objects was refused after
 # 3 s; with this limit, after 0.2 s. A grammar just under it compiles in ~2.5 s (2-core Zen 5).
 MAX_GRAMMAR_SIZE = 100_000
+# llguidance compiles a grammar recursively, in Rust: each link of a chain of rules (a Lark rule that names the next,
+# a JSON schema's $ref to the next definition) took ~3.3 KB of stack, so 3000 links (a 100 KB request) overflowed a
+# thread's 8 MiB stack: SIGSEGV, the whole server gone. A compile therefore runs on a thread of its own whose stack
+# grows with the constraint's size (the most any link took was ~370 stack bytes per byte of constraint; this allows
+# 1 KiB), and a constraint is at most MAX_CONSTRAINT_BYTES (a stack of 576 MiB at most: address space, only the
+# pages a compile touches take memory, and the thread ends with the compile).
+MAX_CONSTRAINT_BYTES = 512 * 1024
+COMPILE_STACK_BASE_BYTES = 64 << 20
+COMPILE_STACK_BYTES_PER_BYTE = 1024
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set it for our thread alone
+T = TypeVar("T")
 
 
 def _lark_string(text: str) -> str:
@@ -108,11 +121,23 @@ class GrammarCompiler:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
-        limits = LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)
-        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        error = matcher_error(matcher) if matcher.is_error() else None
-        if error is None:
-            first_words, error = self._first_step(matcher)
+        size = len(grammar.encode())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise InvalidParameterError(
+                params.param,
+                f"the structured output constraint is too large: {size} bytes as an llguidance grammar, the limit "
+                f"is {MAX_CONSTRAINT_BYTES}",
+            )
+
+        def build() -> tuple[LLMatcher, tuple[int, ...], str | None]:
+            limits = LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)
+            matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+            if matcher.is_error():
+                return matcher, (), matcher_error(matcher)
+            return matcher, *self._first_step(matcher)
+
+        stack_bytes = COMPILE_STACK_BASE_BYTES + COMPILE_STACK_BYTES_PER_BYTE * size
+        matcher, first_words, error = call_with_stack(build, stack_bytes)
         if error is not None:
             raise InvalidParameterError(params.param, f"invalid structured output constraint: {error}")
         return CompiledGrammar(grammar, matcher, first_words)
@@ -122,7 +147,7 @@ class GrammarCompiler:
         first token, which compiling it does not try: the lexer's and parser's size limits (a regex
         ``a{1000000}``, a choice of 2001 strings) are met there, and a request would otherwise fail after it was
         accepted. Tried on a copy: ``matcher`` stays at the grammar's start. The bits are read in Python, not
-        with torch ops: this runs on the server's grammar thread, where a parallel op over the vocabulary would
+        with torch ops: this runs on a compile thread beside the engine, where a parallel op over the vocabulary would
         start a second OpenMP team, which slows every CPU decode step (see ``EngineThread``)."""
         trial = matcher.deep_copy()
         mask = torch.zeros((self._vocab_size + 31) // 32, dtype=torch.int32)
@@ -132,6 +157,31 @@ class GrammarCompiler:
         if not trial.is_error() and first is not None:
             trial.consume_token(first)
         return words, matcher_error(trial) if trial.is_error() else None
+
+
+def call_with_stack(function: Callable[[], T], stack_bytes: int) -> T:
+    """``function()``, run on a new thread with a stack of ``stack_bytes`` (rounded up to whole 64 KiB); what it
+    raises is raised here. For native code that recurses as deep as its input goes (llguidance's compiler)."""
+    outcome: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append((False, err))
+
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(-(-stack_bytes // 65536) * 65536)
+        try:
+            worker = threading.Thread(target=run, name="rnnserve-grammar-compile", daemon=True)
+            worker.start()
+        finally:
+            threading.stack_size(previous)
+    worker.join()
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,9 @@ class RequestGuard:
     def _check_headers(self, scope: Scope, headers: dict[str, bytes]) -> APIError | None:
         """The first error the request line and headers alone show, or None."""
         host = headers.get("host")
+        if sum(name.lower() == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112 3.2: a 400, and the dict
+            # above kept the last one, which the check would pass while a proxy in front routed by the first
+            return APIError(400, "a request must have one Host header", code="invalid_host")
         if host is not None and scope["path"] not in PROBE_PATHS and not self._host_allowed(host_name(host)):
             return APIError(
                 400, f"Host {host.decode('latin-1')!r} is not allowed (see --allowed-hosts)", code="invalid_host"
