@@ -92,7 +92,7 @@ class StructuredOutputParams:
         if isinstance(self.json, dict):
             try:  # a NaN, an Infinity or 1e400 in a schema came out as null in the generated JSON
                 json.dumps(self.json, allow_nan=False)
-            except (ValueError, TypeError) as err:
+            except (ValueError, TypeError, RecursionError) as err:  # RecursionError: nested past Python's stack
                 raise InvalidParameterError(self.param, f"the JSON schema is not JSON: {err}") from None
 
     @classmethod

@@ -70,3 +70,13 @@ def test_call_with_stack_returns_and_raises_in_the_callers_thread() -> None:
     assert call_with_stack(lambda: 42, 1 << 20) == 42
     with pytest.raises(KeyError, match="missing"):
         call_with_stack(lambda: {}["missing"], 1 << 20)
+
+
+def test_a_schema_nested_past_pythons_stack_is_a_parameter_error() -> None:
+    """The offline API takes a schema as a dict: one nested 5000 deep made ``json.dumps`` raise RecursionError
+    (the server's JSON parser stops far earlier)."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidParameterError, match="not JSON"):
+        Constraint(json=schema)
