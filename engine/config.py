@@ -115,6 +115,11 @@ class EngineConfig:
     max_waiting: int | None = option(
         None, "requests that may wait for a slot; beyond it the server answers 429", cli_default=256
     )
+    max_logprob_entries: int | None = option(
+        None, "most logprob entries one request's answer carries (its prompts and samples together; each token's "
+        "logprob and its top alternatives, prompt_logprobs and echo included); beyond it a request gets 400",
+        cli_default=4_000_000, metavar="N",
+    )
     enforce_eager: bool = option(
         False, "on CUDA, run decode eagerly instead of replaying CUDA graphs captured at start-up"
     )
@@ -152,7 +157,7 @@ class EngineConfig:
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills", "long_prefill_token_threshold",
             "max_model_len", "max_prompt_tokens", "max_waiting", "max_stop_sequences", "max_stop_length",
-            "prefix_cache_interval",
+            "prefix_cache_interval", "max_logprob_entries",
         )
         for name in positive:
             value = getattr(self, name)

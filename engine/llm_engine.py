@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -14,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
@@ -162,6 +163,7 @@ class LLMEngine:
 
     def __init__(self, model: RecurrentLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        self._answer_entries: int | None = None  # logprob entries of the answer being added (one_answer)
         self.model = model
         self.tokenizer = tokenizer
         device = next(iter(model.parameters()), torch.empty(0)).device
@@ -344,6 +346,7 @@ class LLMEngine:
         self._check_token_params(params)
         params = self.fit_max_tokens(len(ids), params)
         self.check_limits(len(ids), params, "context + prompt" if context is not None else "prompt")
+        answer_entries = self._check_logprob_entries(len(ids), params)
         self.model.check_request(len(ids), params.max_tokens)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -366,7 +369,41 @@ class LLMEngine:
         except BaseException:  # refused (a full queue: a 429): its samples point back at it, a cycle to break
             group.release_samples()
             raise
+        if self._answer_entries is not None:
+            self._answer_entries = answer_entries
         return request_id
+
+    @contextlib.contextmanager
+    def one_answer(self) -> Iterator[None]:
+        """The requests added inside are the prompts of one answer (one API request): their logprob entries count
+        together against ``max_logprob_entries``."""
+        self._answer_entries = 0
+        try:
+            yield
+        finally:
+            self._answer_entries = None
+
+    def _check_logprob_entries(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The logprob entries of the answer so far with this prompt's (per sample: each prompt token's with its
+        ``prompt_logprobs`` alternatives, each generated token's with its ``logprobs`` ones); InvalidParameterError
+        past ``max_logprob_entries``: a response body built from them (prompt logprobs repeated in each choice)
+        could take gigabytes for a request of kilobytes."""
+        per_sample = 0
+        if params.prompt_logprobs is not None:
+            per_sample += num_prompt_tokens * (params.prompt_logprobs + 1)
+        if params.logprobs is not None:
+            per_sample += params.max_tokens * (params.logprobs + 1)
+        entries = (self._answer_entries or 0) + params.n * per_sample
+        limit = self.config.max_logprob_entries
+        if limit is not None and entries > limit:
+            param = "logprobs" if params.logprobs is not None else "prompt_logprobs"
+            raise InvalidParameterError(
+                param,
+                f"the answer would carry {entries} logprob entries (samples x tokens x (alternatives + 1), "
+                f"prompts included), the limit is {limit} (max_logprob_entries); ask for fewer alternatives, "
+                "tokens or samples",
+            )
+        return entries
 
     def _check_token_params(self, params: SamplingParams) -> None:
         """The token ids in ``params`` are in the vocabulary, and ``allowed_token_ids`` leaves a token to sample

@@ -449,17 +449,18 @@ class EngineCore:
         full collection."""
         added: list[str] = []
         try:
-            for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
-                self.engine.add_request(
-                    prompt,
-                    command.params,
-                    request_id,
-                    command.arrival_time,
-                    context=command.context,
-                    return_state=command.return_state,
-                    grammar=grammar,
-                )
-                added.append(request_id)
+            with self.engine.one_answer():
+                for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+                    self.engine.add_request(
+                        prompt,
+                        command.params,
+                        request_id,
+                        command.arrival_time,
+                        context=command.context,
+                        return_state=command.return_state,
+                        grammar=grammar,
+                    )
+                    added.append(request_id)
         except Exception as err:  # all or none: roll back the prompts already added, report the error
             for request_id in added:
                 self.engine.abort_request(request_id)
