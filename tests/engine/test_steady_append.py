@@ -306,6 +306,20 @@ def utf8_model(engine: LLMEngine) -> None:
     runner.prefill = text_prefill
 
 
+def opening_adds(eos: OutputKind, length: OutputKind, aborted: OutputKind, long: OutputKind) -> list[tuple]:
+    """The four requests a scripted run starts with, of the output kinds given: one that ends at EOS and one at
+    ``max_tokens`` (both returning their final states), one for the script to abort, and a long one (final state)."""
+    greedy = {"temperature": 0}
+    return [
+        ("add", "eos", [1, 2, 3], SamplingParams(**greedy, max_tokens=60, output_kind=eos), {"return_state": True}),
+        ("add", "length", [9, 8, 7, 6], SamplingParams(**greedy, max_tokens=25, ignore_eos=True, output_kind=length),
+         {"return_state": True}),
+        ("add", "aborted", [40, 41], SamplingParams(**greedy, max_tokens=60, ignore_eos=True, output_kind=aborted)),
+        ("add", "long", [70, 71, 72], SamplingParams(**greedy, max_tokens=70, ignore_eos=True, output_kind=long),
+         {"return_state": True}),
+    ]
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_a_steady_batch_per_batch_bookkeeping_gives_the_general_paths_outputs(
     async_scheduling: str, fake_clock: FakeClock
@@ -316,16 +330,7 @@ def test_a_steady_batch_per_batch_bookkeeping_gives_the_general_paths_outputs(
     stop string, over multi-byte UTF-8 text; the final states (from ``num_fed``) and metrics alike."""
     stream, final = OutputKind.DELTA, OutputKind.FINAL_ONLY
     script = {
-        0: [
-            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=final),
-             {"return_state": True}),
-            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
-                                                           output_kind=stream), {"return_state": True}),
-            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
-                                                        output_kind=stream)),
-            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
-                                                         output_kind=final), {"return_state": True}),
-        ],
+        0: opening_adds(final, stream, stream, final),
         9: [("abort", "aborted")],
         14: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2,
                                                          output_kind=stream))],
@@ -358,16 +363,7 @@ def test_a_final_only_batch_keeps_its_tokens_for_the_batch_until_they_are_read(
     over the samples, a sample's end) gets what the general path gives, as do the outputs and metrics."""
     final = OutputKind.FINAL_ONLY
     script = {
-        0: [
-            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=final),
-             {"return_state": True}),
-            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
-                                                           output_kind=final), {"return_state": True}),
-            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
-                                                        output_kind=final)),
-            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
-                                                         output_kind=final), {"return_state": True}),
-        ],
+        0: opening_adds(final, final, final, final),
         12: [("abort", "aborted")],
         # min_tokens past EOS's position: the sampler reads its token count every step (EOS is banned there)
         30: [("add", "joins", [100, 101], SamplingParams(temperature=0, max_tokens=50, min_tokens=45, n=2,
@@ -408,16 +404,7 @@ def test_a_batch_of_streams_keeps_its_steps_texts_for_the_batch(
     ``min_tokens`` check, a final state, an abort, an end) settles them first: every output is the general path's."""
     stream = OutputKind.DELTA
     script = {
-        0: [
-            ("add", "eos", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, output_kind=stream),
-             {"return_state": True}),
-            ("add", "length", [9, 8, 7, 6], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
-                                                           output_kind=stream), {"return_state": True}),
-            ("add", "aborted", [40, 41], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
-                                                        output_kind=stream)),
-            ("add", "long", [70, 71, 72], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True,
-                                                         output_kind=stream), {"return_state": True}),
-        ],
+        0: opening_adds(stream, stream, stream, stream),
         10: [("abort", "aborted")],
         44: [("add", "cumulative", [5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                           output_kind=OutputKind.CUMULATIVE))],

@@ -30,25 +30,45 @@ def assert_same_nonfinite(got: torch.Tensor, expected: torch.Tensor, tol: float,
         torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=tol * scale)
 
 
-@pytest.mark.parametrize("stream_dtype", [torch.float16, torch.float32])
-@torch.inference_mode()
-def test_mamba_stack_rounds_the_conv_output_before_its_silu(triton_on_cpu, monkeypatch, stream_dtype) -> None:
-    """fp16 weights and an fp32 conv bias of -7e4 in two channels: the conv's output is -inf in fp16, and the
-    op-by-op step's SiLU of it NaN, which reaches the SSM state and the output. The stack took the SiLU of the fp32
-    conv output (-0 there) and rounded after it, so those channels stayed finite."""
+def run_mamba_stack(args: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The Triton Mamba-1 decode stack on ``args`` (its pools updated in place) and the reference on copies of the
+    pools: ``(out, expected, reference pools)``."""
     from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
 
-    monkeypatch.setattr(mamba1_cases, "LAYERS", 1)
-    args = mamba1_cases.stack_args(torch.float16, 2, True, stream_dtype)
-    layer = list(args["layers"][0])
-    layer[3][[5, 40]] = -7e4
-    args["layers"][0] = tuple(layer)
     ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
     out = mamba_decode_stack_triton(args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"],
                                     args["conv_pool"], args["ssm_pool"], args["slot_ids"])
     expected = mamba1_cases.reference_stack(args["normed"], args["stream"], args["norm_weights"], args["eps"],
                                             args["layers"], ref_pools["conv_pool"], ref_pools["ssm_pool"],
                                             args["slot_ids"])
+    return out, expected, ref_pools
+
+
+def run_mamba2_stack(args: dict, normed: torch.Tensor, stream: torch.Tensor, eps: float,
+                     dt_limits: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The Triton Mamba-2 decode stack and its reference, as :func:`run_mamba_stack`."""
+    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
+
+    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
+    out = mamba2_decode_stack_triton(normed, stream, args["norm_weights"], eps, args["layers"], args["conv_pool"],
+                                     args["ssm_pool"], args["slot_ids"], mamba2_cases.GROUPS, eps, dt_limits)
+    expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
+                                            ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
+    return out, expected, ref_pools
+
+
+@pytest.mark.parametrize("stream_dtype", [torch.float16, torch.float32])
+@torch.inference_mode()
+def test_mamba_stack_rounds_the_conv_output_before_its_silu(triton_on_cpu, monkeypatch, stream_dtype) -> None:
+    """fp16 weights and an fp32 conv bias of -7e4 in two channels: the conv's output is -inf in fp16, and the
+    op-by-op step's SiLU of it NaN, which reaches the SSM state and the output. The stack took the SiLU of the fp32
+    conv output (-0 there) and rounded after it, so those channels stayed finite."""
+    monkeypatch.setattr(mamba1_cases, "LAYERS", 1)
+    args = mamba1_cases.stack_args(torch.float16, 2, True, stream_dtype)
+    layer = list(args["layers"][0])
+    layer[3][[5, 40]] = -7e4
+    args["layers"][0] = tuple(layer)
+    out, expected, ref_pools = run_mamba_stack(args)
     assert_same_nonfinite(args["ssm_pool"], ref_pools["ssm_pool"], 1e-2)
     assert_same_nonfinite(out, expected, 3e-2)
 
@@ -59,19 +79,13 @@ def test_mamba2_stack_keeps_a_nan_step_size(triton_on_cpu, monkeypatch, dt_limit
     """A NaN in one head's ``dt_bias``: torch's clamp keeps the NaN step size, so the head's state and (through
     the group norm) the output are NaN. The stack's ``tl.maximum`` / ``tl.minimum`` took NaN as the lower bound,
     and the head kept its state and gave finite outputs."""
-    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
-
     monkeypatch.setattr(mamba2_cases, "LAYERS", 1)
     args = mamba2_cases.stack_args(torch.float32, 2, True)
     args["layers"][0][4][1] = float("nan")
     g = torch.Generator().manual_seed(9)
     normed, stream = (torch.randn(2, mamba2_cases.D_MODEL, generator=g) for _ in range(2))
-    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
     eps = 1e-5
-    out = mamba2_decode_stack_triton(normed, stream, args["norm_weights"], eps, args["layers"], args["conv_pool"],
-                                     args["ssm_pool"], args["slot_ids"], mamba2_cases.GROUPS, eps, dt_limits)
-    expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
-                                            ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
+    out, expected, ref_pools = run_mamba2_stack(args, normed, stream, eps, dt_limits)
     assert_same_nonfinite(args["ssm_pool"], ref_pools["ssm_pool"], 1e-4)
     assert_same_nonfinite(out, expected, 1e-4)
 
@@ -81,20 +95,14 @@ def test_mamba2_stack_gates_y_by_silu_z_in_the_references_order(triton_on_cpu, m
     """An in_proj weight of 1e30 in a z row (channel 21) and in a C row: ``y`` and ``z`` of ~1e30. The reference
     gates ``y * silu(z)``; the stack computed ``(y * z) * sigmoid(z)``, whose ``y * z`` overflowed to inf, and the
     group norm (``inf * rsqrt(inf)``) made the output NaN where the reference's is finite."""
-    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
-
     monkeypatch.setattr(mamba2_cases, "LAYERS", 1)
     args = mamba2_cases.stack_args(torch.float32, 2, True)
     args["layers"][0][0][21, 13] = 1e30
     args["layers"][0][0][295, 24] = 1e30
     g = torch.Generator().manual_seed(99)
     normed, stream = (torch.randn(2, mamba2_cases.D_MODEL, generator=g) for _ in range(2))
-    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
     eps, dt_limits = 1e-5, (0.0, math.inf)
-    out = mamba2_decode_stack_triton(normed, stream, args["norm_weights"], eps, args["layers"], args["conv_pool"],
-                                     args["ssm_pool"], args["slot_ids"], mamba2_cases.GROUPS, eps, dt_limits)
-    expected = mamba2_cases.reference_stack(normed, stream, args["norm_weights"], eps, args["layers"],
-                                            ref_pools["conv_pool"], ref_pools["ssm_pool"], args["slot_ids"], dt_limits)
+    out, expected, _ = run_mamba2_stack(args, normed, stream, eps, dt_limits)
     assert_same_nonfinite(out, expected, 1e-4, has_nan=False)
 
 
@@ -103,18 +111,11 @@ def test_mamba_stack_gates_y_by_silu_z_in_the_references_order(triton_on_cpu, mo
     """Channel 7's state rows of 1e30 and an in_proj bias of -1e30 on its ``z`` row: ``y`` ~ 1e30 and
     ``z`` = -1e30. The reference gates ``y * silu(z)`` = ``y * -0`` (0); the stack computed ``(y * z) * sigmoid(z)``,
     whose ``y * z`` overflowed, and ``inf * 0`` was NaN in that channel and, through out_proj, in every output."""
-    from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
-
     monkeypatch.setattr(mamba1_cases, "LAYERS", 1)
     args = mamba1_cases.stack_args(torch.float32, 2, True, torch.float32)
     args["layers"][0][1][mamba1_cases.D_INNER + 7] = -1e30
     args["ssm_pool"][args["slot_ids"], 0, 7] = 1e30
-    ref_pools = {name: args[name].clone() for name in ("conv_pool", "ssm_pool")}
-    out = mamba_decode_stack_triton(args["normed"], args["stream"], args["norm_weights"], args["eps"], args["layers"],
-                                    args["conv_pool"], args["ssm_pool"], args["slot_ids"])
-    expected = mamba1_cases.reference_stack(args["normed"], args["stream"], args["norm_weights"], args["eps"],
-                                            args["layers"], ref_pools["conv_pool"], ref_pools["ssm_pool"],
-                                            args["slot_ids"])
+    out, expected, _ = run_mamba_stack(args)
     assert_same_nonfinite(out, expected, 1e-4, has_nan=False)
 
 
