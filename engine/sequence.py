@@ -197,6 +197,12 @@ class Sequence:
         if len(self._text) > TEXT_TAIL_CHARS + self._stop_reach:
             self._freeze()
 
+    def _add_text(self, text: str) -> None:
+        """Append decoded text (a steady batch's kept steps), freezing the text's head once it grows long."""
+        self._text += text
+        if len(self._text) > TEXT_TAIL_CHARS + self._stop_reach:
+            self._freeze()
+
     def _freeze(self) -> None:
         """Move the text a stop string can no longer reach (all but the last ``_stop_reach`` characters: a
         match in progress is shorter than its stop string) from ``_text`` to ``_frozen``."""
@@ -335,9 +341,7 @@ class SteadyAppend:
             if taken:
                 seq._emitted_text += len(text) if taken == len(pieces) else len("".join(pieces[:taken]))
                 seq._emitted_tokens += taken
-            seq._text += text
-            if len(seq._text) > TEXT_TAIL_CHARS + seq._stop_reach:
-                seq._freeze()
+            seq._add_text(text)
 
     def take_kept(self) -> tuple[list[str], list[list[int]]]:
         """Streams whose samples had all emitted what they held (``emitted_all``): each sample's delta, its text and
@@ -405,9 +409,7 @@ class SteadyAppend:
         index = len(texts)
         for seq, token, text in zip(self.seqs, token_ids, texts, strict=False):  # the first len(texts)
             seq._output.append(token)
-            seq._text += text
-            if len(seq._text) > TEXT_TAIL_CHARS + seq._stop_reach:
-                seq._freeze()
+            seq._add_text(text)
         self.seqs[index]._output.append(token_ids[index])
         raise SteadyAppendError(index, error) from error
 
@@ -418,9 +420,7 @@ def take_stream_deltas(seqs: list[Sequence], handles: list[int], column: list[An
     (``handles``: one per sample). A sample without stop strings holds no text back: its delta is all of its text
     and tokens past what it emitted, sliced here without a call per sample."""
     for seq, handle in zip(seqs, handles, strict=True):
-        appender = seq._appender
-        if appender is not None and appender.steps:  # a steady batch's kept steps go into its samples first
-            appender.settle()
+        seq._settle()  # a steady batch's kept steps go into its samples first
         if seq._stop_matched:  # stop strings: what may start one is held back
             column.append(handle)
             column += seq.take_delta()
