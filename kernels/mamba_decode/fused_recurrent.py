@@ -87,6 +87,25 @@ def wait_for_previous_kernel():
 
 
 @triton.jit
+def grid_barrier(counter_ptr, arrivals):
+    """Wait until the int32 counter at ``counter_ptr`` reaches ``arrivals`` after adding this program's arrival.
+
+    A grid-wide barrier for a persistent launch, whose programs must all be resident at once (a grid of at most
+    one program per SM where one fits): every program passes the same barriers in the same order, the k-th with
+    ``arrivals = k * num_programs``, on a counter zeroed before the launch. The arrival is a release and the wait
+    an acquire at GPU scope, each program's threads meeting before and after, so what any program stored before
+    the barrier is what every program loads after it, provided those loads bypass L1 (``cache_modifier=".cg"``:
+    L1 is not coherent between SMs). Not for the interpreter, which runs programs one after another.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    count = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while count < arrivals:
+        count = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the line of each address in ``ptrs`` (valid addresses; lanes of a warp that share a line make
     one request). Inline PTX: only where the stacks launch with programmatic dependent launch (not the
