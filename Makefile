@@ -52,7 +52,8 @@ gpu-bench:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_bench.py $(ARGS)
 
 # A machine lent for minutes: the wheels from .gpu-wheels, the gpu-marked tests, gpu-bench for issue 14's models and
-# a batch-1 sweep of the decode stacks, each part time-limited, logs in $$OUT (scripts/gpu_check.sh).
+# a batch-1 sweep of the decode stacks and a profile of the host loop at batch 256, each part time-limited, logs in
+# $$OUT (scripts/gpu_check.sh).
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 

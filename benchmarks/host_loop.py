@@ -125,7 +125,7 @@ def bench_preset(preset: str, args: argparse.Namespace, device: torch.device, dt
         profile = cProfile.Profile()
         profile.runcall(lambda: [engine.step() for _ in range(args.steps)])
         print(f"\n{preset}, {kinds[0].value}: where {args.steps} engine steps spend their time")
-        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         for request_id in ids:
             engine.abort_request(request_id)
     return rows
@@ -144,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="also print where the first kind's steps go")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -137,14 +137,14 @@ def test_gpu_check_script_runs_each_part_to_its_log(tmp_path: Path):
     # Without a GPU every part must get as far as the device check: the script's flags all parse, the tests
     # collect (and skip), and each part's status and log reach $OUT.
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "TESTS_S": "600", "BENCH_S": "300",
-           "TUNE_S": "300"}
+           "TUNE_S": "300", "HOST_S": "120"}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
                             timeout=1500, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tune.log", "device.txt", "gpu-bench.log",
-                                                          "gpu-tests.log"]
+                                                          "gpu-tests.log", "host-loop.log"]
     assert "gpu-tests: exit 0 " in result.stdout and " skipped" in (tmp_path / "gpu-tests.log").read_text()
-    for part in ("gpu-bench", "decode-tune"):
+    for part in ("gpu-bench", "decode-tune", "host-loop"):
         assert f"{part}: exit 2 " in result.stdout, result.stdout
         log = (tmp_path / f"{part}.log").read_text()
         assert "error: no CUDA device" in log and "unrecognized arguments" not in log, log
