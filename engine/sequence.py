@@ -310,8 +310,7 @@ class SteadyAppend:
         self.texts: list[list[str]] = []
         # Streams' texts: each step's from one look-up per token (``Tokenizer.plain_texts``), where the tokenizer
         # has plain texts, pushed into a sample's decoder only where its token has none or the decoder does not take
-        # plain texts now (``pushed``: those samples, by position). A decoder that took plain texts follows them
-        # (``StreamDecoder.follow``) before its next push, and when the batch settles.
+        # plain texts now (``pushed``: those samples, by position; see ``StreamDecoder.takes_plain``).
         self.decoders = [s._detokenizer for s in seqs] if self.streaming else []
         self.plain_texts = self.decoders[0].tokenizer.plain_texts if self.decoders else None
         self.pushed = {i for i, decoder in enumerate(self.decoders) if not decoder.takes_plain}
@@ -348,17 +347,6 @@ class SteadyAppend:
                 seq._emitted_text += len(text) if taken == len(pieces) else len("".join(pieces[:taken]))
                 seq._emitted_tokens += taken
             seq._add_text(text)
-        self._follow(steps[-1])
-
-    def _follow(self, last: list[int]) -> None:
-        """The decoders that may have taken plain texts follow their samples' latest tokens ``last`` (of the first
-        ``len(last)`` samples, in their order)."""
-        if self.plain_texts is None:
-            return
-        pushed = self.pushed
-        for index, (decoder, token) in enumerate(zip(self.decoders, last, strict=False)):
-            if index not in pushed:
-                decoder.follow(token)
 
     def take_kept(self) -> tuple[list[list[int]], list[list[str]]]:
         """Streams whose samples had all emitted what they held (``emitted_all``): the kept steps not taken yet, their
@@ -427,11 +415,8 @@ class SteadyAppend:
         pushed = self.pushed
         if not pushed and None not in texts:  # the usual step: no decoder pushed
             return texts  # type: ignore[return-value]
-        previous = self.steps[-1] if self.steps else None  # the tokens the decoders that took plain texts follow
         for index in sorted(pushed.union(i for i, text in enumerate(texts) if text is None)):
             decoder = self.decoders[index]
-            if index not in pushed and previous is not None:
-                decoder.follow(previous[index])
             try:
                 texts[index] = decoder.push(token_ids[index])
             except Exception as err:
@@ -450,7 +435,6 @@ class SteadyAppend:
         for seq, token, text in zip(self.seqs[:index], token_ids, texts, strict=False):
             seq._output.append(token)
             seq._add_text(text)
-        self._follow(token_ids[:index])
         self.seqs[index]._output.append(token_ids[index])
         raise SteadyAppendError(index, error) from error
 

@@ -397,13 +397,11 @@ class StreamDecoder:
     @property
     def takes_plain(self) -> bool:
         """Whether :meth:`push` would give the next token's plain text (``Tokenizer.plain_texts``), where it has
-        one: a caller may then take that text instead of pushing, and tells the decoder with :meth:`follow`."""
+        one: a caller may then take that text instead of pushing, and the decoder needs no word of it. A plain text
+        is what the token adds after any text that ends with a whole character, so the decoder gives the tokens
+        pushed after it the same texts whether it saw it or not (it decodes them after the text it holds, which ends
+        with a whole character too)."""
         return False
-
-    def follow(self, token_id: int) -> None:
-        """Catch up with tokens given out as their plain texts without :meth:`push` (while :attr:`takes_plain`),
-        before the next push: ``token_id`` is the stream's latest token, pushed or not (a token without a plain text
-        always is), and the decoder is left as pushing the tokens would have left it."""
 
 
 class Utf8StreamDecoder(StreamDecoder):
@@ -492,11 +490,6 @@ class HFStreamDecoder(StreamDecoder):
     @property
     def takes_plain(self) -> bool:
         return self._anchored and not self._held
-
-    def follow(self, token_id: int) -> None:
-        if self.tokenizer.plain_text(token_id) is not None:  # type: ignore[attr-defined]  # else it was pushed
-            self._context = [token_id]  # as push leaves it after a token with a plain text
-            self._stale = True
 
     def _restart(self) -> str | None:
         """A new stream from the held tokens alone, when a token changed text already given out: a byte-fallback

@@ -16,7 +16,8 @@ from its requests (:class:`OutputEncoder` / :class:`OutputDecoder`: no output ob
 several times cheaper to pickle than dataclasses, which matters at a few hundred outputs per step), each
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
 once per generated token, and a stream's outputs between its first and its last as columns: one flat list per
-server of each stream's handle, text and token ids, built in one pass over the step's requests. The loop
+server of each stream's handle, text and token ids, built in one pass over the step's requests, or, for a steady
+batch's streams, one block per server of the batch's kept steps as it kept them (no list per stream). The loop
 posts a step's outputs only while the server has handled all but one of those it posted before
 (:class:`EngineCore`), so a busy server gets fewer, larger messages; with several servers each has that window
 of its own (:class:`ServerLinks`), so one that stalls holds back its own requests' outputs only.
@@ -78,7 +79,9 @@ logger = logging.getLogger("rnnserve.engine")
 Prompt = str | list[int]
 OutputRow = tuple  # one RequestOutput as plain data (see OutputEncoder)
 # The compact outputs of a step per server (None: requests without one, as outside an engine process): for each
-# stream, its handle, text delta and new token ids, one after the other in one flat list (see OutputEncoder)
+# stream, its handle, text delta and new token ids, one after the other in one flat list, where a steady batch's
+# streams take three entries together: their handles, the kept steps' token lists and their text lists (see
+# OutputEncoder)
 DeltaColumns = dict[int | None, list[Any]]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
@@ -647,7 +650,10 @@ class OutputEncoder:
     the rest from what it kept. They are built all at once (:meth:`take_deltas`, ``bulk`` of
     ``LLMEngine.collect``) into columns, one flat list per server (``owners``: request id -> its server) of
     ``handle, text, token_ids`` after one another, where the handle is a number the request's first full row
-    gave it: no tuple or request id per output, and one pass over the step's requests that routes them too."""
+    gave it: no tuple or request id per output, and one pass over the step's requests that routes them too. The
+    streams of a steady batch whose steps it keeps for the batch (``SteadyAppend``) take no pass at all: their
+    outputs are one block per server, ``handles, token_steps, text_steps``, each step's lists as the batch kept
+    them (:meth:`StreamPlan._take_kept`)."""
 
     def __init__(self, owners: dict[str, int] | None = None) -> None:
         self.owners = owners if owners is not None else {}
