@@ -12,7 +12,8 @@ model call, sampling and appending the tokens, where the checkout has those meth
 posting them), and the median of the paired ratios ``this / base``.
 
 ``--tokenizer bpe`` serves the streams' text through a byte-level BPE trained here on a little English text
-(what a Hugging Face tokenizer's detokenization costs) instead of the preset's byte tokenizer.
+(what a Hugging Face tokenizer's detokenization costs) instead of the preset's byte tokenizer; either way each
+stream's tokens are of printable ASCII text.
 
 Each checkout runs in a worker process of its own that imports from it. The workers take turns, ``--chunk``
 steps at a time, the order alternating, so a machine whose speed drifts (these do, by 30% within minutes)
@@ -39,7 +40,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = list(range(1, 17))
-PRINTABLE = slice(32, 127)  # the byte tokens the free model's greedy streams emit
 # (label, attribute path from the engine, method) of the parts of a step timed where the checkout has them
 STEP_PARTS = [("schedule", "scheduler", "schedule"), ("model call", "runner", "decode"),
               ("sample", "", "_sample"), ("append tokens", "scheduler", "postprocess")]  # fmt: skip
@@ -65,13 +65,16 @@ def bpe_tokenizer(vocab_size: int) -> Any:
         return HFTokenizer(path)
 
 
-def printable_logits(rows: int, vocab: int) -> Any:
-    """Prebuilt logits ``[rows, vocab]`` whose argmax is a printable ASCII byte in every row: each stream's text is
-    printable, as a byte-level model's mostly is."""
+def printable_logits(rows: int, vocab: int, tokenizer: Any) -> Any:
+    """Prebuilt logits ``[rows, vocab]`` whose argmax in every row is a token of printable ASCII text: each stream's
+    text is printable, as English text is (a byte tokenizer's bytes 32-126; a BPE's tokens of such bytes, merges
+    included: its other ids of the bytes 32-126 are pieces of characters, a stream of which never decodes)."""
     import torch
 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
-    logits[:, PRINTABLE] += 8.0
+    printable = [token for token in range(min(vocab, tokenizer.vocab_size))
+                 if (text := tokenizer.token_bytes(token)) and all(32 <= byte < 127 for byte in text)]  # fmt: skip
+    logits[:, printable] += 8.0
     return logits
 
 
@@ -121,7 +124,7 @@ def worker(checkout: str, preset: str, batch: int, chunk: int, output_kind: str,
                           enable_prefix_cache=False, async_scheduling="on")  # fmt: skip
     engine = LLMEngine(model, tokenizer, config)
     freeze_startup_heap()
-    model.decode = free_decode(printable_logits(batch, model.vocab_size))
+    model.decode = free_decode(printable_logits(batch, model.vocab_size, tokenizer))
     totals: dict[str, float] = {}
     for label, owner, name in [*STEP_PARTS, ("engine step", "", "step"), ("collect", "", "collect")]:
         target = getattr(engine, owner) if owner else engine

@@ -308,7 +308,12 @@ class SteadyAppend:
         # the kept steps' tokens and (streams) texts, in the samples' order, not in the samples yet
         self.steps: list[list[int]] = []
         self.texts: list[list[str]] = []
-        self.pushes = [s._detokenizer.push for s in seqs] if self.streaming else []
+        # Streams' texts: each step's from one look-up per token (``Tokenizer.plain_texts``), where the tokenizer
+        # has plain texts, pushed into a sample's decoder only where its token has none or the decoder does not take
+        # plain texts now (``pushed``: those samples, by position; see ``StreamDecoder.takes_plain``).
+        self.decoders = [s._detokenizer for s in seqs] if self.streaming else []
+        self.plain_texts = self.decoders[0].tokenizer.plain_texts if self.decoders else None
+        self.pushed = {i for i, decoder in enumerate(self.decoders) if not decoder.takes_plain}
         # Streams: how many of the kept steps :meth:`take_kept` took, and whether every sample had emitted all it
         # held before the first kept step (its emitted positions at its end): only then are the kept steps' texts
         # and tokens its delta.
@@ -343,15 +348,12 @@ class SteadyAppend:
                 seq._emitted_tokens += taken
             seq._add_text(text)
 
-    def take_kept(self) -> tuple[list[str], list[list[int]]]:
-        """Streams whose samples had all emitted what they held (``emitted_all``): each sample's delta, its text and
-        its tokens, of the kept steps not taken yet (what ``Sequence.take_delta`` would give, without settling),
-        marked as taken."""
+    def take_kept(self) -> tuple[list[list[int]], list[list[str]]]:
+        """Streams whose samples had all emitted what they held (``emitted_all``): the kept steps not taken yet, their
+        tokens and their texts, each step's in the samples' order (a sample's delta, what ``Sequence.take_delta``
+        would give, is its tokens and its texts joined, without settling), marked as taken."""
         start, self.taken = self.taken, len(self.steps)
-        if len(self.steps) - start == 1:
-            return self.texts[-1], [[token] for token in self.steps[-1]]
-        texts = ["".join(pieces) for pieces in zip(*self.texts[start:], strict=True)]
-        return texts, [list(tokens) for tokens in zip(*self.steps[start:], strict=True)]
+        return self.steps[start:], self.texts[start:]
 
     def end(self) -> None:
         """The batch ends (its samples change): its samples take their tokens and texts and leave it."""
@@ -379,12 +381,7 @@ class SteadyAppend:
             self.steps.append(token_ids)
             return True
         if self.streaming:
-            texts: list[str] = []
-            try:
-                for push, token in zip(self.pushes, token_ids, strict=True):
-                    texts.append(push(token))
-            except Exception as err:
-                self._append_failed(token_ids, texts, err)
+            texts = self._stream_texts(token_ids)
             self.steps.append(token_ids)
             self.texts.append(texts)
             return True
@@ -402,12 +399,40 @@ class SteadyAppend:
             raise SteadyAppendError(self.seqs.index(seq), err) from err
         return True
 
-    def _append_failed(self, token_ids: list[int], texts: list[str], error: Exception) -> NoReturn:
-        """A stream's decoder raised on its token: the samples before it take their tokens and texts, it its token
-        (as ``append_token`` leaves it), the others nothing; :class:`SteadyAppendError` says which."""
+    def _stream_texts(self, token_ids: list[int]) -> list[str]:
+        """The text each stream's decoder gives for its token (``token_ids`` in the samples' order): its plain text
+        where the tokenizer has one and the decoder takes it, else what pushing the token gives. A decoder that
+        raises ends it (:meth:`_append_failed`)."""
+        texts = self.plain_texts(token_ids) if self.plain_texts is not None else None
+        if texts is None:
+            texts = []
+            try:
+                for decoder, token in zip(self.decoders, token_ids, strict=True):
+                    texts.append(decoder.push(token))
+            except Exception as err:
+                self._append_failed(token_ids, texts, len(texts), err)
+            return texts
+        pushed = self.pushed
+        if not pushed and None not in texts:  # the usual step: no decoder pushed
+            return texts  # type: ignore[return-value]
+        for index in sorted(pushed.union(i for i, text in enumerate(texts) if text is None)):
+            decoder = self.decoders[index]
+            try:
+                texts[index] = decoder.push(token_ids[index])
+            except Exception as err:
+                self._append_failed(token_ids, texts, index, err)  # type: ignore[arg-type]
+            if decoder.takes_plain:
+                pushed.discard(index)
+            else:
+                pushed.add(index)
+        return texts  # type: ignore[return-value]
+
+    def _append_failed(self, token_ids: list[int], texts: list[str], index: int, error: Exception) -> NoReturn:
+        """Sample ``index``'s decoder raised on its token: the samples before it take their tokens and texts
+        (``texts``), it its token (as ``append_token`` leaves it), the others nothing; :class:`SteadyAppendError` says
+        which."""
         self.settle()
-        index = len(texts)
-        for seq, token, text in zip(self.seqs, token_ids, texts, strict=False):  # the first len(texts)
+        for seq, token, text in zip(self.seqs[:index], token_ids, texts, strict=False):
             seq._output.append(token)
             seq._add_text(text)
         self.seqs[index]._output.append(token_ids[index])

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 ASCII = [chr(i) for i in range(128)]  # the text of each ASCII byte, built once
+PLAIN_BYTES: list[str | None] = [*ASCII, *[None] * 128]  # a byte token's plain text: ASCII bytes only
 MISSING = object()
 
 
@@ -79,6 +80,13 @@ class Tokenizer:
         split characters override it."""
         return StreamDecoder(self)
 
+    def plain_texts(self, token_ids: list[int]) -> list[str | None] | None:
+        """Each token's plain text, ``None`` where it has none: what a stream decoder that :attr:`takes_plain
+        <StreamDecoder.takes_plain>` gives for it, whatever the tokens before it were, so that a whole batch of
+        streams' texts come from one look-up each, not one push each. ``None`` from tokenizers whose decoders are
+        always pushed (this default)."""
+        return None
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus special tokens from 256 on (``<|endoftext|>`` = 256 is EOS)."""
@@ -104,6 +112,13 @@ class ByteTokenizer(Tokenizer):
 
     def stream_decoder(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> StreamDecoder:
         return Utf8StreamDecoder(self)
+
+    def plain_texts(self, token_ids: list[int]) -> list[str | None]:
+        """ASCII bytes are their characters (after whole characters); other ids have no plain text."""
+        try:
+            return list(map(PLAIN_BYTES.__getitem__, token_ids))
+        except IndexError:  # ids beyond the bytes (specials, a padded vocabulary)
+            return [PLAIN_BYTES[t] if 0 <= t < 256 else None for t in token_ids]
 
 
 class TokenIdTokenizer(Tokenizer):
@@ -275,6 +290,18 @@ class HFTokenizer(Tokenizer):
             self._plain_texts[token_id] = text
         return text
 
+    def plain_texts(self, token_ids: list[int]) -> list[str | None] | None:
+        """:meth:`plain_text` of each token, from its cache in one pass; ``None`` where the decoder does not append
+        token by token."""
+        if not self._anchor_text:
+            return None
+        texts = list(map(self._plain_texts.get, token_ids))
+        if None in texts:  # not cached yet, or no plain text
+            for index, text in enumerate(texts):
+                if text is None:
+                    texts[index] = self.plain_text(token_ids[index])
+        return texts
+
     def to_json(self) -> str:
         """The tokenizer serialised as ``tokenizer.json``."""
         return self._tok.to_str()
@@ -367,6 +394,15 @@ class StreamDecoder:
         """Whatever is still held, at the end of a sequence."""
         return ""
 
+    @property
+    def takes_plain(self) -> bool:
+        """Whether :meth:`push` would give the next token's plain text (``Tokenizer.plain_texts``), where it has
+        one: a caller may then take that text instead of pushing, and the decoder needs no word of it. A plain text
+        is what the token adds after any text that ends with a whole character, so the decoder gives the tokens
+        pushed after it the same texts whether it saw it or not (it decodes them after the text it holds, which ends
+        with a whole character too)."""
+        return False
+
 
 class Utf8StreamDecoder(StreamDecoder):
     """Byte tokens through Python's incremental UTF-8 decoder: a character split across tokens comes out whole,
@@ -390,6 +426,10 @@ class Utf8StreamDecoder(StreamDecoder):
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+    @property
+    def takes_plain(self) -> bool:
+        return not self._utf8.buffer  # outside a character (pushing ASCII bytes then changes nothing)
 
 
 class HFStreamDecoder(StreamDecoder):
@@ -446,6 +486,10 @@ class HFStreamDecoder(StreamDecoder):
         self._context, self._held = self._held, []
         self._anchored = True
         return delta
+
+    @property
+    def takes_plain(self) -> bool:
+        return self._anchored and not self._held
 
     def _restart(self) -> str | None:
         """A new stream from the held tokens alone, when a token changed text already given out: a byte-fallback

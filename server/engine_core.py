@@ -16,7 +16,8 @@ from its requests (:class:`OutputEncoder` / :class:`OutputDecoder`: no output ob
 several times cheaper to pickle than dataclasses, which matters at a few hundred outputs per step), each
 carrying its request's prompt (ids, text, prompt logprobs) only the first time, so a long prompt is not pickled
 once per generated token, and a stream's outputs between its first and its last as columns: one flat list per
-server of each stream's handle, text and token ids, built in one pass over the step's requests. The loop
+server of each stream's handle, text and token ids, built in one pass over the step's requests, or, for a steady
+batch's streams, one block per server of the batch's kept steps as it kept them (no list per stream). The loop
 posts a step's outputs only while the server has handled all but one of those it posted before
 (:class:`EngineCore`), so a busy server gets fewer, larger messages; with several servers each has that window
 of its own (:class:`ServerLinks`), so one that stalls holds back its own requests' outputs only.
@@ -78,7 +79,9 @@ logger = logging.getLogger("rnnserve.engine")
 Prompt = str | list[int]
 OutputRow = tuple  # one RequestOutput as plain data (see OutputEncoder)
 # The compact outputs of a step per server (None: requests without one, as outside an engine process): for each
-# stream, its handle, text delta and new token ids, one after the other in one flat list (see OutputEncoder)
+# stream, its handle, text delta and new token ids, one after the other in one flat list, where a steady batch's
+# streams take three entries together: their handles, the kept steps' token lists and their text lists (see
+# OutputEncoder)
 DeltaColumns = dict[int | None, list[Any]]
 T = TypeVar("T")
 EngineFactory = Callable[[EngineConfig], LLMEngine]
@@ -647,7 +650,10 @@ class OutputEncoder:
     the rest from what it kept. They are built all at once (:meth:`take_deltas`, ``bulk`` of
     ``LLMEngine.collect``) into columns, one flat list per server (``owners``: request id -> its server) of
     ``handle, text, token_ids`` after one another, where the handle is a number the request's first full row
-    gave it: no tuple or request id per output, and one pass over the step's requests that routes them too."""
+    gave it: no tuple or request id per output, and one pass over the step's requests that routes them too. The
+    streams of a steady batch whose steps it keeps for the batch (``SteadyAppend``) take no pass at all: their
+    outputs are one block per server, ``handles, token_steps, text_steps``, each step's lists as the batch kept
+    them (:meth:`StreamPlan._take_kept`)."""
 
     def __init__(self, owners: dict[str, int] | None = None) -> None:
         self.owners = owners if owners is not None else {}
@@ -756,6 +762,9 @@ class StreamPlan:
             handles.append(handle)
             positions.append(position)
         self.by_server = list(by_server.items())
+        # per server: a function that picks its streams' entries out of a step's list (None: all are its), handles
+        self.picks = [(owner, position_picker(positions, len(self.seqs)), handles)
+                      for owner, (_, handles, positions) in self.by_server]  # fmt: skip
         self._batch: SteadyAppend | None = None  # the steady batch whose samples are ``seqs``, in their order
 
     def take(self, columns: DeltaColumns) -> None:
@@ -777,20 +786,31 @@ class StreamPlan:
             batch.emitted_all = True  # each of its samples, just now
 
     def _take_kept(self, batch: SteadyAppend, columns: DeltaColumns) -> None:
-        """The deltas of the steps ``batch`` kept, as ``handle, text, token_ids`` into each server's column."""
-        texts, tokens = batch.take_kept()
-        for owner, (_, handles, positions) in self.by_server:
-            if len(positions) != len(texts):  # several servers: this one's samples
-                texts_of, tokens_of = [texts[i] for i in positions], [tokens[i] for i in positions]
+        """The deltas of the steps ``batch`` kept, as one block ``handles, token_steps, text_steps`` into each
+        server's column: the steps' lists as the batch kept them, no list per stream (several servers: each
+        server's streams picked out of each step)."""
+        token_steps, text_steps = batch.take_kept()
+        for owner, pick, handles in self.picks:
+            if pick is not None:
+                token_steps_of, text_steps_of = list(map(pick, token_steps)), list(map(pick, text_steps))
             else:
-                texts_of, tokens_of = texts, tokens
-            outputs: list[Any] = [None] * (3 * len(handles))
-            outputs[0::3], outputs[1::3], outputs[2::3] = handles, texts_of, tokens_of
+                token_steps_of, text_steps_of = token_steps, text_steps
             column = columns.get(owner)
             if column is None:
-                columns[owner] = outputs
+                columns[owner] = [handles, token_steps_of, text_steps_of]
             else:
-                column += outputs
+                column += (handles, token_steps_of, text_steps_of)
+
+
+def position_picker(positions: list[int], size: int) -> Callable[[Sequence[T]], Sequence[T]] | None:
+    """A function that picks the entries at ``positions`` out of a list of ``size``, as a sequence (``None`` when
+    they are all of it, in order)."""
+    if len(positions) == size:
+        return None
+    if len(positions) == 1:
+        position = positions[0]
+        return lambda entries: (entries[position],)
+    return operator.itemgetter(*positions)
 
 
 @dataclass(slots=True)
@@ -841,16 +861,38 @@ class OutputDecoder:
             completions = [CompletionOutput(*fields) for fields in samples]
             outputs.append(RequestOutput(request_id, text, token_ids, completions, finished, metrics, error, logprobs,
                                          num_cached, final_state, error_param))  # fmt: skip
-        streams = self.streams
         column = iter(deltas)
-        for handle, text, token_ids in zip(column, column, column, strict=True):
-            known = streams[handle]
-            known.num_tokens += len(token_ids)
-            sample = CompletionOutput(0, text, token_ids, None, None, 0.0, text, token_ids, [], known.num_tokens)
+        streams = self.streams
+        for first, second, third in zip(column, column, column, strict=True):
+            if first.__class__ is not int:  # a block: handles, tokens per step, texts per step
+                self._decode_block(first, second, third, outputs)
+                continue
+            known = streams[first]  # one stream's: handle, text, token ids
+            known.num_tokens += len(third)
+            sample = CompletionOutput(0, second, third, None, None, 0.0, second, third, [], known.num_tokens)
             outputs.append(RequestOutput(known.request_id, known.prompt, known.prompt_token_ids, [sample], False,
                                          known.metrics, None, known.prompt_logprobs,
                                          known.num_cached_tokens))  # fmt: skip
         return outputs
+
+    def _decode_block(self, handles: Sequence[int], token_steps: Sequence[Sequence[int]],
+                      text_steps: Sequence[Sequence[str]], outputs: list[RequestOutput]) -> None:  # fmt: skip
+        """Append the outputs of a block of steady steps' compact deltas (:meth:`StreamPlan._take_kept`) to
+        ``outputs``: each stream's tokens and texts of the steps, in order."""
+        if len(token_steps) == 1:
+            texts: Sequence[str] = text_steps[0]
+            token_ids = [[token] for token in token_steps[0]]
+        else:
+            texts = list(map("".join, zip(*text_steps, strict=True)))
+            token_ids = list(map(list, zip(*token_steps, strict=True)))
+        streams = self.streams
+        for handle, text, tokens in zip(handles, texts, token_ids, strict=True):
+            known = streams[handle]
+            known.num_tokens += len(tokens)
+            sample = CompletionOutput(0, text, tokens, None, None, 0.0, text, tokens, [], known.num_tokens)
+            outputs.append(RequestOutput(known.request_id, known.prompt, known.prompt_token_ids, [sample], False,
+                                         known.metrics, None, known.prompt_logprobs,
+                                         known.num_cached_tokens))  # fmt: skip
 
     def decode_step(self, step: EncodedStep) -> list[RequestOutput]:
         """The outputs an :class:`EncodedStep` carries."""

@@ -80,7 +80,8 @@ def test_detokenizing_error_fails_only_its_request(
 ) -> None:
     """A tokenizer that raises on a stream's token fails that request alone, whether the token is appended on its
     own or with a steady batch's (then the samples before it in the batch keep their tokens, and those after it
-    get theirs)."""
+    get theirs). The victim's decoder takes no plain texts, so that a steady batch pushes it each token while it
+    takes the others' texts for the batch."""
     prompts = ["alpha", "victim", "gamma"]
     expected = reference(prompts)
     real_push = Utf8StreamDecoder.push
@@ -94,6 +95,9 @@ def test_detokenizing_error_fails_only_its_request(
         return real_push(self, token_id)
 
     monkeypatch.setattr(Utf8StreamDecoder, "push", push)
+    takes_plain = Utf8StreamDecoder.takes_plain.fget  # type: ignore[attr-defined]
+    monkeypatch.setattr(Utf8StreamDecoder, "takes_plain", property(lambda self: id(self) not in victims
+                                                                   and takes_plain(self)))  # fmt: skip
     engine = make_engine(async_scheduling=scheduling)
     if not steady:
         engine.scheduler._start_steady_append = lambda seqs, now: None  # type: ignore[method-assign]

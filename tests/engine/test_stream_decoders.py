@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.sequence import Sequence, SequenceGroup, SteadyAppend
 from rnnserve.engine.tokenizer import (
     BYTE_LEVEL_BYTES,
     ByteTokenizer,
@@ -278,3 +280,80 @@ def test_decoders_that_do_not_append_token_by_token_have_no_plain_texts(tmp_path
     assert all(tokenizer.plain_text(i) is None for i in vocab.values())
     ids = tokenizer.encode("the cats.")
     assert "".join(stream(tokenizer, ids, [1])) == tokenizer.decode([1, *ids])[len("the") :]
+
+
+def streams_deltas(tokenizer: Tokenizer, outputs: list[list[int]], steady: bool, skip: bool = True) -> list[list[str]]:
+    """Each stream's deltas (taken every few steps, and at its end) when its tokens are appended one step at a time:
+    for a steady batch of streams (``SteadyAppend``: plain texts looked up for the batch, decoders pushed where
+    needed) while it can, else token by token (``Sequence.append_token``), as the scheduler does."""
+    params = SamplingParams(temperature=0, max_tokens=len(outputs[0]) - 2, ignore_eos=True, skip_special_tokens=skip,
+                            output_kind=OutputKind.DELTA)  # fmt: skip
+    seqs = []
+    for index, output in enumerate(outputs):
+        group = SequenceGroup(f"stream-{index}", None, output[:2], params)  # a prompt of two tokens, then the output
+        group.seqs.append(Sequence(group, 0, tokenizer))
+        seqs.append(group.seqs[0])
+    deltas: list[list[str]] = [[] for _ in seqs]
+    batch = None
+    for step in range(2, len(outputs[0])):
+        tokens = [output[step] for output in outputs]
+        if batch is None or not batch.append(tokens):
+            if batch is not None:
+                batch.end()
+            for seq, token in zip(seqs, tokens, strict=True):
+                seq.append_token(token, None)
+            batch = SteadyAppend(seqs) if steady and all(map(SteadyAppend.plain, seqs)) else None
+        if step % 5 == 0 or seqs[0].finished:
+            for taken, seq in zip(deltas, seqs, strict=True):
+                taken.append(seq.take_delta()[0])
+    return deltas
+
+
+@pytest.mark.parametrize("kind", ["bytes", "byte_level", "metaspace", "byte_fallback", "llama"])
+def test_a_steady_batch_of_streams_decodes_as_each_stream_token_by_token(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, tmp_path: Path
+) -> None:
+    """A steady batch of streams takes each token's plain text for the batch, and pushes a stream's decoder only
+    where its token has none or the decoder holds part of a character (which then catches up with the plain texts
+    it did not see): every stream's deltas are those of its tokens pushed one by one, over random ids (pieces of
+    characters, special tokens with and without their text) and over text whose characters split into tokens."""
+    if kind == "bytes":
+        tokenizer: Tokenizer = ByteTokenizer()
+        texts = [list("a héllo 😀 wörld".encode()), list("中文 and 日本語 x".encode())]
+    else:
+        special = Tokenizer.from_str(tokenizers_by_kind[kind].to_json())
+        special.add_special_tokens(["<s>"])
+        tokenizer = save(special, tmp_path / "special")
+        texts = [tokenizer.encode(text) for text in ("the cat sat", " a héllo 😀 wörld", "中文 and 日本語 x")]
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size + 3  # a model's padded vocabulary: ids without a token
+    for length in (8, 40):
+        outputs = [[rng.randrange(vocab) for _ in range(length)] for _ in range(6)]
+        outputs += [(text * length)[:length] for text in texts]
+        for skip in (True, False):
+            assert streams_deltas(tokenizer, outputs, True, skip) == streams_deltas(tokenizer, outputs, False, skip)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "byte_level"])
+def test_a_steady_batch_of_streams_of_whole_characters_pushes_no_decoder(
+    tokenizers_by_kind: dict[str, HFTokenizer], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams of text whose tokens are whole characters get their texts in a steady batch from the look-up of
+    each token's plain text: their decoders are pushed the tokens appended one by one only (the batch's first
+    step, and its last, at ``max_tokens``)."""
+    tokenizer: Tokenizer = ByteTokenizer() if kind == "bytes" else tokenizers_by_kind[kind]
+    decoder_class = type(tokenizer.stream_decoder())
+    pushes = 0
+    push = decoder_class.push
+
+    def counted(self, token_id: int) -> str:  # type: ignore[no-untyped-def]
+        nonlocal pushes
+        pushes += 1
+        return push(self, token_id)
+
+    monkeypatch.setattr(decoder_class, "push", counted)
+    ids = tokenizer.encode("the cat sat on the mat " * 10)
+    outputs = [ids[start : start + 40] for start in range(8)]
+    deltas = streams_deltas(tokenizer, outputs, True)
+    assert pushes == 2 * len(outputs)
+    assert ["".join(taken) for taken in deltas] == [tokenizer.decode(output[2:]) for output in outputs]

@@ -8,13 +8,14 @@ same model that gets the same requests, aborts and steps: both step alike, so ea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import pickle
 from multiprocessing.connection import Connection
 
 import pytest
 
-from rnnserve.engine.outputs import RequestMetrics, RequestOutput
+from rnnserve.engine.outputs import RequestMetrics, RequestOutput, merge_deltas
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
 from rnnserve.server import engine_core
 from rnnserve.server.engine_core import (
@@ -58,6 +59,7 @@ class Harness:
         self.expected: dict[str, list[RequestOutput]] = {}  # ... what the reference engine built
         self.receivers: dict[str, set[int]] = {}  # request id -> the servers that got its outputs
         self.steps: list[list[EncodedStep | None]] = []  # per step, what each server read (None: no outputs)
+        self.holding: dict[int, int] = {}  # servers that do not say yet that they handled what they read: how much
 
     def add(self, server: int, request_id: str, prompt: str, params: SamplingParams) -> None:
         self.conns[server].send_bytes(pickle.dumps([AddCommand(0, [request_id], [prompt], params, 0.0)]))
@@ -88,8 +90,15 @@ class Harness:
                 for out in self.decoders[index].decode_step(message):
                     self.outputs.setdefault(out.request_id, []).append(out)
                     self.receivers.setdefault(out.request_id, set()).add(index)
-                conn.send_bytes(pickle.dumps([HandledCommand()]))
+                if index in self.holding:
+                    self.holding[index] += 1
+                else:
+                    conn.send_bytes(pickle.dumps([HandledCommand()]))
         self.steps.append(read)
+
+    def release(self, server: int) -> None:
+        """The server handled what it held (:attr:`holding`)."""
+        self.conns[server].send_bytes(pickle.dumps([HandledCommand()] * self.holding.pop(server)))
 
     def run(self) -> None:
         while self.engine.has_unfinished_requests() or self.reference.has_unfinished_requests():
@@ -218,3 +227,40 @@ def test_a_steady_batch_of_streams_is_taken_in_one_pass_per_server_with_the_same
     harness.run()
     harness.check(owners)
     assert passes > before_abort + 8
+
+
+def test_a_steady_batch_of_streams_crosses_as_blocks_of_its_kept_steps_per_server() -> None:
+    """A steady batch of streams of two servers sends each server one block of its streams' deltas per message (their
+    handles, then each kept step's tokens and texts, as the batch kept them): one step while the servers keep up,
+    several once they handled nothing for a while; they decode to the reference's outputs (the held steps' merged),
+    through an abort."""
+    harness = Harness(2)
+    owners = {"a": 0, "b": 1, "c": 0, "d": 1, "e": 1}
+    for request_id, owner in owners.items():
+        harness.add(owner, request_id, "The cat sat", stream(40))
+    for _ in range(8):
+        harness.step()
+    harness.holding = {0: 0, 1: 0}  # both handle nothing for a few steps: the batch's steps are kept meanwhile
+    for _ in range(6):
+        harness.step()
+    harness.release(0)
+    harness.release(1)
+    for _ in range(4):
+        harness.step()
+    harness.abort(0, "c")
+    harness.run()
+    merged = {rid: [without_times(functools.reduce(merge_deltas, outs))] for rid, outs in harness.outputs.items()}
+    assert merged == {rid: [without_times(functools.reduce(merge_deltas, outs))]
+                      for rid, outs in harness.expected.items()}  # fmt: skip
+    harness.outputs, harness.expected = merged, merged  # the servers got several steps' outputs at once
+    harness.check(owners)
+    blocks: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # per server: each block's streams and steps
+    for read in harness.steps:
+        for server, message in enumerate(read):
+            if message is not None and message.deltas and isinstance(message.deltas[0], list):
+                handles, token_steps, text_steps = message.deltas
+                assert len(token_steps) == len(text_steps) and all(len(s) == len(handles) for s in token_steps)
+                blocks[server].append((len(handles), len(token_steps)))
+    assert {size for size, _ in blocks[0]} == {2, 1} and {size for size, _ in blocks[1]} == {3}  # 1: after the abort
+    assert all(min(steps for _, steps in blocks[server]) == 1 for server in blocks)
+    assert all(max(steps for _, steps in blocks[server]) > 2 for server in blocks)
