@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -613,6 +614,49 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return out
 
 
+class StackShape(NamedTuple):
+    """Sizes of a Mamba-1 decode stack's step and its kernels' blocks (:func:`stack_shape`)."""
+
+    batch: int
+    d_model: int
+    d_inner: int
+    width: int  # the conv's
+    d_state: int
+    dt_rank: int
+    n_proj: int  # x_proj's rows
+    batch_block: int  # BB
+    block_o: int  # in_proj's BO, BK, BE
+    block_k: int
+    block_e: int
+    x_blocks: int  # in_proj programs of x rows (x_proj's partial sums)
+    block_c: int  # the SSM kernel's BC, BR, BN, BP
+    block_r: int
+    block_n: int
+    block_p: int
+
+
+def stack_shape(normed: torch.Tensor, layers: Sequence[Sequence[torch.Tensor | None]]) -> StackShape:
+    """The sizes of a decode step of ``normed [B, d_model]`` through ``layers`` (see
+    :func:`mamba_decode_stack_triton`) and its kernels' blocks at the launch knobs' values; a ValueError for more
+    than :data:`MAX_ROWS` rows or int8 projections."""
+    batch, d_model = normed.shape
+    if not 1 <= batch <= MAX_ROWS:
+        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
+    if any(scale is not None for layer in layers for scale in layer[11:]):
+        raise ValueError("the Triton decode stack takes float projections only")
+    first = layers[0]
+    d_inner, width = first[2].shape
+    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
+    n_proj = dt_rank + 2 * d_state
+    batch_block = pow2(batch)
+    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    x_blocks = d_inner // block_o
+    block_r, block_n = pow2(dt_rank), pow2(d_state)
+    return StackShape(batch, d_model, d_inner, width, d_state, dt_rank, n_proj, batch_block, block_o, block_k,
+                      block_e, x_blocks, min(SSM_CHANNELS, pow2(d_inner)), block_r, block_n,
+                      min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n))))
+
+
 def mamba_decode_stack_triton(
     normed: torch.Tensor,
     stream: torch.Tensor,
@@ -631,23 +675,10 @@ def mamba_decode_stack_triton(
     ``ssm_pool [N, L, Di, Ns]`` fp32 with unit stride on their last dimension (``ssm_pool`` also on ``Di``'s
     rows), advanced in place at rows ``slot_ids``.
     """
-    batch, d_model = normed.shape
-    if not 1 <= batch <= MAX_ROWS:
-        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
-    if any(scale is not None for layer in layers for scale in layer[11:]):
-        raise ValueError("the Triton decode stack takes float projections only")
-    first = layers[0]
-    dtype, device = first[0].dtype, normed.device
-    d_inner, width = first[2].shape
-    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
-    n_proj = dt_rank + 2 * d_state
-    batch_block = pow2(batch)
-    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    batch, d_model, d_inner, width, d_state, dt_rank, n_proj, batch_block, block_o, block_k, block_e, x_blocks, \
+        block_c, block_r, block_n, block_p = stack_shape(normed, layers)
+    dtype, device = layers[0][0].dtype, normed.device
     pdl = dependent_launch(LAUNCH_PDL, normed.device)
-    x_blocks = d_inner // block_o
-    block_c = min(SSM_CHANNELS, pow2(d_inner))
-    block_r, block_n = pow2(dt_rank), pow2(d_state)
-    block_p = min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
     slot_ids = slot_ids.long().contiguous()
     xc = torch.empty(batch, d_inner, dtype=dtype, device=device)
     z = torch.empty_like(xc)

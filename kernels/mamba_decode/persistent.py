@@ -40,13 +40,12 @@ import triton.language as tl
 
 from rnnserve.kernels.mamba_decode import fused_recurrent
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
-    MAX_ROWS,
     grid_barrier,
-    in_proj_blocks,
     mamba_in_proj_item,
     mamba_out_proj_item,
     mamba_ssm_item,
     pow2,
+    stack_shape,
 )
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_row
 
@@ -117,6 +116,17 @@ def layer_pointer(table_ptr, field, n_layers, layer, like):
 
 
 @triton.jit
+def stream_before(stream_ptr, streams_ptr, layer, rows_stride):
+    """The residual stream that layer ``layer``'s add (``n_layers``: the final norm's) reads: the one given for
+    layer 1, else the buffer of ``streams_ptr`` (two of ``rows_stride``) that layer ``layer - 1`` wrote."""
+    if layer == 1:
+        stream = stream_ptr
+    else:
+        stream = streams_ptr + ((layer - 1) % 2) * rows_stride
+    return stream
+
+
+@triton.jit
 def _mamba_persistent_kernel(
     normed_ptr, stream_ptr, streams_ptr, delta_ptr, out_ptr, xc_ptr, z_ptr, y_ptr, partial_ptr, table_ptr,
     in_w_ptr, in_b_ptr, conv_w_ptr, conv_b_ptr, x_w_ptr, dt_w_ptr, dt_b_ptr, A_ptr, D_ptr, out_w_ptr, out_b_ptr,
@@ -156,10 +166,7 @@ def _mamba_persistent_kernel(
                         BKC, False, 1, False, EARLY, False, ".cg",
                     )
             else:  # the residual add (into the stream buffer the previous layer did not write) and the norm
-                if layer == 1:
-                    stream = stream_ptr
-                else:
-                    stream = streams_ptr + ((layer - 1) % 2) * rows_stride
+                stream = stream_before(stream_ptr, streams_ptr, layer, rows_stride)
                 norm_w = layer_pointer(table_ptr, NORM_W, n_layers, layer - 1, norm_w_ptr)
                 for item in range(pid, in_items, programs):
                     mamba_in_proj_item(
@@ -192,11 +199,7 @@ def _mamba_persistent_kernel(
             if BARRIERS:
                 grid_barrier(counter_ptr, (barriers + 3) * programs)
     if BARRIERS or phase == FINAL_PHASE:
-        # The last layer's stream (the one given after a single layer); the new one goes to the other buffer.
-        if n_layers == 1:
-            stream = stream_ptr
-        else:
-            stream = streams_ptr + ((n_layers - 1) % 2) * rows_stride
+        stream = stream_before(stream_ptr, streams_ptr, n_layers, rows_stride)  # the new one: the other buffer
         norm_w = layer_pointer(table_ptr, NORM_W, n_layers, n_layers - 1, norm_w_ptr)
         for row in range(pid, batch, programs):
             residual_rms_norm_row(stream, delta_ptr, norm_w, out_ptr, streams_ptr + (n_layers % 2) * rows_stride,
@@ -220,27 +223,15 @@ def mamba_decode_stack_persistent(
 
     ``phase_programs``: instead, a launch per (layer, phase) of that many programs, barriers compiled out (to test
     the items' striding under the interpreter, whose single persistent launch must be one program)."""
-    batch, d_model = normed.shape
-    if not 1 <= batch <= MAX_ROWS:
-        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
-    if any(scale is not None for layer in layers for scale in layer[11:]):
-        raise ValueError("the Triton decode stack takes float projections only")
+    shape = stack_shape(normed, layers)
     first = layers[0]
     for field in (1, 3, 10):
         if len({layer[field] is None for layer in layers}) > 1:
             raise ValueError("the persistent decode stack takes biases in every layer or in none")
+    batch, d_model, d_inner, n_proj, x_blocks = shape.batch, shape.d_model, shape.d_inner, shape.n_proj, shape.x_blocks
     dtype, device = first[0].dtype, normed.device
-    d_inner, width = first[2].shape
-    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
-    n_proj = dt_rank + 2 * d_state
     n_layers = len(layers)
-    batch_block = pow2(batch)
-    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
-    x_blocks = d_inner // block_o
-    block_c = min(fused_recurrent.SSM_CHANNELS, pow2(d_inner))
-    block_r, block_n = pow2(dt_rank), pow2(d_state)
-    block_p = min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
-    out_block_o, out_block_k = fused_recurrent.gemv_blocks(batch_block, d_inner, fused_recurrent.OUT_PROJ_ROWS,
+    out_block_o, out_block_k = fused_recurrent.gemv_blocks(shape.batch_block, d_inner, fused_recurrent.OUT_PROJ_ROWS,
                                                            fused_recurrent.OUT_PROJ_TILE)
     # A missing bias's place holds its layer's weight (never read: HAS_BIAS / HAS_CONV_BIAS are off).
     columns = [[layer[f] if layer[f] is not None else layer[weight] for layer in layers]
@@ -265,17 +256,18 @@ def mamba_decode_stack_persistent(
     def launch(programs: int, first_layer: int, end_layer: int, phase: int) -> None:
         _mamba_persistent_kernel[(programs,)](
             normed, stream, streams, delta, out, xc, z, y, partial, table, *(column[0] for column in columns),
-            conv_pool, ssm_pool, slot_ids, counter, batch, d_model, d_inner, n_proj, dt_rank, d_state, n_layers, eps,
-            conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), ssm_pool.stride(0), ssm_pool.stride(1),
-            ssm_pool.stride(2), first_layer, end_layer, phase, HAS_BIAS=first[1] is not None,
-            HAS_CONV_BIAS=first[3] is not None, K=width, BB=batch_block, BO=block_o, BK=block_k, BE=block_e,
-            BKC=pow2(width), BP=block_p, BR=block_r, BN=block_n, BC=block_c, OUT_BO=out_block_o, OUT_BK=out_block_k,
-            NORM_BN=pow2(d_model), EARLY=fused_recurrent.EARLY_LOADS, BARRIERS=phase == ALL_PHASES.value,
-            num_warps=fused_recurrent.NUM_WARPS,
+            conv_pool, ssm_pool, slot_ids, counter, batch, d_model, d_inner, n_proj, shape.dt_rank, shape.d_state,
+            n_layers, eps, conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), ssm_pool.stride(0),
+            ssm_pool.stride(1), ssm_pool.stride(2), first_layer, end_layer, phase, HAS_BIAS=first[1] is not None,
+            HAS_CONV_BIAS=first[3] is not None, K=shape.width, BB=shape.batch_block, BO=shape.block_o,
+            BK=shape.block_k, BE=shape.block_e, BKC=pow2(shape.width), BP=shape.block_p, BR=shape.block_r,
+            BN=shape.block_n, BC=shape.block_c, OUT_BO=out_block_o, OUT_BK=out_block_k, NORM_BN=pow2(d_model),
+            EARLY=fused_recurrent.EARLY_LOADS, BARRIERS=phase == ALL_PHASES.value, num_warps=fused_recurrent.NUM_WARPS,
         )
 
     if phase_programs is None:
-        items = max(2 * x_blocks, batch * triton.cdiv(d_inner, block_c), triton.cdiv(d_model, out_block_o), batch)
+        items = max(2 * x_blocks, batch * triton.cdiv(d_inner, shape.block_c), triton.cdiv(d_model, out_block_o),
+                    batch)
         launch(persistent_grid(device, items), 0, n_layers, ALL_PHASES.value)
     else:
         for layer in range(n_layers):
