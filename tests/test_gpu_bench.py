@@ -102,9 +102,9 @@ def test_conv_tune_smoke_times_each_choice_on_both_shapes():
 def test_decode_tune_smoke_times_the_op_by_op_step_and_each_choice():
     result, rows = _tune_smoke("decode_tune")
     knobs = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "OUT_PROJ_TILE", "NUM_WARPS", "SSM_CHANNELS", "SSM_WARPS",
-             "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS", "PREFETCH_AHEAD")
-    # Each model runs both stacks' defaults; its own is marked, the other one's is named.
-    other = {model: "(" + ",".join(str(getattr(stack, knob)) for knob in knobs) + ")"
+             "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS", "PREFETCH_AHEAD", "PERSISTENT")
+    # Each model runs both stacks' defaults; its own is marked, the other one's is named (a knob a stack lacks: off).
+    other = {model: "(" + ",".join(str(getattr(stack, knob, False)) for knob in knobs) + ")"
              for model, stack in (("mamba-tiny", mamba2_fused), ("mamba2-tiny", mamba_fused))}
     names = sorted((row[0], row[1], row[2]) for row in rows)
     assert names == [(model, "b=1", name) for model in ("mamba-tiny", "mamba2-tiny")

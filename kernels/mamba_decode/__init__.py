@@ -12,7 +12,8 @@ norm) in one op, saving the model's per-layer dispatches; on CPU it also takes w
 batches of up to ``STACK_MAX_BATCH`` sequences with float projections run ``fused_recurrent.py``: three Triton
 kernels per layer instead of the op-by-op step's eight launches (batch-1 decode is the weight stream plus a launch
 and a tail per kernel); larger batches run the op-by-op step, whose GEMMs suit them (the kernels take up to
-``fused_recurrent.MAX_ROWS``, 8).
+``fused_recurrent.MAX_ROWS``, 8), or with ``fused_recurrent.PERSISTENT`` set (off by default: unmeasured on a
+GPU) ``persistent.py``'s single launch a step.
 ``STACK_ENABLED`` and ``STACK_MAX_BATCH`` are read on every call:
 ``RNNSERVE_MAMBA_STACK=0`` clears it at import, and clearing it runs the per-layer loop in the same process
 (``benchmarks/cpu_decode.py`` compares both).
@@ -165,9 +166,15 @@ def mamba_decode_stack(
     ``STACK_ENABLED`` first.
     """
     if use_triton(normed):
-        from rnnserve.kernels.mamba_decode.fused_recurrent import mamba_decode_stack_triton
+        from rnnserve.kernels.mamba_decode import fused_recurrent
 
-        return mamba_decode_stack_triton(normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool, slot_ids)
+        if fused_recurrent.PERSISTENT:
+            from rnnserve.kernels.mamba_decode.persistent import mamba_decode_stack_persistent
+
+            return mamba_decode_stack_persistent(normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool,
+                                                 slot_ids)
+        return fused_recurrent.mamba_decode_stack_triton(normed, stream, norm_weights, eps, layers, conv_pool,
+                                                         ssm_pool, slot_ids)
     in_w, in_b, conv_w, conv_b, x_w, dt_w, dt_b, a, d, out_w, out_b, in_s, x_s, out_s = (
         list(column) for column in zip(*layers, strict=True)
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -73,6 +74,11 @@ EARLY_LOADS = True
 # also queue ahead of the next kernels' own loads, and on the H200 they did: 0.871 ms a step with them, 0.713
 # without.
 PREFETCH_AHEAD = False
+# One launch a step (persistent.py, mamba_decode_stack_persistent): a grid of at most one program per SM walks every
+# layer's three phases and the final norm, meeting at grid_barrier between phases, instead of three launches a layer
+# (each ~14 us of launch and tail against ~3 us of weight stream at batch 1 on the H200). Off: not yet measured on
+# a GPU (benchmarks/decode_tune.py sweeps it, which scripts/gpu_check.sh runs).
+PERSISTENT = False
 L2_LINE = tl.constexpr(128)  # bytes
 AHEAD_REQUESTS = tl.constexpr(1024)  # L2 requests a program issues at a time for PREFETCH_AHEAD
 VECTOR_REQUESTS = tl.constexpr(64)  # ... and for a vector of inputs (prefetch_vector)
@@ -186,24 +192,24 @@ def weight_tile(w_ptr, outs, out_ok, k0, n_in, BK: tl.constexpr):
 @triton.jit
 def gemv_input_tile(
     x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, k0, d_model, HAS_NORM: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, CACHE: tl.constexpr,
 ):
     """Columns ``k0`` to ``k0 + BK`` of :func:`normed_input_times_weight`'s input rows, ``[BB, BK]`` fp32 holding
-    values of the weights' dtype."""
+    values of the weights' dtype (the rows, the stream and ``delta`` loaded with ``CACHE``)."""
     wdtype = w_ptr.dtype.element_ty
     cols = k0 + tl.arange(0, BK)
     ok = row_ok[:, None] & (cols < d_model)[None, :]
     offs = rows[:, None] * d_model + cols[None, :]
     if HAS_NORM:
         sdtype = stream_ptr.dtype.element_ty
-        s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
+        s = tl.load(stream_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        d = tl.load(delta_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE).to(sdtype).to(tl.float32)
         s = (s + d).to(sdtype).to(wdtype).to(tl.float32)
         y = (s * rstd[:, None]).to(wdtype).to(tl.float32)
         nw = tl.load(norm_w_ptr + cols, mask=cols < d_model, other=0.0).to(tl.float32)
         x = (nw[None, :] * y).to(wdtype).to(tl.float32)
     else:
-        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
     return x
 
 
@@ -211,14 +217,15 @@ def gemv_input_tile(
 def normed_input_times_weight(
     x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok, rows,
     row_ok, d_model, eps, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, CACHE: tl.constexpr = "",
 ):
     """``[BB, BO]`` fp32, rounded to the weights' dtype: a block's input rows times weight rows ``outs`` (+ bias).
 
     With ``HAS_NORM`` the input is ``RMSNorm(stream + delta)`` computed here, with the rounding steps of
     :func:`~rnnserve.kernels.residual_rms_norm.naive.residual_rms_norm_ref` (program 0 also stores the new
     stream); else the rows of ``x_ptr``, already normed. ``w_first``: the rows' first tile (:func:`weight_tile`
-    at 0), which the caller loads (early: see ``EARLY_LOADS``)."""
+    at 0), which the caller loads (early: see ``EARLY_LOADS``). ``CACHE``: the cache modifier of the loads of
+    what an earlier kernel (or, in a persistent launch, another program) wrote: the rows, the stream, ``delta``."""
     wdtype = w_ptr.dtype.element_ty
     ks = tl.arange(0, BK)
     rstd = tl.zeros([BB], dtype=tl.float32)
@@ -230,19 +237,19 @@ def normed_input_times_weight(
             cols = k0 + ks
             ok = row_ok[:, None] & (cols < d_model)[None, :]
             offs = rows[:, None] * d_model + cols[None, :]
-            s = tl.load(stream_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            d = tl.load(delta_ptr + offs, mask=ok, other=0.0).to(sdtype).to(tl.float32)
+            s = tl.load(stream_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+            d = tl.load(delta_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE).to(sdtype).to(tl.float32)
             s = (s + d).to(sdtype)
             tl.store(new_stream_ptr + offs, s, mask=ok & writes_stream[:, None])
             normed_in = s.to(wdtype).to(tl.float32)
             squares += tl.sum(normed_in * normed_in, axis=1)
         rstd = tl.rsqrt(squares / d_model + eps)
     x = gemv_input_tile(x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, 0, d_model, HAS_NORM,
-                        BK)
+                        BK, CACHE)
     acc = x[:, None, :] * w_first.to(tl.float32)[None, :, :]  # summed over K once, after the loop
     for k0 in range(BK, d_model, BK):
         x = gemv_input_tile(x_ptr, stream_ptr, delta_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, k0, d_model,
-                            HAS_NORM, BK)
+                            HAS_NORM, BK, CACHE)
         w = weight_tile(w_ptr, outs, out_ok, k0, d_model, BK)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(acc, axis=2)
@@ -310,15 +317,18 @@ def store_x_proj_partial(xc, wx, e0, pid, rows, row_ok, partial_ptr, batch, n_pr
 
 
 @triton.jit
-def _mamba_in_proj_kernel(
-    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+def mamba_in_proj_item(
+    pid, x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
     conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr, ahead_ptr,
     batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d, n_ahead,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Work item ``pid`` of phase 1 (of ``2 d_inner / BO``): ``BO`` rows of in_proj (see the module docstring),
+    the body of :func:`_mamba_in_proj_kernel` and of the persistent stack's phase 1 (``CACHE``: see
+    :func:`normed_input_times_weight`)."""
     first = pid * BO
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -350,7 +360,7 @@ def _mamba_in_proj_kernel(
     wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
         x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok,
-        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
+        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK, CACHE,
     )
     if first < d_inner:  # x rows: conv, SiLU, this block's share of x_proj
         if not EARLY:
@@ -374,7 +384,24 @@ def _mamba_in_proj_kernel(
         tl.store(z_ptr + rows[:, None] * d_inner + (outs - d_inner)[None, :], projected.to(wdtype),
                  mask=row_ok[:, None])
     if AHEAD:  # this layer's out_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0), AHEAD_REQUESTS)
+        prefetch_share(ahead_ptr, n_ahead, pid, tl.cdiv(2 * d_inner, BO), AHEAD_REQUESTS)
+
+
+@triton.jit
+def _mamba_in_proj_kernel(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr, ahead_ptr,
+    batch, d_model, d_inner, n_proj, eps, stride_conv_slot, stride_conv_d, n_ahead,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BKC: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
+):
+    mamba_in_proj_item(
+        tl.program_id(0), x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, conv_pool_ptr,
+        conv_w_ptr, conv_b_ptr, slot_ids_ptr, x_proj_w_ptr, xc_ptr, z_ptr, partial_ptr, ahead_ptr, batch, d_model,
+        d_inner, n_proj, eps, stride_conv_slot, stride_conv_d, n_ahead, HAS_NORM, HAS_BIAS, HAS_CONV_BIAS, K, BB, BO,
+        BK, BE, BKC, PDL, LINES, PREFETCH, EARLY, AHEAD, "",
+    )
 
 
 @triton.jit
@@ -391,14 +418,18 @@ def ssm_parameters(dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, chans, chan_ok, ranks, d
 
 
 @triton.jit
-def _mamba_ssm_kernel(
-    partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr, ahead_ptr,
-    batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d, n_ahead,
+def mamba_ssm_item(
+    item, partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr,
+    ahead_ptr, batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d, n_ahead,
     BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr, CACHE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    chans = tl.program_id(1) * BC + tl.arange(0, BC)
+    """Work item ``item`` of phase 2 (of ``batch x cdiv(d_inner, BC)``): sequence ``item // cdiv(d_inner, BC)``'s
+    ``BC`` channels of block ``item % cdiv(d_inner, BC)``, the body of :func:`_mamba_ssm_kernel` and of the
+    persistent stack's phase 2 (what phase 1 wrote, loaded with ``CACHE``)."""
+    channel_blocks = tl.cdiv(d_inner, BC)
+    b = item // channel_blocks
+    chans = (item % channel_blocks) * BC + tl.arange(0, BC)
     chan_ok = chans < d_inner
     wdtype = dt_w_ptr.dtype.element_ty
     n_proj = dt_rank + 2 * d_state
@@ -423,8 +454,8 @@ def _mamba_ssm_kernel(
             prefetch_l2(dt_bias_ptr + valid)
             prefetch_l2(D_ptr + valid)
         wait_for_previous_kernel()
-    x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    x = tl.load(xc_ptr + b * d_inner + chans, mask=chan_ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    z = tl.load(z_ptr + b * d_inner + chans, mask=chan_ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
     dt_low = tl.zeros([BR], dtype=tl.float32)
     B = tl.zeros([BN], dtype=tl.float32)
     C = tl.zeros([BN], dtype=tl.float32)
@@ -432,10 +463,12 @@ def _mamba_ssm_kernel(
         blocks = p0 + tl.arange(0, BP)
         base = partial_ptr + (blocks[:, None] * batch + b) * n_proj
         block_ok = (blocks < n_blocks)[:, None]
-        dt_low += tl.sum(tl.load(base + ranks[None, :], mask=block_ok & (ranks < dt_rank)[None, :], other=0.0), 0)
-        B += tl.sum(tl.load(base + dt_rank + states[None, :], mask=block_ok & state_ok[None, :], other=0.0), 0)
+        dt_low += tl.sum(tl.load(base + ranks[None, :], mask=block_ok & (ranks < dt_rank)[None, :], other=0.0,
+                                 cache_modifier=CACHE), 0)
+        B += tl.sum(tl.load(base + dt_rank + states[None, :], mask=block_ok & state_ok[None, :], other=0.0,
+                            cache_modifier=CACHE), 0)
         C += tl.sum(tl.load(base + dt_rank + d_state + states[None, :], mask=block_ok & state_ok[None, :],
-                            other=0.0), 0)
+                            other=0.0, cache_modifier=CACHE), 0)
     # x_proj's and dt_proj's outputs in the weights' dtype, as the op-by-op step rounds them.
     dt_low = dt_low.to(wdtype).to(tl.float32)
     B = B.to(wdtype).to(tl.float32)
@@ -451,17 +484,31 @@ def _mamba_ssm_kernel(
     # y silu(z), the reference's order: (y z) sigmoid(z) overflows where y silu(z) does not (y, -z near 1e30).
     tl.store(y_ptr + b * d_inner + chans, (y * (z * tl.sigmoid(z))).to(wdtype), mask=chan_ok)
     if AHEAD:  # the next layer's in_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, b * tl.num_programs(1) + tl.program_id(1),
-                       tl.num_programs(0) * tl.num_programs(1), AHEAD_REQUESTS)
+        prefetch_share(ahead_ptr, n_ahead, item, batch * channel_blocks, AHEAD_REQUESTS)
 
 
 @triton.jit
-def _mamba_out_proj_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
-    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, EARLY: tl.constexpr,
+def _mamba_ssm_kernel(
+    partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr, xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr, ahead_ptr,
+    batch, d_inner, n_blocks, dt_rank, d_state, stride_ssm_slot, stride_ssm_d, n_ahead,
+    BP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    mamba_ssm_item(
+        tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), partial_ptr, dt_w_ptr, dt_bias_ptr, A_ptr, D_ptr,
+        xc_ptr, z_ptr, ssm_pool_ptr, slot_ids_ptr, y_ptr, ahead_ptr, batch, d_inner, n_blocks, dt_rank, d_state,
+        stride_ssm_slot, stride_ssm_d, n_ahead, BP, BR, BN, BC, PDL, PREFETCH, EARLY, AHEAD, "",
+    )
+
+
+@triton.jit
+def mamba_out_proj_item(
+    pid, x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr, EARLY: tl.constexpr, CACHE: tl.constexpr,
+):
+    """Work item ``pid`` of phase 3 (of ``cdiv(n_out, BO)``): ``BO`` rows of out_proj, the body of
+    :func:`_mamba_out_proj_kernel` and of the persistent stack's phase 3 (``x`` loaded with ``CACHE``)."""
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < n_out
     if EARLY:
@@ -476,10 +523,20 @@ def _mamba_out_proj_kernel(
     row_ok = rows < batch
     projected = normed_input_times_weight(
         x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok, rows, row_ok, n_in, 0.0,
-        False, HAS_BIAS, BB, BO, BK,
+        False, HAS_BIAS, BB, BO, BK, CACHE,
     )
     tl.store(out_ptr + rows[:, None] * n_out + outs[None, :], projected.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & out_ok[None, :])
+
+
+@triton.jit
+def _mamba_out_proj_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr, EARLY: tl.constexpr,
+):
+    mamba_out_proj_item(tl.program_id(0), x_ptr, w_ptr, bias_ptr, out_ptr, batch, n_in, n_out, HAS_BIAS, BB, BO, BK,
+                        PDL, LINES, EARLY, "")
 
 
 def stack_applies(normed: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
@@ -557,6 +614,49 @@ def mamba_out_proj_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return out
 
 
+class StackShape(NamedTuple):
+    """Sizes of a Mamba-1 decode stack's step and its kernels' blocks (:func:`stack_shape`)."""
+
+    batch: int
+    d_model: int
+    d_inner: int
+    width: int  # the conv's
+    d_state: int
+    dt_rank: int
+    n_proj: int  # x_proj's rows
+    batch_block: int  # BB
+    block_o: int  # in_proj's BO, BK, BE
+    block_k: int
+    block_e: int
+    x_blocks: int  # in_proj programs of x rows (x_proj's partial sums)
+    block_c: int  # the SSM kernel's BC, BR, BN, BP
+    block_r: int
+    block_n: int
+    block_p: int
+
+
+def stack_shape(normed: torch.Tensor, layers: Sequence[Sequence[torch.Tensor | None]]) -> StackShape:
+    """The sizes of a decode step of ``normed [B, d_model]`` through ``layers`` (see
+    :func:`mamba_decode_stack_triton`) and its kernels' blocks at the launch knobs' values; a ValueError for more
+    than :data:`MAX_ROWS` rows or int8 projections."""
+    batch, d_model = normed.shape
+    if not 1 <= batch <= MAX_ROWS:
+        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
+    if any(scale is not None for layer in layers for scale in layer[11:]):
+        raise ValueError("the Triton decode stack takes float projections only")
+    first = layers[0]
+    d_inner, width = first[2].shape
+    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
+    n_proj = dt_rank + 2 * d_state
+    batch_block = pow2(batch)
+    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    x_blocks = d_inner // block_o
+    block_r, block_n = pow2(dt_rank), pow2(d_state)
+    return StackShape(batch, d_model, d_inner, width, d_state, dt_rank, n_proj, batch_block, block_o, block_k,
+                      block_e, x_blocks, min(SSM_CHANNELS, pow2(d_inner)), block_r, block_n,
+                      min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n))))
+
+
 def mamba_decode_stack_triton(
     normed: torch.Tensor,
     stream: torch.Tensor,
@@ -575,23 +675,10 @@ def mamba_decode_stack_triton(
     ``ssm_pool [N, L, Di, Ns]`` fp32 with unit stride on their last dimension (``ssm_pool`` also on ``Di``'s
     rows), advanced in place at rows ``slot_ids``.
     """
-    batch, d_model = normed.shape
-    if not 1 <= batch <= MAX_ROWS:
-        raise ValueError(f"the Triton decode stack takes 1 to {MAX_ROWS} rows, got {batch}")
-    if any(scale is not None for layer in layers for scale in layer[11:]):
-        raise ValueError("the Triton decode stack takes float projections only")
-    first = layers[0]
-    dtype, device = first[0].dtype, normed.device
-    d_inner, width = first[2].shape
-    d_state, dt_rank = first[7].shape[1], first[5].shape[1]
-    n_proj = dt_rank + 2 * d_state
-    batch_block = pow2(batch)
-    block_o, block_k, block_e = in_proj_blocks(batch_block, d_model, d_inner, n_proj)
+    batch, d_model, d_inner, width, d_state, dt_rank, n_proj, batch_block, block_o, block_k, block_e, x_blocks, \
+        block_c, block_r, block_n, block_p = stack_shape(normed, layers)
+    dtype, device = layers[0][0].dtype, normed.device
     pdl = dependent_launch(LAUNCH_PDL, normed.device)
-    x_blocks = d_inner // block_o
-    block_c = min(SSM_CHANNELS, pow2(d_inner))
-    block_r, block_n = pow2(dt_rank), pow2(d_state)
-    block_p = min(pow2(x_blocks), max(1, 4096 // max(block_r, block_n)))
     slot_ids = slot_ids.long().contiguous()
     xc = torch.empty(batch, d_inner, dtype=dtype, device=device)
     z = torch.empty_like(xc)

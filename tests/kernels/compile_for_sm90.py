@@ -53,6 +53,7 @@ from rnnserve.kernels.mamba_decode.fused_recurrent import (
     _mamba_out_proj_kernel,
     _mamba_ssm_kernel,
 )
+from rnnserve.kernels.mamba_decode.persistent import _mamba_persistent_kernel
 from rnnserve.kernels.min_rnn_step.fused_recurrent import _min_rnn_step_kernel
 from rnnserve.kernels.residual_rms_norm.fused import _residual_rms_norm_kernel
 from rnnserve.kernels.rg_lru.fused_recurrent import CHANNELS as RG_LRU_CHANNELS
@@ -109,6 +110,9 @@ LAUNCH_INTS = {
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
                     _MAMBA2_370M_DECODE),
     **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
+    # The persistent Mamba-1 stack walks the pools' 48 layers by their strides.
+    "_mamba_persistent_kernel": {**_MAMBA_370M_DECODE, "n_layers": 48, "stride_conv_layer": 2048 * 3,
+                                 "stride_ssm_layer": 2048 * 16},
     **dict.fromkeys(["_ssd_chunk_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel",
                      "_ssd_chunk_scan_kernel", "_ssd_state_update_kernel"], _SSD_370M),
     # The cumsum kernel reads the raw dt columns of in_proj's [T, 4384] output.
@@ -159,6 +163,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                                           "wr_ptr": act, "br_ptr": act, "param_ptr": act, "pool_ptr": f32,
                                           "slot_ids_ptr": i64, "out_ptr": act}, {"BW": 128, "BC": RG_LRU_CHANNELS}, 4))
     configs += _mamba_decode_configs(act)
+    configs += mamba_persistent_configs(act)
     configs += _based_configs(act)
     configs += _lattice_configs(act)
     configs += _int8_linear_configs(act)
@@ -260,6 +265,30 @@ def _mamba_decode_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, 
         configs.append((_mamba2_ssm_kernel, types2, {"BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "PDL": pdl,
                                                      "AHEAD": pdl},
                         mamba2_decode.SSM_WARPS))
+    return configs
+
+
+def mamba_persistent_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
+    """The persistent Mamba-1 decode stack at mamba-370m's sizes, batch 1 and the largest batch, as
+    ``mamba_decode_stack_persistent`` launches a whole step (barriers in)."""
+    f32 = "*fp32"
+    types = {"normed_ptr": act, "stream_ptr": f32, "streams_ptr": f32, "delta_ptr": act, "out_ptr": act,
+             "xc_ptr": act, "z_ptr": act, "y_ptr": act, "partial_ptr": f32, "table_ptr": "*i64", "in_w_ptr": act,
+             "in_b_ptr": act, "conv_w_ptr": f32, "conv_b_ptr": f32, "x_w_ptr": act, "dt_w_ptr": act,
+             "dt_b_ptr": f32, "A_ptr": f32, "D_ptr": f32, "out_w_ptr": act, "out_b_ptr": act, "norm_w_ptr": act,
+             "conv_pool_ptr": f32, "ssm_pool_ptr": f32, "slot_ids_ptr": "*i64", "counter_ptr": "*i32",
+             "eps": "fp32"}
+    configs = []
+    for rows in (1, mamba_decode.MAX_ROWS):
+        block_o, block_k, block_e = mamba_decode.in_proj_blocks(rows, 1024, 2048, 96)
+        out_block_o, out_block_k = mamba_decode.gemv_blocks(rows, 2048, mamba_decode.OUT_PROJ_ROWS,
+                                                            mamba_decode.OUT_PROJ_TILE)
+        configs.append((_mamba_persistent_kernel, types,
+                        {"HAS_BIAS": True, "HAS_CONV_BIAS": True, "K": 4, "BB": rows, "BO": block_o, "BK": block_k,
+                         "BE": block_e, "BKC": 4, "BP": 64, "BR": 64, "BN": 16, "BC": mamba_decode.SSM_CHANNELS,
+                         "OUT_BO": out_block_o, "OUT_BK": out_block_k, "NORM_BN": 1024,
+                         "EARLY": mamba_decode.EARLY_LOADS, "BARRIERS": True},
+                        mamba_decode.NUM_WARPS))
     return configs
 
 
