@@ -45,10 +45,18 @@ from rnnserve.kernels.mamba_decode import fused_recurrent  # noqa: E402
 
 KNOBS = ("IN_PROJ_ROWS", "OUT_PROJ_ROWS", "TILE", "OUT_PROJ_TILE", "NUM_WARPS",  # the GEMV kernels' shape
          "SSM_CHANNELS", "SSM_WARPS",  # the SSM kernel's
-         "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS", "PREFETCH_AHEAD")  # fmt: skip
-STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS
-DEFAULT = tuple(getattr(fused_recurrent, name) for name in KNOBS)
-MAMBA2_DEFAULT = tuple(getattr(mamba2_fused, name) for name in KNOBS)
+         "LAUNCH_PDL", "PREFETCH_INPUTS", "EARLY_LOADS", "PREFETCH_AHEAD",
+         "PERSISTENT")  # one launch a step (a stack without it: off)  # fmt: skip
+STACKS = (fused_recurrent, mamba2_fused)  # each holds its stack's KNOBS (PERSISTENT where it has one)
+
+
+def knob_values(stack) -> tuple:
+    """``stack``'s values of :data:`KNOBS` (a knob it does not have: False)."""
+    return tuple(getattr(stack, name, False) for name in KNOBS)
+
+
+DEFAULT = knob_values(fused_recurrent)
+MAMBA2_DEFAULT = knob_values(mamba2_fused)
 
 
 def varied(choice: tuple, **knobs: object) -> tuple:
@@ -80,7 +88,9 @@ _GEMV = [*({"IN_PROJ_ROWS": rows} for rows in (8, 16, 64)), *({"OUT_PROJ_ROWS": 
          *({"OUT_PROJ_TILE": tile} for tile in (4096, 8192))]
 _PAIRS = [{"IN_PROJ_ROWS": rows, "OUT_PROJ_ROWS": out_rows, "TILE": tile, "OUT_PROJ_TILE": tile, "NUM_WARPS": warps}
           for rows, out_rows, tile, warps in ((8, 2, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))]
-CHOICES = sorted({*(varied(DEFAULT, **knobs) for knobs in (*_GEMV, *_PAIRS)),
+# The Mamba-1 stack's persistent launch at its default shapes (compiled once, ~5 s more).
+PERSISTENT_CHOICES = [varied(DEFAULT, PERSISTENT=True)]
+CHOICES = sorted({*(varied(DEFAULT, **knobs) for knobs in (*_GEMV, *_PAIRS)), *PERSISTENT_CHOICES,
                   *(varied(DEFAULT, **knobs, LAUNCH_PDL=not DEFAULT[KNOBS.index("LAUNCH_PDL")]) for knobs in _PAIRS),
                   *around(DEFAULT), *around(MAMBA2_DEFAULT)})
 
@@ -91,23 +101,28 @@ SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at
 @contextlib.contextmanager
 def launch_choice(choice: tuple[int, ...] | None) -> Iterator[None]:
     """Both stacks with ``choice`` for :data:`KNOBS` (None: the op-by-op step) within the block."""
-    saved = [tuple(getattr(stack, name) for name in KNOBS) for stack in STACKS]
+    saved = [knob_values(stack) for stack in STACKS]
     enabled = mamba_decode_ops.STACK_ENABLED
     max_batches = mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH
     mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = choice is not None
     # Every batch the stacks take, also those the models leave to the op-by-op step (which this script times).
     mamba_decode_ops.STACK_MAX_BATCH = mamba2_decode_ops.STACK_MAX_BATCH = fused_recurrent.MAX_ROWS
     for stack, values in zip(STACKS, saved, strict=True):
-        for name, value in zip(KNOBS, choice or values, strict=True):
-            setattr(stack, name, value)
+        set_knobs(stack, choice or values)
     try:
         yield
     finally:
         mamba_decode_ops.STACK_ENABLED = mamba2_decode_ops.STACK_ENABLED = enabled
         mamba_decode_ops.STACK_MAX_BATCH, mamba2_decode_ops.STACK_MAX_BATCH = max_batches
         for stack, values in zip(STACKS, saved, strict=True):
-            for name, value in zip(KNOBS, values, strict=True):
-                setattr(stack, name, value)
+            set_knobs(stack, values)
+
+
+def set_knobs(stack, values: tuple) -> None:
+    """Set ``stack``'s :data:`KNOBS` to ``values`` (those it has)."""
+    for name, value in zip(KNOBS, values, strict=True):
+        if hasattr(stack, name):
+            setattr(stack, name, value)
 
 
 def step_function(model, pool: StatePool, batch: DecodeBatch, graphed: bool) -> Callable[[], torch.Tensor]:

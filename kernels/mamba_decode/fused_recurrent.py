@@ -73,6 +73,11 @@ EARLY_LOADS = True
 # also queue ahead of the next kernels' own loads, and on the H200 they did: 0.871 ms a step with them, 0.713
 # without.
 PREFETCH_AHEAD = False
+# One launch a step (persistent.py, mamba_decode_stack_persistent): a grid of at most one program per SM walks every
+# layer's three phases and the final norm, meeting at grid_barrier between phases, instead of three launches a layer
+# (each ~14 us of launch and tail against ~3 us of weight stream at batch 1 on the H200). Off: not yet measured on
+# a GPU (benchmarks/decode_tune.py sweeps it, which scripts/gpu_check.sh runs).
+PERSISTENT = False
 L2_LINE = tl.constexpr(128)  # bytes
 AHEAD_REQUESTS = tl.constexpr(1024)  # L2 requests a program issues at a time for PREFETCH_AHEAD
 VECTOR_REQUESTS = tl.constexpr(64)  # ... and for a vector of inputs (prefetch_vector)

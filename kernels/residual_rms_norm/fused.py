@@ -13,18 +13,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _residual_rms_norm_kernel(
-    stream_ptr, delta_ptr, weight_ptr, normed_ptr, new_stream_ptr, n, eps, stride_stream, stride_delta,
-    HAS_DELTA: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr, BN: tl.constexpr,
+def residual_rms_norm_row(
+    stream_ptr, delta_ptr, weight_ptr, normed_ptr, new_stream_ptr, row, n, eps, stride_stream, stride_delta,
+    HAS_DELTA: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """One row of :func:`residual_rms_norm_triton` (``row`` int64): the kernel's body, and a persistent decode
+    stack's last phase, which reads the stream and ``delta`` with ``CACHE = ".cg"`` (other programs of its launch
+    wrote them; ``""`` elsewhere)."""
     cols = tl.arange(0, BN)
     mask = cols < n
     stream_dtype = stream_ptr.dtype.element_ty
     weight_dtype = weight_ptr.dtype.element_ty
-    s = tl.load(stream_ptr + row * stride_stream + cols, mask=mask, other=0.0)
+    s = tl.load(stream_ptr + row * stride_stream + cols, mask=mask, other=0.0, cache_modifier=CACHE)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(stream_dtype)
+        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+        d = d.to(stream_dtype)
         s = (s.to(tl.float32) + d.to(tl.float32)).to(stream_dtype)  # the add in the stream's dtype
         tl.store(new_stream_ptr + row * n + cols, s, mask=mask)
     norm_dtype = weight_dtype if ROUND_TO_WEIGHT else stream_dtype  # the dtype the norm's input is rounded to
@@ -32,6 +35,16 @@ def _residual_rms_norm_kernel(
     y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(norm_dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * n + cols, (w * y.to(tl.float32)).to(weight_dtype), mask=mask)
+
+
+@triton.jit
+def _residual_rms_norm_kernel(
+    stream_ptr, delta_ptr, weight_ptr, normed_ptr, new_stream_ptr, n, eps, stride_stream, stride_delta,
+    HAS_DELTA: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr, BN: tl.constexpr,
+):
+    residual_rms_norm_row(stream_ptr, delta_ptr, weight_ptr, normed_ptr, new_stream_ptr,
+                          tl.program_id(0).to(tl.int64), n, eps, stride_stream, stride_delta, HAS_DELTA,
+                          ROUND_TO_WEIGHT, BN, "")
 
 
 def residual_rms_norm_triton(
