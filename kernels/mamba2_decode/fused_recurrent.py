@@ -67,6 +67,10 @@ EARLY_LOADS = True
 # Ask L2 from in_proj for its layer's out_proj weights, from the SSM kernel for the next layer's in_proj (the
 # Mamba-1 stack's PREFETCH_AHEAD).
 PREFETCH_AHEAD = False
+# One persistent launch a step (persistent.py: a program per SM at most, the three kernels' work items phase by
+# phase between grid barriers, then the final norm) instead of three kernels a layer and the final norm's. Off:
+# unmeasured on a GPU (tested under the interpreter and compiled for sm_90 only); decode_tune sweeps it.
+PERSISTENT = False
 
 
 @triton.jit
