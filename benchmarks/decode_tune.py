@@ -90,6 +90,8 @@ _PAIRS = [{"IN_PROJ_ROWS": rows, "OUT_PROJ_ROWS": out_rows, "TILE": tile, "OUT_P
           for rows, out_rows, tile, warps in ((8, 2, 16384, 8), (32, 8, 8192, 4), (8, 2, 4096, 4))]
 # The Mamba-1 stack's persistent launch at its default shapes (compiled once, ~5 s more).
 PERSISTENT_CHOICES = [varied(DEFAULT, PERSISTENT=True)]
+# The Mamba-2 stack's persistent launch at its default shapes.
+PERSISTENT_CHOICES.append(varied(MAMBA2_DEFAULT, PERSISTENT=True))
 CHOICES = sorted({*(varied(DEFAULT, **knobs) for knobs in (*_GEMV, *_PAIRS)), *PERSISTENT_CHOICES,
                   *(varied(DEFAULT, **knobs, LAUNCH_PDL=not DEFAULT[KNOBS.index("LAUNCH_PDL")]) for knobs in _PAIRS),
                   *around(DEFAULT), *around(MAMBA2_DEFAULT)})

@@ -9,7 +9,8 @@ On a GPU, decode batches of up to ``STACK_MAX_BATCH`` sequences with float proje
 ``fused_recurrent.py`` (:func:`mamba2_decode_stack`): three Triton kernels a layer, the in_proj and out_proj GEMVs
 with the norms, the conv and the SSD update fused around them (the kernels take up to
 ``mamba_decode.fused_recurrent.MAX_ROWS``, 8). ``STACK_ENABLED`` and ``STACK_MAX_BATCH`` are read on every call
-(``RNNSERVE_MAMBA_STACK=0`` clears the first at import, as for Mamba-1).
+(``RNNSERVE_MAMBA_STACK=0`` clears the first at import, as for Mamba-1), and so is ``fused_recurrent.PERSISTENT``,
+which runs the stack as one persistent launch a step (``persistent.py``) instead.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def mamba2_decode_stack(
 ) -> torch.Tensor:
     """Every layer of a decode step where :func:`mamba2_decode_triton_applies`; returns the final norm's output
     (arguments: :func:`~rnnserve.kernels.mamba2_decode.fused_recurrent.mamba2_decode_stack_triton`)."""
-    from rnnserve.kernels.mamba2_decode.fused_recurrent import mamba2_decode_stack_triton
+    from rnnserve.kernels.mamba2_decode import fused_recurrent
+    from rnnserve.kernels.mamba2_decode.persistent import mamba2_decode_stack_persistent
 
-    return mamba2_decode_stack_triton(
-        normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool, slot_ids, groups, gated_eps, dt_limits
-    )
+    stack = mamba2_decode_stack_persistent if fused_recurrent.PERSISTENT else fused_recurrent.mamba2_decode_stack_triton
+    return stack(normed, stream, norm_weights, eps, layers, conv_pool, ssm_pool, slot_ids, groups, gated_eps, dt_limits)
 
 
 def mamba2_mixer_step_applies(

@@ -67,18 +67,25 @@ EARLY_LOADS = True
 # Ask L2 from in_proj for its layer's out_proj weights, from the SSM kernel for the next layer's in_proj (the
 # Mamba-1 stack's PREFETCH_AHEAD).
 PREFETCH_AHEAD = False
+# One persistent launch a step (persistent.py: a program per SM at most, the three kernels' work items phase by
+# phase between grid barriers, then the final norm) instead of three kernels a layer and the final norm's. Off:
+# unmeasured on a GPU (tested under the interpreter and compiled for sm_90 only); decode_tune sweeps it.
+PERSISTENT = False
 
 
 @triton.jit
-def _mamba2_in_proj_kernel(
-    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+def in_proj_item(
+    pid, programs, x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
     conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr, ahead_ptr,
     batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d, n_ahead,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
     BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
+    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr, CACHE: tl.constexpr = "",
 ):
-    pid = tl.program_id(0)
+    """Work item ``pid`` of in_proj (of ``programs``, which share ``PREFETCH_AHEAD``'s requests): output rows
+    ``pid * BO`` to ``pid * BO + BO``, with the norm before and the conv, SiLU and stores after (see the module
+    docstring). Item 0 stores the new residual stream. ``CACHE``: the cache modifier of the loads of what an
+    earlier kernel or phase wrote (the input rows, the stream, out_proj's output)."""
     first = pid * BO
     rows = tl.arange(0, BB)
     row_ok = rows < batch
@@ -108,7 +115,7 @@ def _mamba2_in_proj_kernel(
     wdtype = w_ptr.dtype.element_ty
     projected = normed_input_times_weight(
         x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr, w_first, pid, outs, out_ok,
-        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK,
+        rows, row_ok, d_model, eps, HAS_NORM, HAS_BIAS, BB, BO, BK, CACHE,
     )
     tl.store(z_ptr + rows[:, None] * d_inner + outs[None, :], projected.to(wdtype),
              mask=row_ok[:, None] & (outs < d_inner)[None, :])
@@ -124,19 +131,35 @@ def _mamba2_in_proj_kernel(
     tl.store(dt_ptr + rows[:, None] * heads + dt_heads[None, :], projected.to(wdtype),
              mask=row_ok[:, None] & ((dt_heads >= 0) & (dt_heads < heads))[None, :])
     if AHEAD:  # this layer's out_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, pid, tl.num_programs(0), AHEAD_REQUESTS)
+        prefetch_share(ahead_ptr, n_ahead, pid, programs, AHEAD_REQUESTS)
 
 
 @triton.jit
-def _mamba2_ssm_kernel(
-    xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr,
-    ahead_ptr, d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
-    stride_ssm_slot, stride_ssm_h, stride_ssm_p, n_ahead,
-    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
+def _mamba2_in_proj_kernel(
+    x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr, bias_ptr,
+    conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr, ahead_ptr,
+    batch, d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d, n_ahead,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, K: tl.constexpr,
+    BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    i_p = tl.program_id(2)
+    in_proj_item(
+        tl.program_id(0), tl.num_programs(0), x_ptr, stream_ptr, delta_ptr, norm_w_ptr, new_stream_ptr, w_ptr,
+        bias_ptr, conv_pool_ptr, conv_w_ptr, conv_b_ptr, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr, ahead_ptr, batch,
+        d_model, d_inner, conv_dim, heads, eps, stride_conv_slot, stride_conv_d, n_ahead, HAS_NORM, HAS_BIAS,
+        HAS_CONV_BIAS, K, BB, BO, BK, BKC, PDL, LINES, PREFETCH, EARLY, AHEAD,
+    )
+
+
+@triton.jit
+def ssm_item(
+    b, head, i_p, batch, p_blocks, xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr,
+    slot_ids_ptr, gated_ptr, squares_ptr, ahead_ptr, d_inner, conv_dim, heads, head_dim, d_state, heads_per_group,
+    groups, dt_min, dt_max, stride_ssm_slot, stride_ssm_h, stride_ssm_p, n_ahead,
+    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr, CACHE: tl.constexpr,
+):
+    """The SSM's work item (sequence ``b`` of ``batch``, ``head``, channel block ``i_p`` of ``p_blocks``), its
+    loads of what in_proj wrote with ``CACHE`` (a load cache modifier)."""
     group = head // heads_per_group
     chans = i_p * BP + tl.arange(0, BP)
     chan_ok = chans < head_dim
@@ -154,10 +177,12 @@ def _mamba2_ssm_kernel(
     if PDL:
         wait_for_previous_kernel()
     row = xbc_ptr + b * conv_dim
-    x = tl.load(row + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
-    C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + b * heads + head).to(tl.float32) + dt_bias
+    x = tl.load(row + head * head_dim + chans, mask=chan_ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    B = tl.load(row + d_inner + group * d_state + states, mask=state_ok, other=0.0,
+                cache_modifier=CACHE).to(tl.float32)
+    C = tl.load(row + d_inner + (groups + group) * d_state + states, mask=state_ok, other=0.0,
+                cache_modifier=CACHE).to(tl.float32)
+    dt = tl.load(dt_ptr + b * heads + head, cache_modifier=CACHE).to(tl.float32) + dt_bias
     # torch's clamp keeps a NaN step size; tl.maximum / tl.minimum drop NaN unless told (a max.NaN, the same one
     # instruction on sm_90), which made the head's state and output finite where the op-by-op step has NaN.
     dt = tl.maximum(softplus_f32(dt), dt_min, propagate_nan=tl.PropagateNan.ALL)
@@ -166,26 +191,41 @@ def _mamba2_ssm_kernel(
     s = decay * s + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, s, mask=ok)
     y = tl.sum(s * C[None, :], axis=1) + D * x
-    z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + b * d_inner + head * head_dim + chans, mask=chan_ok, other=0.0,
+                cache_modifier=CACHE).to(tl.float32)
     gated = tl.where(chan_ok, y * (z * tl.sigmoid(z)), 0.0)  # y silu(z): y z overflows first
     tl.store(gated_ptr + b * d_inner + head * head_dim + chans, gated, mask=chan_ok)
-    parts = tl.num_programs(1) * tl.num_programs(2)
-    tl.store(squares_ptr + b * parts + head * tl.num_programs(2) + i_p, tl.sum(gated * gated, axis=0))
+    parts = heads * p_blocks
+    tl.store(squares_ptr + b * parts + head * p_blocks + i_p, tl.sum(gated * gated, axis=0))
     if AHEAD:  # the next layer's in_proj, after this program's own work
-        prefetch_share(ahead_ptr, n_ahead, (b * tl.num_programs(1) + head) * tl.num_programs(2) + i_p,
-                       tl.num_programs(0) * parts, AHEAD_REQUESTS)
+        prefetch_share(ahead_ptr, n_ahead, (b * heads + head) * p_blocks + i_p, batch * parts, AHEAD_REQUESTS)
+
+
+@triton.jit
+def _mamba2_ssm_kernel(
+    xbc_ptr, dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr,
+    ahead_ptr, d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max,
+    stride_ssm_slot, stride_ssm_h, stride_ssm_p, n_ahead,
+    BP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
+):
+    ssm_item(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(2), xbc_ptr,
+        dt_ptr, z_ptr, dt_bias_ptr, A_log_ptr, D_ptr, ssm_pool_ptr, slot_ids_ptr, gated_ptr, squares_ptr, ahead_ptr,
+        d_inner, conv_dim, heads, head_dim, d_state, heads_per_group, groups, dt_min, dt_max, stride_ssm_slot,
+        stride_ssm_h, stride_ssm_p, n_ahead, BP, BN, PDL, AHEAD, "",
+    )
 
 
 @triton.jit
 def gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, k0, d_inner, group_width,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, CACHE: tl.constexpr):
     """Columns ``k0`` to ``k0 + BK`` of out_proj's input: the gated ``y`` through the group norm (``rstd [BB,
-    BG]``), ``[BB, BK]`` fp32 holding values of the weights' dtype."""
+    BG]``), ``[BB, BK]`` fp32 holding values of the weights' dtype (``y`` loaded with ``CACHE``)."""
     wdtype = w_ptr.dtype.element_ty
     cols = k0 + tl.arange(0, BK)
     col_ok = cols < d_inner
     g = tl.load(gated_ptr + rows[:, None] * d_inner + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                other=0.0)
+                other=0.0, cache_modifier=CACHE)
     of_group = (cols // group_width)[:, None] == group_ids[None, :]
     col_rstd = tl.sum(tl.where(of_group[None, :, :], rstd[:, None, :], 0.0), axis=2)
     normed = (g * col_rstd).to(wdtype).to(tl.float32)
@@ -194,13 +234,15 @@ def gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids
 
 
 @triton.jit
-def _mamba2_out_proj_kernel(
-    gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
-    group_width, eps,
+def out_proj_item(
+    pid, gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts,
+    parts_per_group, group_width, eps,
     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
     BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Work item ``pid`` of out_proj: output columns ``pid * BO`` to ``pid * BO + BO``, the group norm's
+    statistics and input read with ``CACHE`` (a load cache modifier)."""
     outs = pid * BO + tl.arange(0, BO)
     out_ok = outs < d_model
     if EARLY:
@@ -219,15 +261,16 @@ def _mamba2_out_proj_kernel(
     part = tl.arange(0, BQ)
     group_ids = tl.arange(0, BG)
     squares = tl.load(squares_ptr + rows[:, None] * parts + part[None, :],
-                      mask=row_ok[:, None] & (part < parts)[None, :], other=0.0)
+                      mask=row_ok[:, None] & (part < parts)[None, :], other=0.0, cache_modifier=CACHE)
     in_group = (part // parts_per_group)[:, None] == group_ids[None, :]
     sums = tl.sum(tl.where(in_group[None, :, :], squares[:, :, None], 0.0), axis=1)
     rstd = tl.rsqrt(sums / group_width + eps)
-    x = gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, 0, d_inner, group_width, BK)
+    x = gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, 0, d_inner, group_width, BK,
+                         CACHE)
     acc = x[:, None, :] * w_first.to(tl.float32)[None, :, :]  # summed over K once, after the loop
     for k0 in range(BK, d_inner, BK):
         x = gated_input_tile(gated_ptr, norm_w_ptr, w_ptr, rstd, rows, row_ok, group_ids, k0, d_inner, group_width,
-                             BK)
+                             BK, CACHE)
         w = weight_tile(w_ptr, outs, out_ok, k0, d_inner, BK)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(acc, axis=2)
@@ -235,6 +278,19 @@ def _mamba2_out_proj_kernel(
         acc += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * d_model + outs[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & out_ok[None, :])
+
+
+@triton.jit
+def _mamba2_out_proj_kernel(
+    gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model, parts, parts_per_group,
+    group_width, eps,
+    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr,
+    BG: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+):
+    out_proj_item(
+        tl.program_id(0), gated_ptr, squares_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, batch, d_inner, d_model,
+        parts, parts_per_group, group_width, eps, HAS_BIAS, BB, BO, BK, BQ, BG, PDL, LINES, PREFETCH, EARLY, "",
+    )
 
 
 def mamba2_decode_stack_triton(

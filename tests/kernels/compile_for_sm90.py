@@ -47,6 +47,7 @@ from rnnserve.kernels.mamba2_decode.fused_recurrent import (
     _mamba2_out_proj_kernel,
     _mamba2_ssm_kernel,
 )
+from rnnserve.kernels.mamba2_decode.persistent import _mamba2_persistent_kernel
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba_decode
 from rnnserve.kernels.mamba_decode.fused_recurrent import (
     _mamba_in_proj_kernel,
@@ -109,6 +110,9 @@ LAUNCH_INTS = {
     "_rg_lru_step_kernel": {"width": 128, "dim": 1024, "stride_x": 1024, "stride_y": 1024, "stride_slot": 12 * 1024},
     **dict.fromkeys(["_mamba2_in_proj_kernel", "_mamba2_ssm_kernel", "_mamba2_out_proj_kernel"],
                     _MAMBA2_370M_DECODE),
+    # The persistent stack takes the whole pools (a layer's rows at layer * stride) and 48 layers.
+    "_mamba2_persistent_kernel": {**_MAMBA2_370M_DECODE, "n_layers": 48, "p_blocks": 4,
+                                  "stride_conv_layer": 2304 * 3, "stride_ssm_layer": 32 * 64 * 128},
     **dict.fromkeys(["_mamba_in_proj_kernel", "_mamba_ssm_kernel", "_mamba_out_proj_kernel"], _MAMBA_370M_DECODE),
     # The persistent Mamba-1 stack walks the pools' 48 layers by their strides.
     "_mamba_persistent_kernel": {**_MAMBA_370M_DECODE, "n_layers": 48, "stride_conv_layer": 2048 * 3,
@@ -164,6 +168,7 @@ def _configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[st
                                           "slot_ids_ptr": i64, "out_ptr": act}, {"BW": 128, "BC": RG_LRU_CHANNELS}, 4))
     configs += _mamba_decode_configs(act)
     configs += mamba_persistent_configs(act)
+    configs += [_mamba2_persistent_config(act, rows) for rows in (1, mamba_decode.MAX_ROWS)]
     configs += _based_configs(act)
     configs += _lattice_configs(act)
     configs += _int8_linear_configs(act)
@@ -290,6 +295,37 @@ def mamba_persistent_configs(act: str) -> list[tuple[triton.JITFunction, dict[st
                          "EARLY": mamba_decode.EARLY_LOADS, "BARRIERS": True},
                         mamba_decode.NUM_WARPS))
     return configs
+
+
+def _mamba2_persistent_config(
+    act: str, rows: int, phase: int = -1
+) -> tuple[triton.JITFunction, dict[str, str], dict[str, object], int]:
+    """The persistent Mamba-2 decode stack at mamba2-370m sizes for ``rows`` sequences: the whole step (``phase``
+    -1) or one phase."""
+    f32 = "*fp32"
+    types = {"x_ptr": act, "stream_ptr": f32, "streams_ptr": f32, "delta_ptr": act, "final_w_ptr": act,
+             "out_ptr": act, "table_ptr": "*i64", "conv_pool_ptr": f32, "ssm_pool_ptr": f32, "slot_ids_ptr": "*i64",
+             "z_ptr": act, "xbc_ptr": act, "dt_ptr": act, "gated_ptr": f32, "squares_ptr": f32, "counter_ptr": "*i32",
+             "eps": "fp32", "gated_eps": "fp32", "dt_min": "fp32", "dt_max": "fp32"}
+    block_o, block_k = mamba_decode.gemv_blocks(rows, 1024, mamba2_decode.IN_PROJ_ROWS, mamba2_decode.TILE)
+    out_block_o, out_block_k = mamba_decode.gemv_blocks(rows, 2048, mamba2_decode.OUT_PROJ_ROWS,
+                                                        mamba2_decode.OUT_PROJ_TILE)
+    constexprs = {"HAS_BIAS": True, "HAS_CONV_BIAS": True, "HAS_OUT_BIAS": True, "K": 4, "BB": rows, "BO": block_o,
+                  "BK": block_k, "BKC": 4, "BP": mamba2_decode.SSM_CHANNELS, "BN": 128, "OUT_BO": out_block_o,
+                  "OUT_BK": out_block_k, "BQ": 128, "BG": 1, "BM": 1024, "EARLY": mamba2_decode.EARLY_LOADS,
+                  "PHASE": phase}
+    return _mamba2_persistent_kernel, types, constexprs, mamba2_decode.NUM_WARPS
+
+
+def mamba2_persistent_asm(act: str) -> dict[str, str]:
+    """The TTIR and PTX (``{"ttir": ..., "ptx": ...}``) of the persistent Mamba-2 stack's whole step at batch 1."""
+    kernel, types, constexprs, num_warps = _mamba2_persistent_config(act, 1)
+    names = kernel.arg_names
+    signature, constexprs, attrs = _specialize(kernel, types, constexprs)
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    asm = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+    return {"ttir": asm["ttir"], "ptx": asm["ptx"]}
 
 
 def _based_configs(act: str) -> list[tuple[triton.JITFunction, dict[str, str], dict[str, object], int]]:
