@@ -9,9 +9,9 @@ the small inputs' L2 prefetch under it, loads before the wait, later kernels' we
 each stack's own defaults among them, at batch 1 and 8, and at the model's default choice at 2 and 4 (where the
 stack and the op-by-op step cross: ``STACK_MAX_BATCH``). Prints ms per step, the ratio to the op-by-op step measured
 in the same run, the share of the HBM roofline (weight and state bytes over the device-to-device copy bandwidth
-measured here) and the largest difference of the logits from the op-by-op step's, best first, with the model's
-default marked. ``--smoke`` runs the two defaults on the tiny presets in fp32 on CPU (Triton interpreter, eager, no
-dependent launch).
+measured here) and the largest difference of the logits from the op-by-op step's, a line per choice as it is
+measured (the model's default first, then the persistent launches), then the fastest three. ``--smoke`` runs the
+two defaults on the tiny presets in fp32 on CPU (Triton interpreter, eager, no dependent launch).
 
     python benchmarks/decode_tune.py [--models mamba-370m] [--batches 1] [--steps 100]
     TRITON_INTERPRET=1 python benchmarks/decode_tune.py --smoke
@@ -97,6 +97,13 @@ CHOICES = sorted({*(varied(DEFAULT, **knobs) for knobs in (*_GEMV, *_PAIRS)), *P
                   *around(DEFAULT), *around(MAMBA2_DEFAULT)})
 
 
+def measuring_order(choices: list[tuple], default: tuple) -> list[tuple]:
+    """The model's default, the persistent launches, then the other choices: each line is printed as it is
+    measured, so a sweep cut short by its time limit (or a launch that never returns) still reports these."""
+    first = [c for c in dict.fromkeys((default, *PERSISTENT_CHOICES)) if c in choices]
+    return [*first, *(c for c in choices if c not in first)]
+
+
 SWEPT_BATCHES = (1, 8)  # every choice at these batch sizes; the default only at the others
 
 
@@ -162,7 +169,7 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
         batch = DecodeBatch.build(ids, list(range(batch_size, 0, -1)), [16] * batch_size, device=device)
         roofline = (weights + 2 * batch_size * pool.bytes_per_slot) / peak
         results, baseline_ms, baseline_logits = [], 0.0, None
-        for choice in [None, *(choices if batch_size in SWEPT_BATCHES else [default])]:
+        for choice in [None, *(measuring_order(choices, default) if batch_size in SWEPT_BATCHES else [default])]:
             with launch_choice(choice):
                 for name, t in pool.tensors.items():
                     t.copy_(start[name])
@@ -177,10 +184,11 @@ def tune_model(preset: str, dtype: torch.dtype, device: torch.device, batches: l
             else:
                 name = ("default " if choice == default else "") + "(" + ",".join(map(str, choice)) + ")"
             diff = (logits - baseline_logits).abs().max().item()
-            results.append((ms, name, diff))
-        for ms, name, diff in sorted(results):
+            results.append((ms, name))
             print(f"{preset:12s} b={batch_size:<3d} {name:48s} {ms:8.3f} ms {baseline_ms / ms:6.2f}x "
                   f"{roofline * 1e3 / ms:6.1%} {diff:9.2e}", flush=True)
+        print(f"# {preset} b={batch_size}, fastest: " + "; ".join(f"{name} {ms:.3f} ms" for ms, name in
+                                                                  sorted(results)[:3]), flush=True)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -72,7 +72,7 @@ def _tune_smoke(script: str, *options: str) -> tuple[subprocess.CompletedProcess
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *options],
                             capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result, [line.split() for line in result.stdout.splitlines()[1:]]
+    return result, [line.split() for line in result.stdout.splitlines()[1:] if not line.startswith("#")]
 
 
 def test_scan_tune_smoke_times_each_choice_on_both_shapes():

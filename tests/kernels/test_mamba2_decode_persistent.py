@@ -25,7 +25,7 @@ from tests.kernels.test_mamba2_decode_triton import (
     reference_stack,
     stack_args,
 )
-from tests.kernels.test_mamba_decode_persistent import load_lines, ptx_loads, ttir_loads
+from tests.kernels.test_mamba_decode_persistent import load_lines, ptx_loads, source_key, ttir_loads
 from tests.kernels.test_mamba_decode_triton import assert_near
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,15 +161,16 @@ def test_sm90_loads_of_other_programs_writes_bypass_l1_and_weights_load_16_bytes
     mamba1 = ROOT / "kernels" / "mamba_decode" / "fused_recurrent.py"
     files = (ROOT / "kernels" / "mamba2_decode" / "fused_recurrent.py", mamba1,
              ROOT / "kernels" / "residual_rms_norm" / "fused.py")
-    modified = {(str(path), n) for path in files for n in load_lines(path, cache_modifier=True)}
+    modified = {(source_key(path), n) for path in files for n in load_lines(path, cache_modifier=True)}
     loads = ttir_loads(asm["ttir"])
     bypassing = {where for where, bypass in loads if bypass}
     assert bypassing and bypassing <= modified
     assert not any(where in modified for where, bypass in loads if not bypass)
-    lines = {line for (path, line) in bypassing if path == str(mamba1)}
+    lines = {line for (path, line) in bypassing if path == source_key(mamba1)}
     inputs = {n for f in ("normed_input_times_weight", "gemv_input_tile") for n in load_lines(mamba1, f, True)}
     assert lines == inputs, lines  # in_proj's input: the rows, or the stream and out_proj's output
     (tile,) = load_lines(mamba1, "weight_tile")
     # This Triton's PTX places the tiles' loads up to three lines past the call (no other load is there).
-    tiles = [op for (path, line), op in ptx_loads(asm["ptx"]) if path == str(mamba1) and tile <= line <= tile + 3]
+    tiles = [op for (path, line), op in ptx_loads(asm["ptx"])
+             if path == source_key(mamba1) and tile <= line <= tile + 3]
     assert len(tiles) >= 8 and all(op.startswith("ld.global.v4.") for op in tiles), tiles
