@@ -120,12 +120,14 @@ def exit_process(code: int) -> NoReturn:
 class StepStats:
     """What one ``step()`` did (for metrics). ``prefix_cache_*``: requests admitted this step that looked up
     the prefix cache, those that resumed from a snapshot, and the prompt tokens they did not prefill;
-    ``latencies``: the token latencies of the requests that got a token."""
+    ``latencies``: the token latencies of the requests that got a token; ``device_wait_seconds``: of ``seconds``,
+    the host's wait for the device's sampled tokens (with async scheduling the previous step's; 0.0 on a CPU)."""
 
     prefill_tokens: int = 0
     decode_batch_size: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    device_wait_seconds: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -644,6 +646,7 @@ class LLMEngine:
         if launched.sampled is None:
             return AppendedTokens({}, 0, TokenLatencies(), steady=True)
         token_ids, logprobs = launched.sampled.result()
+        stats.device_wait_seconds = launched.sampled.device_wait
         appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, launched.counted)
         stats.latencies = appended.latencies
         stats.generated_tokens = appended.num_tokens
