@@ -13,7 +13,8 @@ Per model (``random:`` presets, bf16 weights, fp32 states):
   process sends to the server (the engine's part of serving streams);
 - the same load over HTTP (async scheduling) through one real ``rnnserve serve`` process per model, after an
   untimed run of short requests as the offline rows have, with the client's time to first token and tokens per
-  chunk and the CPU cores the serving and engine processes kept busy (skipped when fastapi/uvicorn are not
+  chunk and the CPU cores the serving and engine processes kept busy, the engine process's also less its waits for
+  the device (``rnnserve_engine_device_wait_seconds_total``), which spin (skipped when fastapi/uvicorn are not
   importable: carry their wheels, see the device notes);
 - the Based paper's Table 1 figures (H100) where the paper has a row for the model.
 
@@ -141,6 +142,14 @@ def serving_processes(pid: int, api_servers: int, log: IO[str]) -> tuple[list[in
     return [int(server) for server in found.group(2).split(", ")], [int(found.group(1))]
 
 
+def device_wait_seconds(url: str) -> float:
+    """The served engine's ``rnnserve_engine_device_wait_seconds_total`` (all API servers'), from ``/metrics``; 0.0
+    where a server does not export it."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rnnserve_engine_device_wait_seconds_total"))  # fmt: skip
+
+
 def http_tokens_per_ms(
     preset: str, dtype: str, concurrency: list[int], new_tokens: int, engine_process: str = "auto",
     api_servers: int = 1, prefix_cache: bool = False,
@@ -150,8 +159,10 @@ def http_tokens_per_ms(
     model: a start builds the model and captures its graphs), each with its client-side latencies: time to first
     token (p50, p99) and tokens per streamed chunk (above 1 when the server writes several steps at once). A
     failure is a string in place of the pair. Beside them, the CPU cores the serving processes and the engine
-    process kept busy: a serving process near 1.00, or the engine process, is the side HTTP waits on. With
-    ``prefix_cache`` the server keeps its prefix cache."""
+    process kept busy: a serving process near 1.00, or the engine process, is the side HTTP waits on. The engine
+    process's figure includes its waits for the device (a CUDA event's ``synchronize`` spins), so the cores it
+    kept busy less those waits (``rnnserve_engine_device_wait_seconds_total``) follow it: its host work, near
+    1.00 when the host is the limit. With ``prefix_cache`` the server keeps its prefix cache."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         return dict.fromkeys(concurrency, "no fastapi")
     from rnnserve.clients.bench import BenchConfig, benchmark
@@ -195,9 +206,11 @@ def http_tokens_per_ms(
             asyncio.run(benchmark(replace(config, num_prompts=c, output_len=4)))
             servers, engines = serving_processes(server.pid, api_servers, log)
             cpu_before = [list(map(cpu_seconds, servers)), sum(map(cpu_seconds, engines))]
+            wait_before = device_wait_seconds(url)
             figures = asyncio.run(benchmark(config))
             cpu = [[cpu_seconds(pid) - before for pid, before in zip(servers, cpu_before[0], strict=True)],
                    sum(map(cpu_seconds, engines)) - cpu_before[1]]  # fmt: skip
+            device_wait = device_wait_seconds(url) - wait_before
             if figures["failed"]:
                 rates[c] = f"{figures['failed']} failed"
                 continue
@@ -206,7 +219,9 @@ def http_tokens_per_ms(
             cores = " + ".join(f"{seconds / figures['duration_s']:.2f}" for seconds in cpu[0])
             busy = f"serving process{'es' if len(servers) > 1 else ''} {cores} cores"
             if engines:
-                busy += f", engine process {cpu[1] / figures['duration_s']:.2f}"
+                engine_busy = cpu[1] / figures["duration_s"]
+                host_work = (cpu[1] - device_wait) / figures["duration_s"]
+                busy += f", engine process {engine_busy:.2f} ({host_work:.2f} less its device wait)"
             detail = f"TTFT p50 {ttft['p50']:.0f} / p99 {ttft['p99']:.0f} ms, {per_chunk:.1f} tok/chunk, {busy}"
             rates[c] = (figures["output_throughput"] / 1e3, detail)
         return rates

@@ -120,12 +120,14 @@ def exit_process(code: int) -> NoReturn:
 class StepStats:
     """What one ``step()`` did (for metrics). ``prefix_cache_*``: requests admitted this step that looked up
     the prefix cache, those that resumed from a snapshot, and the prompt tokens they did not prefill;
-    ``latencies``: the token latencies of the requests that got a token."""
+    ``latencies``: the token latencies of the requests that got a token; ``device_wait_seconds``: of ``seconds``,
+    the host's wait for the device's sampled tokens (with async scheduling the previous step's; 0.0 on a CPU)."""
 
     prefill_tokens: int = 0
     decode_batch_size: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    device_wait_seconds: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -490,8 +492,12 @@ class LLMEngine:
             done = launched
         if done is not None:
             appended = self._complete(done, stats)
-            self._uncollected.update(appended.groups)
-            self._uncollected_ongoing &= appended.steady
+            if self._uncollected_ongoing and appended.steady and appended.groups:
+                # the steady batch's requests, in its order (a collection may have left some of them: a subset)
+                self._uncollected = appended.groups
+            else:
+                self._uncollected.update(appended.groups)
+                self._uncollected_ongoing &= appended.steady
         if launched.failed:
             self._uncollected.update(dict.fromkeys(launched.failed))
             self._uncollected_ongoing = False
@@ -519,7 +525,8 @@ class LLMEngine:
         self,
         build: Callable[[SequenceGroup], T],
         wanted: Callable[[SequenceGroup], bool] | None = None,
-        bulk: Callable[[list[SequenceGroup]], list[SequenceGroup]] | None = None,
+        bulk: Callable[[list[SequenceGroup], Callable[[SequenceGroup], bool] | None], list[SequenceGroup]]
+        | None = None,
     ) -> list[T]:
         """:meth:`collect_outputs` with each output built by ``build(request)`` (``SequenceGroup.output`` there;
         the engine process builds the plain rows it sends), of the requests ``wanted`` accepts (all by default):
@@ -528,7 +535,10 @@ class LLMEngine:
 
         ``bulk``, when given, sees the requests to collect first, all together: it builds the outputs it takes in
         one pass (the engine process's columns of stream deltas, ``OutputEncoder.take_deltas``), which it keeps
-        itself, and returns the requests it left to ``build``. It takes unfinished requests only.
+        itself, and returns the requests it left. It takes unfinished requests only. When the requests are a steady
+        batch's only, it sees them all, with ``wanted``, and takes the outputs of those ``wanted`` accepts only
+        (the engine process's stream plan takes those of each API server with room in one pass); those it returns
+        that ``wanted`` accepts are left to ``build``, the others wait.
 
         A finished request whose ``final_state`` is still on its way to the host (CUDA) waits for a later
         collection while other requests keep the engine stepping, so that no step waits for the copy; once
@@ -537,9 +547,9 @@ class LLMEngine:
         ongoing, self._uncollected_ongoing = self._uncollected_ongoing, True
         ready: list[SequenceGroup] = []
         busy: bool | None = None
-        if ongoing and wanted is None:  # only steady steps' requests: each has its samples, none has a final state
-            ready = list(groups)
-            groups = {}
+        if ongoing and (wanted is None or bulk is not None):
+            # only steady steps' requests: each has its samples, none has a final state
+            return self._build_outputs(self._collect_ongoing(list(groups), wanted, bulk), build)
         for group in groups:
             if not group.seqs:  # finished, its final output built in an earlier collection
                 continue
@@ -560,7 +570,32 @@ class LLMEngine:
         if self._uncollected:
             self._uncollected_ongoing = False
         if bulk is not None:
-            ready = bulk(ready)
+            ready = bulk(ready, None)
+        return self._build_outputs(ready, build)
+
+    def _collect_ongoing(
+        self,
+        groups: list[SequenceGroup],
+        wanted: Callable[[SequenceGroup], bool] | None,
+        bulk: Callable[[list[SequenceGroup], Callable[[SequenceGroup], bool] | None], list[SequenceGroup]] | None,
+    ) -> list[SequenceGroup]:
+        """The requests of steady steps to build outputs of (``bulk`` took its own first); those that ``wanted``
+        refuses stay uncollected, ongoing still."""
+        ready = bulk(groups, wanted) if bulk is not None else groups
+        if wanted is None:
+            return ready
+        waiting = self._uncollected
+        built = []
+        for group in ready:
+            if wanted(group):
+                built.append(group)
+            else:
+                waiting[group] = None
+        return built
+
+    def _build_outputs(self, ready: list[SequenceGroup], build: Callable[[SequenceGroup], T]) -> list[T]:
+        """Build the outputs of the requests ``ready``, after their token times settle; one whose building raises
+        fails alone."""
         if ready:  # their outputs carry their metrics
             self.scheduler.settle_token_times()
         outputs = []
@@ -611,6 +646,7 @@ class LLMEngine:
         if launched.sampled is None:
             return AppendedTokens({}, 0, TokenLatencies(), steady=True)
         token_ids, logprobs = launched.sampled.result()
+        stats.device_wait_seconds = launched.sampled.device_wait
         appended = self.scheduler.postprocess(launched.seqs, token_ids, logprobs, launched.counted)
         stats.latencies = appended.latencies
         stats.generated_tokens = appended.num_tokens

@@ -9,6 +9,7 @@ logits, never on the other rows.
 
 from __future__ import annotations
 
+import time
 from operator import attrgetter
 
 import torch
@@ -33,7 +34,9 @@ class SampledTokens:
     """One batch's sampled tokens (``tokens [N]`` on the device) and the log-probabilities the rows asked for.
 
     The copies to the host start when it is built; :meth:`result` waits for them (the host's one wait for the
-    device per step) and turns them into Python values, once.
+    device per step) and turns them into Python values, once. ``device_wait``: the seconds that wait took (a CUDA
+    event's ``synchronize``, which spins: the process shows busy meanwhile); 0.0 on the CPU, where the tokens
+    are ready when sampled.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class SampledTokens:
             self._ready = torch.cuda.Event()
             self._ready.record()
         self._result: tuple[list[int], list[TokenLogprob | None]] | None = None
+        self.device_wait = 0.0
 
     @classmethod
     def from_host(
@@ -61,7 +65,9 @@ class SampledTokens:
         """``(token ids, logprobs)``, one entry per row; waits for the device the first time."""
         if self._result is None:
             if self._ready is not None:
+                start = time.perf_counter()
                 self._ready.synchronize()
+                self.device_wait = time.perf_counter() - start
             self._result = self._to_python()
         return self._result
 

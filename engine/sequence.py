@@ -314,18 +314,30 @@ class SteadyAppend:
         self.decoders = [s._detokenizer for s in seqs] if self.streaming else []
         self.plain_texts = self.decoders[0].tokenizer.plain_texts if self.decoders else None
         self.pushed = {i for i, decoder in enumerate(self.decoders) if not decoder.takes_plain}
-        # Streams: how many of the kept steps :meth:`take_kept` took, and whether every sample had emitted all it
-        # held before the first kept step (its emitted positions at its end): only then are the kept steps' texts
-        # and tokens its delta.
-        self.taken = 0
-        self.emitted_all = False
+        # Streams: the parts whose kept steps :meth:`take_kept` takes on their own (``part_of``: each sample's part,
+        # by position; None: one part, all of them; see :meth:`split`), and per part how many of the kept steps it
+        # took and whether each of its samples had emitted all it held before the first kept step (its emitted
+        # positions at its end): only then are the kept steps' texts and tokens its delta.
+        self.part_of: list[int] | None = None
+        self.taken = [0]
+        self.emitted_all = [False]
         if self.lazy or self.streaming:
             for seq in seqs:
                 seq._appender = self
 
+    def split(self, part_of: list[int] | None, num_parts: int) -> None:
+        """Let :meth:`take_kept` take the kept steps of ``num_parts`` parts of the samples on its own, each sample
+        in part ``part_of[position]`` (``None``: one part): the engine process's stream plan, one part per API
+        server, takes a server's part only while that server keeps up. Settles the steps kept so far; a part's
+        samples have emitted all they held where every sample had."""
+        self.settle()
+        self.part_of = part_of
+        self.taken = [0] * num_parts
+        self.emitted_all = [all(self.emitted_all)] * num_parts
+
     def settle(self) -> None:
         """Append the tokens of the steps kept for the batch to each sample's list, and (streams) their texts to
-        its text, its emitted positions past what :meth:`take_kept` took."""
+        its text, its emitted positions past what :meth:`take_kept` took of its part."""
         steps, self.steps = self.steps, []
         if not self.streaming:
             if len(steps) == 1:
@@ -336,23 +348,34 @@ class SteadyAppend:
                     output += tokens
             return
         texts, self.texts = self.texts, []
-        taken, self.taken = self.taken, 0
-        self.emitted_all = self.emitted_all and taken == len(steps)  # else some kept text was never emitted
+        taken_of_part, self.taken = self.taken, [0] * len(self.taken)
+        kept = len(steps)  # a part that took fewer holds kept text it never emitted
+        self.emitted_all = [emitted and taken == kept
+                            for emitted, taken in zip(self.emitted_all, taken_of_part, strict=True)]
         if not steps:
             return
-        for seq, tokens, pieces in zip(self.seqs, zip(*steps, strict=True), zip(*texts, strict=True), strict=True):
+        part_of = self.part_of
+        if part_of is None:
+            taken_per_seq = [taken_of_part[0]] * len(self.seqs)
+        else:
+            taken_per_seq = list(map(taken_of_part.__getitem__, part_of))
+        for seq, taken, tokens, pieces in zip(self.seqs, taken_per_seq, zip(*steps, strict=True),
+                                              zip(*texts, strict=True), strict=True):  # fmt: skip
             seq._output += tokens
             text = "".join(pieces)
             if taken:
-                seq._emitted_text += len(text) if taken == len(pieces) else len("".join(pieces[:taken]))
+                seq._emitted_text += len(text) if taken == kept else len("".join(pieces[:taken]))
                 seq._emitted_tokens += taken
             seq._add_text(text)
 
-    def take_kept(self) -> tuple[list[list[int]], list[list[str]]]:
-        """Streams whose samples had all emitted what they held (``emitted_all``): the kept steps not taken yet, their
-        tokens and their texts, each step's in the samples' order (a sample's delta, what ``Sequence.take_delta``
-        would give, is its tokens and its texts joined, without settling), marked as taken."""
-        start, self.taken = self.taken, len(self.steps)
+    def take_kept(self, part: int = 0) -> tuple[list[list[int]], list[list[str]]]:
+        """Streams whose samples of ``part`` had all emitted what they held (``emitted_all[part]``): the kept steps
+        that part did not take yet, their tokens and their texts, each step's of all the samples, in their order (a
+        sample's delta, what ``Sequence.take_delta`` would give, is its tokens and its texts joined, without
+        settling), marked as taken for the part."""
+        taken = self.taken
+        start = taken[part]
+        taken[part] = len(self.steps)
         return self.steps[start:], self.texts[start:]
 
     def end(self) -> None:
@@ -375,7 +398,8 @@ class SteadyAppend:
         if self.room <= 1 or not self.end_ids.isdisjoint(token_ids):
             return False
         self.room -= 1
-        if len(self.steps) >= MAX_KEPT_STEPS:  # before this step's: the stream plan took the others already
+        if len(self.steps) >= MAX_KEPT_STEPS:  # before this step's: the stream plan took the others (a part whose
+            # server is behind takes what it did not as its samples' deltas)
             self.settle()
         if self.lazy:
             self.steps.append(token_ids)

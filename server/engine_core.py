@@ -690,31 +690,40 @@ class OutputEncoder:
         return (request_id, prompt, samples, finished, metrics_fields(group.metrics), group.error,
                 group.num_cached_tokens, group.final_state, group.error_param, handle)  # fmt: skip
 
-    def take_deltas(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    def take_deltas(
+        self, groups: list[SequenceGroup], wanted: Callable[[SequenceGroup], bool] | None = None
+    ) -> list[SequenceGroup]:
         """Append the compact outputs among ``groups`` (streams past their first output that have not ended: a
-        request that failed has ended too) to their servers' columns; returns the other requests, in order.
+        request that failed has ended too) of the requests ``wanted`` accepts (all when ``None``) to their servers'
+        columns; returns the other requests, in order.
 
         When ``groups`` are the requests of the previous take, which were all compact, and none has ended since
         (a steady batch's streams), each server's outputs are taken in one pass over its streams
-        (:class:`StreamPlan`), without looking each request up."""
+        (:class:`StreamPlan`), without looking each request up; a server whose requests ``wanted`` refuses (one that
+        is behind) has its streams returned, and the others' are taken as ever."""
         if groups and groups == self._all_compact:
             plan = self._plan
             if plan is None or plan.groups is not self._all_compact:
                 plan = self._plan = StreamPlan(self._all_compact, self.compact)
             if not any(map(FINISH_REASON, plan.seqs)):
-                plan.take(self.columns)
-                return []
+                return plan.take(self.columns, wanted)
         self._all_compact = self._plan = None
         compact = self.compact
         columns = self.columns
         rest = []
+        all_compact = True
         for group in groups:
             key = compact.get(group.request_id)
             if key is None:
                 rest.append(group)
+                all_compact = False
                 continue
             seq = group.seqs[0]
             if seq.finish_reason is not None:  # its last output: a full row
+                rest.append(group)
+                all_compact = False
+                continue
+            if wanted is not None and not wanted(group):  # its server is behind: taken later
                 rest.append(group)
                 continue
             owner, handle = key
@@ -723,7 +732,7 @@ class OutputEncoder:
                 column = columns[owner] = []
             column.append(handle)
             column += seq.take_delta()
-        if not rest:
+        if all_compact:
             self._all_compact = groups
         return rest
 
@@ -744,62 +753,87 @@ FINISH_REASON = operator.attrgetter("finish_reason")
 
 class StreamPlan:
     """The streams of compact requests ``groups`` (each one sample), grouped by server: ``by_server`` holds each
-    server's samples, handles and the samples' positions in ``seqs`` (all the samples, in the requests' order).
+    server's requests, samples, handles and the samples' positions in ``seqs`` (all the samples, in the requests'
+    order).
 
     When the samples are a steady batch's, in its order, that keeps its steps' tokens and texts for the batch
     (``SteadyAppend.streaming``), their deltas are those steps' (``SteadyAppend.take_kept``), taken without a pass
     over the samples once every sample has emitted what it held (the first take after the batch settled takes each
-    sample's delta, which makes it so); the samples' emitted positions move when the batch settles."""
+    sample's delta, which makes it so); the samples' emitted positions move when the batch settles. Each server's
+    streams are a part of the batch (``SteadyAppend.split``) that takes its kept steps on its own: a server that is
+    behind leaves its streams' steps kept, and the others' go on as blocks; it takes them all once it catches up."""
 
     def __init__(self, groups: list[SequenceGroup], compact: dict[str, tuple[int | None, int]]) -> None:
         self.groups = groups
         self.seqs = [group.seqs[0] for group in groups]
-        by_server: dict[int | None, tuple[list[Sample], list[int], list[int]]] = {}
-        for position, seq in enumerate(self.seqs):
-            owner, handle = compact[seq.group.request_id]
-            seqs, handles, positions = by_server.setdefault(owner, ([], [], []))
-            seqs.append(seq)
-            handles.append(handle)
-            positions.append(position)
-        self.by_server = list(by_server.items())
-        # per server: a function that picks its streams' entries out of a step's list (None: all are its), handles
-        self.picks = [(owner, position_picker(positions, len(self.seqs)), handles)
-                      for owner, (_, handles, positions) in self.by_server]  # fmt: skip
+        by_server: dict[int | None, ServerStreams] = {}
+        for position, (group, seq) in enumerate(zip(groups, self.seqs, strict=True)):
+            owner, handle = compact[group.request_id]
+            streams = by_server.get(owner)
+            if streams is None:
+                streams = by_server[owner] = ServerStreams(owner, len(by_server))
+            streams.groups.append(group)
+            streams.seqs.append(seq)
+            streams.handles.append(handle)
+            streams.positions.append(position)
+        self.by_server = list(by_server.values())
+        for streams in self.by_server:
+            streams.pick = position_picker(streams.positions, len(self.seqs))
+        # each sample's part of the batch: its server's
+        self.part_of = None if len(self.by_server) == 1 else [by_server[compact[g.request_id][0]].part for g in groups]
         self._batch: SteadyAppend | None = None  # the steady batch whose samples are ``seqs``, in their order
 
-    def take(self, columns: DeltaColumns) -> None:
-        """Append each stream's delta to its server's column (none of them has ended)."""
+    def take(self, columns: DeltaColumns, wanted: Callable[[SequenceGroup], bool] | None = None) -> list[SequenceGroup]:
+        """Append each stream's delta to its server's column (none of them has ended), but for the servers whose
+        requests ``wanted`` refuses; returns those requests."""
         batch = self.seqs[0]._appender
         if batch is not None and batch is not self._batch and batch.streaming and batch.seqs == self.seqs:
             self._batch = batch
-        if batch is not None and batch is self._batch and batch.steps:
-            if batch.emitted_all:
-                self._take_kept(batch, columns)
-                return
-            batch.settle()
-        for owner, (seqs, handles, _) in self.by_server:
-            column = columns.get(owner)
+            batch.split(self.part_of, len(self.by_server))
+        steady = batch is not None and batch is self._batch
+        left: list[SequenceGroup] = []
+        for streams in self.by_server:
+            if wanted is not None and not wanted(streams.groups[0]):
+                left += streams.groups
+                continue
+            column = columns.get(streams.owner)
             if column is None:
-                column = columns[owner] = []
-            take_stream_deltas(seqs, handles, column)
-        if batch is not None and batch is self._batch:
-            batch.emitted_all = True  # each of its samples, just now
+                column = columns[streams.owner] = []
+            if steady and batch.steps:  # type: ignore[union-attr]
+                if batch.emitted_all[streams.part]:  # type: ignore[union-attr]
+                    self._take_kept(batch, streams, column)  # type: ignore[arg-type]
+                    continue
+                batch.settle()  # type: ignore[union-attr]
+            take_stream_deltas(streams.seqs, streams.handles, column)
+            if steady:
+                batch.emitted_all[streams.part] = True  # type: ignore[union-attr]  # each of its samples, just now
+        return left
 
-    def _take_kept(self, batch: SteadyAppend, columns: DeltaColumns) -> None:
-        """The deltas of the steps ``batch`` kept, as one block ``handles, token_steps, text_steps`` into each
-        server's column: the steps' lists as the batch kept them, no list per stream (several servers: each
-        server's streams picked out of each step)."""
-        token_steps, text_steps = batch.take_kept()
-        for owner, pick, handles in self.picks:
-            if pick is not None:
-                token_steps_of, text_steps_of = list(map(pick, token_steps)), list(map(pick, text_steps))
-            else:
-                token_steps_of, text_steps_of = token_steps, text_steps
-            column = columns.get(owner)
-            if column is None:
-                columns[owner] = [handles, token_steps_of, text_steps_of]
-            else:
-                column += (handles, token_steps_of, text_steps_of)
+    @staticmethod
+    def _take_kept(batch: SteadyAppend, streams: ServerStreams, column: list[Any]) -> None:
+        """The deltas of the steps ``batch`` kept that the server did not take yet, as one block ``handles,
+        token_steps, text_steps`` into its column: the steps' lists as the batch kept them, no list per stream
+        (several servers: the server's streams picked out of each step)."""
+        token_steps, text_steps = batch.take_kept(streams.part)
+        pick = streams.pick
+        if pick is not None:
+            token_steps, text_steps = list(map(pick, token_steps)), list(map(pick, text_steps))
+        column += (streams.handles, token_steps, text_steps)
+
+
+@dataclass(slots=True)
+class ServerStreams:
+    """One server's streams in a :class:`StreamPlan`: its requests, their samples and handles, the samples'
+    positions in the plan, the function that picks their entries out of a step's list (``None``: all are its), and
+    its part of the steady batch (``SteadyAppend.split``)."""
+
+    owner: int | None
+    part: int
+    groups: list[SequenceGroup] = field(default_factory=list)
+    seqs: list[Sample] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    pick: Callable[[Sequence[Any]], Sequence[Any]] | None = None
 
 
 def position_picker(positions: list[int], size: int) -> Callable[[Sequence[T]], Sequence[T]] | None:

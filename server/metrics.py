@@ -421,6 +421,10 @@ class ServerMetrics:
             "rnnserve_engine_step_seconds", "Duration of one engine step (prefill + decode + sampling).",
             TOKEN_LATENCY_BUCKETS,
         )
+        self.engine_device_wait = self._counter(
+            "rnnserve_engine_device_wait_seconds",
+            "Of the engine steps' time, the host's wait for the device's sampled tokens (0 on a CPU).",
+        )
         self.decode_batch_size = self._histogram(
             "rnnserve_decode_batch_size", "Sequences decoded together in one engine step.", BATCH_SIZE_BUCKETS
         )
@@ -478,6 +482,8 @@ class ServerMetrics:
         at a request's first token, the inter-token latency at each later one); its finished requests go to
         :meth:`observe_outputs`."""
         self.engine_step.observe(stats.seconds)
+        if stats.device_wait_seconds:
+            self.engine_device_wait.inc(stats.device_wait_seconds)
         if stats.decode_batch_size:
             self.decode_batch_size.observe(stats.decode_batch_size)
         self.prompt_tokens.inc(stats.prefill_tokens)

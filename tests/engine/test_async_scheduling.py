@@ -8,12 +8,15 @@ continues exactly."""
 from __future__ import annotations
 
 import random
+import time
+from typing import Any
 
 import pytest
 
 from rnnserve import SamplingParams
 from rnnserve.engine.llm_engine import LLMEngine
 from rnnserve.engine.outputs import RequestOutput
+from rnnserve.engine.sampler import SampledTokens
 from rnnserve.engine.sampling_params import InvalidParameterError
 from tests.engine.cache_helpers import assert_same_outputs, make_engine, random_tokens, run, token_pool
 from tests.engine.conftest import run_to_completion
@@ -163,3 +166,41 @@ def test_aborting_a_request_whose_token_is_in_flight() -> None:
         engine.abort_request(f"{name}2")
     assert not engine.has_unfinished_requests() and engine.pool.num_used == 0
     assert engine.step() == []  # the step in flight had only aborted requests: nothing to report
+
+
+class WaitingEvent:
+    """A CUDA event's stand-in whose ``synchronize`` takes :data:`DEVICE_WAIT` seconds, as the device's step would."""
+
+    def synchronize(self) -> None:
+        time.sleep(DEVICE_WAIT)
+
+
+DEVICE_WAIT = 0.002
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_step_counts_its_wait_for_the_device(async_scheduling: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StepStats.device_wait_seconds``: the time the step waited for its sampled tokens (with async scheduling,
+    the previous step's); nothing on the CPU, where they are ready when sampled."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    def run_waits(engine: LLMEngine) -> list[tuple[int, float]]:
+        engine.add_request([1, 2, 3], params, request_id="r")
+        waits = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            waits.append((engine.last_step.generated_tokens, engine.last_step.device_wait_seconds))
+        return waits
+
+    on_cpu = run_waits(make_engine("random:mingru-tiny", False, async_scheduling=async_scheduling))
+    assert sum(tokens for tokens, _ in on_cpu) == 5 and all(wait == 0.0 for _, wait in on_cpu)
+    init = SampledTokens.__init__
+
+    def with_event(self: SampledTokens, *args: Any) -> None:
+        init(self, *args)
+        self._ready = WaitingEvent()  # type: ignore[assignment]
+
+    monkeypatch.setattr(SampledTokens, "__init__", with_event)
+    waited = run_waits(make_engine("random:mingru-tiny", False, async_scheduling=async_scheduling))
+    assert [tokens for tokens, _ in waited] == [tokens for tokens, _ in on_cpu]
+    assert all(wait >= DEVICE_WAIT if tokens else wait == 0.0 for tokens, wait in waited)

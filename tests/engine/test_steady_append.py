@@ -415,9 +415,9 @@ def test_a_batch_of_streams_keeps_its_steps_texts_for_the_batch(
     kept: list[int] = []  # how many kept steps each take of the stream plan took
     take_kept = sequence.SteadyAppend.take_kept
 
-    def counted_take(self):  # type: ignore[no-untyped-def]
-        kept.append(len(self.steps) - self.taken)
-        return take_kept(self)
+    def counted_take(self, part=0):  # type: ignore[no-untyped-def]
+        kept.append(len(self.steps) - self.taken[part])
+        return take_kept(self, part)
 
     monkeypatch.setattr(sequence.SteadyAppend, "take_kept", counted_take)
     general, none_fast = run_script(async_scheduling, script, False, fake_clock, utf8_model, encoded)

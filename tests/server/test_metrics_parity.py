@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from rnnserve.engine.llm_engine import EngineLoad, StepStats
 from rnnserve.engine.outputs import TokenLatencies
 from rnnserve.engine.prefix_cache import TierUsage
+from rnnserve.engine.sampler import SampledTokens
 from rnnserve.engine.scheduler import QueueFullError
 from rnnserve.server.app import create_app
 from rnnserve.server.http_server import build_server
@@ -249,3 +250,27 @@ def test_a_scrape_and_the_dashboards_sampler_collect_off_the_event_loop(monkeypa
         while len(on_loop) < 2 and time.monotonic() < deadline:  # the sampler's first sample, and the scrape
             time.sleep(0.05)
     assert len(on_loop) >= 2 and not any(on_loop)
+
+
+def test_the_engines_wait_for_the_device_is_a_counter_that_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rnnserve_engine_device_wait_seconds_total`` adds up the steps' waits for their sampled tokens: 0 on the CPU,
+    where they are ready when sampled, and each step's wait where the device's event makes the host wait."""
+
+    class WaitingEvent:
+        def synchronize(self) -> None:
+            time.sleep(0.002)
+
+    name = f"rnnserve_engine_device_wait_seconds_total{{{LABEL}}}"
+    body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True}
+    with TestClient(create_app(tiny_config())) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert series(client.get("/metrics").text)[name] == 0.0
+        init = SampledTokens.__init__
+
+        def with_event(self: SampledTokens, *args: object) -> None:
+            init(self, *args)  # type: ignore[arg-type]
+            self._ready = WaitingEvent()  # type: ignore[assignment]
+
+        monkeypatch.setattr(SampledTokens, "__init__", with_event)
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert series(client.get("/metrics").text)[name] >= 5 * 0.002

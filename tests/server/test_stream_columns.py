@@ -15,8 +15,10 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+from rnnserve.engine import sequence
 from rnnserve.engine.outputs import RequestMetrics, RequestOutput, merge_deltas
 from rnnserve.engine.sampling_params import OutputKind, SamplingParams
+from rnnserve.engine.sequence import Sequence as Sample
 from rnnserve.server import engine_core
 from rnnserve.server.engine_core import (
     AbortCommand,
@@ -204,10 +206,10 @@ def test_a_steady_batch_of_streams_is_taken_in_one_pass_per_server_with_the_same
     passes = 0
     take = engine_core.StreamPlan.take
 
-    def counted(plan: engine_core.StreamPlan, columns: dict) -> None:
+    def counted(plan: engine_core.StreamPlan, columns: dict, wanted: object = None) -> list:
         nonlocal passes
         passes += 1
-        take(plan, columns)
+        return take(plan, columns, wanted)
 
     monkeypatch.setattr(engine_core.StreamPlan, "take", counted)
     harness = Harness(2)
@@ -264,3 +266,78 @@ def test_a_steady_batch_of_streams_crosses_as_blocks_of_its_kept_steps_per_serve
     assert {size for size, _ in blocks[0]} == {2, 1} and {size for size, _ in blocks[1]} == {3}  # 1: after the abort
     assert all(min(steps for _, steps in blocks[server]) == 1 for server in blocks)
     assert all(max(steps for _, steps in blocks[server]) > 2 for server in blocks)
+
+
+@pytest.mark.parametrize("max_kept_steps", [sequence.MAX_KEPT_STEPS, 4])
+def test_a_server_behind_leaves_the_other_servers_streams_as_blocks(
+    max_kept_steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one server holds what it read (its window full), the other server's streams of the steady batch still
+    cross as blocks of the batch's kept steps, none taken stream by stream; the server behind gets its streams'
+    held steps as one block once it catches up (or, when the batch settled meanwhile because it kept its most
+    steps, each stream's delta), and, behind again when a stream of the batch ends, as deltas after the batch
+    settled: every output is the reference's, the held steps' merged."""
+    monkeypatch.setattr(sequence, "MAX_KEPT_STEPS", max_kept_steps)
+    per_stream = 0  # samples of the engine loop's engine (not the reference's) whose deltas were taken one by one
+    in_loop = False
+
+    def counted_stream_deltas(seqs: list, handles: list, column: list) -> None:
+        nonlocal per_stream
+        per_stream += len(seqs)
+        take_stream_deltas(seqs, handles, column)
+
+    def counted_take_delta(seq: Sample) -> tuple:
+        nonlocal per_stream
+        per_stream += in_loop
+        return take_delta(seq)
+
+    take_stream_deltas, take_delta = engine_core.take_stream_deltas, Sample.take_delta
+    monkeypatch.setattr(engine_core, "take_stream_deltas", counted_stream_deltas)
+    monkeypatch.setattr(Sample, "take_delta", counted_take_delta)
+    harness = Harness(2)
+    loop_step = harness.core._step
+
+    def counted_step() -> bool:
+        nonlocal in_loop
+        in_loop = True
+        try:
+            return loop_step()
+        finally:
+            in_loop = False
+
+    harness.core._step = counted_step  # type: ignore[method-assign]
+    owners = {"a": 0, "b": 1, "c": 0, "d": 1, "short": 0}
+    for request_id, owner in owners.items():
+        harness.add(owner, request_id, "The cat sat", stream(24 if request_id == "short" else 40))
+    for _ in range(8):
+        harness.step()
+    harness.holding = {1: 0}
+    first_held = len(harness.steps)
+    held_from = per_stream
+    for _ in range(8):
+        harness.step()
+    assert per_stream == held_from  # without the parts: server 0's streams one by one each step, and the batch settled
+    kept_blocks = [read[0].deltas for read in harness.steps[first_held:]]
+    assert all(isinstance(deltas[0], list) and len(deltas[1]) == 1 for deltas in kept_blocks)  # a step each
+    assert [read[1] is not None for read in harness.steps[first_held:]] == [True, True] + [False] * 6  # full window
+    harness.release(1)
+    harness.step()
+    caught_up = harness.steps[-1][1].deltas
+    if max_kept_steps > 8:
+        handles, token_steps, _ = caught_up
+        assert len(handles) == 2 and len(token_steps) == 7  # the six steps it missed and this one, one block
+        assert per_stream == held_from
+    else:
+        assert [type(entry) for entry in caught_up[::3]] == [int, int]  # settled: its streams' deltas
+        assert per_stream == held_from + 2
+        assert harness.steps[-1][0].deltas[0].__class__ is list  # server 0's streams still a block
+    harness.holding = {1: 0}
+    for _ in range(12):  # "short" ends meanwhile: the batch settles with server 1's steps not taken
+        harness.step()
+    harness.release(1)
+    harness.run()
+    merged = {rid: [without_times(functools.reduce(merge_deltas, outs))] for rid, outs in harness.outputs.items()}
+    assert merged == {rid: [without_times(functools.reduce(merge_deltas, outs))]
+                      for rid, outs in harness.expected.items()}  # fmt: skip
+    harness.outputs, harness.expected = merged, merged
+    harness.check(owners)
