@@ -92,7 +92,7 @@ def worker(checkout: str, batch: int, chunk: int, servers: int, hold: int) -> No
         print(f"{loop / (chunk * batch) * 1e6:.5f} {behind:.4f}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the checkout to compare against")
     parser.add_argument("--batch", type=int, default=256)
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=12)
     parser.add_argument("--chunk", type=int, default=20, help="steps per turn")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.batch, args.chunk, args.servers, args.hold)
         return
