@@ -116,7 +116,7 @@ def make_model_free(engine: LLMEngine) -> LLMEngine:
     """
     model = engine.runner.model
     rows = engine.config.max_num_seqs
-    logits = printable_logits(rows, model.vocab_size)
+    logits = printable_logits(rows, model.vocab_size, engine.tokenizer)
 
     def prefill(batch, state):  # type: ignore[no-untyped-def]
         return logits[torch.arange(batch.logit_rows.shape[0]) % rows]

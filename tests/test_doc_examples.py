@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from torch.utils.cpp_extension import get_default_build_root
 
 from rnnserve.engine.lsrl.cli import build_parser as build_lsrl_parser
 from rnnserve.server.cli import build_parser
@@ -110,7 +111,10 @@ class Servers:
 
     def __init__(self, stack: ExitStack, cache: Path) -> None:
         self.stack = stack
-        self.env = {"XDG_CACHE_HOME": str(cache)}  # sessions are written there, not in the user's cache
+        # Sessions are written there, not in the user's cache; the fused CPU kernels stay where this run built them
+        # (a fresh cache would rebuild them at the first server's start: minutes on a loaded 2-core machine).
+        self.env = {"XDG_CACHE_HOME": str(cache),
+                    "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()}
         self.urls: dict[tuple[tuple[str, ...], Path], str] = {}
 
     def url(self, flags: tuple[str, ...] = (), cwd: Path = REPO) -> str:
