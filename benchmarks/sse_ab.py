@@ -17,8 +17,10 @@ without ``stream_options.include_usage``. The two workers take turns load by loa
 so a machine whose speed drifts slows both alike; the table gives medians of the rounds, the median of the
 paired ratios ``this / base``, the kernel's part (system time: mostly the socket writes), the tokens an event
 carried (above 1: the server fell behind the engine and wrote several tokens an event) and the tokens per second
-the client read. A short ``--step-ms`` (e.g. 1) has the engine step faster than a server can write: the
-saturated case, whose tokens per CPU second are what a server core delivers::
+the client read, and the parts of the CPU (included in the total) spent in the driver's two threads: the reader
+(``read``: unpickling the engine process's messages and decoding them into outputs) and the command writer
+(``send``: mostly the acknowledgement of each message handled). A short ``--step-ms`` (e.g. 1) has the engine step
+faster than a server can write: the saturated case, whose tokens per CPU second are what a server core delivers::
 
     git worktree add /tmp/base HEAD
     python benchmarks/sse_ab.py --base /tmp/base [--concurrency 256] [--output-len 64] [--step-ms 25] [--rounds 5]
@@ -145,6 +147,7 @@ async def serve_loads(args: argparse.Namespace) -> None:
     config.log_level, config.access_log = "warning", False
     server = build_server(app, config)
     sock = listen_socket("127.0.0.1", args.port)
+    args.port = sock.getsockname()[1]  # the port bound (--port 0: a free one), which the clients connect to
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.05)
@@ -153,6 +156,15 @@ async def serve_loads(args: argparse.Namespace) -> None:
     def building() -> float:
         """The CPU seconds this process spent building outputs as the engine (none with an engine process)."""
         return getattr(driver, "build_seconds", 0.0)
+
+    # an engine process's driver: the thread that unpickles and decodes its messages, the one that writes commands
+    reader, sender = getattr(driver, "_reader", None), getattr(getattr(driver, "_sender", None), "thread", None)
+    clocks = [time.pthread_getcpuclockid(thread.ident) if thread is not None and thread.ident else None
+              for thread in (reader, sender)]  # fmt: skip
+
+    def thread_seconds() -> list[float]:
+        """The CPU seconds of the driver's reader and command threads so far (0 with the engine in the loop)."""
+        return [0.0 if clock is None else time.clock_gettime(clock) for clock in clocks]
 
     freeze_startup_heap()  # as `rnnserve serve` does
     loop = asyncio.get_running_loop()
@@ -164,7 +176,8 @@ async def serve_loads(args: argparse.Namespace) -> None:
                    str(args.output_len), "--requests-per-stream", str(args.requests_per_stream)]  # fmt: skip
         if usage == "1":
             command.append("--usage")
-        before, built, started = resource.getrusage(resource.RUSAGE_SELF), building(), time.monotonic()
+        before, built, threads = resource.getrusage(resource.RUSAGE_SELF), building(), thread_seconds()
+        started = time.monotonic()
         client = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
         out, _ = await client.communicate()
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
@@ -174,7 +187,9 @@ async def serve_loads(args: argparse.Namespace) -> None:
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - (building() - built)
         system = after.ru_stime - before.ru_stime
         print(json.dumps({"us_per_token": cpu / tokens * 1e6, "system_us_per_token": system / tokens * 1e6,
-                          "built_us_per_token": (building() - built) / tokens * 1e6, "tokens_per_event":
+                          "built_us_per_token": (building() - built) / tokens * 1e6,
+                          "reader_us_per_token": (thread_seconds()[0] - threads[0]) / tokens * 1e6,
+                          "sender_us_per_token": (thread_seconds()[1] - threads[1]) / tokens * 1e6, "tokens_per_event":
                           tokens / int(out), "tokens_per_second": tokens / wall}), flush=True)  # fmt: skip
     server.should_exit = True
     await serving
@@ -223,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", choices=("process", "loop"), default="process",
                         help="the scripted engine in a process of its own, reached as --api-servers reach theirs "
                         "(default), or in the server's event loop")
-    parser.add_argument("--port", type=int, default=18100, help="the first of two ports (default: 18100)")
+    parser.add_argument("--port", type=int, default=18100, help="the first of two ports (default: 18100; 0: free ones)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -236,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.base is None:
         parser.error("--base is required")
     checkouts = {"base": args.base.resolve(), "this": ROOT}
-    workers = {name: start_worker(path, args.port + i, args) for i, (name, path) in enumerate(checkouts.items())}
+    ports = [args.port + i if args.port else 0 for i in range(len(checkouts))]  # 0: a free one each
+    workers = {name: start_worker(checkouts[name], port, args) for name, port in zip(checkouts, ports, strict=True)}
     figures: dict[tuple[str, bool, str], list[dict[str, float]]] = {}
     try:
         for round_index in range(args.rounds):
@@ -254,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'a process of its own' if args.engine == 'process' else 'the event loop'}, "
           f"{args.rounds} rounds, medians")
     print(f"{'load':34s} {'base':>8s} {'this':>8s} {'this/base':>10s} {'sys base':>9s} {'sys this':>9s} "
-          f"{'tok/event':>10s} {'built us':>9s} {'tok/s base':>11s} {'tok/s this':>11s}")
+          f"{'read base':>10s} {'read this':>10s} {'send base':>10s} {'send this':>10s} {'tok/event':>10s} "
+          f"{'built us':>9s} {'tok/s base':>11s} {'tok/s this':>11s}")
     for endpoint, usage in LOADS:
         base, this = figures[(endpoint, usage, "base")], figures[(endpoint, usage, "this")]
         ratios = [t["us_per_token"] / b["us_per_token"] for b, t in zip(base, this, strict=True)]
@@ -264,7 +281,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:34s} {statistics.median(f['us_per_token'] for f in base):8.2f} "
               f"{statistics.median(f['us_per_token'] for f in this):8.2f} {statistics.median(ratios):10.3f} "
               f"{statistics.median(f['system_us_per_token'] for f in base):9.2f} "
-              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} {per_event:10.2f} {built:9.2f} "
+              f"{statistics.median(f['system_us_per_token'] for f in this):9.2f} "
+              f"{statistics.median(f['reader_us_per_token'] for f in base):10.2f} "
+              f"{statistics.median(f['reader_us_per_token'] for f in this):10.2f} "
+              f"{statistics.median(f['sender_us_per_token'] for f in base):10.2f} "
+              f"{statistics.median(f['sender_us_per_token'] for f in this):10.2f} {per_event:10.2f} {built:9.2f} "
               f"{statistics.median(f['tokens_per_second'] for f in base):11.0f} "
               f"{statistics.median(f['tokens_per_second'] for f in this):11.0f}")
 
