@@ -30,21 +30,19 @@ from rnnserve.kernels.mamba2_decode import fused_recurrent as stack
 from rnnserve.kernels.mamba2_decode.fused_recurrent import in_proj_item, out_proj_item, ssm_item
 from rnnserve.kernels.mamba_decode import fused_recurrent as mamba1
 from rnnserve.kernels.mamba_decode.fused_recurrent import grid_barrier
-from rnnserve.kernels.mamba_decode.persistent import POINTER_ALIGNMENT, persistent_grid, pointer_table
+from rnnserve.kernels.mamba_decode.persistent import (
+    POINTER_ALIGNMENT,
+    layer_pointer,
+    persistent_grid,
+    pointer_table,
+    stream_before,
+)
 from rnnserve.kernels.residual_rms_norm.fused import residual_rms_norm_row
 
 # Rows of the pointer table: a layer's tensors in the order of the stack's ``layers`` tuples, then the norm
 # before the layer (the previous block's; unused at layer 0).
 IN_W, IN_B, CONV_W, CONV_B, DT_BIAS, A_LOG, D, GATED_W, OUT_W, OUT_B, NORM_W = (tl.constexpr(f) for f in range(11))
 FINAL_PHASE = 3  # PHASE of the final residual RMSNorm
-
-
-@triton.jit
-def layer_pointer(table_ptr, field, layer, n_layers, DTYPE: tl.constexpr):
-    """Field ``field``'s address of ``layer`` from the ``[fields, n_layers]`` int64 table, as a 16-byte aligned
-    pointer to ``DTYPE``."""
-    address = tl.load(table_ptr + field * n_layers + layer)
-    return tl.multiple_of(address.to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
@@ -74,9 +72,7 @@ def _in_proj_phase(
                          stride_conv_slot, stride_conv_d, 0, False, HAS_BIAS, HAS_CONV_BIAS, K, BB, BO, BK, BKC,
                          False, 1, False, EARLY, False, ".cg")
     else:
-        old_stream = stream_ptr
-        if layer > 1:
-            old_stream = streams_ptr + ((layer - 1) % 2) * rows_size
+        old_stream = stream_before(stream_ptr, streams_ptr, layer, rows_size)
         for item in range(pid, n_items, programs):
             in_proj_item(item, programs, x_ptr, old_stream, delta_ptr, norm_w, new_stream, w, bias, conv, conv_w,
                          conv_b, slot_ids_ptr, z_ptr, xbc_ptr, dt_ptr, w, batch, d_model, d_inner, conv_dim, heads,
@@ -128,9 +124,7 @@ def _final_phase(pid, programs, stream_ptr, streams_ptr, delta_ptr, final_w_ptr,
                  eps, BN: tl.constexpr):
     """The final residual RMSNorm of each row (the new stream into the row of ``streams_ptr`` no layer left)."""
     rows_size = batch * d_model
-    last_stream = stream_ptr
-    if n_layers > 1:
-        last_stream = streams_ptr + ((n_layers - 1) % 2) * rows_size
+    last_stream = stream_before(stream_ptr, streams_ptr, n_layers, rows_size)
     spare = streams_ptr + (n_layers % 2) * rows_size
     for row in range(pid, batch, programs):
         residual_rms_norm_row(last_stream, delta_ptr, final_w_ptr, out_ptr, spare, row + tl.zeros([], tl.int64),

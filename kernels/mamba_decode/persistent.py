@@ -107,12 +107,11 @@ FINAL_PHASE = tl.constexpr(4)  # the final norm's
 
 
 @triton.jit
-def layer_pointer(table_ptr, field, n_layers, layer, like):
-    """Layer ``layer``'s tensor of ``field``: its address in the table, a pointer of ``like``'s type (layer 0's
-    tensor, an argument), marked 16-byte aligned (:func:`pointer_table` checks it) so that loads from it stay
-    16-byte vectors."""
+def layer_pointer(table_ptr, field, layer, n_layers, DTYPE: tl.constexpr):
+    """Layer ``layer``'s tensor of ``field``: its address in the ``[fields, n_layers]`` table, a pointer to
+    ``DTYPE`` marked 16-byte aligned (:func:`pointer_table` checks it) so that loads from it stay 16-byte vectors."""
     address = tl.load(table_ptr + field * n_layers + layer)
-    return tl.multiple_of(address.to(like.dtype), 16)
+    return tl.multiple_of(address.to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
@@ -148,12 +147,12 @@ def _mamba_persistent_kernel(
     ssm_items = batch * tl.cdiv(d_inner, BC)
     out_items = tl.cdiv(d_model, OUT_BO)
     for layer in range(first_layer, end_layer):
-        in_w = layer_pointer(table_ptr, IN_W, n_layers, layer, in_w_ptr)
-        in_b = layer_pointer(table_ptr, IN_B, n_layers, layer, in_b_ptr)
-        conv_w = layer_pointer(table_ptr, CONV_W, n_layers, layer, conv_w_ptr)
-        conv_b = layer_pointer(table_ptr, CONV_B, n_layers, layer, conv_b_ptr)
-        x_w = layer_pointer(table_ptr, X_W, n_layers, layer, x_w_ptr)
-        out_w = layer_pointer(table_ptr, OUT_W, n_layers, layer, out_w_ptr)
+        in_w = layer_pointer(table_ptr, IN_W, layer, n_layers, in_w_ptr.dtype.element_ty)
+        in_b = layer_pointer(table_ptr, IN_B, layer, n_layers, in_b_ptr.dtype.element_ty)
+        conv_w = layer_pointer(table_ptr, CONV_W, layer, n_layers, conv_w_ptr.dtype.element_ty)
+        conv_b = layer_pointer(table_ptr, CONV_B, layer, n_layers, conv_b_ptr.dtype.element_ty)
+        x_w = layer_pointer(table_ptr, X_W, layer, n_layers, x_w_ptr.dtype.element_ty)
+        out_w = layer_pointer(table_ptr, OUT_W, layer, n_layers, out_w_ptr.dtype.element_ty)
         conv_pool = conv_pool_ptr + tl.cast(layer, tl.int64) * stride_conv_layer
         barriers = 3 * (layer - first_layer)
         if BARRIERS or phase == 1:
@@ -167,7 +166,7 @@ def _mamba_persistent_kernel(
                     )
             else:  # the residual add (into the stream buffer the previous layer did not write) and the norm
                 stream = stream_before(stream_ptr, streams_ptr, layer, rows_stride)
-                norm_w = layer_pointer(table_ptr, NORM_W, n_layers, layer - 1, norm_w_ptr)
+                norm_w = layer_pointer(table_ptr, NORM_W, layer - 1, n_layers, norm_w_ptr.dtype.element_ty)
                 for item in range(pid, in_items, programs):
                     mamba_in_proj_item(
                         item, normed_ptr, stream, delta_ptr, norm_w, streams_ptr + (layer % 2) * rows_stride, in_w,
@@ -178,10 +177,10 @@ def _mamba_persistent_kernel(
             if BARRIERS:
                 grid_barrier(counter_ptr, (barriers + 1) * programs)
         if BARRIERS or phase == 2:
-            dt_w = layer_pointer(table_ptr, DT_W, n_layers, layer, dt_w_ptr)
-            dt_b = layer_pointer(table_ptr, DT_B, n_layers, layer, dt_b_ptr)
-            A = layer_pointer(table_ptr, SSM_A, n_layers, layer, A_ptr)
-            D = layer_pointer(table_ptr, SSM_D, n_layers, layer, D_ptr)
+            dt_w = layer_pointer(table_ptr, DT_W, layer, n_layers, dt_w_ptr.dtype.element_ty)
+            dt_b = layer_pointer(table_ptr, DT_B, layer, n_layers, dt_b_ptr.dtype.element_ty)
+            A = layer_pointer(table_ptr, SSM_A, layer, n_layers, A_ptr.dtype.element_ty)
+            D = layer_pointer(table_ptr, SSM_D, layer, n_layers, D_ptr.dtype.element_ty)
             ssm_pool = ssm_pool_ptr + tl.cast(layer, tl.int64) * stride_ssm_layer
             for item in range(pid, ssm_items, programs):
                 mamba_ssm_item(
@@ -192,7 +191,7 @@ def _mamba_persistent_kernel(
             if BARRIERS:
                 grid_barrier(counter_ptr, (barriers + 2) * programs)
         if BARRIERS or phase == 3:
-            out_b = layer_pointer(table_ptr, OUT_B, n_layers, layer, out_b_ptr)
+            out_b = layer_pointer(table_ptr, OUT_B, layer, n_layers, out_b_ptr.dtype.element_ty)
             for item in range(pid, out_items, programs):
                 mamba_out_proj_item(item, y_ptr, out_w, out_b, delta_ptr, batch, d_inner, d_model, HAS_BIAS, BB,
                                     OUT_BO, OUT_BK, False, 1, EARLY, ".cg")
@@ -200,7 +199,7 @@ def _mamba_persistent_kernel(
                 grid_barrier(counter_ptr, (barriers + 3) * programs)
     if BARRIERS or phase == FINAL_PHASE:
         stream = stream_before(stream_ptr, streams_ptr, n_layers, rows_stride)  # the new one: the other buffer
-        norm_w = layer_pointer(table_ptr, NORM_W, n_layers, n_layers - 1, norm_w_ptr)
+        norm_w = layer_pointer(table_ptr, NORM_W, n_layers - 1, n_layers, norm_w_ptr.dtype.element_ty)
         for row in range(pid, batch, programs):
             residual_rms_norm_row(stream, delta_ptr, norm_w, out_ptr, streams_ptr + (n_layers % 2) * rows_stride,
                                   tl.cast(row, tl.int64), d_model, eps, d_model, d_model, True, False, NORM_BN, ".cg")
